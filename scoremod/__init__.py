@@ -1,0 +1,35 @@
+"""scoremod: attention with a custom score modification, fused by cuDNN.
+
+    >>> import jax.numpy as jnp, scoremod
+    >>> softcap = scoremod.trace(lambda s, b, h, q, k: 30 * jnp.tanh(s / 30))
+    >>> q = k = v = jnp.ones((1, 16, 4, 64), jnp.bfloat16)
+    >>> scoremod.attention(q, k, v, softcap).shape
+    (1, 16, 4, 64)
+"""
+
+from scoremod.attention import attention
+from scoremod.dsl.ops import OPS
+from scoremod.dsl.scoremod import ScoreMod, parse, score_mod, trace
+from scoremod.errors import (
+    CudnnUnavailableError,
+    ScoreModError,
+    ScoreModSyntaxError,
+    ScoreModTypeError,
+    UnsupportedOpError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "trace",
+    "score_mod",
+    "parse",
+    "ScoreMod",
+    "OPS",
+    "ScoreModError",
+    "ScoreModSyntaxError",
+    "ScoreModTypeError",
+    "UnsupportedOpError",
+    "CudnnUnavailableError",
+]

@@ -1,0 +1,1 @@
+"""The score_mod DSL: IR, op table, tracing, text form, derivatives."""

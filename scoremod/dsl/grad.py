@@ -1,0 +1,38 @@
+"""Reverse-mode differentiation of the IR with respect to the score.
+
+One pass over the DAG in reverse topological order, calling each op's rule
+from the op table. The result is an IR expression in the same nodes as the
+forward one, so a lowering can reuse what the forward computes.
+
+    >>> from scoremod.dsl import ir
+    >>> from scoremod.dsl.ops import apply
+    >>> s = ir.var("score")
+    >>> vjp(apply("tanh", s / 30.0) * 30.0, ir.const(1.0, "f32"))
+    <f32 (1.0 - tanh(score / 30.0) * tanh(score / 30.0)) * 30.0 / 30.0>
+"""
+
+from __future__ import annotations
+
+from scoremod.dsl import ir
+from scoremod.dsl.ir import F32, Node, const
+from scoremod.dsl.ops import OPS
+
+
+def vjp(root: Node, cotangent: Node, wrt: Node | None = None) -> Node:
+    """d(root)/d(wrt) times ``cotangent``, as an IR node (``wrt`` defaults to score)."""
+    wrt = ir.var(ir.SCORE) if wrt is None else wrt
+    live = ir.depends_on(root, wrt)
+    if root not in live:
+        return const(0.0, F32)
+    cts = {root: cotangent}
+    for node in reversed(ir.toposort(root)):
+        g = cts.pop(node, None)
+        if node is wrt:
+            return g if g is not None else const(0.0, F32)
+        if g is None or node not in live:
+            continue
+        for arg, ct in zip(node.args, OPS[node.op].vjp(node, g)):
+            if ct is None or arg not in live or arg.dtype != F32:
+                continue
+            cts[arg] = ct if arg not in cts else cts[arg] + ct
+    return const(0.0, F32)

@@ -1,0 +1,228 @@
+"""The score_mod IR: small, immutable, hash-consed expression nodes.
+
+Every node is interned: building the same expression twice returns the same
+object, so structural equality is identity and a node is its own cache key.
+
+    >>> from scoremod.dsl import ir
+    >>> ir.var("score") is ir.var("score")
+    True
+
+Node kinds (``op``):
+  ``var``      an input: ``score`` (f32) or an index ``b h q_idx kv_idx`` (i32)
+  ``const``    a scalar literal, ``attr`` is its value
+  ``operand``  a captured array, ``attr`` is ``(name, shape, dtype)``; only
+               ever the first argument of a ``load``
+  anything else is an operation from the op table (``scoremod.dsl.ops``).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+import weakref
+
+import numpy as np
+
+# Scalar types of the IR. Scores and float operands compute in float32.
+F32, I32, BOOL = "f32", "i32", "bool"
+DTYPES = (F32, I32, BOOL)
+
+# The five inputs of every score_mod, in call order.
+SCORE = "score"
+INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
+VAR_NAMES = (SCORE,) + INDEX_VARS
+
+# Array dtypes a captured operand may have, and the IR type a load yields.
+OPERAND_DTYPES = {
+    "float32": F32,
+    "float16": F32,
+    "bfloat16": F32,
+    "int32": I32,
+    "int16": I32,
+    "int8": I32,
+    "uint8": I32,
+    "uint16": I32,
+    "bool": BOOL,
+}
+
+
+def _attr_key(attr):
+    """A key that tells apart values Python's == confuses (0.0/-0.0, nan, 1/True)."""
+    if isinstance(attr, float):
+        return ("f", struct.pack("<f", attr))
+    if isinstance(attr, bool):
+        return ("b", attr)
+    if isinstance(attr, int):
+        return ("i", attr)
+    return attr
+
+
+class Node:
+    """One interned IR node. Compare with ``is`` or ``==`` (the same thing)."""
+
+    __slots__ = ("op", "args", "attr", "dtype", "_hash", "__weakref__")
+    _interned: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+    _lock = threading.Lock()
+
+    def __new__(cls, op: str, args: tuple = (), attr=None, dtype: str = F32):
+        key = (op, args, _attr_key(attr), dtype)
+        with cls._lock:
+            node = cls._interned.get(key)
+            if node is None:
+                node = object.__new__(cls)
+                node.op, node.args, node.attr, node.dtype = op, args, attr, dtype
+                node._hash = hash(key)
+                cls._interned[key] = node
+        return node
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other
+
+    def __ne__(self, other):
+        return self is not other
+
+    def __reduce__(self):  # pickling re-interns
+        return (Node, (self.op, self.args, self.attr, self.dtype))
+
+    def __setattr__(self, name, value):
+        if hasattr(self, "_hash"):
+            raise AttributeError("IR nodes are immutable")
+        object.__setattr__(self, name, value)
+
+    def __repr__(self):
+        from scoremod.dsl.text import format_expr
+
+        return f"<{self.dtype} {format_expr(self)}>"
+
+    # Arithmetic sugar, used by derivative rules and rewrites.
+    def __add__(self, o):
+        return _binary("add", self, o)
+
+    def __radd__(self, o):
+        return _binary("add", o, self)
+
+    def __sub__(self, o):
+        return _binary("sub", self, o)
+
+    def __rsub__(self, o):
+        return _binary("sub", o, self)
+
+    def __mul__(self, o):
+        return _binary("mul", self, o)
+
+    def __rmul__(self, o):
+        return _binary("mul", o, self)
+
+    def __truediv__(self, o):
+        return _binary("div", self, o)
+
+    def __rtruediv__(self, o):
+        return _binary("div", o, self)
+
+    def __neg__(self):
+        from scoremod.dsl.ops import apply
+
+        return apply("neg", self)
+
+
+def _binary(op, a, b):
+    from scoremod.dsl.ops import apply
+
+    dtype = a.dtype if isinstance(a, Node) else b.dtype
+    return apply(op, lift(a, dtype), lift(b, dtype))
+
+
+def const(value, dtype: str) -> Node:
+    """A scalar literal of IR type ``dtype``."""
+    if dtype == F32:
+        value = float(np.float32(value))
+    elif dtype == I32:
+        value = int(np.int32(value))
+    elif dtype == BOOL:
+        value = bool(value)
+    else:
+        raise ValueError(f"unknown IR dtype {dtype!r}")
+    return Node("const", (), value, dtype)
+
+
+def lift(x, dtype: str) -> Node:
+    """A Node as is; a Python number as a constant of ``dtype``."""
+    return x if isinstance(x, Node) else const(x, dtype)
+
+
+def var(name: str) -> Node:
+    if name not in VAR_NAMES:
+        raise ValueError(f"unknown variable {name!r}; score_mod inputs are {VAR_NAMES}")
+    return Node("var", (), name, F32 if name == SCORE else I32)
+
+
+def operand(name: str, shape, dtype) -> Node:
+    """A captured array: its shape and dtype are part of the IR, its values are not."""
+    dtype = np.dtype(dtype).name
+    if dtype not in OPERAND_DTYPES:
+        raise ValueError(
+            f"operand {name!r} has dtype {dtype}; supported: {', '.join(OPERAND_DTYPES)}"
+        )
+    shape = tuple(int(d) for d in shape)
+    return Node("operand", (), (name, shape, dtype), OPERAND_DTYPES[dtype])
+
+
+def is_const(node: Node, value=None) -> bool:
+    if node.op != "const":
+        return False
+    if value is None:
+        return True
+    return node.attr == value and not (isinstance(node.attr, float) and math.isnan(node.attr))
+
+
+def toposort(*roots: Node) -> list[Node]:
+    """Every node reachable from ``roots``, children before parents, deterministic."""
+    order, seen = [], set()
+    for root in roots:
+        if root in seen:
+            continue
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                order.append(node)
+                continue
+            if node in seen:
+                continue
+            seen.add(node)
+            stack.append((node, True))
+            for child in reversed(node.args):
+                if child not in seen:
+                    stack.append((child, False))
+    return order
+
+
+def substitute(root: Node, mapping: dict) -> Node:
+    """Rebuild ``root`` with nodes replaced per ``mapping`` (through the simplifier)."""
+    from scoremod.dsl.ops import rebuild
+
+    done = dict(mapping)
+    for node in toposort(root):
+        if node in done:
+            continue
+        new_args = tuple(done[a] for a in node.args)
+        done[node] = node if new_args == node.args else rebuild(node, new_args)
+    return done[root]
+
+
+def operands_of(root: Node) -> list[Node]:
+    """The operand leaves of ``root`` in canonical (first use) order."""
+    return [n for n in toposort(root) if n.op == "operand"]
+
+
+def depends_on(root: Node, leaf: Node) -> set:
+    """The set of nodes under ``root`` whose value depends on ``leaf``."""
+    dep = set()
+    for node in toposort(root):
+        if node is leaf or any(a in dep for a in node.args):
+            dep.add(node)
+    return dep

@@ -1,0 +1,313 @@
+"""The op table: every IR operation defined once.
+
+One ``Op`` entry holds what each layer needs to know about an operation:
+its typing, its text syntax, its jax.numpy reference implementation, its
+reverse-mode derivative rule and the JAX primitives that trace to it. The
+tracer, the printer and parser, the reference evaluator, the derivative and
+the cuDNN lowering all read this table; ``docs/ops.md`` is generated from it.
+
+    >>> from scoremod.dsl import ir, ops
+    >>> s = ir.var("score")
+    >>> ops.apply("tanh", s / 30.0)
+    <f32 tanh(score / 30.0)>
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from scoremod.dsl import ir
+from scoremod.dsl.ir import BOOL, F32, I32, Node, const
+from scoremod.errors import ScoreModTypeError
+
+# Typing signatures.
+#   float : f32 -> f32           num  : T -> T (T in f32, i32)
+#   float2: f32, f32 -> f32      num2 : T, T -> T
+#   cmp   : T, T -> bool (T any) logic: bool.. -> bool
+#   int2  : i32, i32 -> i32      where: bool, T, T -> T
+#   cast:X: any -> X             load : operand, i32... -> operand's type
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    name: str
+    arity: int
+    sig: str
+    ref: Callable  # jax.numpy implementation on broadcastable arrays
+    vjp: Optional[Callable] = None  # (node, g) -> tuple of cotangents, None = zero
+    infix: Optional[str] = None  # text operator, else written as name(args)
+    prec: int = 10  # binding strength of the infix/prefix form
+    prefix: Optional[str] = None
+    prims: tuple = ()  # JAX primitives that trace straight to this op
+    doc: str = ""
+
+    @property
+    def text(self):
+        if self.infix:
+            return f"a {self.infix} b"
+        if self.prefix:
+            sep = " " if self.prefix.isalpha() else ""
+            return f"{self.prefix}{sep}a"
+        args = ", ".join("abc"[: self.arity]) if self.arity > 0 else "..."
+        return f"{self.name}({args})"
+
+
+OPS: dict[str, Op] = {}
+
+
+def _op(name, arity, sig, ref, vjp=None, **kw):
+    OPS[name] = Op(name, arity, sig, ref, vjp, **kw)
+
+
+def _b(f):
+    """A binary lax op made to broadcast like jax.numpy."""
+    return lambda a, b: f(*jnp.broadcast_arrays(a, b))
+
+
+# --- derivative rules: (node, g) -> one cotangent per argument -------------
+# They are written so the cuDNN backward can be lowered: piecewise ops of a
+# float go through relu_grad (never a comparison on floats), and factors reuse
+# the primal node (``y``) the forward graph already computes.
+
+
+def _zero(node, g):
+    return (None,) * len(node.args)
+
+
+def _relu_grad(g, x):
+    return apply("relu_grad", g, x)
+
+
+_RULES = {
+    "add": lambda y, g: (g, g),
+    "sub": lambda y, g: (g, -g),
+    "mul": lambda y, g: (g * y.args[1], g * y.args[0]),
+    "div": lambda y, g: (g / y.args[1], -(g * y) / y.args[1]),
+    "neg": lambda y, g: (-g,),
+    "abs": lambda y, g: (_relu_grad(g, y.args[0]) - _relu_grad(g, -y.args[0]),),
+    "exp": lambda y, g: (g * y,),
+    "exp2": lambda y, g: (g * y * math.log(2.0),),
+    "log": lambda y, g: (g / y.args[0],),
+    "log1p": lambda y, g: (g / (y.args[0] + 1.0),),
+    "expm1": lambda y, g: (g * (y + 1.0),),
+    "tanh": lambda y, g: (g * (1.0 - y * y),),
+    "sigmoid": lambda y, g: (g * y * (1.0 - y),),
+    "sqrt": lambda y, g: (g * 0.5 / y,),
+    "rsqrt": lambda y, g: (g * -0.5 * y / y.args[0],),
+    "sin": lambda y, g: (g * apply("cos", y.args[0]),),
+    "cos": lambda y, g: (-(g * apply("sin", y.args[0])),),
+    "erf": lambda y, g: (
+        g * (2.0 / math.sqrt(math.pi)) * apply("exp", -(y.args[0] * y.args[0])),
+    ),
+    "integer_pow": lambda y, g: (_integer_pow_grad(y, g),),
+    "pow": lambda y, g: (
+        g * y.args[1] * apply("pow", y.args[0], y.args[1] - 1.0),
+        g * apply("log", y.args[0]) * y,
+    ),
+    "max": lambda y, g: _max_grad(y.args[0], y.args[1], g),
+    "min": lambda y, g: _max_grad(y.args[1], y.args[0], g)[::-1],
+    "relu": lambda y, g: (_relu_grad(g, y.args[0]),),
+    "relu_grad": lambda y, g: (_relu_grad(g, y.args[1]), None),
+    "where": lambda y, g: (
+        None,
+        apply("where", y.args[0], g, const(0.0, F32)),
+        apply("where", y.args[0], const(0.0, F32), g),
+    ),
+}
+
+
+def _integer_pow_grad(y, g):
+    n, x = y.attr, y.args[0]
+    if n == 0:
+        return None
+    if n == 1:
+        return g
+    lower = x if n == 2 else apply("integer_pow", x, attr=n - 1)
+    return g * (float(n) * lower)
+
+
+def _max_grad(a, b, g):
+    # d max(a, b) / da is the step of (a - b): relu_grad, no float compare.
+    da = _relu_grad(g, a - b)
+    return (da, g - da)
+
+
+def _rule(name):
+    return (lambda node, g: _RULES[name](node, g)) if name in _RULES else _zero
+
+
+# --- the table ------------------------------------------------------------
+
+_op("add", 2, "num2", jnp.add, _rule("add"), infix="+", prec=5, prims=("add",),
+    doc="addition")
+_op("sub", 2, "num2", jnp.subtract, _rule("sub"), infix="-", prec=5, prims=("sub",),
+    doc="subtraction")
+_op("mul", 2, "num2", jnp.multiply, _rule("mul"), infix="*", prec=6, prims=("mul",),
+    doc="multiplication")
+_op("div", 2, "float2", jnp.divide, _rule("div"), infix="/", prec=6,
+    doc="true division of floats (`/`)")
+_op("trunc_div", 2, "int2", _b(lax.div), _zero,
+    doc="integer division rounding toward zero (lax.div on ints)")
+_op("floordiv", 2, "num2", jnp.floor_divide, _zero, infix="//", prec=6,
+    doc="floor division, Python semantics (`//`)")
+_op("mod", 2, "num2", jnp.remainder, _zero, infix="%", prec=6,
+    doc="remainder with the sign of the divisor, Python semantics (`%`)")
+_op("rem", 2, "num2", _b(lax.rem), _zero, prims=("rem",),
+    doc="remainder with the sign of the dividend (lax.rem, C fmod)")
+_op("neg", 1, "num", jnp.negative, _rule("neg"), prefix="-", prec=7, prims=("neg",),
+    doc="negation")
+_op("abs", 1, "num", jnp.abs, _rule("abs"), prims=("abs",), doc="absolute value")
+_op("sign", 1, "num", jnp.sign, _zero, prims=("sign",), doc="sign (-1, 0, 1)")
+_op("exp", 1, "float", jnp.exp, _rule("exp"), prims=("exp",), doc="e**x")
+_op("exp2", 1, "float", jnp.exp2, _rule("exp2"), prims=("exp2",), doc="2**x")
+_op("log", 1, "float", jnp.log, _rule("log"), prims=("log",), doc="natural logarithm")
+_op("log1p", 1, "float", jnp.log1p, _rule("log1p"), prims=("log1p",), doc="log(1 + x)")
+_op("expm1", 1, "float", jnp.expm1, _rule("expm1"), prims=("expm1",), doc="exp(x) - 1")
+_op("tanh", 1, "float", jnp.tanh, _rule("tanh"), prims=("tanh",),
+    doc="hyperbolic tangent")
+_op("sigmoid", 1, "float", lax.logistic, _rule("sigmoid"), prims=("logistic",),
+    doc="logistic sigmoid (jax.nn.sigmoid)")
+_op("sqrt", 1, "float", jnp.sqrt, _rule("sqrt"), prims=("sqrt",), doc="square root")
+_op("rsqrt", 1, "float", lax.rsqrt, _rule("rsqrt"), prims=("rsqrt",),
+    doc="1 / sqrt(x)")
+_op("sin", 1, "float", jnp.sin, _rule("sin"), prims=("sin",), doc="sine")
+_op("cos", 1, "float", jnp.cos, _rule("cos"), prims=("cos",), doc="cosine")
+_op("erf", 1, "float", lax.erf, _rule("erf"), prims=("erf",), doc="error function")
+_op("floor", 1, "float", jnp.floor, _zero, prims=("floor",),
+    doc="round down (zero gradient)")
+_op("ceil", 1, "float", jnp.ceil, _zero, prims=("ceil",), doc="round up (zero gradient)")
+_op("integer_pow", 1, "num", lambda x, n: lax.integer_pow(x, n), _rule("integer_pow"),
+    infix="**", prec=8, prims=("integer_pow",),
+    doc="x ** n for an integer literal n (jnp.square, x**2)")
+_op("pow", 2, "float2", _b(lax.pow), _rule("pow"), prims=("pow",),
+    doc="x ** y for a float exponent")
+_op("max", 2, "num2", jnp.maximum, _rule("max"), prims=("max",),
+    doc="elementwise maximum (jnp.maximum, clip)")
+_op("min", 2, "num2", jnp.minimum, _rule("min"), prims=("min",),
+    doc="elementwise minimum (jnp.minimum, clip)")
+_op("relu", 1, "float", lambda x: jnp.maximum(x, 0.0), _rule("relu"),
+    doc="max(x, 0) (jax.nn.relu)")
+_op("relu_grad", 2, "float2", lambda g, x: jnp.where(x > 0, g, 0.0), _rule("relu_grad"),
+    doc="g where x > 0 else 0: the step used by derivatives of piecewise ops")
+_op("lt", 2, "cmp", jnp.less, _zero, infix="<", prec=4, prims=("lt",), doc="a < b")
+_op("le", 2, "cmp", jnp.less_equal, _zero, infix="<=", prec=4, prims=("le",),
+    doc="a <= b")
+_op("gt", 2, "cmp", jnp.greater, _zero, infix=">", prec=4, prims=("gt",), doc="a > b")
+_op("ge", 2, "cmp", jnp.greater_equal, _zero, infix=">=", prec=4, prims=("ge",),
+    doc="a >= b")
+_op("eq", 2, "cmp", jnp.equal, _zero, infix="==", prec=4, prims=("eq",), doc="a == b")
+_op("ne", 2, "cmp", jnp.not_equal, _zero, infix="!=", prec=4, prims=("ne",),
+    doc="a != b")
+_op("and", 2, "logic", jnp.logical_and, _zero, infix="and", prec=2, prims=("and",),
+    doc="logical and (`&` on booleans)")
+_op("or", 2, "logic", jnp.logical_or, _zero, infix="or", prec=1, prims=("or",),
+    doc="logical or (`|` on booleans)")
+_op("not", 1, "logic", jnp.logical_not, _zero, prefix="not", prec=3, prims=("not",),
+    doc="logical not (`~` on booleans)")
+_op("where", 3, "where", jnp.where, _rule("where"),
+    doc="where(c, a, b): a if c else b (jnp.where, lax.select_n)")
+_op("f32", 1, "cast:f32", lambda x: x.astype(jnp.float32), _zero,
+    doc="convert to float32 (from an int: exact below 2**24; from bool: 0/1)")
+_op("i32", 1, "cast:i32", lambda x: x.astype(jnp.int32), _zero,
+    doc="convert to int32 (from a float: round toward zero)")
+_op("bool", 1, "cast:bool", lambda x: x.astype(jnp.bool_), _zero,
+    doc="convert to bool (x != 0)")
+_op("load", -1, "load", None, _zero,
+    doc="name[i, ...]: read a captured array; indices are clamped into range")
+
+
+# --- typing and the smart constructor ---------------------------------------
+
+
+def _type_error(op, args, want):
+    got = ", ".join(a.dtype for a in args)
+    return ScoreModTypeError(f"{op}({got}): expects {want}")
+
+
+def result_dtype(op: Op, args: tuple) -> str:
+    """The IR type ``op`` yields on ``args``, or a ScoreModTypeError."""
+    sig, ts = op.sig, [a.dtype for a in args]
+    if sig.startswith("cast:"):
+        return sig[5:]
+    if sig == "load":
+        if not args or args[0].op != "operand":
+            raise ScoreModTypeError("load needs a captured array as first argument")
+        shape = args[0].attr[1]
+        if len(args) - 1 != len(shape):
+            raise ScoreModTypeError(
+                f"{args[0].attr[0]} has {len(shape)} dims but is indexed with "
+                f"{len(args) - 1} indices; index every dim (use 0 for size-1 dims)"
+            )
+        if any(t != I32 for t in ts[1:]):
+            raise ScoreModTypeError(f"indices of {args[0].attr[0]} must be int32")
+        return args[0].dtype
+    if sig == "float" or sig == "float2":
+        if any(t != F32 for t in ts):
+            raise _type_error(op.name, args, "float32 arguments")
+        return F32
+    if sig == "num" or sig == "num2":
+        if ts[0] == BOOL or any(t != ts[0] for t in ts):
+            raise _type_error(op.name, args, "numbers of one type (float32 or int32)")
+        return ts[0]
+    if sig == "int2":
+        if any(t != I32 for t in ts):
+            raise _type_error(op.name, args, "int32 arguments")
+        return I32
+    if sig == "cmp":
+        if ts[0] != ts[1]:
+            raise _type_error(op.name, args, "two arguments of one type")
+        return BOOL
+    if sig == "logic":
+        if any(t != BOOL for t in ts):
+            raise _type_error(op.name, args, "booleans")
+        return BOOL
+    if sig == "where":
+        if ts[0] != BOOL or ts[1] != ts[2]:
+            raise _type_error(op.name, args, "(bool, T, T)")
+        return ts[1]
+    raise AssertionError(sig)
+
+
+def apply(name: str, *args: Node, attr=None) -> Node:
+    """Build ``name(*args)``: type-check, simplify, intern."""
+    op = OPS.get(name)
+    if op is None:
+        raise KeyError(f"unknown IR op {name!r}")
+    if op.arity >= 0 and len(args) != op.arity:
+        raise ScoreModTypeError(f"{name} takes {op.arity} arguments, got {len(args)}")
+    if name == "integer_pow" and not isinstance(attr, int):
+        raise ScoreModTypeError("integer_pow needs an integer exponent")
+    dtype = result_dtype(op, args)
+    from scoremod.dsl.rewrite import simplify
+
+    simpler = simplify(name, args, attr, dtype)
+    if simpler is not None:
+        return simpler
+    return Node(name, tuple(args), attr, dtype)
+
+
+def rebuild(node: Node, args: tuple) -> Node:
+    """``node``'s operation applied to new arguments."""
+    return apply(node.op, *args, attr=node.attr)
+
+
+def evaluate_op(name: str, args: list, attr=None):
+    """Run one op's reference implementation on arrays."""
+    op = OPS[name]
+    if name == "integer_pow":
+        return op.ref(args[0], attr)
+    return op.ref(*args)
+
+
+def is_leaf(node: Node) -> bool:
+    return node.op in ("var", "const", "operand")
+
+
+def compile_time_eval():
+    return jax.ensure_compile_time_eval()

@@ -1,0 +1,249 @@
+"""ScoreMod: a traced or parsed score modification, the unit users pass around.
+
+    >>> import jax.numpy as jnp, scoremod
+    >>> softcap = scoremod.trace(lambda s, b, h, q, k: 30 * jnp.tanh(s / 30))
+    >>> str(softcap)
+    'tanh(score / 30.0) * 30.0'
+    >>> str(softcap.grad)
+    '(1.0 - tanh(score / 30.0) * tanh(score / 30.0)) * 30.0 / 30.0'
+    >>> scoremod.parse(str(softcap)) == softcap
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+
+import jax
+import numpy as np
+
+from scoremod.dsl import ir
+from scoremod.dsl.grad import vjp
+from scoremod.dsl.ir import F32, Node, const
+from scoremod.dsl.text import format_mod, parse_expr
+from scoremod.dsl.trace import trace_function
+from scoremod.errors import ScoreModTypeError
+
+KEY_VERSION = "scoremod-ir-1"
+
+# Where each node was written, for error messages. Not part of equality.
+_SOURCES: "weakref.WeakKeyDictionary[Node, dict]" = weakref.WeakKeyDictionary()
+
+
+class ScoreMod:
+    """An immutable, hashable score modification.
+
+    ``==`` and ``hash`` compare the IR (never operand values); ``str`` is the
+    canonical text, ``key`` a stable digest of it; ``grad`` the derived
+    d(mod)/d(score); calling it evaluates with jax.numpy. A ScoreMod is a
+    pytree whose leaves are its operand values, so it can cross ``jax.jit``
+    and ``jax.grad`` boundaries (gradients flow to the operands on the
+    reference path).
+    """
+
+    __slots__ = ("expr", "_values", "_cache")
+
+    def __init__(self, expr: Node, values: tuple | None = None):
+        if not isinstance(expr, Node) or expr.dtype != F32:
+            raise TypeError("ScoreMod needs a float32 IR node")
+        object.__setattr__(self, "expr", expr)
+        nodes = ir.operands_of(expr)
+        if values is None:
+            values = (None,) * len(nodes)
+        values = tuple(values)
+        if len(values) != len(nodes):
+            raise ValueError(f"{len(nodes)} operands, {len(values)} values")
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_cache", {})
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ScoreMod is immutable")
+
+    # --- identity ---------------------------------------------------------
+    def __eq__(self, other):
+        return isinstance(other, ScoreMod) and other.expr is self.expr
+
+    def __hash__(self):
+        return hash((ScoreMod, self.expr))
+
+    def __str__(self):
+        if "text" not in self._cache:
+            self._cache["text"] = format_mod(self.expr)
+        return self._cache["text"]
+
+    def __repr__(self):
+        return f"scoremod.parse({str(self)!r})"
+
+    @property
+    def key(self) -> str:
+        """Hex SHA-256 of the canonical text: equal for equal mods, in any process."""
+        return hashlib.sha256(f"{KEY_VERSION}\n{self}".encode()).hexdigest()
+
+    # --- operands ---------------------------------------------------------
+    @property
+    def operand_nodes(self) -> tuple:
+        if "nodes" not in self._cache:
+            self._cache["nodes"] = tuple(ir.operands_of(self.expr))
+        return self._cache["nodes"]
+
+    @property
+    def operand_names(self) -> tuple:
+        return tuple(n.attr[0] for n in self.operand_nodes)
+
+    @property
+    def operands(self) -> tuple:
+        """Captured array values, in the fixed order of ``operand_names``."""
+        return self._values
+
+    def bind(self, **values) -> "ScoreMod":
+        """A copy with some operand values replaced, by name: ``mod.bind(slopes=x)``."""
+        names = self.operand_names
+        unknown = set(values) - set(names)
+        if unknown:
+            raise ValueError(f"unknown operands {sorted(unknown)}; this mod has {list(names)}")
+        new = []
+        for node, old in zip(self.operand_nodes, self._values):
+            name, shape, dtype = node.attr
+            v = values.get(name, old)
+            if name in values:
+                _check_operand(name, v, shape, dtype)
+            new.append(v)
+        return ScoreMod(self.expr, tuple(new))
+
+    def require_bound(self):
+        missing = [n for n, v in zip(self.operand_names, self._values) if v is None]
+        if missing:
+            raise ScoreModTypeError(
+                f"operands {missing} of this score_mod have no values; "
+                f"give them with mod.bind({missing[0]}=array) or parse(text, {missing[0]}=array)"
+            )
+
+    # --- derived mods -----------------------------------------------------
+    @property
+    def grad(self) -> "ScoreMod":
+        """d(mod)/d(score) as a ScoreMod in the same text form."""
+        if "grad" not in self._cache:
+            expr = vjp(self.expr, const(1.0, F32))
+            by_name = dict(zip(self.operand_names, self._values))
+            values = tuple(by_name[n.attr[0]] for n in ir.operands_of(expr))
+            self._cache["grad"] = ScoreMod(expr, values)
+        return self._cache["grad"]
+
+    @property
+    def has_computed_index(self) -> bool:
+        """True when an array is indexed by a computed index (``t[q_idx - kv_idx]``).
+
+        The reference path handles these; the fused path must refuse or
+        materialize them.
+        """
+        return any(n.op == "load" and not _direct_load(n) for n in ir.toposort(self.expr))
+
+    @property
+    def sources(self) -> dict:
+        """Where each node was written (``file:line``), when traced."""
+        return _SOURCES.get(self.expr, {})
+
+    # --- evaluation -------------------------------------------------------
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        """Evaluate on broadcastable arrays with jax.numpy (float32 result)."""
+        from scoremod.lowering.reference import evaluate
+
+        self.require_bound()
+        inputs = dict(zip(ir.VAR_NAMES, (score, b, h, q_idx, kv_idx)))
+        return evaluate(self.expr, inputs, dict(zip(self.operand_names, self._values)))
+
+
+def _direct_load(node: Node) -> bool:
+    idx = node.args[1:]
+    vars_ = [i for i in idx if i.op == "var"]
+    return all(i.op in ("var", "const") for i in idx) and len(set(vars_)) == len(vars_)
+
+
+def _check_operand(name, value, shape, dtype):
+    got_shape = tuple(np.shape(value))
+    got_dtype = np.dtype(value.dtype).name if hasattr(value, "dtype") else None
+    if got_shape != shape or got_dtype != dtype:
+        raise ScoreModTypeError(
+            f"operand {name} must be {dtype}{list(shape)}, got {got_dtype}{list(got_shape)}"
+        )
+
+
+def _flatten(mod):
+    return mod._values, mod.expr
+
+
+def _unflatten(expr, values):
+    return ScoreMod(expr, tuple(values))
+
+
+jax.tree_util.register_pytree_node(ScoreMod, _flatten, _unflatten)
+
+
+def trace(fn) -> ScoreMod:
+    """Trace ``fn(score, b, h, q_idx, kv_idx)`` written in jax.numpy into a ScoreMod.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> causal = scoremod.trace(
+        ...     lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf))
+        >>> str(causal)
+        'where(q_idx >= kv_idx, score, -inf)'
+
+    Python and NumPy scalars it closes over become constants (part of the
+    key); jax arrays become operands (shape and dtype in the key, values
+    not), so ``slopes[h]`` or ``bias[h, q_idx, kv_idx]`` work.
+    """
+    if isinstance(fn, ScoreMod):
+        return fn
+    root, values, sources = trace_function(fn)
+    _SOURCES.setdefault(root, sources)
+    return ScoreMod(root, values)
+
+
+def score_mod(fn) -> ScoreMod:
+    """Decorator form of :func:`trace`.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> @scoremod.score_mod
+        ... def softcap(score, b, h, q_idx, kv_idx):
+        ...     return 50.0 * jnp.tanh(score / 50.0)
+        >>> softcap.key == scoremod.parse("50.0 * tanh(score / 50.0)").key
+        True
+    """
+    return trace(fn)
+
+
+def parse(text: str, **names) -> ScoreMod:
+    """Parse the text form; keyword arguments give constants and arrays.
+
+        >>> import scoremod
+        >>> str(scoremod.parse("cap * tanh(score / cap)", cap=30.0))
+        'tanh(score / 30.0) * 30.0'
+
+    Numbers become constants; arrays (jax or NumPy with ndim >= 1, or 0-d jax
+    arrays) become operands. Declarations (``slopes: float32[16]; ...``) in
+    the text stand for arrays not given; such a mod needs ``bind`` before use.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"parse takes a string, got {type(text).__name__}")
+    root, values = parse_expr(text, names)
+    nodes = ir.operands_of(root)
+    for node in nodes:
+        name, shape, dtype = node.attr
+        if values.get(name) is not None:
+            _check_operand(name, values[name], shape, dtype)
+    return ScoreMod(root, tuple(values.get(n.attr[0]) for n in nodes))
+
+
+def as_score_mod(mod) -> ScoreMod | None:
+    """Accept a ScoreMod, a callable (traced) or a text form (parsed)."""
+    if mod is None or isinstance(mod, ScoreMod):
+        return mod
+    if isinstance(mod, str):
+        return parse(mod)
+    if callable(mod):
+        return trace(mod)
+    raise TypeError(
+        f"score_mod must be a ScoreMod, a function (score, b, h, q_idx, kv_idx) -> score, "
+        f"or a text form; got {type(mod).__name__}"
+    )

@@ -1,0 +1,370 @@
+"""Trace a jax.numpy score_mod into the IR.
+
+JAX traces the user's function on scalar abstract values (``make_jaxpr``);
+each equation of the jaxpr is then converted to IR nodes. Calls (``jit``,
+``custom_jvp``, ``custom_vjp``) are inlined. Captured arrays become operands:
+they are tracked as lazy arrays (a shape and a function from indices to an
+element) until indexing makes them scalar, so ``slopes[h]``,
+``(2 * slopes)[h]`` and ``bias[h, q_idx, kv_idx]`` all end as ``load`` nodes.
+
+    >>> import jax.numpy as jnp
+    >>> root, values, _ = trace_function(lambda s, b, h, q, k: 30 * jnp.tanh(s / 30))
+    >>> root
+    <f32 tanh(score / 30.0) * 30.0>
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from scoremod.dsl import ir
+from scoremod.dsl.ir import BOOL, F32, I32, Node, const
+from scoremod.dsl.ops import OPS, apply
+from scoremod.errors import ScoreModTypeError, UnsupportedOpError
+
+_PRIM_TO_OP = {p: op.name for op in OPS.values() for p in op.prims}
+
+# Primitives that call a sub-jaxpr we inline, and the param that holds it.
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+          "custom_vjp_call_jaxpr", "remat", "checkpoint", "named_call"}
+
+_IR_DTYPE = {"float32": F32, "int32": I32, "bool": BOOL}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lazy:
+    """An array value: its shape and the IR element at given indices."""
+
+    shape: tuple
+    at: Callable[[tuple], Node]
+
+
+def _where_of(eqn, fallback):
+    try:
+        from jax._src import source_info_util
+
+        frame = source_info_util.user_frame(eqn.source_info.traceback)
+        if frame is not None:
+            return f"{frame.file_name}:{frame.start_line}"
+    except Exception:  # private API; the location is a courtesy
+        pass
+    return fallback
+
+
+def _fn_location(fn):
+    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else "<unknown>"
+
+
+class _Tracer:
+    def __init__(self, fn):
+        self.fn = fn
+        self.fn_where = _fn_location(fn)
+        self.operands = {}  # id(value) -> (temporary operand node, value)
+        self.sources = {}  # node -> "file:line" that created it
+
+    # --- values -----------------------------------------------------------
+    def captured(self, value, aval_dtype, where):
+        """A constant or an operand for a value the function closed over."""
+        if isinstance(value, (np.ndarray, np.generic)) and np.ndim(value) == 0:
+            dtype = self.ir_dtype(np.dtype(value.dtype).name, "captured value", where)
+            return const(np.asarray(value).item(), dtype)
+        if not hasattr(value, "shape"):  # Python scalar
+            return const(value, self.ir_dtype(np.dtype(aval_dtype).name, "captured value", where))
+        key = id(value)
+        if key not in self.operands:
+            name = f"__operand{len(self.operands)}"
+            try:
+                node = ir.operand(name, value.shape, value.dtype)
+            except ValueError as e:
+                raise ScoreModTypeError(f"captured array at {where}: {e}") from None
+            self.operands[key] = (node, value)
+        node = self.operands[key][0]
+        return self.lazy_load(node)
+
+    def lazy_load(self, node):
+        shape = node.attr[1]
+        if shape == ():
+            return apply("load", node)
+        return _Lazy(shape, lambda idx, node=node: apply("load", node, *idx))
+
+    def ir_dtype(self, name, what, where):
+        if name in ("float16", "bfloat16", "float64"):
+            raise UnsupportedOpError(
+                f"{what} of dtype {name} at {where}: a score_mod computes in float32; "
+                "remove the cast (the fused kernel keeps scores in float32 anyway)"
+            )
+        if name not in _IR_DTYPE:
+            raise UnsupportedOpError(
+                f"{what} of dtype {name} at {where}: score_mods use float32, int32 and bool"
+            )
+        return _IR_DTYPE[name]
+
+    # --- the jaxpr walk ---------------------------------------------------
+    def run(self, jaxpr, consts, args, where):
+        env = {}
+
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return self.captured(v.val, v.aval.dtype, where)
+            return env[v]
+
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = self.captured(c, v.aval.dtype, where)
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+        for eqn in jaxpr.eqns:
+            at = _where_of(eqn, where)
+            ins = [read(v) for v in eqn.invars]
+            outs = self.equation(eqn, ins, at)
+            for v, o in zip(eqn.outvars, outs):
+                if isinstance(o, _Lazy) and o.shape == ():
+                    o = o.at(())
+                if isinstance(o, Node) and o not in self.sources:
+                    self.sources[o] = at
+                env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn, ins, at):
+        prim = eqn.primitive.name
+        if prim in _CALLS:
+            sub = next((eqn.params[p] for p in _CALL_PARAMS if p in eqn.params), None)
+            if sub is not None:
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    return self.run(sub.jaxpr, sub.consts, ins, at)
+                return self.run(sub, (), ins, at)
+        handler = _SPECIAL.get(prim)
+        try:
+            if handler is not None:
+                return [handler(self, eqn, ins, at)]
+            if prim in _PRIM_TO_OP:
+                return [self.elementwise(_PRIM_TO_OP[prim], ins)]
+        except ScoreModTypeError as e:
+            raise ScoreModTypeError(f"{prim} at {at}: {e}") from None
+        raise UnsupportedOpError(
+            f"{prim} at {at} is not supported in a score_mod. The supported operations "
+            "are listed in docs/ops.md (scoremod.ops_table()); if this can be written "
+            "with them, rewrite it, or compute it outside the mod and pass an array."
+        )
+
+    def elementwise(self, op, ins, attr=None):
+        lazy = [x for x in ins if isinstance(x, _Lazy)]
+        if not lazy:
+            return apply(op, *ins, attr=attr)
+        shape = lazy[0].shape
+        if any(x.shape != shape for x in lazy):
+            raise ScoreModTypeError(f"{op} of arrays of shapes {[x.shape for x in lazy]}")
+        return _Lazy(
+            shape,
+            lambda idx: apply(op, *[x.at(idx) if isinstance(x, _Lazy) else x for x in ins],
+                              attr=attr),
+        )
+
+
+# --- primitives that need more than a table lookup --------------------------
+
+
+def _div(t, eqn, ins, at):
+    dtype = np.dtype(eqn.outvars[0].aval.dtype).name
+    return t.elementwise("div" if dtype == "float32" else "trunc_div", ins)
+
+
+def _integer_pow(t, eqn, ins, at):
+    return t.elementwise("integer_pow", ins, attr=int(eqn.params["y"]))
+
+
+def _square(t, eqn, ins, at):
+    return t.elementwise("integer_pow", ins, attr=2)
+
+
+def _select_n(t, eqn, ins, at):
+    pred, *cases = ins
+    if len(cases) == 1:
+        return cases[0]
+    if isinstance(pred, _Lazy):
+        raise UnsupportedOpError(f"select_n with an array predicate at {at}")
+    if pred.dtype == BOOL:
+        return t.elementwise("where", [pred, cases[1], cases[0]])
+    out = cases[-1]
+    for i in range(len(cases) - 2, -1, -1):  # select_n on an int picks cases[pred]
+        out = t.elementwise("where", [apply("eq", pred, const(i, I32)), cases[i], out])
+    return out
+
+
+def _clamp(t, eqn, ins, at):
+    lo, x, hi = ins
+    return t.elementwise("min", [t.elementwise("max", [x, lo]), hi])
+
+
+def _convert(t, eqn, ins, at):
+    name = np.dtype(eqn.params["new_dtype"]).name
+    target = t.ir_dtype(name, "conversion to", at)
+    return t.elementwise(target, ins)
+
+
+def _identity(t, eqn, ins, at):
+    return ins[0]
+
+
+def _dynamic_slice(t, eqn, ins, at):
+    x, *starts = ins
+    sizes = tuple(eqn.params["slice_sizes"])
+    if not isinstance(x, _Lazy):
+        return x
+    if any(isinstance(s, _Lazy) for s in starts):
+        raise UnsupportedOpError(f"dynamic_slice with array indices at {at}")
+
+    def at_(idx):
+        full = []
+        for n, z, s, i in zip(x.shape, sizes, starts, idx):
+            if z == n:
+                full.append(i)
+            elif z == 1:  # the load clamps, as XLA clamps the start
+                full.append(s)
+            else:  # XLA clamps the start so the slice stays inside
+                start = apply("min", apply("max", s, const(0, I32)), const(n - z, I32))
+                full.append(start if z == 1 else start + i)
+        return x.at(tuple(full))
+
+    return _Lazy(sizes, at_)
+
+
+def _squeeze(t, eqn, ins, at):
+    (x,) = ins
+    dims = {d % len(x.shape) for d in eqn.params["dimensions"]}
+    keep = tuple(n for d, n in enumerate(x.shape) if d not in dims)
+
+    def at_(idx):
+        it = iter(idx)
+        return x.at(tuple(const(0, I32) if d in dims else next(it) for d in range(len(x.shape))))
+
+    return _Lazy(keep, at_)
+
+
+def _broadcast_in_dim(t, eqn, ins, at):
+    x = ins[0]
+    shape = tuple(eqn.params["shape"])
+    bdims = tuple(eqn.params["broadcast_dimensions"])
+    if isinstance(x, Node):
+        return _Lazy(shape, lambda idx: x)
+
+    def at_(idx):
+        return x.at(tuple(idx[b] if x.shape[i] == shape[b] else const(0, I32)
+                          for i, b in enumerate(bdims)))
+
+    return _Lazy(shape, at_)
+
+
+def _reshape(t, eqn, ins, at):
+    x = ins[0]
+    shape = tuple(eqn.params["new_sizes"])
+    old = x.shape if isinstance(x, _Lazy) else ()
+    if [n for n in old if n != 1] != [n for n in shape if n != 1]:
+        raise UnsupportedOpError(
+            f"reshape from {old} to {shape} at {at}: only size-1 dims may be added or removed"
+        )
+    if isinstance(x, Node):
+        return _Lazy(shape, lambda idx: x)
+    big_old = [d for d, n in enumerate(old) if n != 1]
+    big_new = [d for d, n in enumerate(shape) if n != 1]
+
+    def at_(idx):
+        full = [const(0, I32)] * len(old)
+        for o, n in zip(big_old, big_new):
+            full[o] = idx[n]
+        return x.at(tuple(full))
+
+    return _Lazy(shape, at_)
+
+
+_SPECIAL = {
+    "div": _div,
+    "integer_pow": _integer_pow,
+    "square": _square,
+    "select_n": _select_n,
+    "clamp": _clamp,
+    "convert_element_type": _convert,
+    "copy": _identity,
+    "copy_p": _identity,
+    "dynamic_slice": _dynamic_slice,
+    "squeeze": _squeeze,
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": _reshape,
+}
+
+
+_HINTS = {
+    jax.errors.ConcretizationTypeError: "Python `if`/`while` on the score or an index cannot "
+    "be traced: use jnp.where(cond, a, b) instead.",
+    jax.errors.TracerBoolConversionError: "Python `if`/`and`/`or` on the score or an index "
+    "cannot be traced: use jnp.where(cond, a, b), `&`, `|` instead.",
+    jax.errors.TracerArrayConversionError: "Index only jax arrays with the mod's inputs: "
+    "convert NumPy arrays with jnp.asarray(...) before capturing them.",
+    jax.errors.TracerIntegerConversionError: "Index only jax arrays with the mod's inputs: "
+    "convert NumPy arrays and lists with jnp.asarray(...) before capturing them.",
+}
+
+
+def trace_function(fn):
+    """Trace ``fn(score, b, h, q_idx, kv_idx)``: (root, operand values, sources)."""
+    if not callable(fn):
+        raise TypeError(f"score_mod must be callable, got {type(fn).__name__}")
+    t = _Tracer(fn)
+    avals = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((), jnp.int32)] * 4
+    try:
+        closed = jax.make_jaxpr(fn)(*avals)
+    except tuple(_HINTS) as e:
+        hint = next(h for cls, h in _HINTS.items() if isinstance(e, cls))
+        raise ScoreModTypeError(f"cannot trace score_mod at {t.fn_where}: {hint}") from e
+    except TypeError as e:
+        raise ScoreModTypeError(
+            f"cannot trace score_mod at {t.fn_where}: {e}. A score_mod takes exactly "
+            "(score, b, h, q_idx, kv_idx)."
+        ) from e
+    jaxpr = closed.jaxpr
+    if len(jaxpr.outvars) != 1 or jaxpr.outvars[0].aval.shape != ():
+        got = [tuple(v.aval.shape) for v in jaxpr.outvars]
+        raise ScoreModTypeError(
+            f"score_mod at {t.fn_where} must return one scalar per score, got shapes {got}; "
+            "it is called on scalars, so do not reduce or build arrays"
+        )
+    args = [ir.var(n) for n in ir.VAR_NAMES]
+    (out,) = t.run(jaxpr, closed.consts, args, t.fn_where)
+    if isinstance(out, _Lazy):  # pragma: no cover - shape checked above
+        raise ScoreModTypeError("score_mod returned an array")
+    if out.dtype == BOOL:
+        raise ScoreModTypeError(
+            f"score_mod at {t.fn_where} returns a boolean; return a score, e.g. "
+            "jnp.where(mask, score, -jnp.inf)"
+        )
+    root = apply("f32", out)
+    # Name operands c0, c1, ... in canonical order so equal mods print equally.
+    temps = {node: value for node, value in t.operands.values()}
+    renamed, values = {}, []
+    for node in ir.operands_of(root):
+        _, shape, dtype = node.attr
+        renamed[node] = ir.operand(f"c{len(values)}", shape, dtype)
+        values.append(temps[node])
+    if renamed:
+        new_root = ir.substitute(root, renamed)
+        sources = _carry_sources(root, new_root, t.sources)
+        root = new_root
+    else:
+        sources = t.sources
+    return root, tuple(values), sources
+
+
+def _carry_sources(old_root, new_root, sources):
+    """Map source locations from the pre-rename tree onto the renamed one."""
+    carried = {}
+    for old, new in zip(ir.toposort(old_root), ir.toposort(new_root)):
+        if old in sources:
+            carried.setdefault(new, sources[old])
+    return carried
