@@ -402,7 +402,8 @@ def parse_expr(text: str, names: dict) -> tuple[Node, dict]:
 
 def _syntax_error(text, e: UnexpectedInput) -> ScoreModSyntaxError:
     line, col = getattr(e, "line", -1), getattr(e, "column", -1)
-    if isinstance(e, UnexpectedEOF) or line is None or line < 0:
+    at_end = isinstance(e, UnexpectedToken) and e.token.type == "$END"
+    if isinstance(e, UnexpectedEOF) or at_end or line is None or line < 0:
         lines = text.splitlines() or [""]
         line, col = len(lines), len(lines[-1]) + 1
         what = "unexpected end of text"

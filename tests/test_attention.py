@@ -1,0 +1,233 @@
+"""scoremod.attention(implementation="xla") against an independent naive version."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scoremod
+from scoremod import ScoreModTypeError
+
+B, SQ, SKV, HQ, HKV, D = 2, 24, 40, 4, 2, 16
+SLOPES = np.array([2.0 ** (-8 * (i + 1) / HQ) for i in range(HQ)], np.float32)
+DOCS = np.array([[0] * 10 + [1] * 20 + [2] * 10, [0] * 5 + [1] * 35], np.int32)
+
+
+def _idx(b, hq, sq, skv):
+    return (np.arange(b)[:, None, None, None], np.arange(hq)[None, :, None, None],
+            np.arange(sq)[None, None, :, None], np.arange(skv)[None, None, None, :])
+
+
+# name -> (jnp mod, numpy float64 score function written independently)
+CASES = {
+    "identity": (None, lambda s, b, h, q, k: s),
+    "softcap": (lambda s, b, h, q, k: 20.0 * jnp.tanh(s / 20.0), lambda s, b, h, q, k: 20 * np.tanh(s / 20)),
+    "alibi": (
+        lambda s, b, h, q, k: s + jnp.asarray(SLOPES)[h] * (k - q),
+        lambda s, b, h, q, k: s + SLOPES[h].astype(np.float64) * (k - q),
+    ),
+    "causal": (
+        lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf),
+        lambda s, b, h, q, k: np.where(q >= k, s, -np.inf),
+    ),
+    "sliding_window": (
+        lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 8), s, -jnp.inf),
+        lambda s, b, h, q, k: np.where((q >= k) & (q - k < 8), s, -np.inf),
+    ),
+    "document": (
+        lambda s, b, h, q, k: jnp.where(jnp.asarray(DOCS)[b, q] == jnp.asarray(DOCS)[b, k], s, -jnp.inf),
+        lambda s, b, h, q, k: np.where(DOCS[b, np.minimum(q, SKV - 1)] == DOCS[b, k], s, -np.inf),
+    ),
+    "softcap_causal": (
+        lambda s, b, h, q, k: jnp.where(q >= k, 20.0 * jnp.tanh(s / 20.0), -jnp.inf),
+        lambda s, b, h, q, k: np.where(q >= k, 20 * np.tanh(s / 20), -np.inf),
+    ),
+    "prefix_lm": (
+        lambda s, b, h, q, k: jnp.where((k < 6) | (q >= k), s, -jnp.inf),
+        lambda s, b, h, q, k: np.where((k < 6) | (q >= k), s, -np.inf),
+    ),
+}
+
+
+def naive(q, k, v, score_fn, scale):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k = np.repeat(k, groups, axis=2)
+    v = np.repeat(v, groups, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    s = np.broadcast_to(score_fn(s, *_idx(q.shape[0], q.shape[2], q.shape[1], k.shape[1])), s.shape)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    den = p.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", p / np.where(den == 0, 1, den), v)
+    lse = np.where(den[..., 0] == 0, -np.inf, np.log(np.where(den == 0, 1, den))[..., 0] + m[..., 0])
+    return out, lse
+
+
+def _inputs(dtype, sq=SQ, skv=SKV, hq=HQ, hkv=HKV, seed=0):
+    key = jax.random.PRNGKey(seed)
+    ks = jax.random.split(key, 3)
+    q = jax.random.normal(ks[0], (B, sq, hq, D), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (B, skv, hkv, D), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (B, skv, hkv, D), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_naive(case, dtype):
+    mod, ref = CASES[case]
+    q, k, v = _inputs(dtype)
+    scale = 0.3
+    out, lse = scoremod.attention(q, k, v, mod, scale=scale, implementation="xla", return_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (B, HQ, SQ)
+    want, want_lse = naive(q, k, v, ref, scale)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sq, skv, hq, hkv", [(24, 40, 4, 2), (40, 24, 6, 3), (16, 16, 4, 1), (8, 8, 2, 2)])
+def test_gqa_and_lengths(sq, skv, hq, hkv):
+    q, k, v = _inputs(jnp.float32, sq, skv, hq, hkv, seed=3)
+    mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + 0.1 * h, -jnp.inf)  # noqa: E731
+    ref = lambda s, b, h, qi, ki: np.where(qi >= ki, s + 0.1 * h, -np.inf)  # noqa: E731
+    out = scoremod.attention(q, k, v, mod, implementation="xla")
+    want, _ = naive(q, k, v, ref, 1 / math.sqrt(D))
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
+
+
+def test_default_scale_and_plain_attention_match_jax():
+    q, k, v = _inputs(jnp.float32)
+    ours = scoremod.attention(q, k, v, implementation="xla")
+    theirs = jax.nn.dot_product_attention(q, k, v, implementation="xla")
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5)
+
+
+def test_fully_masked_rows_give_zero_output_lse_minus_inf_and_zero_grads():
+    q, k, v = _inputs(jnp.bfloat16)
+    mod = scoremod.trace(lambda s, b, h, qi, ki: jnp.where((qi >= 10) & (qi >= ki), s, -jnp.inf))
+    out, lse = scoremod.attention(q, k, v, mod, implementation="xla", return_lse=True)
+    assert np.all(np.asarray(out[:, :10], np.float32) == 0)
+    assert np.all(np.isneginf(np.asarray(lse[:, :, :10])))
+    assert np.all(np.isfinite(np.asarray(lse[:, :, 10:])))
+
+    def loss(q, k, v):
+        return jnp.sum(scoremod.attention(q, k, v, mod, implementation="xla").astype(jnp.float32) ** 2)
+
+    grads = jax.grad(loss, (0, 1, 2))(q, k, v)
+    for g in grads:
+        assert np.all(np.isfinite(np.asarray(g, np.float32)))
+    assert np.all(np.asarray(grads[0][:, :10], np.float32) == 0)
+
+
+def _plain_jnp(q, k, v, bias_fn, scale):
+    """Independent jnp attention with an explicit [B,H,Sq,Skv] bias/mask (float32)."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x.astype(jnp.float32), groups, axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k, precision="highest") * scale
+    s = bias_fn(s, *_idx(q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v, precision="highest")
+
+
+def test_gradients_match_an_independent_jnp_implementation():
+    q, k, v = _inputs(jnp.float32, seed=5)
+    slopes = jnp.asarray(SLOPES)
+    mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, 20.0 * jnp.tanh(s / 20.0) + slopes[h] * (ki - qi), -1e30)  # noqa
+    ref = lambda s, b, h, qi, ki: jnp.where(qi >= ki, 20.0 * jnp.tanh(s / 20.0) + slopes[h] * (ki - qi), -1e30)  # noqa
+    f = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))  # noqa: E731
+    ours = jax.grad(f(lambda q, k, v: scoremod.attention(q, k, v, mod, scale=0.25, implementation="xla")), (0, 1, 2))
+    theirs = jax.grad(f(lambda q, k, v: _plain_jnp(q, k, v, ref, 0.25)), (0, 1, 2))
+    for a, b in zip(ours(q, k, v), theirs(q, k, v)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+
+
+def test_gradient_reaches_operands():
+    q, k, v = _inputs(jnp.float32, seed=7)
+    bias = jnp.zeros((HQ, SQ, SKV))
+
+    def loss(bias):
+        mod = scoremod.trace(lambda s, b, h, qi, ki: s + bias[h, qi, ki])
+        return jnp.sum(scoremod.attention(q, k, v, mod, implementation="xla") ** 2)
+
+    def ref(bias):
+        return jnp.sum(_plain_jnp(q, k, v, lambda s, b, h, qi, ki: s + bias[None], 1 / math.sqrt(D)) ** 2)
+
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(bias)), np.asarray(jax.grad(ref)(bias)), atol=1e-5)
+
+
+def test_jit_and_pytree_mod():
+    q, k, v = _inputs(jnp.bfloat16)
+    temp = jnp.float32(1.5)
+    mod = scoremod.trace(lambda s, b, h, qi, ki: s * temp)
+    f = jax.jit(lambda mod, q: scoremod.attention(q, k, v, mod, implementation="xla"))
+    a = f(mod, q)
+    b = f(mod.bind(c0=jnp.float32(0.5)), q)  # new values, same compiled function
+    assert not np.allclose(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    g = jax.grad(lambda m: jnp.sum(scoremod.attention(q, k, v, m, implementation="xla").astype(jnp.float32)))(mod)
+    assert isinstance(g, scoremod.ScoreMod) and g.operands[0].shape == ()
+
+
+def test_text_and_callable_mods_are_accepted():
+    q, k, v = _inputs(jnp.float32)
+    a = scoremod.attention(q, k, v, "where(q_idx >= kv_idx, score, -inf)", implementation="xla")
+    b = scoremod.attention(q, k, v, CASES["causal"][0], implementation="xla")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        (((B, SQ, HQ, D), (B, SKV, HKV, D), (B, SKV, HKV, D), "3d"), "batch, seq, heads, head_dim"),
+        (((B, SQ, HQ, D), (B, SKV, 3, D), (B, SKV, 3, D), None), "multiple of key/value heads"),
+        (((B, SQ, HQ, D), (B, SKV, HKV, 8), (B, SKV, HKV, 8), None), "head_dim"),
+        (((B, SQ, HQ, D), (B + 1, SKV, HKV, D), (B + 1, SKV, HKV, D), None), "batch"),
+        (((B, SQ, HQ, D), (B, SKV, HKV, D), (B, SKV + 1, HKV, D), None), "must agree"),
+    ],
+)
+def test_bad_shapes(shapes, match):
+    qs, ks, vs, flag = shapes
+    q, k, v = jnp.ones(qs), jnp.ones(ks), jnp.ones(vs)
+    if flag == "3d":
+        q = q[0]
+    with pytest.raises(ScoreModTypeError, match=match):
+        scoremod.attention(q, k, v, implementation="xla")
+
+
+def test_bad_dtypes():
+    q = jnp.ones((1, 4, 2, 8), jnp.int32)
+    with pytest.raises(ScoreModTypeError, match="dtype"):
+        scoremod.attention(q, q, q)
+    a, b = jnp.ones((1, 4, 2, 8), jnp.float16), jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+    with pytest.raises(ScoreModTypeError, match="share a dtype"):
+        scoremod.attention(a, b, b)
+
+
+def test_operand_too_small_for_heads_is_an_error():
+    q, k, v = _inputs(jnp.float32)
+    slopes = jnp.ones(HQ - 1)
+    with pytest.raises(ScoreModTypeError, match="slopes|c0"):
+        scoremod.attention(q, k, v, lambda s, b, h, qi, ki: s + slopes[h], implementation="xla")
+    one = jnp.ones(1)  # size 1 broadcasts
+    scoremod.attention(q, k, v, lambda s, b, h, qi, ki: s + one[h], implementation="xla")
+
+
+def test_cudnn_request_is_never_silently_served_by_xla():
+    q, k, v = _inputs(jnp.bfloat16)
+    from scoremod.lowering import cudnn_path
+
+    if cudnn_path.usable(q, k, v, None):
+        pytest.skip("the fused path runs here")
+    with pytest.raises(scoremod.ScoreModError):
+        scoremod.attention(q, k, v, implementation="cudnn")
+
+
+def test_bad_implementation_name():
+    q = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="implementation"):
+        scoremod.attention(q, q, q, implementation="flash")

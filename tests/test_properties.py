@@ -1,0 +1,201 @@
+"""Property tests: random expression trees through trace, text and grad."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import scoremod
+
+SLOPES = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+TABLE = jnp.linspace(-2.0, 2.0, 32, dtype=jnp.float32)
+DOC = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]], jnp.int32)
+
+# Each spec renders to a jnp function of (s, b, h, q, k); the set covers every
+# traced op. Float ops keep to their domains so values stay finite.
+UNARY = {
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "neg": jnp.negative,
+    "abs": jnp.abs,
+    "exp_t": lambda x: jnp.exp(jnp.tanh(x)),
+    "exp2_t": lambda x: jnp.exp2(jnp.tanh(x)),
+    "log_sq": lambda x: jnp.log(x * x + 1.0),
+    "log1p_abs": lambda x: jnp.log1p(jnp.abs(x)),
+    "expm1_t": lambda x: jnp.expm1(jnp.tanh(x)),
+    "sqrt_sq": lambda x: jnp.sqrt(x * x + 0.5),
+    "rsqrt_sq": lambda x: jax.lax.rsqrt(x * x + 0.5),
+    "sin": jnp.sin,
+    "cos": jnp.cos,
+    "erf": jax.scipy.special.erf,
+    "square": jnp.square,
+    "cube": lambda x: x**3,
+    "inv_sq": lambda x: (x * x + 1.0) ** -2,
+    "pow_half": lambda x: jnp.power(x * x + 1.0, 0.75),
+    "floor": jnp.floor,
+    "ceil": jnp.ceil,
+    "sign": jnp.sign,
+    "relu": jax.nn.relu,
+    "softplus_t": lambda x: jax.nn.softplus(jnp.tanh(x)),
+    "gelu": jax.nn.gelu,
+    "clip": lambda x: jnp.clip(x, -1.5, 2.0),
+    "div_const": lambda x: x / 7.0,
+    "rdiv": lambda x: 3.0 / (x * x + 1.0),
+    "sub_from": lambda x: 2.0 - x,
+}
+BINARY = {
+    "add": jnp.add,
+    "sub": jnp.subtract,
+    "mul": jnp.multiply,
+    "div": lambda a, b: a / (b * b + 1.0),
+    "max": jnp.maximum,
+    "min": jnp.minimum,
+}
+INDEX_EXPR = {
+    "q-k": lambda b, h, q, k: q - k,
+    "q//3": lambda b, h, q, k: q // 3,
+    "k%3": lambda b, h, q, k: k % 3,
+    "h*q": lambda b, h, q, k: h * q,
+    "b+h": lambda b, h, q, k: b + h,
+    "rem": lambda b, h, q, k: jax.lax.rem(q, 3),
+    "maxqk": lambda b, h, q, k: jnp.maximum(q, k),
+    "absd": lambda b, h, q, k: jnp.abs(q - k),
+}
+CONDS = {
+    "causal": lambda s, b, h, q, k: q >= k,
+    "window": lambda s, b, h, q, k: (q - k < 3) & (k <= q),
+    "doc": lambda s, b, h, q, k: DOC[b, q] == DOC[b, k],
+    "not_h": lambda s, b, h, q, k: ~(h == 2),
+    "or": lambda s, b, h, q, k: (q < 2) | (k > 5),
+    "score_gt": lambda s, b, h, q, k: s > 0.3,
+}
+LEAVES = {
+    "score": lambda s, b, h, q, k: s,
+    "alibi": lambda s, b, h, q, k: SLOPES[h] * (k - q),
+    "table": lambda s, b, h, q, k: TABLE[q - k + 8],
+    "bias_b": lambda s, b, h, q, k: jnp.float32(0.5) * b,
+    "const": lambda s, b, h, q, k: 1.25,
+}
+
+
+def _leaf():
+    return st.one_of(
+        st.sampled_from(sorted(LEAVES)).map(lambda n: ("leaf", n)),
+        st.sampled_from(sorted(INDEX_EXPR)).map(lambda n: ("idx", n)),
+    )
+
+
+def _extend(children):
+    return st.one_of(
+        st.tuples(st.just("un"), st.sampled_from(sorted(UNARY)), children),
+        st.tuples(st.just("bin"), st.sampled_from(sorted(BINARY)), children, children),
+        st.tuples(st.just("where"), st.sampled_from(sorted(CONDS)), children, children),
+    )
+
+
+SPECS = st.recursive(_leaf(), _extend, max_leaves=8)
+
+
+def render(spec):
+    kind = spec[0]
+    if kind == "leaf":
+        return LEAVES[spec[1]]
+    if kind == "idx":
+        f = INDEX_EXPR[spec[1]]
+        return lambda s, b, h, q, k: f(b, h, q, k).astype(jnp.float32)
+    if kind == "un":
+        f, a = UNARY[spec[1]], render(spec[2])
+        return lambda s, b, h, q, k: f(a(s, b, h, q, k))
+    if kind == "bin":
+        f, a, c = BINARY[spec[1]], render(spec[2]), render(spec[3])
+        return lambda s, b, h, q, k: f(a(s, b, h, q, k), c(s, b, h, q, k))
+    cond, a, c = CONDS[spec[1]], render(spec[2]), render(spec[3])
+    return lambda s, b, h, q, k: jnp.where(cond(s, b, h, q, k), a(s, b, h, q, k), c(s, b, h, q, k))
+
+
+def _points(seed, n=48):
+    rng = np.random.default_rng(seed)
+    s = jnp.asarray(rng.normal(0.0, 2.0, n), jnp.float32)
+    b = jnp.asarray(rng.integers(0, 2, n), jnp.int32)
+    h = jnp.asarray(rng.integers(0, 8, n), jnp.int32)
+    q = jnp.asarray(rng.integers(0, 8, n), jnp.int32)
+    k = jnp.asarray(rng.integers(0, 8, n), jnp.int32)
+    return s, b, h, q, k
+
+
+def _as_fn(spec):
+    f = render(spec)
+    # A plain function: the tracer must also handle non-float results.
+    return lambda s, b, h, q, k: jnp.asarray(f(s, b, h, q, k), jnp.float32)
+
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(SPECS, st.integers(0, 2**16))
+def test_trace_matches_direct_evaluation(spec, seed):
+    fn = _as_fn(spec)
+    mod = scoremod.trace(fn)
+    pts = _points(seed)
+    want = jax.vmap(fn)(*pts)
+    got = jnp.broadcast_to(mod(*pts), want.shape)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+
+
+@SETTINGS
+@given(SPECS)
+def test_print_parse_roundtrip(spec):
+    mod = scoremod.trace(_as_fn(spec))
+    names = dict(zip(mod.operand_names, mod.operands))
+    again = scoremod.parse(str(mod), **names)
+    assert again == mod
+    assert str(again) == str(mod)
+    assert again.key == mod.key
+    assert scoremod.parse(str(mod)) == mod  # declarations stand in for the arrays
+    grad = mod.grad
+    assert scoremod.parse(str(grad)) == grad
+
+
+@SETTINGS
+@given(SPECS, st.integers(0, 2**16))
+def test_grad_matches_jax_grad(spec, seed):
+    fn = _as_fn(spec)
+    mod = scoremod.trace(fn)
+    pts = _points(seed)
+    want = jax.vmap(jax.grad(fn))(*pts)
+    got = jnp.broadcast_to(mod.grad(*pts), want.shape)
+    # Away from kinks (relu, abs, max, floor, clip, sign), where the two may
+    # legitimately pick different one-sided derivatives.
+    eps = 1e-3
+    shifted = [jax.vmap(fn)(pts[0] + d, *pts[1:]) for d in (-eps, eps)]
+    smooth = np.abs(np.asarray(shifted[1] - shifted[0]) / (2 * eps) - np.asarray(want)) < 0.05 * (
+        1 + np.abs(np.asarray(want))
+    )
+    finite = np.isfinite(np.asarray(want))
+    ok = smooth & finite
+    np.testing.assert_allclose(np.asarray(got)[ok], np.asarray(want)[ok], rtol=1e-4, atol=1e-5)
+
+
+def test_generator_covers_every_traceable_op():
+    """The random trees above can reach every op the tracer emits."""
+    seen = set()
+    for f in UNARY.values():
+        mod = scoremod.trace(lambda s, b, h, q, k, f=f: f(s))
+        seen |= {n.op for n in scoremod.dsl.ir.toposort(mod.expr)}
+    for f in BINARY.values():
+        mod = scoremod.trace(lambda s, b, h, q, k, f=f: f(s, s * 2.0))
+        seen |= {n.op for n in scoremod.dsl.ir.toposort(mod.expr)}
+    for f in INDEX_EXPR.values():
+        mod = scoremod.trace(lambda s, b, h, q, k, f=f: s + f(b, h, q, k))
+        seen |= {n.op for n in scoremod.dsl.ir.toposort(mod.expr)}
+    for f in list(CONDS.values()) + list(LEAVES.values()):
+        mod = scoremod.trace(lambda s, b, h, q, k, f=f: jnp.where(CONDS["causal"](s, b, h, q, k), s, 0.0) + f(s, b, h, q, k))
+        seen |= {n.op for n in scoremod.dsl.ir.toposort(mod.expr)}
+    derivative_only = {"relu_grad", "f32", "i32", "bool", "mod", "floordiv"}
+    missing = set(scoremod.OPS) - seen - derivative_only
+    assert not missing, f"ops the property tests never generate: {sorted(missing)}"

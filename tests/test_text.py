@@ -1,0 +1,132 @@
+"""The text form: parsing, printing, errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scoremod
+from scoremod import ScoreModSyntaxError, ScoreModTypeError
+
+
+def test_issue_examples():
+    cap = scoremod.parse("cap * tanh(score / cap)", cap=30.0)
+    assert str(cap) == "tanh(score / 30.0) * 30.0"
+    causal = scoremod.parse("where(q_idx >= kv_idx, score, -inf)")
+    assert causal == scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf))
+    slopes = jnp.arange(8.0)
+    alibi = scoremod.parse("score + slopes[h] * (kv_idx - q_idx)", slopes=slopes)
+    assert str(alibi) == "slopes: float32[8]; score + slopes[h] * f32(kv_idx - q_idx)"
+    assert alibi.operands == (slopes,)
+
+
+@pytest.mark.parametrize(
+    "src, canonical",
+    [
+        ("score", "score"),
+        ("-score", "-score"),
+        ("score - -2.0", "score + 2.0"),
+        ("(score + 1) * 2", "(score + 1.0) * 2.0"),
+        ("score - (1.0 - score)", "score - (1.0 - score)"),
+        ("score / 2 / 3", "score / 2.0 / 3.0"),
+        ("score / (2.0 / score)", "score / (2.0 / score)"),
+        ("-score ** 2", "-score ** 2"),
+        ("(-score) ** 2", "(-score) ** 2"),
+        ("score ** -2", "score ** -2"),
+        ("score ** 0.5", "pow(score, 0.5)"),
+        ("q_idx // 64 * 1.0 + score", "f32(q_idx // 64) + score"),
+        ("f32(q_idx % 7) + score", "f32(q_idx % 7) + score"),
+        ("q_idx / 2 + score", "f32(q_idx) / 2.0 + score"),
+        ("where(not q_idx > kv_idx or h == 0, score, 0)", "where(not q_idx > kv_idx or h == 0, score, 0.0)"),
+        ("where(q_idx > 1 and (h == 0 or b == 1), score, 0)", "where(q_idx > 1 and (h == 0 or b == 1), score, 0.0)"),
+        ("clip(score, -1, 1)", "min(max(score, -1.0), 1.0)"),
+        ("maximum(score, 0)", "relu(score)"),
+        ("let t = tanh(score); t * t", "let x0 = tanh(score); x0 * x0"),
+        ("1e-3 * score", "score * 0.001"),
+        ("true", None),
+    ],
+)
+def test_canonical_text(src, canonical):
+    if canonical is None:
+        with pytest.raises(ScoreModSyntaxError, match="boolean"):
+            scoremod.parse(src)
+        return
+    mod = scoremod.parse(src)
+    assert str(mod) == canonical
+    assert scoremod.parse(str(mod)) == mod
+
+
+def test_floats_round_trip_exactly():
+    for v in (1 / 3, 1e-30, 3.4e38, -0.0, 2.5e-7, 123456.789):
+        mod = scoremod.parse("score * c", c=v)
+        assert scoremod.parse(str(mod)) == mod
+        assert scoremod.parse(str(mod)).expr.args[1].attr == np.float32(v)
+
+
+def test_declarations_stand_for_unbound_arrays():
+    mod = scoremod.parse("bias: float32[4, 8, 8]; score + bias[h, q_idx, kv_idx]")
+    assert mod.operands == (None,)
+    with pytest.raises(ScoreModTypeError, match="bind"):
+        mod(0.0, 0, 0, 0, 0)
+    bound = mod.bind(bias=jnp.ones((4, 8, 8)))
+    assert float(bound(1.0, 0, 1, 2, 3)) == 2.0
+    assert bound == mod
+    with pytest.raises(ScoreModTypeError, match=r"float32\[4, 8, 8\]"):
+        mod.bind(bias=jnp.ones((4, 8)))
+
+
+def test_declaration_must_match_given_array():
+    with pytest.raises(ScoreModSyntaxError, match="declared"):
+        scoremod.parse("s2: float32[4]; score + s2[h]", s2=jnp.ones(5))
+
+
+@pytest.mark.parametrize(
+    "src, where, what",
+    [
+        ("score +", "line 1, column 8", "end of text"),
+        ("score + * 2", "line 1, column 9", "'*'"),
+        ("score $ 2", "line 1, column 7", "character '$'"),
+        ("let t = 1.0;\nscore + nope", "line 2, column 9", "unknown name 'nope'"),
+        ("tanh(score, score)", "line 1, column 1", "takes 1 arguments"),
+        ("frobnicate(score)", "line 1, column 1", "unknown function"),
+        ("where(score, score, 0.0)", "line 1, column 1", "where"),
+        ("q_idx < kv_idx < 3", "line 1, column 16", "'<'"),
+    ],
+)
+def test_syntax_errors_have_line_and_column(src, where, what):
+    with pytest.raises(ScoreModSyntaxError) as e:
+        scoremod.parse(src)
+    assert where in str(e.value)
+    assert what in str(e.value)
+
+
+def test_array_used_without_index():
+    with pytest.raises(ScoreModSyntaxError, match=r"index it"):
+        scoremod.parse("score + slopes", slopes=jnp.ones(4))
+
+
+def test_zero_d_array_is_an_operand_and_numpy_scalar_a_constant():
+    t = scoremod.parse("score * t", t=jnp.float32(2.0))
+    assert t.operand_names == ("t",) and str(t) == "t: float32[]; score * t"
+    c = scoremod.parse("score * t", t=np.float32(2.0))
+    assert c.operands == () and str(c) == "score * 2.0"
+
+
+def test_index_count_is_checked():
+    with pytest.raises(ScoreModSyntaxError, match="indexed with 1"):
+        scoremod.parse("score + bias[h]", bias=jnp.ones((2, 3)))
+
+
+def test_call_evaluates_with_broadcasting():
+    mod = scoremod.parse("where(q_idx >= kv_idx, score * 2, -inf)")
+    q, k = jnp.arange(3)[:, None], jnp.arange(3)[None, :]
+    out = mod(jnp.ones((3, 3)), 0, 0, q, k)
+    np.testing.assert_array_equal(np.asarray(out), np.where(np.tril(np.ones((3, 3))) > 0, 2.0, -np.inf))
+
+
+def test_grad_is_printable_and_parsable():
+    mod = scoremod.parse("30.0 * tanh(score / 30.0)")
+    assert str(mod.grad) == "let x0 = tanh(score / 30.0); (1.0 - x0 * x0) * 30.0 / 30.0"
+    assert scoremod.parse(str(mod.grad)) == mod.grad
+    assert str(scoremod.parse("max(score, 2.0)").grad) == "relu_grad(1.0, score - 2.0)"
+    assert str(scoremod.parse("score + f32(h)").grad) == "1.0"
+    assert str(scoremod.parse("f32(q_idx)").grad) == "0.0"

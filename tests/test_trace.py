@@ -1,0 +1,176 @@
+"""Tracing: what becomes what, and the errors for what cannot be traced."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scoremod
+from scoremod import ScoreModTypeError, UnsupportedOpError
+
+S, I = jnp.float32, jnp.int32
+
+
+def text(fn):
+    return str(scoremod.trace(fn))
+
+
+@pytest.mark.parametrize(
+    "fn, want",
+    [
+        (lambda s, b, h, q, k: 30 * jnp.tanh(s / 30), "tanh(score / 30.0) * 30.0"),
+        (lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf), "where(q_idx >= kv_idx, score, -inf)"),
+        (lambda s, b, h, q, k: jax.nn.relu(s), "relu(score)"),
+        (lambda s, b, h, q, k: jnp.maximum(s, 0.0), "relu(score)"),
+        (lambda s, b, h, q, k: jnp.clip(s, -1.0, 1.0), "min(max(score, -1.0), 1.0)"),
+        (lambda s, b, h, q, k: jnp.square(s) + s**3, "score ** 2 + score ** 3"),
+        (lambda s, b, h, q, k: jax.nn.sigmoid(s), "sigmoid(score)"),
+        (lambda s, b, h, q, k: s * (h + 1), "score * f32(h + 1)"),
+        (lambda s, b, h, q, k: jnp.where((q - k < 4) & (k <= q), s, -jnp.inf),
+         "where(q_idx - kv_idx < 4 and kv_idx <= q_idx, score, -inf)"),
+        (lambda s, b, h, q, k: s - jnp.abs(q - k).astype(jnp.float32), "score - f32(abs(q_idx - kv_idx))"),
+        (lambda s, b, h, q, k: q * 1.0, "f32(q_idx)"),
+        (lambda s, b, h, q, k: jnp.float32(2.0) * s, "score * 2.0"),
+        (lambda s, b, h, q, k, c=np.float32(3.0): s / c, "score / 3.0"),
+        (lambda s, b, h, q, k: jnp.floor(s) + jnp.ceil(s) + jnp.sign(s), "floor(score) + ceil(score) + sign(score)"),
+        (lambda s, b, h, q, k: jnp.exp(s) + jnp.log(s) + jnp.log1p(s) + jnp.expm1(s),
+         "exp(score) + log(score) + log1p(score) + expm1(score)"),
+        (lambda s, b, h, q, k: jnp.sqrt(s) + jax.lax.rsqrt(s) + jnp.sin(s) + jnp.cos(s) + jax.lax.erf(s),
+         "sqrt(score) + rsqrt(score) + sin(score) + cos(score) + erf(score)"),
+        (lambda s, b, h, q, k: jnp.power(s, 1.5), "pow(score, 1.5)"),
+        (lambda s, b, h, q, k: jnp.where(~(q > k) | (h == 0), s, 0.0),
+         "where(not q_idx > kv_idx or h == 0, score, 0.0)"),
+    ],
+)
+def test_traced_text(fn, want):
+    assert text(fn) == want
+
+
+def test_index_arithmetic_matches_jnp_on_negative_values():
+    mod = scoremod.trace(lambda s, b, h, q, k: s + ((q - k) // 3) + ((q - k) % 3))
+    q, k = jnp.arange(8, dtype=I)[:, None], jnp.arange(8, dtype=I)[None, :]
+    want = 0.5 + ((q - k) // 3) + ((q - k) % 3)
+    np.testing.assert_array_equal(np.asarray(mod(0.5, 0, 0, q, k)), np.asarray(want, np.float32))
+
+
+def test_captured_arrays_become_operands():
+    slopes, doc = jnp.arange(4.0), jnp.zeros((2, 16), I)
+    temp = jnp.float32(0.5)
+    mod = scoremod.trace(
+        lambda s, b, h, q, k: jnp.where(doc[b, q] == doc[b, k], s * temp + slopes[h], -jnp.inf)
+    )
+    assert mod.operand_names == ("c0", "c1", "c2")
+    assert [tuple(np.shape(v)) for v in mod.operands] == [(2, 16), (), (4,)]
+    assert str(mod).startswith("c0: int32[2, 16]; c1: float32[]; c2: float32[4]; ")
+    assert not mod.has_computed_index
+
+
+def test_computed_index_is_marked_and_evaluates_like_jnp():
+    table = jnp.linspace(-1, 1, 33)
+    fn = lambda s, b, h, q, k: s + table[q - k + 16]  # noqa: E731
+    mod = scoremod.trace(fn)
+    assert mod.has_computed_index
+    q, k = jnp.arange(20, dtype=I)[:, None], jnp.arange(20, dtype=I)[None, :]
+    np.testing.assert_array_equal(np.asarray(mod(0.0, 0, 0, q, k)), np.asarray(fn(0.0, 0, 0, q, k)))
+
+
+def test_arrays_transformed_before_indexing():
+    slopes = jnp.arange(4.0)
+    mod = scoremod.trace(lambda s, b, h, q, k: (2 * slopes)[h] + slopes.astype(I)[h] * s)
+    h = jnp.arange(4, dtype=I)
+    np.testing.assert_allclose(np.asarray(mod(1.5, 0, h, 0, 0)), np.asarray(2 * slopes + slopes * 1.5))
+
+
+def test_same_array_captured_twice_is_one_operand():
+    doc = jnp.zeros((2, 16), I)
+    mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(doc[b, q] == doc[b, k], s, -jnp.inf))
+    assert len(mod.operands) == 1
+
+
+def test_unsupported_primitive_names_it_and_the_line():
+    def mod(s, b, h, q, k):
+        return jnp.arctan(s)  # the line reported
+
+    line = mod.__code__.co_firstlineno + 1
+    with pytest.raises(UnsupportedOpError, match=rf"atan at .*test_trace.py:{line}"):
+        scoremod.trace(mod)
+
+
+def test_unsupported_inside_jax_nn_points_at_user_line():
+    def mod(s, b, h, q, k):
+        return jax.nn.log_sigmoid(s) + jnp.cumsum(jnp.stack([s, s]))[1]
+
+    with pytest.raises((UnsupportedOpError, ScoreModTypeError)) as e:
+        scoremod.trace(mod)
+    assert "test_trace.py" in str(e.value)
+
+
+def test_python_control_flow_gets_a_hint():
+    def mod(s, b, h, q, k):
+        if q >= k:
+            return s
+        return -jnp.inf
+
+    with pytest.raises(ScoreModTypeError, match="jnp.where"):
+        scoremod.trace(mod)
+
+
+def test_non_scalar_result_is_refused():
+    with pytest.raises(ScoreModTypeError, match="one scalar per score"):
+        scoremod.trace(lambda s, b, h, q, k: jnp.stack([s, s]))
+
+
+def test_boolean_result_is_refused():
+    with pytest.raises(ScoreModTypeError, match="boolean"):
+        scoremod.trace(lambda s, b, h, q, k: q >= k)
+
+
+def test_wrong_signature_is_explained():
+    with pytest.raises(ScoreModTypeError, match=re.escape("(score, b, h, q_idx, kv_idx)")):
+        scoremod.trace(lambda s: s)
+
+
+def test_low_precision_casts_are_refused():
+    with pytest.raises(UnsupportedOpError, match="bfloat16"):
+        scoremod.trace(lambda s, b, h, q, k: s.astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_numpy_array_indexed_by_tracer_gets_a_hint():
+    table = np.arange(4.0)
+    with pytest.raises(ScoreModTypeError, match="jnp.asarray"):
+        scoremod.trace(lambda s, b, h, q, k: s + table[h])
+
+
+def test_traced_under_jit_with_tracer_operands():
+    q = jnp.ones((1, 8, 2, 16))
+
+    @jax.jit
+    def f(t):
+        mod = scoremod.trace(lambda s, b, h, qi, ki: s * t)
+        return scoremod.attention(q, q, q, mod, implementation="xla").sum()
+
+    assert np.isfinite(float(f(jnp.float32(2.0))))
+    assert float(jax.grad(f)(jnp.float32(2.0))) == pytest.approx(0.0, abs=1e-3)
+
+
+def test_decorator_form():
+    @scoremod.score_mod
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 50.0 * jnp.tanh(score / 50.0)
+
+    assert isinstance(softcap, scoremod.ScoreMod)
+    assert str(softcap) == "tanh(score / 50.0) * 50.0"
+
+
+def test_sources_point_at_user_lines():
+    def mod(s, b, h, q, k):
+        t = jnp.tanh(s)
+        return t * 2.0
+
+    m = scoremod.trace(mod)
+    line = mod.__code__.co_firstlineno
+    tanh_node = m.expr.args[0]
+    assert m.sources[tanh_node].endswith(f"test_trace.py:{line + 1}")
+    assert m.sources[m.expr].endswith(f"test_trace.py:{line + 2}")
