@@ -1,4 +1,4 @@
-"""The ``scoremod`` command line.
+"""The scoremod command line.
 
     scoremod demo                          # softcap + causal attention, both paths
     scoremod show "30.0 * tanh(score / 30.0)"
@@ -18,14 +18,14 @@ import time
 _IMPORT_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
-def _timed(fn, *args, repeat=5):
+def _timed(fn, *args, repeat=5, **kwargs):
     """(result, seconds per call) of a jitted ``fn``, compile excluded."""
     import jax
 
-    out = jax.block_until_ready(fn(*args))  # compile and warm up
+    out = jax.block_until_ready(fn(*args, **kwargs))  # compile and warm up
     start = time.perf_counter()
     for _ in range(repeat):
-        out = jax.block_until_ready(fn(*args))
+        out = jax.block_until_ready(fn(*args, **kwargs))
     return out, (time.perf_counter() - start) / repeat
 
 
@@ -55,17 +55,18 @@ def demo(args) -> int:
     print(f"q, k, v:   {shape} {q.dtype}")
     print(f"implementation=None runs: {picked} (cudnn_path.usable: {picked == 'cudnn'})")
 
-    def loss(q, k, v, impl):
-        out = scoremod.attention(q, k, v, mod, implementation=impl)
-        return jnp.sum(out.astype(jnp.float32) ** 2)
+    def forward(q, k, v, impl):
+        return scoremod.attention(q, k, v, mod, implementation=impl)
 
+    def loss(q, k, v, impl):
+        return jnp.sum(forward(q, k, v, impl).astype(jnp.float32) ** 2)
+
+    fwd = jax.jit(forward, static_argnames="impl")
+    bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnames="impl")
     results = {}
     for label, impl in (("None", None), ("xla", "xla")):
-        fwd = jax.jit(lambda q, k, v, impl=impl: scoremod.attention(q, k, v, mod,
-                                                                      implementation=impl))
-        bwd = jax.jit(jax.grad(lambda q, k, v, impl=impl: loss(q, k, v, impl), argnums=(0, 1, 2)))
-        out, t_fwd = _timed(fwd, q, k, v)
-        grads, t_bwd = _timed(bwd, q, k, v)
+        out, t_fwd = _timed(fwd, q, k, v, impl=impl)
+        grads, t_bwd = _timed(bwd, q, k, v, impl=impl)
         results[label] = out, grads
         norms = ", ".join(f"d{n} {float(jnp.linalg.norm(g.astype(jnp.float32))):.4g}"
                           for n, g in zip("qkv", grads))

@@ -44,6 +44,7 @@ DERIVATIVE_TEXT = {
     "sigmoid": "g * y * (1 - y)",
     "sqrt": "g * 0.5 / y",
     "rsqrt": "g * -0.5 * y / a",
+    "reciprocal": "-(g * y * y)",
     "sin": "g * cos(a)",
     "cos": "-(g * sin(a))",
     "erf": "g * 2/sqrt(pi) * exp(-a*a)",

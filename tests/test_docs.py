@@ -1,0 +1,59 @@
+"""docs/ops.md is generated from the op table and must stay in step with it."""
+
+import re
+
+import pytest
+
+from scoremod import docs_gen
+from scoremod.dsl.ops import OPS
+
+
+def test_ops_md_is_up_to_date():
+    assert docs_gen.OPS_MD.exists(), "docs/ops.md is missing; run python -m scoremod.docs_gen"
+    assert docs_gen.OPS_MD.read_text() == docs_gen.ops_markdown(), (
+        "docs/ops.md is stale; regenerate it with python -m scoremod.docs_gen"
+    )
+
+
+def test_every_op_has_a_row_and_a_derivative():
+    rows = {}
+    for line in docs_gen.ops_table().splitlines()[2:]:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        rows[cells[0].strip("`")] = cells
+    assert list(rows) == list(OPS)
+    for name, cells in rows.items():
+        assert len(cells) == 6, name
+        assert docs_gen.DERIVATIVE_TEXT[name].strip(), name
+        assert cells[4], f"{name} has no derivative text"
+        assert cells[5], f"{name} has no doc"
+
+
+def test_missing_derivative_text_is_an_error(monkeypatch):
+    texts = dict(docs_gen.DERIVATIVE_TEXT)
+    del texts["tanh"]
+    monkeypatch.setattr(docs_gen, "DERIVATIVE_TEXT", texts)
+    with pytest.raises(KeyError, match="tanh"):
+        docs_gen.ops_markdown()
+
+
+# --- the code examples of the docs run ---------------------------------------
+
+_FENCE = re.compile(r"^( *)```python\n(.*?)^\1```", re.M | re.S)
+
+
+def python_blocks(path):
+    """The ```python blocks of a markdown file, dedented, in order."""
+    import textwrap
+
+    return [textwrap.dedent(m.group(2)) for m in _FENCE.finditer(path.read_text())]
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/guide.md"])
+def test_doc_examples_run(name, capsys):
+    path = docs_gen.OPS_MD.parent.parent / name
+    blocks = python_blocks(path)
+    assert blocks, f"no python examples found in {name}"
+    namespace = {"__name__": f"docs_example_{path.stem}"}
+    for i, block in enumerate(blocks):
+        code = compile(block, f"{name} [python block {i + 1}]", "exec")
+        exec(code, namespace)
