@@ -160,6 +160,11 @@ def var(name: str) -> Node:
     return Node("var", (), name, F32 if name == SCORE else I32)
 
 
+def cotangent() -> Node:
+    """``dP``: the incoming gradient of a backward expression (lowering only)."""
+    return Node("var", (), "dP", F32)
+
+
 def operand(name: str, shape, dtype) -> Node:
     """A captured array: its shape and dtype are part of the IR, its values are not."""
     dtype = np.dtype(dtype).name

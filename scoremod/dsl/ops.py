@@ -100,6 +100,7 @@ _RULES = {
     "sigmoid": lambda y, g: (g * y * (1.0 - y),),
     "sqrt": lambda y, g: (g * 0.5 / y,),
     "rsqrt": lambda y, g: (g * -0.5 * y / y.args[0],),
+    "reciprocal": lambda y, g: (-(g * y * y),),
     "sin": lambda y, g: (g * apply("cos", y.args[0]),),
     "cos": lambda y, g: (-(g * apply("sin", y.args[0])),),
     "erf": lambda y, g: (
@@ -111,7 +112,7 @@ _RULES = {
         g * apply("log", y.args[0]) * y,
     ),
     "max": lambda y, g: _max_grad(y.args[0], y.args[1], g),
-    "min": lambda y, g: _max_grad(y.args[1], y.args[0], g)[::-1],
+    "min": lambda y, g: _max_grad(y.args[1], y.args[0], g),  # (d/da, d/db) of min(a, b)
     "relu": lambda y, g: (_relu_grad(g, y.args[0]),),
     "relu_grad": lambda y, g: (_relu_grad(g, y.args[1]), None),
     "where": lambda y, g: (
@@ -176,6 +177,7 @@ _op("sigmoid", 1, "float", lax.logistic, _rule("sigmoid"), prims=("logistic",),
 _op("sqrt", 1, "float", jnp.sqrt, _rule("sqrt"), prims=("sqrt",), doc="square root")
 _op("rsqrt", 1, "float", lax.rsqrt, _rule("rsqrt"), prims=("rsqrt",),
     doc="1 / sqrt(x)")
+_op("reciprocal", 1, "float", jnp.reciprocal, _rule("reciprocal"), doc="1 / x")
 _op("sin", 1, "float", jnp.sin, _rule("sin"), prims=("sin",), doc="sine")
 _op("cos", 1, "float", jnp.cos, _rule("cos"), prims=("cos",), doc="cosine")
 _op("erf", 1, "float", lax.erf, _rule("erf"), prims=("erf",), doc="error function")

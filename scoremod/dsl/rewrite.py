@@ -149,6 +149,55 @@ def _where_known(args, attr):
     return None
 
 
+@pattern("where")
+def _floor_divide(args, attr):
+    # jnp.floor_divide on ints traces to this correction of lax.div; name it.
+    from scoremod.dsl.ops import apply
+
+    c, t, f = args
+    if f.op != "trunc_div" or t.op != "sub":
+        return None
+    a, b = f.args
+    want = apply("and", apply("ne", apply("sign", a), apply("sign", b)),
+                 apply("ne", apply("rem", a, b), const(0, I32)))
+    if c is want and t is apply("sub", f, const(1, I32)):
+        return apply("floordiv", a, b)
+    return None
+
+
+@pattern("where")
+def _remainder(args, attr):
+    # jnp.remainder on ints traces to this correction of lax.rem; name it.
+    from scoremod.dsl.ops import apply
+
+    c, t, f = args
+    if f.op != "rem" or t.op != "add":
+        return None
+    a, b = f.args
+    zero = const(0, I32)
+    want = apply("and", apply("ne", apply("lt", f, zero), apply("lt", b, zero)),
+                 apply("ne", f, zero))
+    if c is want and t is apply("add", f, b):
+        return apply("mod", a, b)
+    return None
+
+
+def _bool_const_compare(negate_on_true):
+    def rule(args, attr):
+        from scoremod.dsl.ops import apply
+
+        a, b = args
+        if a.dtype != BOOL or b.op != "const":
+            return None
+        return a if b.attr != negate_on_true else apply("not", a)
+
+    return rule
+
+
+PATTERNS["ne"] = [_bool_const_compare(True)]  # x != False is x; x != True is not x
+PATTERNS["eq"] = [_bool_const_compare(False)]  # x == True is x; x == False is not x
+
+
 @pattern("max")
 def _max_zero_is_relu(args, attr):
     from scoremod.dsl.ops import apply

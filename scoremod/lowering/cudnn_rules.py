@@ -1,0 +1,176 @@
+"""IR-level preparation of a mod for cuDNN: support check and canonical forms.
+
+Everything here is plain IR work, testable without a GPU. The measured cuDNN
+rules it enforces (see docs/limitations.md):
+
+1. a pass-by-value scalar is never the first operand of a binary node:
+   ``c - x`` becomes ``-x + c``, ``c / x`` becomes ``reciprocal(x) * c``,
+   ``c < x`` becomes ``x > c``, ``where(m, c, x)`` becomes ``where(not m, x, c)``;
+2. comparisons only on integer values (positions), never on floats: a mod
+   that compares the score is refused with its source line; piecewise ops of
+   the score (max, min, abs, relu) have derivative rules through relu_grad;
+3. the forward score_mod emits exactly the primal expression; every
+   derivative factor is computed in the backward callback.
+"""
+
+from __future__ import annotations
+
+import math
+
+from scoremod.dsl import ir
+from scoremod.dsl.grad import vjp
+from scoremod.dsl.ir import BOOL, F32, I32, Node, const, is_const
+from scoremod.dsl.ops import apply
+from scoremod.errors import UnsupportedOpError
+
+SCORE = ir.var(ir.SCORE)
+DP = ir.cotangent()
+
+# Ops with no faithful cuDNN lowering, and why.
+_REFUSED = {
+    "trunc_div": "integer division rounding toward zero has no cuDNN node",
+    "rem": "lax.rem has no cuDNN node",
+    "sign": "sign has no cuDNN node",
+    "i32": "converting a float to an integer has no exact cuDNN node",
+    "bool": "converting to bool has no cuDNN node; compare instead (x != 0)",
+}
+_COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+_FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+
+
+def refusal(node: Node) -> str | None:
+    """Why the fused path cannot run ``node``, or None."""
+    if node.op in _REFUSED and not (node.op in ("i32", "bool") and node.args[0].dtype != F32):
+        return _REFUSED[node.op]
+    if node.op in ("floordiv", "mod") and node.dtype == F32:
+        return f"{node.op} of floats has no cuDNN node"
+    if node.op in _COMPARISONS and node.args[0].dtype == F32:
+        a, b = node.args
+        if a is b or (_int_cast(a) and _int_cast(b)):
+            return None
+        return (
+            "it compares float values (such as the score); cuDNN compares only integer "
+            "positions. Write masks on b, h, q_idx, kv_idx; for piecewise functions of the "
+            "score use max, min, abs or relu"
+        )
+    return None
+
+
+def _int_cast(node):
+    return node.op == "f32" and node.args[0].dtype == I32
+
+
+def check_supported(expr: Node, sources: dict) -> None:
+    """Raise UnsupportedOpError naming the op and its source line if cuDNN can't run it."""
+    from scoremod.dsl.text import format_expr
+
+    for node in ir.toposort(expr):
+        why = refusal(node)
+        if why:
+            where = sources.get(node) or _nearest_source(node, expr, sources)
+            raise UnsupportedOpError(
+                f"the fused cuDNN path cannot run `{node.op}` in `{format_expr(node)}`"
+                f"{' at ' + where if where else ''}: {why}. Use implementation=\"xla\" for this "
+                "mod, or implementation=None to pick it automatically."
+            )
+
+
+def _nearest_source(node, root, sources):
+    for parent in ir.toposort(root):
+        if node in parent.args and parent in sources:
+            return sources[parent]
+    return None
+
+
+# --- canonical forms ---------------------------------------------------------
+
+
+def _pow_chain(x, n):
+    out = None
+    base = x
+    while n:
+        if n & 1:
+            out = base if out is None else out * base
+        n >>= 1
+        if n:
+            base = base * base
+    return out
+
+
+def _rewrite(node: Node, args: tuple) -> Node:
+    """One node, arguments already canonical."""
+    op = node.op
+    if op == "sub" and args[0].op == "const" and args[1].op != "const":
+        return apply("add", apply("neg", args[1]), args[0])
+    if op == "div" and args[0].op == "const" and args[1].op != "const":
+        r = apply("reciprocal", args[1])
+        return r if is_const(args[0], 1.0) else r * args[0]
+    if op in _COMPARISONS:
+        a, b = args
+        if a.dtype == F32 and a is b:  # x != x tests for NaN; scores are never NaN
+            return const(op in ("eq", "le", "ge"), BOOL)
+        if _int_cast(a) and _int_cast(b):  # exact below 2**24
+            a, b = a.args[0], b.args[0]
+        if a.op == "const" and b.op != "const":
+            return apply(_FLIPPED[op], b, a)
+        return apply(op, a, b)
+    if op == "where":
+        c, a, b = args
+        if a.op == "const" and b.op != "const":
+            return apply("where", apply("not", c), b, a)
+        if a.op == "const" and b.op == "const":
+            return apply("where", c, const_tensor(a), b)
+        return apply("where", c, a, b)
+    if op == "integer_pow":
+        n = node.attr
+        if n == 0:
+            return const(1.0, F32) if node.dtype == F32 else const(1, I32)
+        chain = _pow_chain(args[0], abs(n))
+        return apply("reciprocal", chain) if n < 0 else chain
+    if op == "log1p":
+        return apply("log", args[0] + 1.0)
+    if op == "expm1":
+        return apply("exp", args[0]) - 1.0
+    if op == "exp2":
+        return apply("exp", args[0] * math.log(2.0))
+    if op == "floordiv":  # ints only (refused for floats): exact below 2**24
+        a, b = (apply("f32", x) for x in args)
+        return apply("i32", apply("floor", a / b))
+    if op == "mod":
+        a, b = args
+        return a - _rewrite(Node("floordiv", (a, b), None, I32), (a, b)) * b
+    if op == "f32" and args[0].dtype == BOOL:
+        return apply("where", args[0], const_tensor(const(1.0, F32)), const(0.0, F32))
+    if op == "load" and node.dtype == BOOL:  # bool arrays travel as int32
+        as_int = Node("load", args, None, I32)
+        return apply("ne", as_int, const(0, I32))
+    return apply(op, *args, attr=node.attr) if op not in ("load",) else Node(op, args, node.attr, node.dtype)
+
+
+def const_tensor(c: Node) -> Node:
+    """A float constant as a tensor: score * 0 + c (the score is finite)."""
+    return Node("mul", (SCORE, const(0.0, F32)), None, F32) + c
+
+
+def canonical(root: Node) -> Node:
+    """``root`` rewritten so every node maps onto one cuDNN node under the rules."""
+    done = {}
+    for node in ir.toposort(root):
+        if ir.is_const(node) or node.op in ("var", "operand"):
+            done[node] = node
+            continue
+        done[node] = _rewrite(node, tuple(done[a] for a in node.args))
+    out = done[root]
+    # The root must be a tensor that is not the raw input.
+    if out.op == "const":
+        out = const_tensor(out) if out.dtype == F32 else out
+    return out
+
+
+def forward_and_backward(expr: Node) -> tuple[Node, Node]:
+    """(forward, backward) expressions in canonical form; backward is d/dscore * dP."""
+    fwd = canonical(expr)
+    bwd = vjp(expr, DP)
+    if bwd.op == "const":  # zero gradient: still an expression of dP
+        bwd = Node("mul", (DP, const(0.0, F32)), None, F32)
+    return fwd, canonical(bwd)
