@@ -58,7 +58,7 @@ BINARY = {
 INDEX_EXPR = {
     "q-k": lambda b, h, q, k: q - k,
     "q//3": lambda b, h, q, k: q // 3,
-    "k%3": lambda b, h, q, k: k % 3,
+    "(q-k)%3": lambda b, h, q, k: (q - k) % 3,
     "h*q": lambda b, h, q, k: h * q,
     "b+h": lambda b, h, q, k: b + h,
     "rem": lambda b, h, q, k: jax.lax.rem(q, 3),
