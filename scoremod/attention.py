@@ -66,7 +66,7 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         from scoremod.lowering import cudnn_path
 
         if cudnn_path.usable(query, key, value, mod):
-            return cudnn_path.attention(query, key, value, mod, scale, return_lse)
+            return cudnn_path.attention(query, key, value, mod, scale, return_lse, explicit=False)
     out, lse = scores_and_lse_reference(query, key, value, mod, scale, return_lse)
     return (out, lse) if return_lse else out
 

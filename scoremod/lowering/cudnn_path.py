@@ -1,22 +1,304 @@
-"""The fused cuDNN path (IR -> cuDNN SDPA graphs, run through an XLA FFI call).
+"""The fused cuDNN path: IR -> cuDNN SDPA graphs run from JAX through XLA FFI.
 
-Not built yet: asking for it raises, and ``implementation=None`` never
-chooses it, so nothing falls back silently.
+``attention`` builds (once, at trace time, cached) a forward and a backward
+cuDNN graph for the mod and the shapes, then calls them through the
+``scoremod_cudnn_execute`` FFI target inside a ``jax.custom_vjp``. No
+backward is written by hand: the backward score_mod is the IR's derivative.
 """
 
 from __future__ import annotations
 
-from scoremod.errors import CudnnUnavailableError
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scoremod.dsl import ir
+from scoremod.dsl.ir import BOOL, F32, I32, Node
+from scoremod.errors import CudnnUnavailableError, ScoreModError
+from scoremod.lowering import cudnn_graph as cg
+from scoremod.lowering import cudnn_rules
+from scoremod.lowering.reference import scores_and_lse_reference
+
+# Architecture families (compute capability major) where score_mod graphs were
+# validated. Families, never exact capabilities: sm_121 behaves as sm_120.
+VALIDATED_FAMILIES = (9,)
+KNOWN_FAMILIES = (9, 10, 12)
+_FUSED_DTYPES = ("float16", "bfloat16")
+
+
+def _gpu_family():
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if dev.platform != "gpu":
+        return None
+    cc = getattr(dev, "compute_capability", None)
+    try:
+        return int(str(cc).split(".")[0])
+    except ValueError:
+        return None
+
+
+def why_not(query, key, value, mod) -> str | None:
+    """Why the fused path cannot run this call, or None when it can."""
+    family = _gpu_family()
+    if family is None:
+        return "no NVIDIA GPU is visible to JAX"
+    if family not in KNOWN_FAMILIES:
+        return f"score_mod graphs are not supported on compute capability family sm_{family}x"
+    from scoremod import kernels_ffi
+
+    if not kernels_ffi.available():
+        return kernels_ffi.unavailable_reason()
+    try:
+        import cudnn  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the install
+        return f"the cuDNN frontend Python package is not importable ({e}); pip install nvidia-cudnn-frontend"
+    dtype = np.dtype(query.dtype).name
+    if dtype not in _FUSED_DTYPES:
+        return f"the fused path takes float16 or bfloat16 inputs, got {dtype}"
+    d, dv = query.shape[-1], value.shape[-1]
+    if d % 8 or dv % 8 or d > 256 or dv > 256:
+        return f"cuDNN needs head dims that are multiples of 8 and at most 256, got {d} and {dv}"
+    if mod is not None:
+        try:
+            cudnn_rules.check_supported(mod.expr, mod.sources)
+        except ScoreModError as e:
+            return str(e)
+    return None
 
 
 def usable(query, key, value, mod) -> bool:
-    """Whether ``implementation=None`` should take the fused path for this call."""
-    return False
+    """Whether ``implementation=None`` takes the fused path for this call."""
+    return why_not(query, key, value, mod) is None and _gpu_family() in VALIDATED_FAMILIES
 
 
-def attention(query, key, value, mod, scale, return_lse):
-    raise CudnnUnavailableError(
-        'implementation="cudnn" is not available in this version of scoremod: the fused '
-        'cuDNN path is not built yet. Use implementation="xla" (the reference path) or '
-        "implementation=None."
-    )
+# --- the static description of one fused call --------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """How one load of the canonical IR becomes an input tensor."""
+
+    node: Node
+    spec: cg.TensorSpec
+    operand: str | None  # direct: the operand read; None: materialized
+
+
+class Static:
+    """Hashable, static part of a fused call (custom_vjp nondiff argument)."""
+
+    def __init__(self, mod, problem_shapes, dtype, scale, allow_fallback):
+        b, sq, skv, hq, hkv, d, dv = problem_shapes
+        # The expression only: operand values (maybe tracers) never enter static data.
+        self.mod = None if mod is None else type(mod)(mod.expr)
+        self.allow_fallback = allow_fallback
+        self.sizes = {"b": b, "h": hq, "q_idx": sq, "kv_idx": skv}
+        if mod is None:
+            self.fwd = self.bwd = None
+            self.consts, self.loads = (), ()
+        else:
+            self.fwd, self.bwd = cudnn_rules.forward_and_backward(mod.expr)
+            nodes = ir.toposort(self.fwd, self.bwd)
+            self.consts = tuple(n for n in nodes if n.op == "const")
+            self.loads = tuple(
+                self._plan_load(n, i) for i, n in enumerate(x for x in nodes if x.op == "load")
+            )
+        self.problem = cg.Problem(b, sq, skv, hq, hkv, d, dv, dtype, float(scale),
+                                  tuple(l.spec for l in self.loads))
+        self.key = (mod.key if mod is not None else None, self.problem)
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, Static) and other.key == self.key
+
+    def describe(self):
+        return f"score_mod `{self.mod}`" if self.mod is not None else "plain attention"
+
+    def _plan_load(self, node, i):
+        uid = cg.UID_LOADS + i
+        name, shape, dtype = node.args[0].attr
+        idx = node.args[1:]
+        dtype = dtype if dtype in ("float16", "bfloat16", "float32") else "int32"
+        direct = all(a.op in ("var", "const") for a in idx) and len(
+            {a for a in idx if a.op == "var"}) == sum(a.op == "var" for a in idx)
+        dims, strides = [1, 1, 1, 1], [1, 1, 1, 1]
+        if direct:
+            kept = [(a, n) for a, n in zip(idx, shape) if a.op == "var"]
+            sizes = [1 if n == 1 else self.sizes[a.attr] for a, n in kept]
+            stride = 1
+            for (a, _), size in reversed(list(zip(kept, sizes))):
+                dims[cg._AXIS[a.attr]] = size
+                strides[cg._AXIS[a.attr]] = stride
+                stride *= size
+            return LoadPlan(node, cg.TensorSpec(uid, tuple(dims), tuple(strides), dtype), name)
+        used = {n.attr for n in ir.toposort(node) if n.op == "var"}
+        for v in ("b", "h", "q_idx", "kv_idx"):
+            if v in used:
+                dims[cg._AXIS[v]] = self.sizes[v]
+        stride = 1
+        for ax in (3, 2, 1, 0):
+            strides[ax] = stride
+            stride *= dims[ax]
+        dtype = "float32" if node.dtype == F32 else "int32"
+        return LoadPlan(node, cg.TensorSpec(uid, tuple(dims), tuple(strides), dtype), None)
+
+    # --- graphs
+    def forward_graph(self):
+        return cg.cached(("forward",) + self._graph_key(), lambda: cg.build_forward(
+            self.fwd, self.problem, self.consts, [l.node for l in self.loads], self.describe))
+
+    def backward_graph(self):
+        return cg.cached(("backward",) + self._graph_key(), lambda: cg.build_backward(
+            self.fwd, self.bwd, self.problem, self.consts, [l.node for l in self.loads],
+            self.describe))
+
+    def _graph_key(self):
+        return self.key + (_gpu_family(), cg.backend_version(), cg.frontend_version())
+
+    # --- inputs
+    def load_arrays(self, operands):
+        values = dict(zip(self.mod.operand_names, operands)) if self.mod is not None else {}
+        if self.mod is None:
+            return []
+        return [self._load_array(plan, values) for plan in self.loads]
+
+    def _load_array(self, plan, values):
+        node, spec = plan.node, plan.spec
+        if plan.operand is not None:
+            x = jnp.asarray(values[plan.operand])
+            for axis in range(len(node.args) - 2, -1, -1):  # take const indices, last axis first
+                a = node.args[1 + axis]
+                if a.op == "const":
+                    x = jnp.take(x, min(max(a.attr, 0), x.shape[axis] - 1), axis=axis)
+            kept = [a for a in node.args[1:] if a.op == "var"]
+            for axis, a in enumerate(kept):
+                want = spec.dims[cg._AXIS[a.attr]]
+                if x.shape[axis] != want:
+                    x = jax.lax.slice_in_dim(x, 0, want, axis=axis)
+            return x.astype(spec.dtype)
+        from scoremod.lowering.reference import evaluate
+
+        grids = {
+            v: jnp.arange(spec.dims[ax], dtype=jnp.int32).reshape(
+                [-1 if i == ax else 1 for i in range(4)])
+            for v, ax in cg._AXIS.items()
+        }
+        out = evaluate(node, grids, values)
+        return jnp.broadcast_to(out, spec.dims).astype(spec.dtype)
+
+
+# --- the custom_vjp ------------------------------------------------------------
+
+
+def _call(built, inputs, out_shapes):
+    from scoremod import kernels_ffi
+
+    return kernels_ffi.call(built.blob, built.graph_id, inputs, out_shapes, built.in_uids,
+                            built.out_uids, built.scalar_uids, built.scalar_bits,
+                            built.workspace)
+
+
+def _forward(static, q, k, v, operands):
+    built = static.forward_graph()
+    p = static.problem
+    out_shapes = [jax.ShapeDtypeStruct((p.b, p.sq, p.hq, p.dv), q.dtype),
+                  jax.ShapeDtypeStruct((p.b, p.hq, p.sq, 1), jnp.float32)]
+    o, stats = _call(built, [q, k, v, *static.load_arrays(operands)], out_shapes)
+    return o, stats[..., 0]
+
+
+def _backward(static, q, k, v, o, lse, do, operands):
+    built = static.backward_graph()
+    stats = lse[..., None]
+    out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                  jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    return _call(built, [q, k, v, o, do, stats, *static.load_arrays(operands)], out_shapes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(static, q, k, v, operands):
+    return _forward(static, q, k, v, operands)
+
+
+def _fused_fwd(static, q, k, v, operands):
+    perturbed = [n for n, x in zip(_names(static), operands) if x.perturbed]
+    vals = lambda x: x.value  # noqa: E731
+    q, k, v = vals(q), vals(k), vals(v)
+    operands = jax.tree.map(vals, operands, is_leaf=lambda x: hasattr(x, "perturbed"))
+    if perturbed and static.allow_fallback:
+        # implementation=None: the reference path computes what cuDNN cannot.
+        warnings.warn(
+            f"scoremod: gradients for score_mod operands {perturbed} need the reference path; "
+            "implementation=None falls back to it for this call (O(S^2) memory).",
+            stacklevel=4,
+        )
+        mod = static.mod.bind(**dict(zip(_names(static), operands)))
+        (o, lse), vjp = jax.vjp(
+            lambda q, k, v, ops: scores_and_lse_reference(
+                q, k, v, static.mod.bind(**dict(zip(_names(static), ops))),
+                static.problem.scale, True),
+            q, k, v, operands)
+        del mod
+        return (o, lse), ("reference", vjp)
+    if perturbed:
+        raise ScoreModError(
+            f"gradients with respect to score_mod operands {perturbed} are not computed by the "
+            "fused cuDNN path (cuDNN returns dQ, dK, dV only). Use implementation=\"xla\" to "
+            "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
+        )
+    o, lse = _forward(static, q, k, v, operands)
+    return (o, lse), (q, k, v, o, lse, operands)
+
+
+def _names(static):
+    return static.mod.operand_names if static.mod is not None else ()
+
+
+def _fused_bwd(static, res, cts):
+    from jax.custom_derivatives import SymbolicZero
+
+    if res[0] == "reference":
+        cts = tuple(jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cts)
+        return res[1](cts)
+    q, k, v, o, lse, operands = res
+    do, dlse = cts
+    if not isinstance(dlse, SymbolicZero):
+        raise ScoreModError(
+            "the fused cuDNN path cannot differentiate through the returned LSE; use "
+            "implementation=\"xla\", or jax.lax.stop_gradient(lse)."
+        )
+    if isinstance(do, SymbolicZero):
+        do = jnp.zeros(o.shape, o.dtype)
+    dq, dk, dv = _backward(static, q, k, v, o, lse, do, operands)
+    return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
+
+
+def attention(query, key, value, mod, scale, return_lse, *, explicit=True):
+    """The fused path; ``explicit`` is True when the user asked for it by name."""
+    reason = why_not(query, key, value, mod)
+    if reason is not None:
+        raise CudnnUnavailableError(
+            f"implementation=\"cudnn\" cannot run this call: {reason}. "
+            "Use implementation=\"xla\", or implementation=None to choose automatically."
+        )
+    shapes = query.shape[:1] + (query.shape[1], key.shape[1], query.shape[2], key.shape[2],
+                                query.shape[3], value.shape[3])
+    static = Static(mod, shapes, np.dtype(query.dtype).name, scale, allow_fallback=not explicit)
+    operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
+    o, lse = _fused(static, query, key, value, operands)
+    return (o, lse) if return_lse else o
+
+
+def cache_info() -> dict:
+    return cg.cache_info()

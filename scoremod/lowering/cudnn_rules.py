@@ -38,8 +38,16 @@ _COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 _FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 
 
+def _nonneg_int_pair(node):
+    from scoremod.dsl.rewrite import nonneg
+
+    return node.dtype == I32 and all(nonneg(a) for a in node.args)
+
+
 def refusal(node: Node) -> str | None:
     """Why the fused path cannot run ``node``, or None."""
+    if node.op in ("trunc_div", "rem") and _nonneg_int_pair(node):
+        return None  # on non-negative ints they equal // and %
     if node.op in _REFUSED and not (node.op in ("i32", "bool") and node.args[0].dtype != F32):
         return _REFUSED[node.op]
     if node.op in ("floordiv", "mod") and node.dtype == F32:
@@ -133,6 +141,8 @@ def _rewrite(node: Node, args: tuple) -> Node:
         return apply("exp", args[0]) - 1.0
     if op == "exp2":
         return apply("exp", args[0] * math.log(2.0))
+    if op in ("trunc_div", "rem") and _nonneg_int_pair(node):
+        op = "floordiv" if op == "trunc_div" else "mod"
     if op == "floordiv":  # ints only (refused for floats): exact below 2**24
         a, b = (apply("f32", x) for x in args)
         return apply("i32", apply("floor", a / b))

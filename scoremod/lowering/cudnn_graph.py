@@ -1,0 +1,405 @@
+"""IR -> cuDNN frontend SDPA graphs, forward and backward, built and serialized.
+
+The forward graph is ``sdpa(q, k, v, score_mod=...)`` producing O and the
+softmax statistics (LSE). The backward graph is ``sdpa_backward(...,
+score_mod=..., score_mod_bprop=...)``: cuDNN re-runs score_mod on the
+recomputed score, then calls score_mod_bprop with dP (the gradient with
+respect to score_mod's output). Both callbacks are emitted from the IR by one
+table (``LOWER``); the backward expression comes from ``dsl.grad`` and reuses
+the tensors the score_mod call made (shared ``env``), so nothing in score_mod
+dangles (the silent-dV rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import struct
+import threading
+import time
+
+import numpy as np
+
+from scoremod.dsl import ir
+from scoremod.dsl.ir import BOOL, F32, I32, Node
+from scoremod.errors import ScoreModError, UnsupportedOpError
+
+log = logging.getLogger("scoremod")
+
+UID_Q, UID_K, UID_V, UID_O, UID_STATS, UID_DO, UID_DQ, UID_DK, UID_DV = range(1, 10)
+UID_LOADS, UID_SCALARS = 100, 1000
+_AXIS = {"b": 0, "h": 1, "q_idx": 2, "kv_idx": 3}
+
+# Python engines that may claim an SDPA graph and drop score_mod (seed 003).
+PYTHON_ENGINE_NAMES = ("sdpa_fwd", "sdpa_bwd", "sdpa_prefill", "sdpa_decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A non-virtual tensor of the graph: cuDNN dims/strides in (b, h, q, kv) order."""
+
+    uid: int
+    dims: tuple
+    strides: tuple
+    dtype: str  # numpy dtype name
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A serialized graph and what the FFI call needs to run it."""
+
+    blob: bytes
+    graph_id: int
+    in_uids: tuple
+    out_uids: tuple
+    scalar_uids: tuple
+    scalar_bits: tuple
+    workspace: int
+    plan: str
+    seconds: float
+
+
+def _cudnn():
+    import cudnn
+
+    return cudnn
+
+
+def _dtype(name):
+    cudnn = _cudnn()
+    return {
+        "float16": cudnn.data_type.HALF,
+        "bfloat16": cudnn.data_type.BFLOAT16,
+        "float32": cudnn.data_type.FLOAT,
+        "int32": cudnn.data_type.INT32,
+    }[name]
+
+
+def _ir_dtype(t):
+    cudnn = _cudnn()
+    return {F32: cudnn.data_type.FLOAT, I32: cudnn.data_type.INT32, BOOL: cudnn.data_type.BOOLEAN}[t]
+
+
+def bshd(b, s, h, d):
+    """cuDNN dims and strides of a [b, s, h, d] array, in (b, h, s, d) order."""
+    return (b, h, s, d), (s * h * d, d, h * d, 1)
+
+
+# --- the lowering table: one emitter per op ---------------------------------
+
+
+def _pointwise(name):
+    return lambda g, a: getattr(g, name)(input=a[0])
+
+
+def _binary(name):
+    return lambda g, a: getattr(g, name)(a=a[0], b=a[1])
+
+
+def _cmp(name):
+    def emit(g, a):
+        return getattr(g, name)(input=a[0], comparison=a[1],
+                                compute_data_type=_cudnn().data_type.BOOLEAN)
+
+    return emit
+
+
+LOWER = {
+    "add": _binary("add"),
+    "sub": _binary("sub"),
+    "mul": _binary("mul"),
+    "div": _binary("div"),
+    "neg": _pointwise("neg"),
+    "abs": _pointwise("abs"),
+    "exp": _pointwise("exp"),
+    "log": _pointwise("log"),
+    "tanh": _pointwise("tanh"),
+    "sigmoid": _pointwise("sigmoid"),
+    "sqrt": _pointwise("sqrt"),
+    "rsqrt": _pointwise("rsqrt"),
+    "reciprocal": _pointwise("reciprocal"),
+    "sin": _pointwise("sin"),
+    "cos": _pointwise("cos"),
+    "erf": _pointwise("erf"),
+    "floor": _pointwise("floor"),
+    "ceil": _pointwise("ceil"),
+    "relu": _pointwise("relu"),
+    "pow": lambda g, a: g.pow(input0=a[0], input1=a[1]),
+    "max": lambda g, a: g.max(input0=a[0], input1=a[1]),
+    "min": lambda g, a: g.min(input0=a[0], input1=a[1]),
+    "relu_grad": lambda g, a: g.relu_backward(loss=a[0], input=a[1]),
+    "lt": _cmp("cmp_lt"),
+    "le": _cmp("cmp_le"),
+    "gt": _cmp("cmp_gt"),
+    "ge": _cmp("cmp_ge"),
+    "eq": _cmp("cmp_eq"),
+    "ne": _cmp("cmp_neq"),
+    "and": _binary("logical_and"),
+    "or": _binary("logical_or"),
+    "not": _pointwise("logical_not"),
+    "where": lambda g, a: g.binary_select(input0=a[1], input1=a[2], mask=a[0]),
+    "f32": _pointwise("identity"),
+    "i32": _pointwise("identity"),
+}
+
+
+def emission_order(root: Node) -> list:
+    """Nodes to emit for ``root``, children first. A load is an input tensor, so
+    its index expressions are NOT emitted: they would dangle in score_mod, and a
+    dangling node makes cuDNN compute dV wrong without any error."""
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        if node.op != "load":
+            stack.extend((a, False) for a in reversed(node.args) if a not in seen)
+    return order
+
+
+class Emitter:
+    """Emits IR nodes into one score_mod / score_mod_bprop callback.
+
+    ``env`` maps IR nodes to cuDNN tensors. The backward graph's two callbacks
+    share it, so bprop reuses what score_mod computed.
+    """
+
+    def __init__(self, env, scalars, loads):
+        self.env, self.scalars, self.loads = env, scalars, loads
+
+    def emit(self, g, root: Node, anchor):
+        for node in emission_order(root):
+            if node in self.env:
+                continue
+            if node.op == "const":
+                self.env[node] = self.scalars[node]
+            elif node.op == "var":
+                t = g.gen_index(input=anchor, axis=_AXIS[node.attr])
+                t.set_data_type(_ir_dtype(I32))
+                self.env[node] = t
+            elif node.op == "load":
+                self.env[node] = self.loads[node]
+            else:
+                t = LOWER[node.op](g, [self.env[a] for a in node.args])
+                t.set_data_type(_ir_dtype(node.dtype))
+                self.env[node] = t
+        out = self.env[root]
+        return out
+
+
+# --- graph construction ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Everything a graph depends on besides the mod (part of the cache key)."""
+
+    b: int
+    sq: int
+    skv: int
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+    dtype: str
+    scale: float
+    loads: tuple  # TensorSpec per load, in order
+
+
+def _scalar_bits(node: Node) -> int:
+    if node.dtype == F32:
+        return struct.unpack("<i", struct.pack("<f", node.attr))[0]
+    if node.dtype == I32:
+        return int(node.attr)
+    raise ScoreModError(f"internal: boolean constant {node} reached the cuDNN graph")
+
+
+def _graph():
+    cudnn = _cudnn()
+    return cudnn.pygraph(
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+    )
+
+
+def _io_tensor(g, name, uid, dims, strides, dtype):
+    t = g.tensor(name=name, dim=list(dims), stride=list(strides), data_type=_dtype(dtype))
+    t.set_uid(uid)
+    return t
+
+
+def _common_inputs(g, p: Problem, consts, load_nodes):
+    cudnn = _cudnn()
+    q = _io_tensor(g, "q", UID_Q, *bshd(p.b, p.sq, p.hq, p.d), p.dtype)
+    k = _io_tensor(g, "k", UID_K, *bshd(p.b, p.skv, p.hkv, p.d), p.dtype)
+    v = _io_tensor(g, "v", UID_V, *bshd(p.b, p.skv, p.hkv, p.dv), p.dtype)
+    scalars = {}
+    for i, c in enumerate(consts):
+        t = g.tensor(name=f"c{i}", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
+                     data_type=_ir_dtype(c.dtype))
+        t.set_uid(UID_SCALARS + i)
+        scalars[c] = t
+    loads = {}
+    for node, spec in zip(load_nodes, p.loads):
+        loads[node] = _io_tensor(g, f"load{spec.uid}", spec.uid, spec.dims, spec.strides, spec.dtype)
+    del cudnn
+    return q, k, v, scalars, loads
+
+
+def _finalize(g, what, describe):
+    """Plan and build; insist on a cuDNN backend engine (seed 003), then serialize."""
+    cudnn = _cudnn()
+    t0 = time.perf_counter()
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        # A python engine may take an SDPA graph and silently drop score_mod.
+        g.deselect_engines(list(PYTHON_ENGINE_NAMES))
+        g.check_support()
+        g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
+    except Exception as e:  # cuDNN's refusal, with the mod spelled out
+        raise UnsupportedOpError(
+            f"cuDNN refused the {what} graph for {describe()}: {str(e).strip()[:600]}. "
+            "Use implementation=\"xla\" for this mod."
+        ) from e
+    engine = g.selected_engine
+    if engine is not None:
+        raise ScoreModError(
+            f"cuDNN chose the python engine {getattr(engine, 'name', engine)!r} for the {what} "
+            "graph even with python engines excluded; such engines can drop score_mod "
+            "silently, so scoremod refuses to run it. Use implementation=\"xla\"."
+        )
+    try:
+        plan = g.get_plan_name_at_index(0)
+    except Exception:  # naming the plan is a courtesy
+        plan = "?"
+    blob = bytes(g.serialize(as_bytes=True))
+    graph_id = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little", signed=True)
+    return blob, graph_id, int(g.get_workspace_size()), plan, time.perf_counter() - t0
+
+
+def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
+    g = _graph()
+    q, k, v, scalars, loads = _common_inputs(g, p, consts, load_nodes)
+    em = Emitter({}, scalars, loads)
+
+    def score_mod(gg, score):
+        em.env[rules_score()] = score
+        return _fresh(gg, em.emit(gg, fwd, score), score)
+
+    o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, generate_stats=True,
+                      use_causal_mask=False, score_mod=score_mod if fwd is not None else None)
+    dims, strides = bshd(p.b, p.sq, p.hq, p.dv)
+    o.set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(_dtype(p.dtype))
+    o.set_uid(UID_O)
+    stats.set_output(True).set_data_type(_dtype("float32"))
+    stats.set_dim([p.b, p.hq, p.sq, 1]).set_stride([p.hq * p.sq, p.sq, 1, 1])
+    stats.set_uid(UID_STATS)
+    blob, gid, ws, plan, secs = _finalize(g, "forward", describe)
+    return Built(blob, gid, (UID_Q, UID_K, UID_V) + tuple(s.uid for s in p.loads),
+                 (UID_O, UID_STATS), tuple(UID_SCALARS + i for i in range(len(consts))),
+                 tuple(_scalar_bits(c) for c in consts), ws, plan, secs)
+
+
+def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
+    from scoremod.lowering.cudnn_rules import DP
+
+    g = _graph()
+    q, k, v, scalars, loads = _common_inputs(g, p, consts, load_nodes)
+    o = _io_tensor(g, "o", UID_O, *bshd(p.b, p.sq, p.hq, p.dv), p.dtype)
+    do = _io_tensor(g, "dO", UID_DO, *bshd(p.b, p.sq, p.hq, p.dv), p.dtype)
+    stats = _io_tensor(g, "stats", UID_STATS, (p.b, p.hq, p.sq, 1), (p.hq * p.sq, p.sq, 1, 1),
+                       "float32")
+    em = Emitter({}, scalars, loads)
+
+    def score_mod(gg, score):
+        em.env[rules_score()] = score
+        return _fresh(gg, em.emit(gg, fwd, score), score)
+
+    def score_mod_bprop(gg, dp):
+        em.env[DP] = dp
+        return _fresh(gg, em.emit(gg, bwd, dp), dp)
+
+    mods = {} if fwd is None else {"score_mod": score_mod, "score_mod_bprop": score_mod_bprop}
+    dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
+                                 attn_scale=p.scale, use_causal_mask=False, **mods)
+    for t, uid, (b, s, h, d) in ((dq, UID_DQ, (p.b, p.sq, p.hq, p.d)),
+                                 (dk, UID_DK, (p.b, p.skv, p.hkv, p.d)),
+                                 (dv, UID_DV, (p.b, p.skv, p.hkv, p.dv))):
+        dims, strides = bshd(b, s, h, d)
+        t.set_output(True).set_dim(list(dims)).set_stride(list(strides))
+        t.set_data_type(_dtype(p.dtype))
+        t.set_uid(uid)
+    blob, gid, ws, plan, secs = _finalize(g, "backward", describe)
+    ins = (UID_Q, UID_K, UID_V, UID_O, UID_DO, UID_STATS) + tuple(s.uid for s in p.loads)
+    return Built(blob, gid, ins, (UID_DQ, UID_DK, UID_DV),
+                 tuple(UID_SCALARS + i for i in range(len(consts))),
+                 tuple(_scalar_bits(c) for c in consts), ws, plan, secs)
+
+
+def _fresh(g, out, given):
+    """cuDNN wants a callback to return a node, not its own input back."""
+    if out is not given:
+        return out
+    t = g.identity(input=given)
+    t.set_data_type(_ir_dtype(F32))
+    return t
+
+
+def rules_score():
+    from scoremod.lowering.cudnn_rules import SCORE
+
+    return SCORE
+
+
+def frontend_version() -> int:
+    major, minor, patch = (int(x) for x in _cudnn().__version__.split(".")[:3])
+    return major * 10000 + minor * 100 + patch
+
+
+def backend_version() -> int:
+    return int(_cudnn().backend_version())
+
+
+# --- cache -------------------------------------------------------------------
+
+_lock = threading.Lock()
+_cache: dict = {}
+_stats = {"hits": 0, "misses": 0, "builds": 0, "build_seconds": 0.0}
+
+
+def cached(key, build):
+    """Return the cached graph for ``key``, building it once."""
+    with _lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _stats["hits"] += 1
+            return hit
+        _stats["misses"] += 1
+    built = build()
+    with _lock:
+        _cache.setdefault(key, built)
+        _stats["builds"] += 1
+        _stats["build_seconds"] += built.seconds
+        log.info("built cuDNN %s graph in %.2f s (plan %s)", key[0], built.seconds, built.plan)
+        return _cache[key]
+
+
+def cache_info() -> dict:
+    """Graph cache counters: hits, misses, builds, build_seconds, size."""
+    with _lock:
+        return dict(_stats, size=len(_cache))
+
+
+def cache_clear() -> None:
+    with _lock:
+        _cache.clear()
+        for k in _stats:
+            _stats[k] = 0 if k != "build_seconds" else 0.0
