@@ -155,7 +155,7 @@ def _floor_divide(args, attr):
     from scoremod.dsl.ops import apply
 
     c, t, f = args
-    if f.op != "trunc_div" or t.op != "sub":
+    if f.op != "trunc_div" or t.op != "sub" or f.dtype != I32:
         return None
     a, b = f.args
     want = apply("and", apply("ne", apply("sign", a), apply("sign", b)),
@@ -171,7 +171,7 @@ def _remainder(args, attr):
     from scoremod.dsl.ops import apply
 
     c, t, f = args
-    if f.op != "rem" or t.op != "add":
+    if f.op != "rem" or t.op != "add" or f.dtype != I32:
         return None
     a, b = f.args
     zero = const(0, I32)

@@ -1,0 +1,120 @@
+"""The cuDNN lowering's IR rewrites, checked without a GPU.
+
+The canonical forward and backward expressions must (1) compute the same
+values as the mod and its derived gradient, (2) respect the measured cuDNN
+rules, and (3) use only ops the lowering table knows.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import HealthCheck
+
+import scoremod
+from scoremod import UnsupportedOpError
+from scoremod.dsl import ir
+from scoremod.lowering.cudnn_graph import LOWER, emission_order
+from scoremod.lowering.cudnn_rules import DP, check_supported, forward_and_backward
+from tests.test_properties import SPECS, _as_fn, _points
+
+_BINARY_FIRST_TENSOR = {"add", "sub", "mul", "div", "pow", "max", "min", "relu_grad", "and", "or",
+                        "lt", "le", "gt", "ge", "eq", "ne"}
+
+
+def _assert_cudnn_shaped(expr):
+    for node in emission_order(expr):
+        if node.op in ("var", "const", "load"):
+            continue
+        assert node.op in LOWER, f"no lowering for {node.op}"
+        if node.op in _BINARY_FIRST_TENSOR:
+            assert node.args[0].op != "const", f"scalar first in {node}"
+        if node.op == "where":
+            assert node.args[1].op != "const", f"scalar as input0 in {node}"
+        if node.op in ("lt", "le", "gt", "ge", "eq", "ne"):
+            assert node.args[0].dtype != "f32", f"float comparison {node}"
+    assert expr.op != "const"  # a bare input is returned through identity by the builder
+
+
+def _eval(expr, pts, mod, dp=None):
+    from scoremod.lowering.reference import evaluate
+
+    inputs = dict(zip(ir.VAR_NAMES, pts))
+    if dp is not None:
+        inputs["dP"] = dp
+    return np.asarray(jnp.broadcast_to(evaluate(expr, inputs, dict(zip(mod.operand_names, mod.operands))), pts[0].shape))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(SPECS, __import__("hypothesis").strategies.integers(0, 2**16))
+def test_canonical_forms_compute_the_same_and_obey_the_rules(spec, seed):
+    mod = scoremod.trace(_as_fn(spec))
+    try:
+        check_supported(mod.expr, mod.sources)
+    except UnsupportedOpError as e:
+        assert "compares float values" in str(e) or "no cuDNN node" in str(e) or "no exact" in str(e)
+        return
+    fwd, bwd = forward_and_backward(mod.expr)
+    _assert_cudnn_shaped(fwd)
+    _assert_cudnn_shaped(bwd)
+    pts = _points(seed)
+    np.testing.assert_allclose(_eval(fwd, pts, mod), np.asarray(jnp.broadcast_to(mod(*pts), pts[0].shape)),
+                               rtol=1e-5, atol=1e-5)
+    dp = jnp.asarray(np.random.default_rng(seed).normal(size=pts[0].shape), jnp.float32)
+    want = np.asarray(jnp.broadcast_to(mod.grad(*pts), pts[0].shape)) * np.asarray(dp)
+    np.testing.assert_allclose(_eval(bwd, pts, mod, dp), want, rtol=1e-4, atol=1e-5)
+
+
+def test_backward_only_uses_forward_nodes_and_dp():
+    mod = scoremod.trace(lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0))
+    fwd, bwd = forward_and_backward(mod.expr)
+    assert DP in set(ir.toposort(bwd))
+    tanh = next(n for n in ir.toposort(fwd) if n.op == "tanh")
+    assert tanh in set(ir.toposort(bwd)), "bprop must reuse score_mod's tanh, not recompute it"
+
+
+def test_loads_are_leaves_for_emission():
+    slopes = jnp.ones(4)
+    mod = scoremod.trace(lambda s, b, h, q, k: s + slopes[h] * (k - q))
+    fwd, _ = forward_and_backward(mod.expr)
+    emitted = emission_order(fwd)
+    load = next(n for n in emitted if n.op == "load")
+    assert load.args[1] not in emitted  # the h index is the tensor's layout, not a node
+    table = jnp.ones(16)
+    mod = scoremod.trace(lambda s, b, h, q, k: s + table[q - k + 8])
+    fwd, _ = forward_and_backward(mod.expr)
+    assert [n.op for n in emission_order(fwd)] == ["var", "load", "add"]
+
+
+@pytest.mark.parametrize(
+    "fn, op",
+    [
+        (lambda s, b, h, q, k: jnp.where(s > 0.3, s, 0.0), "gt"),
+        (lambda s, b, h, q, k: s + jnp.sign(s), "sign"),
+        (lambda s, b, h, q, k: s + jax.lax.rem(q - k, 3), "rem"),
+        (lambda s, b, h, q, k: s + (s * 4).astype(jnp.int32), "i32"),
+    ],
+)
+def test_refusals_name_op_and_line(fn, op):
+    mod = scoremod.trace(fn)
+    with pytest.raises(UnsupportedOpError, match=rf"`{op}`.*test_cudnn_rules.py:\d+.*implementation=\"xla\""):
+        check_supported(mod.expr, mod.sources)
+
+
+def test_refusal_of_parsed_mod_names_op():
+    mod = scoremod.parse("score + score // 2.0")
+    with pytest.raises(UnsupportedOpError, match=r"`floordiv` in `score // 2.0`: floordiv of floats"):
+        check_supported(mod.expr, mod.sources)
+
+
+def test_float_floor_divide_traces_to_a_clear_error():
+    with pytest.raises(UnsupportedOpError, match="round"):
+        scoremod.trace(lambda s, b, h, q, k: s + jnp.floor_divide(s, 2.0))
+
+
+def test_nonnegative_index_arithmetic_is_supported():
+    mod = scoremod.trace(lambda s, b, h, q, k: jnp.where((q // 64 == k // 64) & (k % 4 == 0), s, -jnp.inf))
+    check_supported(mod.expr, mod.sources)
+    fwd, _ = forward_and_backward(mod.expr)
+    _assert_cudnn_shaped(fwd)
