@@ -1,0 +1,359 @@
+"""The native FFI extension: built, loadable, registrable, self-contained.
+
+All but the last tests run on CPU. With SCOREMOD_REQUIRE_FFI=1 (set by .ci/run)
+a missing extension is a failure; otherwise the tests that need it skip with
+scoremod.kernels_ffi.unavailable_reason(). The ``gpu``-marked tests at the end
+execute the handler on small hand-built cuDNN graphs (skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scoremod import kernels_ffi
+from scoremod.errors import CudnnUnavailableError
+from scoremod.kernels_ffi import find_headers
+
+REQUIRE = os.environ.get("SCOREMOD_REQUIRE_FFI") == "1"
+REPO = Path(__file__).resolve().parents[1]
+
+# What the .so may link against: the C/C++ runtime only (ld-linux appears as
+# NEEDED for thread_local on glibc >= 2.34). Never libcudnn / libcudart / libcuda.
+ALLOWED_NEEDED = re.compile(
+    r"^(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux[-\w.]*)\.so(\.[\d.]+)?$")
+
+
+@pytest.fixture(scope="module")
+def ffi():
+    if not kernels_ffi.available():
+        reason = kernels_ffi.unavailable_reason()
+        if REQUIRE:
+            pytest.fail(f"SCOREMOD_REQUIRE_FFI=1 but the FFI extension is unavailable: {reason}")
+        pytest.skip(reason)
+    return kernels_ffi
+
+
+def test_extension_is_available_when_required():
+    if not REQUIRE and not kernels_ffi.available():
+        pytest.skip(kernels_ffi.unavailable_reason())
+    assert kernels_ffi.available(), kernels_ffi.unavailable_reason()
+    assert kernels_ffi.unavailable_reason() == ""
+
+
+def test_compiled_frontend_version_matches_python_cudnn(ffi):
+    try:
+        import cudnn
+    except Exception as e:  # noqa: BLE001 - any import failure means "not importable"
+        pytest.skip(f"the cudnn Python package is not importable: {e}")
+    major, minor, patch = (int(re.match(r"\d+", p).group()) for p in cudnn.__version__.split(".")[:3])
+    assert ffi.compiled_frontend_version() == major * 10000 + minor * 100 + patch
+    assert ffi.installed_frontend_version() == ffi.compiled_frontend_version()
+
+
+def test_compiled_header_versions(ffi):
+    assert ffi.compiled_cudnn_version() // 10000 == 9
+    assert ffi.compiled_cudart_version() // 1000 in (12, 13)
+    info = ffi._read_build_info()
+    assert info is not None and info["status"] == "built"
+    fe = info["headers"]["cudnn_frontend"]["version"]
+    assert kernels_ffi._encode_version(fe) == ffi.compiled_frontend_version()
+
+
+def test_register_is_idempotent_on_cpu_jax(ffi):
+    ffi.register()
+    ffi.register()
+
+
+def test_so_links_no_cuda_library(ffi):
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf not installed")
+    out = subprocess.run([readelf, "-d", ffi.library_path()], capture_output=True, text=True,
+                         check=True).stdout
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+    assert needed, out
+    assert not [n for n in needed if re.search(r"cudnn|cudart|libcuda|nvrtc", n)], needed
+    assert all(ALLOWED_NEEDED.match(n) for n in needed), needed
+    assert "RPATH" not in out and "RUNPATH" not in out
+
+
+def test_load_cuda_libraries_reports_without_crashing(ffi):
+    ok, text = ffi.load_cuda_libraries()
+    assert isinstance(ok, bool) and text
+    if not ok:
+        assert "cuDNN" in text or "cudnn" in text
+
+
+def _lowered_call(**overrides):
+    kwargs = dict(graph_bytes=b"\x01\x02\x03", graph_id=7, in_uids=[1, 2], out_uids=[3],
+                  scalar_uids=[], scalar_bits=[], workspace_size=0)
+    kwargs.update(overrides)
+
+    def f(a, b):
+        return kernels_ffi.call(inputs=[a, b], out_shapes=[jax.ShapeDtypeStruct((2, 4), jnp.bfloat16)],
+                                **kwargs)
+
+    x = jnp.zeros((2, 4), jnp.bfloat16)
+    return jax.jit(f).lower(x, x)
+
+
+def test_call_lowers_to_the_ffi_target_with_empty_scalars(ffi):
+    lowered = _lowered_call()
+    text = lowered.as_text()
+    assert f"custom_call @{kernels_ffi.TARGET_NAME}" in text
+    assert "scalar_uids = dense<> : tensor<0xi64>" in text
+    assert "scalar_bits = dense<> : tensor<0xi32>" in text
+    assert "graph_id = 7 : i64" in text
+    assert f"frontend_version = {ffi.compiled_frontend_version()} : i64" in text
+    # the workspace is an extra uint8 result, dropped from what call() returns
+    assert "-> (tensor<2x4xbf16>, tensor<1xui8>)" in text
+    out = jax.eval_shape(lambda a, b: kernels_ffi.call(
+        b"\x01", 7, [a, b], [jax.ShapeDtypeStruct((2, 4), jnp.bfloat16)], [1, 2], [3]),
+        jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros((2, 4), jnp.bfloat16))
+    assert len(out) == 1 and out[0].shape == (2, 4)
+
+
+def test_call_encodes_scalars_and_ids(ffi):
+    text = _lowered_call(scalar_uids=[10, 11],
+                         scalar_bits=[kernels_ffi.float32_bits(1.5), np.int32(-3)],
+                         graph_id=2**64 - 1, workspace_size=300).as_text()
+    assert "scalar_uids = dense<[10, 11]> : tensor<2xi64>" in text
+    assert f"scalar_bits = dense<[{kernels_ffi.float32_bits(1.5)}, -3]> : tensor<2xi32>" in text
+    assert "graph_id = -1 : i64" in text
+    assert "tensor<300xui8>" in text
+
+
+def test_call_runs_nowhere_but_cuda(ffi):
+    # On the CPU backend the target has no implementation: an error, never a silent no-op.
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(jnp.zeros((2, 4), jnp.bfloat16), cpu)
+    f = jax.jit(lambda a: kernels_ffi.call(b"\x01", 7, [a], [jax.ShapeDtypeStruct((2, 4), jnp.bfloat16)],
+                                           [1], [3])[0])
+    with pytest.raises(Exception, match=kernels_ffi.TARGET_NAME):
+        f.lower(x).compile()
+
+
+def test_call_rejects_bad_arguments(ffi):
+    x = jnp.zeros((2, 4), jnp.bfloat16)
+    s = [jax.ShapeDtypeStruct((2, 4), jnp.bfloat16)]
+    with pytest.raises(ValueError, match="in_uids"):
+        kernels_ffi.call(b"\x01", 1, [x], s, [1, 2], [3])
+    with pytest.raises(ValueError, match="out_uids"):
+        kernels_ffi.call(b"\x01", 1, [x], s, [1], [])
+    with pytest.raises(ValueError, match="scalar_bits"):
+        kernels_ffi.call(b"\x01", 1, [x], s, [1], [3], [9], [])
+    with pytest.raises(ValueError, match="duplicate"):
+        kernels_ffi.call(b"\x01", 1, [x], s, [1], [1])
+    with pytest.raises(TypeError, match="float32_bits"):
+        kernels_ffi.call(b"\x01", 1, [x], s, [1], [3], [9], [1.5])
+    with pytest.raises(ValueError, match="empty"):
+        kernels_ffi.call(b"", 1, [x], s, [1], [3])
+    with pytest.raises(CudnnUnavailableError, match="mismatch"):
+        kernels_ffi.call(b"\x01", 1, [x], s, [1], [3], frontend_version=10000)
+
+
+def test_scalar_bit_helpers():
+    assert kernels_ffi.float32_bits(1.0) == 0x3F800000
+    assert kernels_ffi.float32_bits(-2.0) == -(2**32 - 0xC0000000)
+    assert kernels_ffi.int32_bits(-5) == -5
+    with pytest.raises(ValueError):
+        kernels_ffi.int32_bits(2**31)
+    bits = kernels_ffi._scalar_bits(np.array([1.0, -2.0], np.float32))
+    assert bits.dtype == np.int32 and bits.tolist() == [0x3F800000, -(2**32 - 0xC0000000)]
+    assert kernels_ffi._scalar_bits([0xFFFFFFFF]).tolist() == [-1]
+    assert kernels_ffi._scalar_bits([]).shape == (0,)
+    assert kernels_ffi.hash_graph(b"abc") == kernels_ffi.hash_graph(bytearray(b"abc"))
+
+
+def test_unavailable_reason_names_the_fix(monkeypatch):
+    # Simulate an install whose build found no cuDNN headers.
+    missing = find_headers.missing_message([find_headers.HeaderSet(
+        "cudnn", "cuDNN 9 headers (cudnn.h)", "SCOREMOD_CUDNN_INCLUDE_DIR",
+        fix="python -m pip install --no-deps nvidia-cudnn-jit-cu12==9.19.0.56")])
+    monkeypatch.setattr(kernels_ffi, "_lib", None)
+    monkeypatch.setattr(kernels_ffi, "_load_error", None)
+    monkeypatch.setattr(kernels_ffi, "_registered", False)
+    monkeypatch.setattr(kernels_ffi, "library_path", lambda: None)
+    monkeypatch.setattr(kernels_ffi, "_read_build_info",
+                        lambda: {"status": "missing_headers", "missing": missing})
+    assert not kernels_ffi.available()
+    reason = kernels_ffi.unavailable_reason()
+    assert "cuDNN 9 headers" in reason and "pip install" in reason
+    assert "SCOREMOD_CUDNN_INCLUDE_DIR" in reason
+    with pytest.raises(CudnnUnavailableError, match="cuDNN 9 headers"):
+        kernels_ffi.register()
+    # Not built at all (imported from a checkout without pip install).
+    monkeypatch.setattr(kernels_ffi, "_load_error", None)
+    monkeypatch.setattr(kernels_ffi, "_read_build_info", lambda: None)
+    assert "pip install" in kernels_ffi.unavailable_reason()
+
+
+def test_find_headers_reports_a_missing_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("SCOREMOD_CUDNN_INCLUDE_DIR", str(tmp_path))
+    sets = {hs.key: hs for hs in find_headers.find_all()}
+    assert not sets["cudnn"].found
+    msg = find_headers.missing_message(list(sets.values()))
+    assert "SCOREMOD_CUDNN_INCLUDE_DIR" in msg and "nvidia-cudnn-jit-cu12" in msg
+    assert str(tmp_path) in msg
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None or not (REPO / "CMakeLists.txt").exists(),
+                    reason="needs cmake and the source checkout")
+@pytest.mark.parametrize("require", [False, True])
+def test_cmake_without_headers_still_succeeds(tmp_path, require):
+    env = dict(os.environ, SCOREMOD_CUDNN_INCLUDE_DIR=str(tmp_path / "empty"))
+    env.pop("SCOREMOD_REQUIRE_FFI", None)
+    if require:
+        env["SCOREMOD_REQUIRE_FFI"] = "1"
+    (tmp_path / "empty").mkdir()
+    build, prefix = tmp_path / "build", tmp_path / "prefix"
+    configure = subprocess.run(
+        ["cmake", "-S", str(REPO), "-B", str(build), f"-DPython_EXECUTABLE={sys.executable}",
+         f"-DCMAKE_INSTALL_PREFIX={prefix}"], env=env, capture_output=True, text=True)
+    if require:
+        assert configure.returncode != 0
+        assert "cuDNN 9 headers" in configure.stderr
+        return
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    assert "cuDNN 9 headers" in configure.stderr  # the warning
+    subprocess.run(["cmake", "--build", str(build)], env=env, check=True, capture_output=True)
+    subprocess.run(["cmake", "--install", str(build)], env=env, check=True, capture_output=True)
+    installed = prefix / "scoremod" / "kernels_ffi"
+    assert not (installed / "_scoremod_ffi.so").exists()
+    namespace: dict = {}
+    exec((installed / "_build_info.py").read_text(), namespace)
+    assert namespace["BUILD_INFO"]["status"] == "missing_headers"
+    assert "SCOREMOD_CUDNN_INCLUDE_DIR" in namespace["BUILD_INFO"]["missing"]
+
+
+def test_ci_installs_the_header_packages():
+    ci = REPO / ".ci" / "run"
+    if not ci.exists():
+        pytest.skip("no .ci/run in this checkout")
+    pins = set(re.findall(r"nvidia-[\w-]+==[\w.]+", ci.read_text()))
+    assert pins == set(find_headers.HEADER_PACKAGES)
+
+
+
+# --------------------------------------------------------------------------- #
+# On a GPU: run the handler on hand-built SDPA graphs (BSHD layout, bf16).
+
+SHAPE = (2, 128, 4, 64)  # b, s, h, d
+
+
+def _sdpa_graph(cap):
+    """An SDPA graph; with `cap`, score_mod = tanh(S) * cap (cap a pass-by-value scalar, uid 10)."""
+    cudnn = pytest.importorskip("cudnn")
+    b, s, h, d = SHAPE
+    dims, strides = (b, h, s, d), (s * h * d, d, h * d, 1)
+    bf16, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
+    g = cudnn.pygraph(io_data_type=bf16, intermediate_data_type=f32, compute_data_type=f32)
+    q, k, v = (g.tensor(name=n, dim=dims, stride=strides, data_type=bf16) for n in "qkv")
+    for t, uid in zip((q, k, v), (1, 2, 3)):
+        t.set_uid(uid)
+    extra = {}
+    if cap is not None:
+        c = g.tensor(name="cap", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
+                     data_type=f32)
+        c.set_uid(10)
+        extra["score_mod"] = lambda gg, score: gg.mul(a=gg.tanh(input=score), b=c)
+    o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=1 / math.sqrt(d) / (cap or 1.0),
+                      generate_stats=True, use_causal_mask=False, **extra)
+    o.set_output(True).set_dim(dims).set_stride(strides)
+    o.set_uid(4)
+    stats.set_output(True).set_data_type(f32)
+    stats.set_uid(5)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
+    return bytes(g.serialize(as_bytes=True)), int(g.get_workspace_size())
+
+
+def _run(blob, ws, cap, q, k, v, **overrides):
+    b, s, h, d = SHAPE
+    args = dict(graph_bytes=blob, graph_id=None,
+                out_shapes=[jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16),
+                            jax.ShapeDtypeStruct((b, h, s, 1), jnp.float32)],
+                in_uids=[1, 2, 3], out_uids=[4, 5],
+                scalar_uids=[] if cap is None else [10],
+                scalar_bits=[] if cap is None else [kernels_ffi.float32_bits(cap)],
+                workspace_size=ws)
+    args.update(overrides)
+    return jax.jit(lambda *xs: kernels_ffi.call(inputs=list(xs), **args))(q, k, v)
+
+
+def _qkv(device=None):
+    key = jax.random.PRNGKey(0)
+    xs = [jax.random.normal(jax.random.fold_in(key, i), SHAPE, jnp.float32).astype(jnp.bfloat16)
+          for i in range(3)]
+    return [jax.device_put(x, device) for x in xs] if device is not None else xs
+
+
+def _reference(q, k, v, cap):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32))
+    s = s / math.sqrt(q.shape[-1])
+    if cap is not None:
+        s = cap * jnp.tanh(s / cap)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v.astype(jnp.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap", [30.0, None], ids=["one_scalar", "no_scalars"])
+def test_handler_runs_a_serialized_graph(ffi, cap):
+    blob, ws = _sdpa_graph(cap)
+    q, k, v = _qkv()
+    o, stats = _run(blob, ws, cap, q, k, v)
+    err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - _reference(q, k, v, cap))))
+    assert err < 0.02, err
+    assert stats.shape == (SHAPE[0], SHAPE[2], SHAPE[1], 1) and bool(jnp.all(jnp.isfinite(stats)))
+
+
+@pytest.mark.gpu
+def test_handler_errors_are_reported_and_harmless(ffi):
+    blob, ws = _sdpa_graph(30.0)
+    q, k, v = _qkv()
+    want, _ = _run(blob, ws, 30.0, q, k, v)
+    with pytest.raises(Exception, match="dtype float16 but graph tensor 'q' is bfloat16"):
+        jax.block_until_ready(_run(blob, ws, 30.0, q.astype(jnp.float16), k, v))
+    with pytest.raises(Exception, match=r"also needs tensors \[10\]"):
+        jax.block_until_ready(_run(blob, ws, 30.0, q, k, v, scalar_uids=[], scalar_bits=[]))
+    if ws > 1:
+        with pytest.raises(Exception, match="workspace has 1 bytes"):
+            jax.block_until_ready(_run(blob, ws, 30.0, q, k, v, workspace_size=0))
+    with pytest.raises(Exception, match="deserializing the cuDNN graph"):
+        jax.block_until_ready(_run(b"\xff" * 4096, ws, 30.0, q, k, v))
+    again, _ = _run(blob, ws, 30.0, q, k, v)
+    assert bool(jnp.array_equal(again, want))
+
+
+@pytest.mark.gpu
+def test_handler_deserializes_once_per_device(ffi):
+    devices = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(devices) < 2:
+        pytest.skip("needs two GPUs")
+    blob, ws = _sdpa_graph(None)
+    outs, added = [], []
+    for device in devices[:2]:
+        before = ffi.cache_entries()
+        o, _ = _run(blob, ws, None, *_qkv(device))
+        outs.append(np.asarray(o.astype(jnp.float32)))
+        added.append(ffi.cache_entries() - before)
+        assert o.devices() == {device}
+    # device 0 may already hold this graph (an identical one ran above); device 1
+    # must get its own deserialization, never device 0's plan.
+    assert added[1] == 1, added
+    np.testing.assert_array_equal(outs[0], outs[1])
