@@ -127,6 +127,7 @@ def test_grad_is_printable_and_parsable():
     mod = scoremod.parse("30.0 * tanh(score / 30.0)")
     assert str(mod.grad) == "let x0 = tanh(score / 30.0); (1.0 - x0 * x0) * 30.0 / 30.0"
     assert scoremod.parse(str(mod.grad)) == mod.grad
-    assert str(scoremod.parse("max(score, 2.0)").grad) == "relu_grad(1.0, score - 2.0)"
+    assert str(scoremod.parse("max(score, 2.0)").grad) == (
+        "(relu_grad(1.0, score - 2.0) + (1.0 - relu_grad(1.0, 2.0 - score))) * 0.5")
     assert str(scoremod.parse("score + f32(h)").grad) == "1.0"
     assert str(scoremod.parse("f32(q_idx)").grad) == "0.0"

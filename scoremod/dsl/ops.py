@@ -134,8 +134,10 @@ def _integer_pow_grad(y, g):
 
 
 def _max_grad(a, b, g):
-    # d max(a, b) / da is the step of (a - b): relu_grad, no float compare.
-    da = _relu_grad(g, a - b)
+    # d max(a, b) / da is the step of (a - b), built from relu_grad (no float
+    # compare). Ties split evenly, as in JAX: (step(a > b) + step(a >= b)) / 2.
+    strict = _relu_grad(g, a - b)
+    da = (strict + (g - _relu_grad(g, b - a))) * 0.5
     return (da, g - da)
 
 
