@@ -126,7 +126,8 @@ class Static:
         uid = cg.UID_LOADS + i
         name, shape, dtype = node.args[0].attr
         idx = node.args[1:]
-        dtype = dtype if dtype in ("float16", "bfloat16", "float32") else "int32"
+        if dtype not in ("float16", "bfloat16", "float32"):  # ints travel as int32, or as
+            dtype = "float32" if node.dtype == F32 else "int32"  # floats when lifted
         direct = all(a.op in ("var", "const") for a in idx) and len(
             {a for a in idx if a.op == "var"}) == sum(a.op == "var" for a in idx)
         dims, strides = [1, 1, 1, 1], [1, 1, 1, 1]
