@@ -30,7 +30,8 @@ def _inputs(b, sq, skv, hq, hkv, d, dtype, seed=0):
 
 def _run(impl, mod, q, k, v, do, scale=None):
     def f(q, k, v):
-        return scoremod.attention(q, k, v, mod, scale=scale, implementation=impl, return_lse=True)
+        o, lse = scoremod.attention(q, k, v, mod, scale=scale, implementation=impl, return_lse=True)
+        return o, jax.lax.stop_gradient(lse)  # the fused path does not differentiate the LSE
 
     (o, lse), vjp = jax.vjp(f, q, k, v)
     dq, dk, dv = vjp((do, jnp.zeros_like(lse)))
@@ -247,6 +248,17 @@ def test_operand_gradients_are_refused_explicitly_and_fall_back_automatically():
     with pytest.warns(UserWarning, match="reference path"):
         g = jax.grad(loss)(SLOPES, None)
     np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(loss)(SLOPES, "xla")), rtol=1e-5, atol=1e-5)
+
+
+def test_lse_gradient_is_refused_not_wrong():
+    q, k, v, _ = _inputs(1, 64, 64, 2, 2, 64, jnp.bfloat16)
+
+    def loss(q):
+        o, lse = scoremod.attention(q, k, v, implementation="cudnn", return_lse=True)
+        return jnp.sum(lse)
+
+    with pytest.raises(scoremod.ScoreModError, match="LSE"):
+        jax.grad(loss)(q)
 
 
 def test_plain_attention_without_mod():
