@@ -67,7 +67,9 @@ def _format_node(node: Node, names: dict) -> tuple[str, int]:
         if len(node.args) == 1:
             return array, _ATOM
         return f"{array}[{', '.join(sub(a, 0) for a in node.args[1:])}]", _ATOM
-    op = OPS[node.op]
+    op = OPS.get(node.op)
+    if op is None:  # lowering-internal nodes (e.g. materialize) print as calls
+        return f"{node.op}({', '.join(sub(a, 0) for a in node.args)})", _ATOM
     if node.op == "integer_pow":
         return f"{sub(node.args[0], _ATOM)} ** {node.attr}", op.prec
     if op.infix:

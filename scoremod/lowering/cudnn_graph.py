@@ -158,7 +158,7 @@ def emission_order(root: Node) -> list:
             continue
         seen.add(node)
         stack.append((node, True))
-        if node.op != "load":
+        if node.op not in ("load", "materialize"):
             stack.extend((a, False) for a in reversed(node.args) if a not in seen)
     return order
 
@@ -183,7 +183,7 @@ class Emitter:
                 t = g.gen_index(input=anchor, axis=_AXIS[node.attr])
                 t.set_data_type(_ir_dtype(I32))
                 self.env[node] = t
-            elif node.op == "load":
+            elif node.op in ("load", "materialize"):
                 self.env[node] = self.loads[node]
             else:
                 t = LOWER[node.op](g, [self.env[a] for a in node.args])

@@ -101,16 +101,23 @@ class Static:
         self.sizes = {"b": b, "h": hq, "q_idx": sq, "kv_idx": skv}
         if mod is None:
             self.fwd = self.bwd = None
-            self.consts, self.loads = (), ()
+            self.consts, self.fwd_consts, self.loads, self.fwd_loads = (), (), (), ()
         else:
             self.fwd, self.bwd = cudnn_rules.forward_and_backward(mod.expr)
-            nodes = ir.toposort(self.fwd, self.bwd)
+            # What the graphs read: constants and tensors on the emitted paths only
+            # (a graph is given exactly the scalars it contains).
+            fwd_nodes = cg.emission_order(self.fwd)
+            nodes = list(dict.fromkeys(fwd_nodes + cg.emission_order(self.bwd)))
             self.consts = tuple(n for n in nodes if n.op == "const")
-            self.loads = tuple(
-                self._plan_load(n, i) for i, n in enumerate(x for x in nodes if x.op == "load")
-            )
+            self.fwd_consts = tuple(n for n in fwd_nodes if n.op == "const")
+            self.loads = tuple(self._plan_load(n, i) for i, n in enumerate(
+                x for x in nodes if x.op in ("load", "materialize")))
+            fwd_set = set(fwd_nodes)
+            self.fwd_loads = tuple(l for l in self.loads if l.node in fwd_set)
         self.problem = cg.Problem(b, sq, skv, hq, hkv, d, dv, dtype, float(scale),
                                   tuple(l.spec for l in self.loads))
+        self.fwd_problem = dataclasses.replace(self.problem,
+                                               loads=tuple(l.spec for l in self.fwd_loads))
         self.key = (mod.key if mod is not None else None, self.problem)
 
     def __hash__(self):
@@ -124,6 +131,8 @@ class Static:
 
     def _plan_load(self, node, i):
         uid = cg.UID_LOADS + i
+        if node.op == "materialize":
+            return self._plan_materialized(node, uid)
         name, shape, dtype = node.args[0].attr
         idx = node.args[1:]
         if dtype not in ("float16", "bfloat16", "float32"):  # ints travel as int32, or as
@@ -140,6 +149,10 @@ class Static:
                 strides[cg._AXIS[a.attr]] = stride
                 stride *= size
             return LoadPlan(node, cg.TensorSpec(uid, tuple(dims), tuple(strides), dtype), name)
+        return self._plan_materialized(node, uid)
+
+    def _plan_materialized(self, node, uid):
+        dims, strides = [1, 1, 1, 1], [1, 1, 1, 1]
         used = {n.attr for n in ir.toposort(node) if n.op == "var"}
         for v in ("b", "h", "q_idx", "kv_idx"):
             if v in used:
@@ -154,7 +167,8 @@ class Static:
     # --- graphs
     def forward_graph(self):
         return cg.cached(("forward",) + self._graph_key(), lambda: cg.build_forward(
-            self.fwd, self.problem, self.consts, [l.node for l in self.loads], self.describe))
+            self.fwd, self.fwd_problem, self.fwd_consts, [l.node for l in self.fwd_loads],
+            self.describe))
 
     def backward_graph(self):
         return cg.cached(("backward",) + self._graph_key(), lambda: cg.build_backward(
@@ -165,11 +179,13 @@ class Static:
         return self.key + (_gpu_family(), cg.backend_version(), cg.frontend_version())
 
     # --- inputs
-    def load_arrays(self, operands):
-        values = dict(zip(self.mod.operand_names, operands)) if self.mod is not None else {}
+    def load_arrays(self, operands, forward=False):
+        """The input tensors of the forward (``forward=True``) or backward graph."""
         if self.mod is None:
             return []
-        return [self._load_array(plan, values) for plan in self.loads]
+        values = dict(zip(self.mod.operand_names, operands))
+        return [self._load_array(plan, values)
+                for plan in (self.fwd_loads if forward else self.loads)]
 
     def _load_array(self, plan, values):
         node, spec = plan.node, plan.spec
@@ -192,7 +208,8 @@ class Static:
                 [-1 if i == ax else 1 for i in range(4)])
             for v, ax in cg._AXIS.items()
         }
-        out = evaluate(node, grids, values)
+        expr = node.args[0] if node.op == "materialize" else node
+        out = evaluate(expr, grids, values)
         return jnp.broadcast_to(out, spec.dims).astype(spec.dtype)
 
 
@@ -212,7 +229,7 @@ def _forward(static, q, k, v, operands):
     p = static.problem
     out_shapes = [jax.ShapeDtypeStruct((p.b, p.sq, p.hq, p.dv), q.dtype),
                   jax.ShapeDtypeStruct((p.b, p.hq, p.sq, 1), jnp.float32)]
-    o, stats = _call(built, [q, k, v, *static.load_arrays(operands)], out_shapes)
+    o, stats = _call(built, [q, k, v, *static.load_arrays(operands, forward=True)], out_shapes)
     return o, stats[..., 0]
 
 

@@ -163,12 +163,18 @@ def const_tensor(c: Node) -> Node:
 
 
 # --- masks that read arrays ----------------------------------------------------
-# cuDNN refuses a comparison whose inputs come from an input tensor (measured:
-# doc[b, q_idx] == doc[b, kv_idx] finds no engine, even through a cast). Such
-# booleans become float indicators (0 or 1) computed with arithmetic on the
-# integer values (exact below 2**24), and where() selects with them:
-#   where(m, x, -inf) = x + (1 - 1/m)      (1/0 = inf; x is finite)
-#   where(m, x, y)    = x*m + y*(1 - m)
+# cuDNN refuses comparisons on values read from input tensors (measured on the
+# H200: doc[b, q_idx] == doc[b, kv_idx] finds no engine, directly, through a
+# cast, or as float arithmetic). Such a condition is evaluated by XLA instead,
+# into one tensor of the dims it depends on (a document mask becomes a
+# [B, 1, Sq, Skv] bias); score_mod then reads that tensor.
+#   where(m, x, -inf) = x + materialize(where(m, 0, -inf))
+#   where(m, x, y)    = x * i + y * (1 - i),  i = materialize(where(m, 1, 0))
+
+
+def materialize(expr: Node) -> Node:
+    """``expr`` computed by XLA over the index grid and read as an input tensor."""
+    return Node("materialize", (expr,), None, expr.dtype)
 
 
 def _depends_on_loads(root):
@@ -179,113 +185,37 @@ def _depends_on_loads(root):
     return dep
 
 
-class _MaskLifter:
-    def __init__(self, root):
-        self.data = _depends_on_loads(root)
-        self.memo_f, self.memo_i = {}, {}
-
-    def lift(self, root):
-        done = {}
-        for node in ir.toposort(root):
-            if node.op in ("var", "const", "operand"):
-                done[node] = node
-            elif node.op == "where" and node.args[0] in self.data and node.dtype == F32:
-                done[node] = self.select(node.args[0], done[node.args[1]], done[node.args[2]])
-            elif node.op == "f32" and node.args[0] in self.data:
-                done[node] = self.flt(node.args[0])
-            elif node.op == "load":
-                done[node] = node
+def _lift_data_masks(root: Node) -> Node:
+    data = _depends_on_loads(root)
+    zero, one, ninf = const(0.0, F32), const(1.0, F32), const(float("-inf"), F32)
+    done = {}
+    for node in ir.toposort(root):
+        if node.op in ("var", "const", "operand", "load"):
+            done[node] = node
+            continue
+        args = tuple(done[a] for a in node.args)
+        if node.op == "where" and node.dtype == F32 and node.args[0] in data:
+            c, (x, y) = node.args[0], args[1:]
+            if is_const(y) and y.attr == float("-inf"):
+                done[node] = x + materialize(apply("where", c, zero, ninf))
+            elif is_const(x) and x.attr == float("-inf"):
+                done[node] = y + materialize(apply("where", c, ninf, zero))
             else:
-                args = tuple(done[a] for a in node.args)
-                done[node] = node if args == node.args else apply(node.op, *args, attr=node.attr)
-        return done[root]
-
-    def flt(self, n):
-        """The float value of an int or bool node."""
-        if n in self.memo_f:
-            return self.memo_f[n]
-        out = self._flt(n)
-        self.memo_f[n] = out
-        return out
-
-    def _flt(self, n):
-        if n.dtype == BOOL:
-            return self.ind(n)
-        if n.dtype == F32:
-            return n
-        if n not in self.data:
-            return apply("f32", n)
-        op, a = n.op, n.args
-        if op == "load":
-            return Node("load", a, None, F32)
-        if op in ("add", "sub", "mul", "max", "min"):
-            return apply(op, self.flt(a[0]), self.flt(a[1]))
-        if op in ("neg", "abs"):
-            return apply(op, self.flt(a[0]))
-        if op in ("floordiv", "trunc_div") and (op == "floordiv" or _nonneg_int_pair(n)):
-            return apply("floor", self.flt(a[0]) / self.flt(a[1]))
-        if op in ("mod", "rem") and (op == "mod" or _nonneg_int_pair(n)):
-            x, y = self.flt(a[0]), self.flt(a[1])
-            return x - apply("floor", x / y) * y
-        if op == "where":
-            return self.select(a[0], self.flt(a[1]), self.flt(a[2]))
-        if op == "integer_pow" and n.attr > 0:
-            return apply("integer_pow", self.flt(a[0]), attr=n.attr)
-        raise UnsupportedOpError(f"the fused cuDNN path cannot compute `{op}` on array values")
-
-    def ind(self, n):
-        """A float 0/1 indicator of a bool node."""
-        if n in self.memo_i:
-            return self.memo_i[n]
-        out = self._ind(n)
-        self.memo_i[n] = out
-        return out
-
-    def _ind(self, n):
-        one = const(1.0, F32)
-        if n.op == "const":
-            return const(1.0 if n.attr else 0.0, F32)
-        if n not in self.data:
-            return apply("where", n, const_tensor(one), const(0.0, F32))
-        op, a = n.op, n.args
-        if op == "load":
-            return apply("min", apply("abs", Node("load", a, None, F32)), one)
-        if op in ("and", "or"):
-            x, y = self.ind(a[0]), self.ind(a[1])
-            return x * y if op == "and" else apply("max", x, y)
-        if op == "not":
-            return 1.0 - self.ind(a[0])
-        if op in _COMPARISONS:
-            x, y = self.flt(a[0]), self.flt(a[1])
-            if op in ("gt", "ge"):
-                x, y, op = y, x, {"gt": "lt", "ge": "le"}[op]
-            if op == "eq":
-                return 1.0 - apply("min", apply("abs", x - y), one)
-            if op == "ne":
-                return apply("min", apply("abs", x - y), one)
-            gap = y - x if op == "lt" else y - x + 1.0  # integers: x < y iff y - x >= 1
-            return apply("min", apply("relu", gap), one)
-        raise UnsupportedOpError(f"the fused cuDNN path cannot compute `{op}` on array values")
-
-    def select(self, c, x, y):
-        i = self.ind(c)
-        if is_const(y) and y.attr == float("-inf"):
-            return x + (1.0 - 1.0 / i)
-        if is_const(x) and x.attr == float("-inf"):
-            return y + (1.0 - 1.0 / (1.0 - i))
-        if is_const(y, 0.0):
-            return x * i
-        if is_const(x, 0.0):
-            return y * (1.0 - i)
-        return x * i + y * (1.0 - i)
+                i = materialize(apply("where", c, one, zero))
+                done[node] = x * i if is_const(y, 0.0) else x * i + y * (1.0 - i)
+        elif node.op == "f32" and node.args[0] in data:
+            done[node] = materialize(node)
+        else:
+            done[node] = node if args == node.args else apply(node.op, *args, attr=node.attr)
+    return done[root]
 
 
 def canonical(root: Node) -> Node:
     """``root`` rewritten so every node maps onto one cuDNN node under the rules."""
-    root = _MaskLifter(root).lift(root)
+    root = _lift_data_masks(root)
     done = {}
     for node in ir.toposort(root):
-        if ir.is_const(node) or node.op in ("var", "operand"):
+        if ir.is_const(node) or node.op in ("var", "operand", "materialize"):
             done[node] = node
             continue
         done[node] = _rewrite(node, tuple(done[a] for a in node.args))
