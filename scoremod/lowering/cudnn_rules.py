@@ -185,7 +185,15 @@ def _depends_on_loads(root):
     return dep
 
 
+def _fold_nan_tests(root: Node) -> Node:
+    """x != x (how jax.nn.softplus tests for NaN) is False: scores are never NaN."""
+    tests = {n: const(n.op in ("eq", "le", "ge"), BOOL) for n in ir.toposort(root)
+             if n.op in _COMPARISONS and n.args[0] is n.args[1] and n.args[0].dtype == F32}
+    return ir.substitute(root, tests) if tests else root
+
+
 def _lift_data_masks(root: Node) -> Node:
+    root = _fold_nan_tests(root)
     data = _depends_on_loads(root)
     zero, one, ninf = const(0.0, F32), const(1.0, F32), const(float("-inf"), F32)
     done = {}

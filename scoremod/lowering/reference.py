@@ -28,6 +28,8 @@ def evaluate(expr: ir.Node, inputs: dict, operands: dict):
             vals[node] = jnp.asarray(inputs[node.attr], _JNP_DTYPE[node.dtype])
         elif node.op == "operand":
             continue
+        elif node.op == "materialize":  # lowering-internal: a value computed ahead
+            vals[node] = vals[node.args[0]]
         elif node.op == "load":
             vals[node] = _load(node, operands[node.args[0].attr[0]], [vals[a] for a in node.args[1:]])
         else:
