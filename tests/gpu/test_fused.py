@@ -101,6 +101,8 @@ OP_MODS = {
     "f32": lambda s, b, h, q, k: s + 0.01 * (q - k),
     "floordiv": lambda s, b, h, q, k: jnp.where(q // 32 == k // 32, s, -jnp.inf),
     "mod": lambda s, b, h, q, k: jnp.where((k % 4) == (q % 4), s, -jnp.inf),
+    "mod_signed": lambda s, b, h, q, k: jnp.where((q - k) % 4 == 0, s, -jnp.inf),
+    "load": lambda s, b, h, q, k: s + jnp.asarray([0.5, -0.5, 1.0, 0.0])[h] * 1.0,
     "identity": lambda s, b, h, q, k: s,
     "constant": lambda s, b, h, q, k: 0.01 * (k - q) * 1.0,
 }
