@@ -8,6 +8,7 @@
 """
 
 from scoremod.attention import attention
+from scoremod.lowering.cudnn_graph import cache_info
 from scoremod.dsl.ops import OPS
 from scoremod.dsl.scoremod import ScoreMod, parse, score_mod, trace
 from scoremod.errors import (
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention",
+    "cache_info",
     "trace",
     "score_mod",
     "parse",

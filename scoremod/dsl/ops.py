@@ -49,6 +49,10 @@ class Op:
 
     @property
     def text(self):
+        if self.name == "integer_pow":
+            return "a ** n"
+        if self.name == "load":
+            return "name[i, ...]"
         if self.infix:
             return f"a {self.infix} b"
         if self.prefix:

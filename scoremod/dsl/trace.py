@@ -150,7 +150,7 @@ class _Tracer:
             raise ScoreModTypeError(f"{prim} at {at}: {e}") from None
         raise UnsupportedOpError(
             f"{prim} at {at} is not supported in a score_mod. The supported operations "
-            "are listed in docs/ops.md (scoremod.ops_table()); if this can be written "
+            "are listed in docs/ops.md (scoremod.OPS); if this can be written "
             "with them, rewrite it, or compute it outside the mod and pass an array."
         )
 

@@ -89,12 +89,17 @@ def bshd(b, s, h, d):
 # --- the lowering table: one emitter per op ---------------------------------
 
 
+def _node(name, emit):
+    emit.node = name  # the cuDNN frontend node this op becomes (for `scoremod show`)
+    return emit
+
+
 def _pointwise(name):
-    return lambda g, a: getattr(g, name)(input=a[0])
+    return _node(name, lambda g, a: getattr(g, name)(input=a[0]))
 
 
 def _binary(name):
-    return lambda g, a: getattr(g, name)(a=a[0], b=a[1])
+    return _node(name, lambda g, a: getattr(g, name)(a=a[0], b=a[1]))
 
 
 def _cmp(name):
@@ -102,7 +107,7 @@ def _cmp(name):
         return getattr(g, name)(input=a[0], comparison=a[1],
                                 compute_data_type=_cudnn().data_type.BOOLEAN)
 
-    return emit
+    return _node(name, emit)
 
 
 LOWER = {
@@ -125,10 +130,10 @@ LOWER = {
     "floor": _pointwise("floor"),
     "ceil": _pointwise("ceil"),
     "relu": _pointwise("relu"),
-    "pow": lambda g, a: g.pow(input0=a[0], input1=a[1]),
-    "max": lambda g, a: g.max(input0=a[0], input1=a[1]),
-    "min": lambda g, a: g.min(input0=a[0], input1=a[1]),
-    "relu_grad": lambda g, a: g.relu_backward(loss=a[0], input=a[1]),
+    "pow": _node("pow", lambda g, a: g.pow(input0=a[0], input1=a[1])),
+    "max": _node("max", lambda g, a: g.max(input0=a[0], input1=a[1])),
+    "min": _node("min", lambda g, a: g.min(input0=a[0], input1=a[1])),
+    "relu_grad": _node("relu_backward", lambda g, a: g.relu_backward(loss=a[0], input=a[1])),
     "lt": _cmp("cmp_lt"),
     "le": _cmp("cmp_le"),
     "gt": _cmp("cmp_gt"),
@@ -138,7 +143,7 @@ LOWER = {
     "and": _binary("logical_and"),
     "or": _binary("logical_or"),
     "not": _pointwise("logical_not"),
-    "where": lambda g, a: g.binary_select(input0=a[1], input1=a[2], mask=a[0]),
+    "where": _node("binary_select", lambda g, a: g.binary_select(input0=a[1], input1=a[2], mask=a[0])),
     "f32": _pointwise("identity"),
     "i32": _pointwise("identity"),
 }

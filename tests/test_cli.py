@@ -1,0 +1,38 @@
+"""The command line: show and check (demo is run by tests/test_docs.py's README check)."""
+
+import pytest
+
+from scoremod.cli import main
+
+
+def test_show_prints_text_key_grad_and_lowering(capsys):
+    assert main(["show", "where(q_idx >= kv_idx, cap * tanh(score / cap), -inf)", "--set", "cap=30"]) == 0
+    out = capsys.readouterr().out
+    assert "text:               where(q_idx >= kv_idx, tanh(score / 30.0) * 30.0, -inf)" in out
+    assert "fused cuDNN path:   supported" in out
+    assert "cmp_ge x1" in out and "tanh x1" in out and "binary_select" in out
+    bprop = out.split("score_mod_bprop:")[1]
+    assert "tanh" not in bprop.split("cuDNN nodes:")[1]  # reused from score_mod, not recomputed
+
+
+def test_show_explains_refusal(capsys):
+    assert main(["show", "where(score > 0.5, score, 0.0)"]) == 0
+    out = capsys.readouterr().out
+    assert "not supported" in out and "compares float values" in out
+
+
+def test_show_unknown_name_suggests_set(capsys):
+    assert main(["show", "cap * tanh(score / cap)"]) == 2
+    assert "--set cap=" in capsys.readouterr().err
+
+
+def test_check_runs_reference_and_says_why_not_fused(capsys):
+    from scoremod.lowering import cudnn_path
+    import jax.numpy as jnp
+
+    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    if cudnn_path.why_not(q, q, q, None) is None:
+        pytest.skip("a GPU is present: the fused comparison runs instead")
+    assert main(["check", "30.0 * tanh(score / 30.0)", "--seq", "64", "--heads", "2", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "reference (xla)" in out and "fused path not run: no NVIDIA GPU" in out
