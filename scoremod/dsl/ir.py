@@ -184,8 +184,11 @@ def is_const(node: Node, value=None) -> bool:
     return node.attr == value and not (isinstance(node.attr, float) and math.isnan(node.attr))
 
 
-def toposort(*roots: Node) -> list[Node]:
-    """Every node reachable from ``roots``, children before parents, deterministic."""
+def toposort(*roots: Node, stop=None) -> list[Node]:
+    """Every node reachable from ``roots``, children before parents, deterministic.
+
+    ``stop(node)`` true keeps ``node`` but does not descend into its arguments.
+    """
     order, seen = [], set()
     for root in roots:
         if root in seen:
@@ -200,6 +203,8 @@ def toposort(*roots: Node) -> list[Node]:
                 continue
             seen.add(node)
             stack.append((node, True))
+            if stop is not None and stop(node):
+                continue
             for child in reversed(node.args):
                 if child not in seen:
                     stack.append((child, False))

@@ -153,19 +153,7 @@ def emission_order(root: Node) -> list:
     """Nodes to emit for ``root``, children first. A load is an input tensor, so
     its index expressions are NOT emitted: they would dangle in score_mod, and a
     dangling node makes cuDNN compute dV wrong without any error."""
-    order, seen, stack = [], set(), [(root, False)]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
-            continue
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.append((node, True))
-        if node.op not in ("load", "materialize"):
-            stack.extend((a, False) for a in reversed(node.args) if a not in seen)
-    return order
+    return ir.toposort(root, stop=lambda n: n.op in ("load", "materialize"))
 
 
 class Emitter:
