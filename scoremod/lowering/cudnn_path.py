@@ -121,10 +121,11 @@ class Static:
         self.key = (mod.key if mod is not None else None, self.problem)
 
     def __hash__(self):
-        return hash(self.key)
+        return hash((self.key, self.allow_fallback))
 
     def __eq__(self, other):
-        return isinstance(other, Static) and other.key == self.key
+        return (isinstance(other, Static) and other.key == self.key
+                and other.allow_fallback == self.allow_fallback)
 
     def describe(self):
         return f"score_mod `{self.mod}`" if self.mod is not None else "plain attention"
@@ -258,13 +259,11 @@ def _fused_fwd(static, q, k, v, operands):
             "implementation=None falls back to it for this call (O(S^2) memory).",
             stacklevel=4,
         )
-        mod = static.mod.bind(**dict(zip(_names(static), operands)))
         (o, lse), vjp = jax.vjp(
             lambda q, k, v, ops: scores_and_lse_reference(
                 q, k, v, static.mod.bind(**dict(zip(_names(static), ops))),
                 static.problem.scale, True),
             q, k, v, operands)
-        del mod
         return (o, lse), {"reference_vjp": vjp}  # a dict marks the fallback residuals
     if perturbed:
         raise ScoreModError(
