@@ -4,6 +4,7 @@
     scoremod show "30.0 * tanh(score / 30.0)"
     scoremod show "cap * tanh(score / cap)" --set cap=30.0
     scoremod show mypackage.mods:softcap   # import a function (or ScoreMod) and trace it
+    scoremod bench --help                  # the benchmark harness (scoremod/bench.py)
 """
 
 from __future__ import annotations
@@ -221,7 +222,15 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.set_defaults(run=check)
-    args = parser.parse_args(argv)
+    sub.add_parser("bench", add_help=False,
+                   help="benchmark harness: scoremod vs cuDNN, JAX, XLA, FlexAttention (bench --help)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":  # everything after "bench" is the harness's own
+        from scoremod import bench
+
+        return bench.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     from scoremod.errors import ScoreModError
 

@@ -1,0 +1,788 @@
+"""Benchmark harness: scoremod against cuDNN, JAX, its XLA reference and FlexAttention.
+
+    scoremod bench --seqs 4096 --head-dims 128 --json s4096.json --no-doc   # a subset, on a GPU
+    scoremod bench --from s1024.json s4096.json ...    # merge runs; write docs/performance.md
+    scoremod bench --dry-run --json /tmp/b.json --doc /tmp/perf.md          # CPU, tiny shapes
+
+Same shapes, same run, side by side (``--impls``):
+
+  scoremod   scoremod.attention(implementation="cudnn"): the fused path, through XLA FFI
+  direct     the same serialized cuDNN graphs run by the cuDNN frontend's Python API
+             (torch buffers, CUDA events), as in benchmarks/ffi_overhead.py
+  xla        scoremod.attention(implementation="xla"): the reference path
+  jax-cudnn  jax.nn.dot_product_attention(implementation="cudnn") without the mod (upper
+             bound), with is_causal / local_window_size (/ a mask) for the mask mods
+  jax-bias   the same with the mod materialized as a bias (ALiBi, relative bias)
+  flex       PyTorch FlexAttention, torch.compile(flex_attention), with a block mask for
+             the mask mods (when torch is importable)
+
+Times are medians (min, max) over ``--reps`` repetitions of N calls after warm-up;
+the first call (compilation and cuDNN graph builds) is timed apart. FLOPs are
+dense: 4*B*H*S*S*D forward and 2.5x that backward, for masked mods too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+IMPLS = {
+    "scoremod": "scoremod fused",
+    "direct": "same graph, cuDNN frontend Python",
+    "xla": "scoremod XLA reference",
+    "jax-cudnn": "jax.nn cuDNN",
+    "jax-bias": "jax.nn cuDNN + bias",
+    "flex": "FlexAttention",
+}
+MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
+        "document")
+MASK_MODS = ("causal", "window", "document")  # pure masks: jax.nn has them natively
+DIRECTIONS = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
+FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}  # backward counted as 2.5x the forward
+SOFTCAP, DOCS = 30.0, 4
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+DRY = dict(batch=1, heads=2, seqs=[32, 64], head_dims=[16], long=128, impls=["xla"], reps=3,
+           rep_ms=2.0, window=16)
+
+
+class NotApplicable(Exception):
+    """This implementation has no variant for this mod (no row is written)."""
+
+
+# --- the mods, for each library ----------------------------------------------
+
+
+def aux_arrays(b, h, s, window):
+    """What the mods close over: ALiBi slopes, document ids, a relative-bias table."""
+    return {
+        "slopes": (2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32),
+        "doc": np.repeat((np.arange(s) * DOCS // s)[None], b, 0).astype(np.int32),
+        "table": (0.1 * np.random.default_rng(0).standard_normal((h, 2 * s - 1))).astype(np.float32),
+        "window": window, "seq": s,
+    }
+
+
+def jax_mod(name, a):
+    import jax.numpy as jnp
+
+    import scoremod
+
+    slopes, doc, table = (jnp.asarray(a[n]) for n in ("slopes", "doc", "table"))
+    w, s, inf = a["window"], a["seq"], -jnp.inf
+    fns = {
+        "identity": lambda sc, b, h, q, k: sc,
+        "softcap": lambda sc, b, h, q, k: SOFTCAP * jnp.tanh(sc / SOFTCAP),
+        "alibi": lambda sc, b, h, q, k: sc + slopes[h] * (k - q),
+        "relbias": lambda sc, b, h, q, k: sc + table[h, q - k + s - 1],
+        "causal": lambda sc, b, h, q, k: jnp.where(q >= k, sc, inf),
+        "window": lambda sc, b, h, q, k: jnp.where((q >= k) & (q - k < w), sc, inf),
+        "softcap_causal": lambda sc, b, h, q, k: jnp.where(q >= k, SOFTCAP * jnp.tanh(sc / SOFTCAP), inf),
+        "document": lambda sc, b, h, q, k: jnp.where((doc[b, q] == doc[b, k]) & (q >= k), sc, inf),
+    }
+    return scoremod.trace(fns[name])
+
+
+def jax_native(name, a):
+    """(variant, kwargs, mask or None): jax.nn.dot_product_attention's own masks."""
+    if name in ("causal", "softcap_causal"):
+        return "is_causal", {"is_causal": True}, None
+    if name == "window":
+        w = a["window"]
+        return f"local_window_size=({w - 1}, 0)", {"is_causal": True, "local_window_size": (w - 1, 0)}, None
+    if name == "document":
+        import jax
+        import jax.numpy as jnp
+
+        doc = jnp.asarray(a["doc"])
+        mask = jax.jit(lambda d: d[:, None, :, None] == d[:, None, None, :])(doc)
+        return "is_causal + [B, 1, S, S] mask", {"is_causal": True}, mask
+    return "no mod", {}, None
+
+
+def jax_bias(name, a, dtype):
+    """The mod as a [1, H, S, S] bias, built once on the device, or None."""
+    import jax
+    import jax.numpy as jnp
+
+    s = a["seq"]
+    if name not in ("alibi", "relbias"):
+        return None
+
+    def build(slopes, table):
+        qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+        bias = slopes[:, None, None] * (ki - qi) if name == "alibi" else table[:, qi - ki + s - 1]
+        return bias[None].astype(dtype)
+
+    return jax.jit(build)(jnp.asarray(a["slopes"]), jnp.asarray(a["table"]))
+
+
+def flex_mods(name, a):
+    """(score_mod, mask_mod) for FlexAttention."""
+    import torch
+
+    slopes, doc, table = (torch.as_tensor(a[n], device="cuda") for n in ("slopes", "doc", "table"))
+    w, s = a["window"], a["seq"]
+
+    def softcap(sc, b, h, q, k):
+        return SOFTCAP * torch.tanh(sc / SOFTCAP)
+
+    score_mods = {
+        "softcap": softcap, "softcap_causal": softcap,
+        "alibi": lambda sc, b, h, q, k: sc + slopes[h] * (k - q),
+        "relbias": lambda sc, b, h, q, k: sc + table[h, q - k + s - 1],
+    }
+    mask_mods = {
+        "causal": lambda b, h, q, k: q >= k, "softcap_causal": lambda b, h, q, k: q >= k,
+        "window": lambda b, h, q, k: (q >= k) & (q - k < w),
+        "document": lambda b, h, q, k: (doc[b, q] == doc[b, k]) & (q >= k),
+    }
+    return score_mods.get(name), mask_mods.get(name)
+
+
+@functools.cache
+def _flex_attention():
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    cfg = torch._dynamo.config  # one recompilation per mod and shape: never fall back to eager
+    for limit in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                  "accumulated_recompile_limit"):
+        if hasattr(cfg, limit):
+            setattr(cfg, limit, 4096)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+# --- one shape: inputs and the implementations ------------------------------
+
+
+class Shape:
+    def __init__(self, batch, heads, seq, head_dim, dtype, window, long=False):
+        self.b, self.h, self.s, self.d = batch, heads, seq, head_dim
+        self.dtype, self.long = dtype, long
+        self.aux = aux_arrays(batch, heads, seq, window)
+        self._mods, self._jax, self._torch, self._masks = {}, None, None, {}
+
+    def flops(self, direction):
+        return 4 * self.b * self.h * self.s * self.s * self.d * FLOP_FACTOR[direction]
+
+    def record(self):
+        return {"batch": self.b, "heads": self.h, "seq": self.s, "head_dim": self.d,
+                "dtype": self.dtype, "long": self.long}
+
+    def mod(self, name):
+        if name not in self._mods:
+            self._mods[name] = jax_mod(name, self.aux)
+        return self._mods[name]
+
+    def jax_inputs(self):
+        """q, k, v, dO: [B, S, H, D]."""
+        if self._jax is None:
+            import jax
+
+            keys = jax.random.split(jax.random.key(0), 4)
+            self._jax = [jax.random.normal(k, (self.b, self.s, self.h, self.d), self.dtype) for k in keys]
+        return self._jax
+
+    def torch_inputs(self):
+        """q, k, v, dO, each [B, S, H, D] contiguous (``t.transpose(1, 2)`` is [B, H, S, D])."""
+        if self._torch is None:
+            import torch
+
+            torch.manual_seed(0)
+            self._torch = [torch.randn(self.b, self.s, self.h, self.d, dtype=getattr(torch, self.dtype),
+                                       device="cuda") for _ in range(4)]
+        return self._torch
+
+    def block_mask(self, name, mask_mod):
+        if name not in self._masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            b = self.b if name == "document" else None
+            try:
+                self._masks[name] = create_block_mask(mask_mod, b, None, self.s, self.s, device="cuda",
+                                                      _compile=True)
+            except TypeError:  # a torch without _compile
+                self._masks[name] = create_block_mask(mask_mod, b, None, self.s, self.s, device="cuda")
+        return self._masks[name]
+
+
+def make_call(impl, name, shape, direction):
+    """(call, clock, variant): ``call()`` launches one call; ``clock`` times loops of it."""
+    if impl in ("direct", "flex"):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise ImportError("torch is not importable") from None
+        call, variant = (make_direct if impl == "direct" else make_flex)(name, shape, direction)
+        return call, cuda_clock, variant
+    import jax
+
+    import scoremod
+
+    variant, extra = "", ()
+    if impl in ("scoremod", "xla"):
+        mod, how = shape.mod(name), "cudnn" if impl == "scoremod" else "xla"
+
+        def fn(q, k, v):
+            return scoremod.attention(q, k, v, mod, implementation=how)
+    elif impl == "jax-cudnn":
+        variant, kw, mask = jax_native(name, shape.aux)
+        extra = () if mask is None else (mask,)
+
+        def fn(q, k, v, *mask):
+            return jax.nn.dot_product_attention(q, k, v, mask=mask[0] if mask else None,
+                                                implementation="cudnn", **kw)
+    else:  # jax-bias
+        bias = jax_bias(name, shape.aux, shape.dtype)
+        if bias is None:
+            raise NotApplicable(f"{impl} has no variant for {name}")
+        variant, extra = "[1, H, S, S] bias", (bias,)
+
+        def fn(q, k, v, bias):
+            return jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="cudnn")
+    q, k, v, do = shape.jax_inputs()
+    if direction == "fwd":
+        f, args = jax.jit(fn), (q, k, v, *extra)
+    else:
+        def step(q, k, v, do, *extra):
+            o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *extra), q, k, v)
+            return (o, *vjp(do))
+
+        f, args = jax.jit(step), (q, k, v, do, *extra)
+    return (lambda: f(*args)), wall_clock, variant
+
+
+def make_direct(name, shape, direction):
+    """The graphs scoremod runs for this mod and shape, executed by the frontend's Python API."""
+    import cudnn
+    import torch
+
+    from scoremod.dsl.ir import F32
+    from scoremod.lowering import cudnn_graph as cg
+    from scoremod.lowering import cudnn_path
+
+    b, s, h, d = shape.b, shape.s, shape.h, shape.d
+    static = cudnn_path.Static(shape.mod(name), (b, s, s, h, h, d, d), shape.dtype,
+                               1.0 / math.sqrt(d), allow_fallback=False)
+    q, k, v, do = shape.torch_inputs()
+    bufs = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
+            cg.UID_STATS: torch.empty(b, h, s, 1, dtype=torch.float32, device="cuda"),
+            cg.UID_DQ: torch.empty_like(q), cg.UID_DK: torch.empty_like(k), cg.UID_DV: torch.empty_like(v)}
+
+    def runner(built, consts, loads):
+        g = cudnn.pygraph()
+        g.deserialize(built.blob)
+        pack = {uid: bufs[uid].data_ptr() for uid in built.in_uids + built.out_uids if uid in bufs}
+        keep = []
+        for plan in loads:  # captured arrays and materialized masks: ones (values do not matter)
+            dims, strides = plan.spec.dims, plan.spec.strides
+            n = 1 + sum((x - 1) * st for x, st in zip(dims, strides))
+            keep.append(torch.ones(n, dtype=getattr(torch, plan.spec.dtype), device="cuda"))
+            pack[plan.spec.uid] = keep[-1].data_ptr()
+        for uid, bits, c in zip(built.scalar_uids, built.scalar_bits, consts):
+            x = torch.tensor([bits], dtype=torch.int32)
+            pack[uid] = (x.view(torch.float32) if c.dtype == F32 else x).reshape(1, 1, 1, 1)
+        ws = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device="cuda")
+        return lambda keep=keep: g.execute(pack, ws)  # keep: the load buffers stay alive
+
+    fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads)
+    if direction == "fwd":
+        return fwd, ""
+    bwd = runner(static.backward_graph(), static.consts, static.loads)
+    return (lambda: (fwd(), bwd())), ""
+
+
+def make_flex(name, shape, direction):
+    import torch
+
+    flex = _flex_attention()
+    score_mod, mask_mod = flex_mods(name, shape.aux)
+    block_mask = shape.block_mask(name, mask_mod) if mask_mod is not None else None
+    q, k, v, do = (t.transpose(1, 2).contiguous() for t in shape.torch_inputs())  # [B, H, S, D]
+    variant = "block mask" if block_mask is not None else ""
+    if direction == "fwd":
+        def call():
+            with torch.no_grad():
+                return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        return call, variant
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def call():
+        o = flex(qg, kg, vg, score_mod=score_mod, block_mask=block_mask)
+        return torch.autograd.grad(o, (qg, kg, vg), do)
+
+    return call, variant
+
+
+# --- timing ---------------------------------------------------------------
+
+
+def wall_clock(call, iters):
+    """ms per call of a JAX function: dispatch ``iters`` calls, block on the last."""
+    import jax
+
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        r = call()
+    jax.block_until_ready(r)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def cuda_clock(call, iters):
+    """ms per call on the current CUDA stream, between two CUDA events."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def measure(call, clock, reps, rep_ms, iters=0):
+    """(first call s, iters, [ms per call] per repetition); iters=0 picks it for ~rep_ms a rep."""
+    t0 = time.perf_counter()
+    clock(call, 1)
+    first = time.perf_counter() - t0
+    once = clock(call, 1)
+    iters = iters or max(1, min(50, round(rep_ms / max(once, 1e-6))))
+    return first, iters, [clock(call, iters) for _ in range(reps)]
+
+
+def failure(e):
+    """(status, message) of an exception: out of memory, skipped or error."""
+    text = f"{type(e).__name__}: {e}".strip()
+    first = next((line for line in text.splitlines() if line.strip()), text)[:300]
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OutOfMemory" in text:
+        return "oom", first
+    if isinstance(e, (ImportError, NotApplicable)) or type(e).__name__ == "CudnnUnavailableError":
+        return "skipped", first
+    return "error", first
+
+
+def cache_info():
+    from scoremod.lowering import cudnn_graph
+
+    return cudnn_graph.cache_info()
+
+
+def cache_counts():
+    info = cache_info()
+    return info["builds"], info["build_seconds"]
+
+
+def run(cfg, save=lambda records, not_run: None):
+    """Run every selected case, calling ``save`` after each; returns (records, cases not run)."""
+    shapes = [(s, d, s == cfg.long) for s in cfg.seqs for d in cfg.head_dims]
+    if cfg.long and not any(s == cfg.long for s, _, _ in shapes):
+        shapes.append((cfg.long, max(cfg.head_dims), True))
+    units = [(sh, m, i) for sh in shapes for m in cfg.mods for i in cfg.impls]
+    records, not_run, start, shape = [], [], time.perf_counter(), None
+    for n, ((seq, d, long), name, impl) in enumerate(units, 1):
+        if cfg.max_seconds and time.perf_counter() - start > cfg.max_seconds:
+            not_run = [f"s{s} d{dd} {m} {i}" for (s, dd, _), m, i in units[n - 1:]]
+            print(f"--max-seconds {cfg.max_seconds:g} reached: {len(not_run)} cases not run", flush=True)
+            save(records, not_run)
+            break
+        if shape is None or (shape.s, shape.d) != (seq, d):
+            shape = None  # free the previous shape's inputs and masks first
+            _free_memory()
+            shape = Shape(cfg.batch, cfg.heads, seq, d, cfg.dtype, cfg.window, long)
+        for direction in cfg.directions:
+            rec = dict(shape.record(), mod=name, impl=impl, direction=direction, variant="")
+            builds, build_s = cache_counts()
+            try:
+                call, clock, rec["variant"] = make_call(impl, name, shape, direction)
+                first, iters, ms = measure(call, clock, cfg.reps, cfg.rep_ms, cfg.iters)
+                med = statistics.median(ms)
+                rec.update(status="ok", median_ms=med, min_ms=min(ms), max_ms=max(ms),
+                           tflops=shape.flops(direction) / med / 1e9, first_call_s=first,
+                           iters=iters, reps=len(ms))
+            except NotApplicable:
+                break
+            except Exception as e:  # OOM and refusals are results too
+                rec["status"], rec["message"] = failure(e)
+            finally:
+                call = None
+            if rec["status"] == "oom":
+                _free_memory()
+            b1, s1 = cache_counts()
+            rec.update(graph_builds=b1 - builds, graph_build_s=s1 - build_s)
+            records.append(rec)
+            print(f"[{n:3d}/{len(units)} {time.perf_counter() - start:6.0f}s] {progress(rec)}", flush=True)
+            save(records, not_run)  # a command killed at its time limit keeps what it measured
+    return records, not_run
+
+
+def _free_memory():
+    gc.collect()
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        sys.modules["torch"].cuda.empty_cache()
+
+
+def progress(r):
+    head = f"s{r['seq']} d{r['head_dim']} {r['mod']:14s} {r['impl']:9s} {DIRECTIONS[r['direction']]:7s}"
+    if r["status"] != "ok":
+        return f"{head} {r['status'].upper()}: {r.get('message', '')}"
+    builds = f", {r['graph_builds']} graph builds" if r["graph_builds"] else ""
+    return (f"{head} {fmt_ms(r['median_ms'])} ms ({fmt_ms(r['min_ms'])}-{fmt_ms(r['max_ms'])})"
+            f" {fmt_tf(r['tflops'])} TF/s  first call {r['first_call_s']:.2f} s{builds}")
+
+
+# --- targets ----------------------------------------------------------------
+
+# (name, mods (None: all), directions, numerator (impl, mod), denominator impl, bound, at least?)
+# ratio = time(numerator) / time(scoremod or direct); "bwd" is fwd+bwd minus fwd. The
+# result shows on the row of the implementation compared with scoremod fused.
+TARGETS = [
+    ("FFI / direct", None, ("fwd", "fwdbwd"), ("scoremod", None), "direct", 1.03, False),
+    ("vs plain cuDNN", ("softcap",), ("fwd",), ("jax-cudnn", None), "scoremod", 0.80, True),
+    ("vs plain cuDNN", ("softcap",), ("bwd",), ("jax-cudnn", None), "scoremod", 0.92, True),
+    ("vs plain cuDNN", ("alibi",), ("fwd",), ("jax-cudnn", None), "scoremod", 0.80, True),
+    ("vs plain cuDNN", ("alibi",), ("bwd",), ("jax-cudnn", None), "scoremod", 0.95, True),
+    ("vs native mask", MASK_MODS, ("fwd", "fwdbwd"), ("jax-cudnn", None), "scoremod", 0.95, True),
+    ("vs unsplit score_mod", ("softcap_causal",), ("fwd", "fwdbwd"), ("scoremod", "softcap"),
+     "scoremod", 1.5, True),
+    ("vs XLA reference at seq 4096", None, ("fwdbwd",), ("xla", None), "scoremod", 4.0, True),
+    ("vs FlexAttention", None, ("fwd", "fwdbwd"), ("flex", None), "scoremod", 1.2, True),
+]
+
+
+def targets(records):
+    """The issue's targets: one row per case and direction where both times exist, and the
+    long case's "runs where the XLA reference runs out of memory"."""
+    by = {(r["seq"], r["head_dim"], r["mod"], r["impl"], r["direction"]): r for r in records}
+
+    def ms(case, mod, impl, direction):
+        if direction == "bwd":
+            fb, f = ms(case, mod, impl, "fwdbwd"), ms(case, mod, impl, "fwd")
+            return fb - f if fb is not None and f is not None and fb > f else None
+        r = by.get((*case, mod, impl, direction), {})
+        return r.get("median_ms") if r.get("status") == "ok" else None
+
+    rows = []
+    for long, seq, d in _shapes(records):
+        for mod in (m for m in MODS if any((seq, d, m) == (r["seq"], r["head_dim"], r["mod"]) for r in records)):
+            for name, mods, directions, (num, num_mod), den, bound, at_least in TARGETS:
+                if (mods is not None and mod not in mods) or ("4096" in name and seq != 4096):
+                    continue
+                for direction in directions:
+                    a, b = ms((seq, d), num_mod or mod, num, direction), ms((seq, d), mod, den, direction)
+                    if a is not None and b is not None:
+                        rows.append({"seq": seq, "head_dim": d, "mod": mod, "direction": direction,
+                                     "impl": den if num == "scoremod" and num_mod is None else num,
+                                     "target": name, "ratio": a / b,
+                                     "needed": f"{'>=' if at_least else '<='} {bound:g}",
+                                     "pass": a / b >= bound if at_least else a / b <= bound})
+            for direction in DIRECTIONS if long else ():
+                r = by.get((seq, d, mod, "scoremod", direction))
+                xla = by.get((seq, d, mod, "xla", direction), {}).get("status", "not run")
+                if r is not None:
+                    rows.append({"seq": seq, "head_dim": d, "mod": mod, "direction": direction,
+                                 "impl": "xla", "target": f"scoremod runs (XLA: {xla})", "ratio": None,
+                                 "needed": "runs", "pass": r["status"] == "ok"})
+    return rows
+
+
+# --- output: JSON, markdown, plot -----------------------------------------
+
+
+def fmt_ms(x):
+    return f"{x:.{max(0, min(3, 3 - math.floor(math.log10(x))))}f}" if x > 0 else "0"
+
+
+def fmt_tf(x):
+    return f"{x:.0f}" if x >= 10 else f"{x:.3g}"
+
+
+def _cell(r):
+    if r is None:
+        return "", ""
+    if r["status"] != "ok":
+        msg = r.get("message", "").replace("|", "\\|")
+        return ("OOM" if r["status"] == "oom" else f"{r['status']}: {msg[:90]}"), ""
+    return (f"{fmt_ms(r['median_ms'])} ({fmt_ms(r['min_ms'])}-{fmt_ms(r['max_ms'])})",
+            fmt_tf(r["tflops"]))
+
+
+def _verdict(t):
+    ratio = "" if t["ratio"] is None else f"{t['ratio']:.3f} "
+    return f"{DIRECTIONS.get(t['direction'], t['direction'])} {ratio}{'pass' if t['pass'] else '**miss**'}"
+
+
+def _shapes(records):
+    return sorted({(r["long"], r["seq"], r["head_dim"]) for r in records})
+
+
+def markdown(records, metas, image=None):
+    """The generated section of docs/performance.md (without the markers)."""
+    out = ["## Benchmark harness", "",
+           "Generated by `scoremod bench` (scoremod/bench.py, see benchmarks/README.md); "
+           "edit the code, not this section.", ""]
+    for m in metas:
+        skipped = f"; {len(m['not_run'])} cases not run (--max-seconds)" if m.get("not_run") else ""
+        out.append(f"- {m.get('date', '?')}, commit {m.get('commit', '?')}: {m.get('device', '?')}; "
+                   f"jax {m.get('jax', '?')}, cuDNN {m.get('cudnn_backend', '-')}, frontend "
+                   f"{m.get('cudnn_frontend', '-')}, torch {m.get('torch', '-')}: "
+                   f"`scoremod bench {' '.join(m.get('argv', []))}`{skipped}")
+    r0 = records[0] if records else {}
+    out += ["", f"Batch {r0.get('batch')}, {r0.get('heads')} heads, {r0.get('dtype')}. Time per call in "
+            "ms: median (min-max) of the repetitions, each of N calls after warm-up (JAX: wall clock "
+            "to the last result; torch and the frontend: CUDA events). TF/s at the median, with "
+            "FLOPs counted dense for every mod, masked ones too: 4·B·H·S²·D forward, 2.5x that "
+            "backward (fwd+bwd: 3.5x). The first call (compilation, cuDNN graph builds) is timed "
+            "apart. jax.nn's masks and biases and FlexAttention's block masks are built once, "
+            "outside the timed call; scoremod materializes what it needs inside it.", "",
+            "Targets: a ratio is the other implementation's time over scoremod fused's (FFI: "
+            "scoremod's over the direct run's); `bwd` is fwd+bwd minus fwd; the unsplit score_mod "
+            "that softcap+causal is compared with is scoremod's dense softcap (the same tiles, "
+            "slightly fewer ops).", ""]
+    if image:
+        out += [f"![throughput and time per call]({image})", ""]
+    rows = targets(records)
+    if rows:
+        out += ["| target | needed | pass | miss | worst |", "|---|---|---|---|---|"]
+        for name, needed in dict.fromkeys((t["target"], t["needed"]) for t in rows):
+            these = [t for t in rows if (t["target"], t["needed"]) == (name, needed)]
+            rated = [t for t in these if t["ratio"] is not None]
+            worst = min(rated, key=lambda t: t["ratio"] if ">=" in needed else -t["ratio"], default=None)
+            worst = f"{worst['ratio']:.3f}: s{worst['seq']} d{worst['head_dim']} {worst['mod']} " \
+                    f"{worst['direction']}" if worst else ""
+            out.append(f"| {name} | {needed} | {sum(t['pass'] for t in these)} "
+                       f"| {sum(not t['pass'] for t in these)} | {worst} |")
+        out.append("")
+    for long, seq, d in _shapes(records):
+        out += [f"### seq {seq}, head dim {d}{' (long case)' if long else ''}", "",
+                "| mod | implementation | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s "
+                "| first call s | graph builds | targets |", "|---|---|---|---|---|---|---|---|---|"]
+        here = {(r["mod"], r["impl"], r["direction"]): r for r in records
+                if (r["long"], r["seq"], r["head_dim"]) == (long, seq, d)}
+        for mod in MODS:
+            for impl in IMPLS:
+                f, fb = here.get((mod, impl, "fwd")), here.get((mod, impl, "fwdbwd"))
+                if f is None and fb is None:
+                    continue
+                variant = (f or fb).get("variant")
+                label = IMPLS[impl] + (f" ({variant})" if variant else "")
+                first = " / ".join(f"{r['first_call_s']:.2f}" if r and "first_call_s" in r else "-"
+                                   for r in (f, fb))
+                builds = " / ".join(str(r["graph_builds"]) if r else "-" for r in (f, fb)) \
+                    if impl in ("scoremod", "direct") else ""
+                mine = [t for t in rows if (t["seq"], t["head_dim"], t["mod"], t["impl"]) == (seq, d, mod, impl)]
+                verdicts = "; ".join(f"{name}{'' if needed == 'runs' else f' ({needed})'}: " + ", ".join(
+                    _verdict(t) for t in mine if (t["target"], t["needed"]) == (name, needed))
+                    for name, needed in dict.fromkeys((t["target"], t["needed"]) for t in mine))
+                out.append(f"| {mod} | {label} | {' | '.join(_cell(f))} | {' | '.join(_cell(fb))} "
+                           f"| {first} | {builds} | {verdicts} |")
+        out.append("")
+    out.append("First call s and graph builds: fwd / fwd+bwd. Cells of runs that failed say why.")
+    return "\n".join(out)
+
+
+def write_section(path, section):
+    """Replace the text between the bench markers of ``path`` (appended if absent)."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else "# Performance\n"
+    block = f"{BEGIN}\n{section.rstrip()}\n{END}"
+    i, j = text.find(BEGIN), text.find(END)
+    if 0 <= i < j:
+        text = text[:i] + block + text[j + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def plot(records, path):
+    """One row per shape: TF/s and ms per call, forward and forward+backward. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not importable: plot skipped")
+        return None
+    shapes = _shapes(records)
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
+    fig, axes = plt.subplots(len(shapes), 4, figsize=(22, 3.2 * len(shapes)), squeeze=False)
+    for row, (long, seq, d) in enumerate(shapes):
+        here = [r for r in records if (r["long"], r["seq"], r["head_dim"]) == (long, seq, d)]
+        mods = [m for m in MODS if any(r["mod"] == m for r in here)]
+        x = np.arange(len(mods))
+        for col, (direction, key) in enumerate([(dd, k) for dd in DIRECTIONS for k in ("tflops", "median_ms")]):
+            ax, width = axes[row][col], 0.8 / len(impls)
+            for j, impl in enumerate(impls):
+                got = [next((r for r in here if (r["mod"], r["impl"], r["direction"]) == (m, impl, direction)),
+                            {}) for m in mods]
+                pos = x + (j - len(impls) / 2 + 0.5) * width
+                ax.bar(pos, [r.get(key, np.nan) for r in got], width, label=IMPLS[impl])
+                for p, r in zip(pos, got):
+                    if r.get("status") == "oom":
+                        ax.text(p, 0.02, "OOM", rotation=90, fontsize=6, ha="center",
+                                transform=ax.get_xaxis_transform())
+            ax.set_xticks(x, mods, rotation=30, fontsize=7)
+            unit = "TF/s" if key == "tflops" else "ms per call (log)"
+            ax.set_title(f"seq {seq}{' (long)' if long else ''}, head dim {d}: {DIRECTIONS[direction]}, {unit}",
+                         fontsize=9)
+            if key == "median_ms":
+                ax.set_yscale("log")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="upper center", ncol=len(impls), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (3.2 * len(shapes))))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def metadata(argv, cfg):
+    import jax
+
+    m = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+         "argv": list(argv), "jax": jax.__version__, "config": vars(cfg).copy()}
+    m["config"].pop("from_", None)
+    try:
+        dev = jax.devices()[0]
+        m["device"] = f"{dev.device_kind} ({dev.platform})"
+    except RuntimeError as e:
+        m["device"] = f"none ({e})"
+    try:
+        m["commit"] = cfg.commit or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, capture_output=True,
+            timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        m["commit"] = "?"
+    if "torch" in sys.modules:
+        m["torch"] = sys.modules["torch"].__version__
+    if "cudnn" in sys.modules:
+        m["cudnn_frontend"] = sys.modules["cudnn"].__version__
+        try:
+            m["cudnn_backend"] = sys.modules["cudnn"].backend_version()
+        except Exception:  # the backend library may not load on this machine
+            pass
+    m["graph_cache"] = cache_info()
+    return m
+
+
+def load(paths):
+    """Merge saved runs: metadata listed, results keyed by case (a later file wins)."""
+    metas, merged = [], {}
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        metas += data["meta"]
+        for r in data["results"]:
+            merged[(r["seq"], r["head_dim"], r["mod"], r["impl"], r["direction"])] = r
+    return list(merged.values()), metas
+
+
+# --- command line -----------------------------------------------------------
+
+
+def _list(kind, choices=None):
+    def parse(text):
+        items = [kind(x) for x in text.split(",") if x.strip()]
+        bad = [x for x in items if choices is not None and x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
+        return items
+
+    return parse
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="scoremod bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU smoke run: tiny shapes, reference path only, nothing written unless asked")
+    ap.add_argument("--seqs", type=_list(int), default=[1024, 4096, 16384], help="comma list ('' for none)")
+    ap.add_argument("--head-dims", type=_list(int), default=[64, 128])
+    ap.add_argument("--long", type=int, default=32768,
+                    help="the long case's seq (largest head dim); 0 for none")
+    ap.add_argument("--mods", type=_list(str, MODS), default=list(MODS), help=", ".join(MODS))
+    ap.add_argument("--impls", type=_list(str, IMPLS), default=list(IMPLS), help=", ".join(IMPLS))
+    ap.add_argument("--directions", type=_list(str, DIRECTIONS), default=list(DIRECTIONS))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--window", type=int, default=256, help="sliding window size")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=0, help="calls per repetition (0: about --rep-ms)")
+    ap.add_argument("--rep-ms", type=float, default=50.0)
+    ap.add_argument("--max-seconds", type=float, default=0,
+                    help="start no new case after this many seconds (0: no limit)")
+    ap.add_argument("--json", help="write the results here (after every case)")
+    ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD of this checkout)")
+    ap.add_argument("--doc", help="markdown page whose bench section is replaced "
+                    "(default docs/performance.md; none with --dry-run)")
+    ap.add_argument("--images", help="folder for bench.png (default: docs/images beside --doc)")
+    ap.add_argument("--no-doc", action="store_true", help="write no page and no plot")
+    ap.add_argument("--from", dest="from_", nargs="+", metavar="JSON",
+                    help="run nothing: merge these results and write the page and the plot")
+    a = ap.parse_args(argv)
+    if a.dry_run:  # tiny defaults, unless given on the command line
+        given = {x.split("=")[0].lstrip("-").replace("-", "_") for x in argv if x.startswith("--")}
+        for k, v in DRY.items():
+            if k not in given:
+                setattr(a, k, v)
+    if not a.head_dims or not (a.seqs or a.long):
+        ap.error("no shapes selected")
+    return a
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(argv)
+    def save(records, metas):
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps({"meta": metas, "results": records,
+                                                "targets": targets(records)}, indent=1))
+
+    if a.from_:
+        records, metas = load(a.from_)
+    else:
+        if not a.dry_run:  # torch shares the GPU: JAX grows its pool instead of taking 75% up front
+            os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        meta = metadata(argv, a)
+        metas = [meta]
+
+        def checkpoint(records, not_run):
+            meta.update(not_run=not_run, graph_cache=cache_info())
+            save(records, metas)
+
+        records, _ = run(a, checkpoint)
+        meta.update(metadata(argv, a))  # now with the torch and cuDNN versions
+    for t in targets(records):
+        ratio = "" if t["ratio"] is None else f"{t['ratio']:.3f} "
+        print(f"target s{t['seq']} d{t['head_dim']} {t['mod']} {t['direction']}: {t['target']}: "
+              f"{ratio}(needs {t['needed']}) {'pass' if t['pass'] else 'MISS'}")
+    if a.json:
+        save(records, metas)
+        print(f"wrote {a.json}")
+    doc = a.doc or (None if a.dry_run else str(ROOT / "docs" / "performance.md"))
+    if doc and not a.no_doc:
+        images = Path(a.images) if a.images else Path(doc).parent / "images"
+        png = plot(records, images / "bench.png")
+        image = os.path.relpath(png, Path(doc).parent) if png else None
+        write_section(doc, markdown(records, metas, image))
+        print(f"wrote {doc}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

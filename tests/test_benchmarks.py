@@ -1,0 +1,216 @@
+"""The benchmark harness (scoremod/bench.py): the CPU dry run end to end, targets, output."""
+
+import json
+import re
+
+import pytest
+
+import scoremod
+from scoremod import bench
+from scoremod.cli import main as cli_main
+
+
+def _rows(text, header_start):
+    """The rows of the markdown table whose header starts with ``header_start``."""
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if line.startswith(header_start):
+            ncols = line.count("|")
+            j = i + 2
+            while j < len(lines) and lines[j].startswith("|"):
+                assert lines[j].count("|") - lines[j].count("\\|") == ncols, lines[j]
+                out.append([c.strip() for c in re.split(r"(?<!\\)\|", lines[j])[1:-1]])
+                j += 1
+    return out
+
+
+def test_dry_run_end_to_end(tmp_path, capsys, monkeypatch):
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n\nabove\n\n<!-- bench:begin -->\nOLD\n<!-- bench:end -->\n\nbelow\n")
+    out = tmp_path / "bench.json"
+    real = scoremod.attention
+
+    def attention(q, *a, **kw):  # the long case runs out of memory, as XLA does at 32768
+        if q.shape[1] >= 64:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 275.0GiB.")
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(scoremod, "attention", attention)
+    argv = ["--dry-run", "--mods", "softcap,document", "--seqs", "32", "--long", "64",
+            "--json", str(out), "--doc", str(doc), "--images", str(tmp_path / "images")]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+
+    # one progress line per case
+    progress = [line for line in printed.splitlines() if re.match(r"\[\s*\d+/\d+", line)]
+    assert len(progress) == 2 * 2 * 2, printed
+    assert any("s32 d16 softcap" in line and "TF/s" in line for line in progress)
+    assert any("s64 d16 document" in line and "OOM" in line for line in progress)
+
+    data = json.loads(out.read_text())
+    assert set(data) == {"meta", "results", "targets"}
+    meta = data["meta"][0]
+    assert meta["argv"] == argv and meta["config"]["impls"] == ["xla"] and "jax" in meta
+    results = data["results"]
+    assert {(r["seq"], r["mod"], r["direction"]) for r in results} == {
+        (s, m, d) for s in (32, 64) for m in ("softcap", "document") for d in ("fwd", "fwdbwd")}
+    for r in results:
+        assert r["impl"] == "xla" and r["batch"] == 1 and r["heads"] == 2 and r["head_dim"] == 16
+        if r["seq"] == 64:
+            assert r["long"] and r["status"] == "oom" and "RESOURCE_EXHAUSTED" in r["message"]
+            continue
+        assert r["status"] == "ok" and not r["long"]
+        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["reps"] == 3 and r["iters"] >= 1
+        flops = 4 * 1 * 2 * 32 * 32 * 16 * (3.5 if r["direction"] == "fwdbwd" else 1)
+        assert r["tflops"] == pytest.approx(flops / r["median_ms"] / 1e9)
+        assert r["first_call_s"] > 0 and r["graph_builds"] == 0
+
+    text = doc.read_text()
+    assert text.startswith("# Performance\n\nabove\n\n<!-- bench:begin -->\n")
+    assert text.endswith("<!-- bench:end -->\n\nbelow\n") and "OLD" not in text
+    assert text.count("<!-- bench:begin -->") == 1
+    assert "### seq 32, head dim 16\n" in text and "### seq 64, head dim 16 (long case)" in text
+    rows = _rows(text, "| mod | implementation | fwd ms")
+    assert len(rows) == 4 and all(len(r) == 9 for r in rows)
+    by = {(r[0], i // 2): r for i, r in enumerate(rows)}
+    softcap = by[("softcap", 0)]
+    assert softcap[1] == "scoremod XLA reference"
+    assert re.fullmatch(r"[\d.]+ \([\d.]+-[\d.]+\)", softcap[2]) and float(softcap[3]) > 0
+    assert by[("document", 1)][2] == "OOM" and by[("document", 1)][4] == "OOM"
+    png = tmp_path / "images" / "bench.png"
+    assert png.exists() == ("plot skipped" not in printed)
+    assert ("](images/bench.png)" in text) == png.exists()
+
+
+def test_cli_bench_forwards_its_arguments(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert cli_main(["bench", "--dry-run", "--mods", "identity", "--seqs", "32", "--long", "0",
+                     "--directions", "fwd", "--reps", "2", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["mod"], r["impl"], r["direction"], r["status"], r["reps"]) for r in results] == [
+        ("identity", "xla", "fwd", "ok", 2)]
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_dry_run_writes_no_page_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "run", lambda cfg, save: ([], []))
+    monkeypatch.setattr(bench, "write_section", lambda *a: pytest.fail("wrote a page"))
+    assert bench.main(["--dry-run"]) == 0
+
+
+def test_results_are_saved_after_every_case(tmp_path, monkeypatch):
+    out, calls, real = tmp_path / "b.json", [], bench.measure
+
+    def measure(*a, **kw):  # the command is killed during its second case
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench, "measure", measure)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--dry-run", "--mods", "identity", "--seqs", "32", "--long", "0", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert [(r["direction"], r["status"]) for r in saved["results"]] == [("fwd", "ok")]
+
+
+def test_max_seconds_stops_cleanly(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert bench.main(["--dry-run", "--mods", "identity,causal", "--max-seconds", "1e-9",
+                       "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["results"] == [] and len(saved["meta"][0]["not_run"]) == 2 * 3  # 2 mods, 3 shapes
+    assert "--max-seconds 1e-09 reached: 6 cases not run" in capsys.readouterr().out
+
+
+def _rec(seq, mod, impl, direction, ms=None, status="ok", long=False):
+    r = {"batch": 4, "heads": 16, "seq": seq, "head_dim": 128, "dtype": "bfloat16", "long": long,
+         "mod": mod, "impl": impl, "direction": direction, "variant": "", "status": status,
+         "graph_builds": 0}
+    if ms is not None:
+        r.update(median_ms=ms, min_ms=ms, max_ms=ms, tflops=1.0, first_call_s=0.1)
+    return r
+
+
+def test_targets_ratios_pass_and_miss():
+    s = 4096
+    times = {
+        ("softcap", "scoremod"): (1.0, 4.0), ("softcap", "direct"): (0.99, 3.98),
+        ("softcap", "jax-cudnn"): (0.85, 3.0), ("softcap", "xla"): (None, 20.0),
+        ("softcap", "flex"): (1.1, 5.0),
+        ("softcap_causal", "scoremod"): (0.6, 2.0),
+        ("causal", "scoremod"): (0.5, 2.0), ("causal", "jax-cudnn"): (0.49, 1.0),
+    }
+    records = [_rec(s, mod, impl, d, ms) for (mod, impl), pair in times.items()
+               for d, ms in zip(("fwd", "fwdbwd"), pair) if ms is not None]
+    records += [_rec(32768, "softcap", "scoremod", "fwdbwd", 50.0, long=True),
+                _rec(32768, "softcap", "xla", "fwdbwd", status="oom", long=True)]
+    got = {(t["seq"], t["mod"], t["impl"], t["target"], t["direction"]): (t["ratio"], t["pass"])
+           for t in bench.targets(records)}
+
+    def check(mod, impl, target, direction, ratio, ok, seq=s):
+        r, p = got.pop((seq, mod, impl, target, direction))
+        assert (r is None and ratio is None) or r == pytest.approx(ratio), (mod, target, direction)
+        assert p == ok, (mod, target, direction, r)
+
+    check("softcap", "direct", "FFI / direct", "fwd", 1.0 / 0.99, True)
+    check("softcap", "direct", "FFI / direct", "fwdbwd", 4.0 / 3.98, True)
+    check("softcap", "jax-cudnn", "vs plain cuDNN", "fwd", 0.85, True)
+    check("softcap", "jax-cudnn", "vs plain cuDNN", "bwd", (3.0 - 0.85) / (4.0 - 1.0), False)
+    check("softcap", "xla", "vs XLA reference at seq 4096", "fwdbwd", 5.0, True)
+    check("softcap", "flex", "vs FlexAttention", "fwd", 1.1, False)
+    check("softcap", "flex", "vs FlexAttention", "fwdbwd", 1.25, True)
+    check("softcap_causal", "scoremod", "vs unsplit score_mod", "fwd", 1.0 / 0.6, True)
+    check("softcap_causal", "scoremod", "vs unsplit score_mod", "fwdbwd", 2.0, True)
+    check("causal", "jax-cudnn", "vs native mask", "fwd", 0.98, True)
+    check("causal", "jax-cudnn", "vs native mask", "fwdbwd", 0.5, False)
+    check("softcap", "xla", "scoremod runs (XLA: oom)", "fwdbwd", None, True, seq=32768)
+    assert not got, got  # nothing else: every other ratio lacks one of its two times
+
+    page = bench.markdown(records, [{"date": "today", "argv": ["--seqs", "4096"]}])
+    assert "| FFI / direct | <= 1.03 | 2 | 0 | 1.010: s4096 d128 softcap fwd |" in page
+    assert "| vs native mask | >= 0.95 | 1 | 1 | 0.500: s4096 d128 causal fwdbwd |" in page
+    assert ("vs plain cuDNN (>= 0.8): fwd 0.850 pass; vs plain cuDNN (>= 0.92): bwd 0.717 **miss** |"
+            in page)
+    assert "| OOM |  | - / - |  | scoremod runs (XLA: oom): fwd+bwd pass |" in page
+
+
+def test_failures_are_classified():
+    class OutOfMemoryError(RuntimeError):  # as torch.cuda names it
+        pass
+
+    assert bench.failure(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"))[0] == "oom"
+    assert bench.failure(OutOfMemoryError("CUDA out of memory. Tried to allocate"))[0] == "oom"
+    assert bench.failure(ImportError("torch is not importable")) == (
+        "skipped", "ImportError: torch is not importable")
+    assert bench.failure(scoremod.CudnnUnavailableError("no GPU"))[0] == "skipped"
+    status, msg = bench.failure(ValueError("bad\nsecond line"))
+    assert status == "error" and msg == "ValueError: bad"
+
+
+def test_section_is_appended_then_replaced(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# Performance\n\nhand-written\n")
+    bench.write_section(page, "first")
+    bench.write_section(page, "second\n")
+    assert page.read_text() == ("# Performance\n\nhand-written\n\n<!-- bench:begin -->\nsecond\n"
+                                "<!-- bench:end -->\n")
+
+
+def test_from_merges_runs_later_file_wins(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"meta": [{"date": "d1"}], "results": [
+        _rec(4096, "softcap", "scoremod", "fwd", 2.0), _rec(4096, "softcap", "direct", "fwd", 1.0)]}))
+    b.write_text(json.dumps({"meta": [{"date": "d2"}], "results": [
+        _rec(4096, "softcap", "scoremod", "fwd", 1.0)]}))
+    page = tmp_path / "perf.md"
+    assert bench.main(["--from", str(a), str(b), "--doc", str(page), "--json", str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert [m["date"] for m in merged["meta"]] == ["d1", "d2"]
+    assert sorted((r["impl"], r["median_ms"]) for r in merged["results"]) == [("direct", 1.0), ("scoremod", 1.0)]
+    assert [t["ratio"] for t in merged["targets"]] == [1.0]
+    text = page.read_text()
+    assert "| FFI / direct | <= 1.03 | 1 | 0 | 1.000: s4096 d128 softcap fwd |" in text
+    assert "FFI / direct (<= 1.03): fwd 1.000 pass |" in text
+    assert "target s4096 d128 softcap fwd: FFI / direct: 1.000 (needs <= 1.03) pass" in capsys.readouterr().out
