@@ -174,3 +174,15 @@ def test_sources_point_at_user_lines():
     tanh_node = m.expr.args[0]
     assert m.sources[tanh_node].endswith(f"test_trace.py:{line + 1}")
     assert m.sources[m.expr].endswith(f"test_trace.py:{line + 2}")
+
+
+def test_calling_a_mod_inside_a_traced_function_gives_the_same_mod():
+    slopes, doc, table = jnp.arange(4.0), jnp.zeros((2, 16), I), jnp.ones(33)
+    for fn in (lambda s, b, h, q, k: jnp.where(doc[b, q] == doc[b, k], s + slopes[h] * (k - q), -jnp.inf),
+               lambda s, b, h, q, k: s + table[q - k + 16]):
+        mod = scoremod.trace(fn)
+        again = scoremod.trace(lambda *a: mod(*a))
+        assert again == mod and again.has_computed_index == mod.has_computed_index
+    softcap = scoremod.trace(lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0))
+    both = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, softcap(s, b, h, q, k), -jnp.inf))
+    assert str(both) == "where(q_idx >= kv_idx, tanh(score / 30.0) * 30.0, -inf)"

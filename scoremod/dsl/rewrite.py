@@ -241,3 +241,29 @@ def _cast_to(dtype):
 PATTERNS["f32"] = [_cast_to(F32)]
 PATTERNS["i32"] = [_cast_to(I32)]
 PATTERNS["bool"] = [_cast_to(BOOL)]
+
+
+@pattern("load")
+def _drop_redundant_clamp(args, attr):
+    # A load clamps its indices, so clamping them first is a no-op. (The
+    # reference evaluator clamps explicitly; tracing a call of one mod inside
+    # another must give the same IR back.)
+    from scoremod.dsl.ops import apply
+
+    array, idx = args[0], args[1:]
+    new = list(idx)
+    for i, (x, n) in enumerate(zip(idx, array.attr[1])):
+        inner = _clamp_arg(x, n)
+        if inner is not None:
+            new[i] = inner
+    return apply("load", array, *new) if new != list(idx) else None
+
+
+def _clamp_arg(x, n):
+    """y when x is min(max(y, 0), n - 1) or max(min(y, n - 1), 0), else None."""
+    lo, hi = const(0, I32), const(n - 1, I32)
+    if x.op == "min" and x.args[1] is hi and x.args[0].op == "max" and x.args[0].args[1] is lo:
+        return x.args[0].args[0]
+    if x.op == "max" and x.args[1] is lo and x.args[0].op == "min" and x.args[0].args[1] is hi:
+        return x.args[0].args[0]
+    return None
