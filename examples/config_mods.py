@@ -82,7 +82,8 @@ def main(argv=None):
     mods = load_mods(read_config(args.config))
     dtype = jnp.dtype(args.dtype)
     shape = (args.batch, args.seq, args.heads, args.head_dim)
-    q, k, v = (jax.random.normal(key, shape, dtype) for key in jax.random.split(jax.random.key(0), 3))
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, shape, dtype) for key in keys)
     print(f"{len(mods)} mods from {args.config}; device {jax.devices()[0].device_kind}; "
           f"q, k, v {shape} {dtype.name}")
     attend = jax.jit(lambda q, k, v, mod: scoremod.attention(

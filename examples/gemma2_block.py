@@ -23,6 +23,7 @@ The same model is also run with the attention written in plain jax.numpy
 """
 
 import argparse
+import functools
 import time
 
 import jax
@@ -155,7 +156,7 @@ def parse_args(argv):
 
 @jax.jit
 def compare(grads, reference):
-    """Largest max|a - b| / max|b| over the parameters; all finite?; norm of grads."""
+    """The largest max|a - b| / max|b| over the parameters, and whether all are finite."""
     rel = [jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30)
            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference))]
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(grads)]))
@@ -183,7 +184,8 @@ def main(argv=None):
         path = impl
     print(f"device: {jax.devices()[0].device_kind}; implementation={impl!r} runs the {path} path")
     if path == "xla" and impl is None:
-        print(f"  (not fused because: {cudnn_path.why_not(probe, probe_kv, probe_kv, layer_mods[0])})")
+        reason = cudnn_path.why_not(probe, probe_kv, probe_kv, layer_mods[0])
+        print(f"  (not fused because: {reason})")
 
     def scoremod_attend(q, k, v, layer):
         return scoremod.attention(q, k, v, layer_mods[layer], scale=scale, implementation=impl)
@@ -198,7 +200,8 @@ def main(argv=None):
                "mod_keys": [m.key for m in layer_mods]}
     grads = {}
     for label, attend in (("scoremod", scoremod_attend), ("dense jnp", dense_attend)):
-        step = jax.jit(jax.value_and_grad(lambda p, t: next_token_loss(p, t, cfg, attend)))
+        step = jax.jit(jax.value_and_grad(
+            functools.partial(next_token_loss, cfg=cfg, attend=attend)))
         t0 = time.perf_counter()
         loss, g = jax.block_until_ready(step(params, tokens))
         t1 = time.perf_counter()

@@ -52,7 +52,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--heads", type=int, default=4, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); default: --heads")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads (GQA); default: --heads")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--implementation", type=implementation_arg, default=None,

@@ -137,7 +137,8 @@ def main(argv=None):
     nb, md, heads, impl = args.num_buckets, args.max_distance, args.heads, args.implementation
     bucket = make_bucket_fn(nb, md)
     rel = np.arange(-4 * md, 4 * md + 1)
-    buckets_match = bool(np.array_equal(np.asarray(bucket(0, rel)), t5_bucket_reference(rel, nb, md)))
+    ours = np.asarray(jax.jit(bucket)(0, rel))  # q_idx = 0, kv_idx = rel
+    buckets_match = bool(np.array_equal(ours, t5_bucket_reference(rel, nb, md)))
     print(f"{nb} buckets, max distance {md}; log-spaced bucket boundaries "
           f"{log_boundaries(nb, md)}; integer buckets == T5's formula for |rel| <= {4 * md}: "
           f"{buckets_match}")
@@ -152,7 +153,8 @@ def main(argv=None):
 
     dtype = jnp.dtype(args.dtype)
     shape = (args.batch, args.seq, heads, args.head_dim)
-    q, k, v = (jax.random.normal(key, shape, dtype) for key in jax.random.split(jax.random.key(0), 3))
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, shape, dtype) for key in keys)
     fused_ok = cudnn_path.usable(q, k, v, mod)
     print(f"device: {jax.devices()[0].device_kind}; q, k, v {shape} {dtype.name}")
     print(f"forward, implementation={impl!r}: "

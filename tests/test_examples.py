@@ -55,7 +55,7 @@ def test_gemma2_block(capsys):
     assert texts[1] == "where(q_idx >= kv_idx, tanh(score / 50.0) * 50.0, -inf)"
     assert keys[0] != keys[1]
     assert r["grads_finite"]
-    assert r["loss_diff"] < 1e-3 and r["grad_max_rel_diff"] < 3e-2, r
+    assert r["loss_diff"] < 1e-2 and r["grad_max_rel_diff"] < 3e-2, r  # bf16 attention
     assert 2.0 < r["loss_scoremod"] < 8.0  # about log(vocab) at initialization
     out = capsys.readouterr().out
     assert "layer 0 sliding" in out and "layer 1 global" in out
@@ -89,7 +89,7 @@ def test_document_masking():
     m = load("document_masking")
     r = m.main(SMALL + ["--batch", "2", "--heads", "2", "--kv-heads", "1", "--docs", "3"])
     assert r["documents"] == 6
-    assert r["max_diff"] < 2e-2, r          # packed == each document alone
+    assert r["max_diff"] < 4e-2, r          # packed == each document alone (bf16 ulps)
     assert r["gradient_leak"] == 0.0        # exactly no gradient across documents
     assert r["gradient_inside_norm"] > 0
     assert r["same_key"]
