@@ -266,7 +266,7 @@ def _fused_fwd(static, q, k, v, operands):
             q, k, v, operands)
         return (o, lse), {"reference_vjp": vjp}  # a dict marks the fallback residuals
     if perturbed:
-        raise ScoreModError(
+        raise CudnnUnavailableError(
             f"gradients with respect to score_mod operands {perturbed} are not computed by the "
             "fused cuDNN path (cuDNN returns dQ, dK, dV only). Use implementation=\"xla\" to "
             "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
@@ -288,7 +288,7 @@ def _fused_bwd(static, res, cts):
     q, k, v, o, lse, operands = res
     do, dlse = cts
     if not isinstance(dlse, SymbolicZero):
-        raise ScoreModError(
+        raise CudnnUnavailableError(
             "the fused cuDNN path cannot differentiate through the returned LSE; use "
             "implementation=\"xla\", or jax.lax.stop_gradient(lse)."
         )
