@@ -7,7 +7,7 @@
     (1, 16, 4, 64)
 """
 
-from scoremod.attention import attention
+from scoremod.attention import attention, which_implementation
 from scoremod.lowering.cudnn_graph import cache_info
 from scoremod.dsl.ops import OPS
 from scoremod.dsl.scoremod import ScoreMod, parse, score_mod, trace
@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "cache_info",
+    "which_implementation",
     "trace",
     "score_mod",
     "parse",

@@ -71,6 +71,30 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     return (out, lse) if return_lse else out
 
 
+def which_implementation(query, key, value, score_mod=None) -> tuple:
+    """``(implementation, reason)`` that ``implementation=None`` would pick.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> q = jnp.ones((1, 8, 2, 64), jnp.float32)
+        >>> scoremod.which_implementation(q, q, q)[0]
+        'xla'
+
+    ``reason`` says why the fused path is not taken (None when it is). Only
+    the IR and the shapes are looked at; nothing is compiled or run.
+    """
+    from scoremod.lowering import cudnn_path
+
+    mod = as_score_mod(score_mod)
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    check_inputs(query, key, value)
+    if cudnn_path.usable(query, key, value, mod):
+        return "cudnn", None
+    reason = cudnn_path.why_not(query, key, value, mod)
+    if reason is None:
+        reason = "the fused path is not validated on this GPU family; ask for it by name"
+    return "xla", reason
+
+
 def check_inputs(query, key, value) -> dict:
     """Validate shapes and dtypes; returns the sizes the mod's indices range over."""
     for name, x in (("query", query), ("key", key), ("value", value)):

@@ -231,3 +231,15 @@ def test_bad_implementation_name():
     q = jnp.ones((1, 4, 2, 8))
     with pytest.raises(ValueError, match="implementation"):
         scoremod.attention(q, q, q, implementation="flash")
+
+
+def test_which_implementation_explains_the_choice():
+    q, k, v = _inputs(jnp.float32)
+    impl, reason = scoremod.which_implementation(q, k, v, CASES["causal"][0])
+    from scoremod.lowering import cudnn_path
+
+    if cudnn_path.usable(q, k, v, None):
+        pytest.skip("float32 inputs: the reason differs on a GPU")
+    assert impl == "xla" and isinstance(reason, str) and reason
+    with pytest.raises(ScoreModTypeError):
+        scoremod.which_implementation(q[0], k, v)

@@ -45,7 +45,22 @@ def _gpu_family():
 
 
 def why_not(query, key, value, mod) -> str | None:
-    """Why the fused path cannot run this call, or None when it can."""
+    """Why the fused path cannot run this call, or None when it can.
+
+    The mod and the inputs are judged first (pure IR and shape checks), so
+    the answer is informative on a machine without a GPU too.
+    """
+    if mod is not None:
+        try:
+            cudnn_rules.check_supported(mod.expr, mod.sources)
+        except ScoreModError as e:
+            return str(e)
+    dtype = np.dtype(query.dtype).name
+    if dtype not in _FUSED_DTYPES:
+        return f"the fused path takes float16 or bfloat16 inputs, got {dtype}"
+    d, dv = query.shape[-1], value.shape[-1]
+    if d % 8 or dv % 8 or d > 256 or dv > 256:
+        return f"cuDNN needs head dims that are multiples of 8 and at most 256, got {d} and {dv}"
     family = _gpu_family()
     if family is None:
         return "no NVIDIA GPU is visible to JAX"
@@ -59,17 +74,6 @@ def why_not(query, key, value, mod) -> str | None:
         import cudnn  # noqa: F401
     except Exception as e:  # pragma: no cover - depends on the install
         return f"the cuDNN frontend Python package is not importable ({e}); pip install nvidia-cudnn-frontend"
-    dtype = np.dtype(query.dtype).name
-    if dtype not in _FUSED_DTYPES:
-        return f"the fused path takes float16 or bfloat16 inputs, got {dtype}"
-    d, dv = query.shape[-1], value.shape[-1]
-    if d % 8 or dv % 8 or d > 256 or dv > 256:
-        return f"cuDNN needs head dims that are multiples of 8 and at most 256, got {d} and {dv}"
-    if mod is not None:
-        try:
-            cudnn_rules.check_supported(mod.expr, mod.sources)
-        except ScoreModError as e:
-            return str(e)
     return None
 
 
