@@ -15,6 +15,7 @@ import pytest
 import scoremod
 from scoremod import CudnnUnavailableError, UnsupportedOpError
 from scoremod.lowering import cudnn_graph
+from tests.test_cudnn_rules import REFUSED
 
 pytestmark = pytest.mark.gpu
 
@@ -127,18 +128,10 @@ def test_op_table_is_covered():
     assert not missing, f"no GPU test for {sorted(missing)}"
 
 
-@pytest.mark.parametrize(
-    "fn, op",
-    [
-        (lambda s, b, h, q, k: jnp.where(s > 0.3, s, 0.0), "gt"),
-        (lambda s, b, h, q, k: s + jnp.sign(s), "sign"),
-        (lambda s, b, h, q, k: s + jax.lax.rem(q - k, 3), "rem"),
-        (lambda s, b, h, q, k: s + (s * 4).astype(jnp.int32), "i32"),
-    ],
-)
+@pytest.mark.parametrize("fn, op", REFUSED)
 def test_refused_ops_name_the_op_and_line(fn, op):
     q, k, v, _ = _inputs(1, 64, 64, 2, 2, 64, jnp.bfloat16)
-    with pytest.raises(CudnnUnavailableError, match=rf"`{op}`.*test_fused.py:\d+"):
+    with pytest.raises(CudnnUnavailableError, match=rf"`{op}`.*test_cudnn_rules.py:\d+"):
         scoremod.attention(q, k, v, fn, implementation="cudnn")
     out = scoremod.attention(q, k, v, fn)  # None picks the reference path instead
     assert out.shape == q.shape
