@@ -24,6 +24,7 @@ import numpy as np
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node
 from scoremod.errors import ScoreModError, UnsupportedOpError
+from scoremod.lowering.cudnn_rules import DP, SCORE
 
 log = logging.getLogger("scoremod")
 
@@ -182,8 +183,7 @@ class Emitter:
                 t = LOWER[node.op](g, [self.env[a] for a in node.args])
                 t.set_data_type(_ir_dtype(node.dtype))
                 self.env[node] = t
-        out = self.env[root]
-        return out
+        return self.env[root]
 
 
 # --- graph construction ------------------------------------------------------
@@ -228,7 +228,6 @@ def _io_tensor(g, name, uid, dims, strides, dtype):
 
 
 def _common_inputs(g, p: Problem, consts, load_nodes):
-    cudnn = _cudnn()
     q = _io_tensor(g, "q", UID_Q, *bshd(p.b, p.sq, p.hq, p.d), p.dtype)
     k = _io_tensor(g, "k", UID_K, *bshd(p.b, p.skv, p.hkv, p.d), p.dtype)
     v = _io_tensor(g, "v", UID_V, *bshd(p.b, p.skv, p.hkv, p.dv), p.dtype)
@@ -241,7 +240,6 @@ def _common_inputs(g, p: Problem, consts, load_nodes):
     loads = {}
     for node, spec in zip(load_nodes, p.loads):
         loads[node] = _io_tensor(g, f"load{spec.uid}", spec.uid, spec.dims, spec.strides, spec.dtype)
-    del cudnn
     return q, k, v, scalars, loads
 
 
@@ -284,7 +282,7 @@ def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
     em = Emitter({}, scalars, loads)
 
     def score_mod(gg, score):
-        em.env[rules_score()] = score
+        em.env[SCORE] = score
         return _fresh(gg, em.emit(gg, fwd, score), score)
 
     o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, generate_stats=True,
@@ -302,8 +300,6 @@ def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
 
 
 def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
-    from scoremod.lowering.cudnn_rules import DP
-
     g = _graph()
     q, k, v, scalars, loads = _common_inputs(g, p, consts, load_nodes)
     o = _io_tensor(g, "o", UID_O, *bshd(p.b, p.sq, p.hq, p.dv), p.dtype)
@@ -313,7 +309,7 @@ def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describ
     em = Emitter({}, scalars, loads)
 
     def score_mod(gg, score):
-        em.env[rules_score()] = score
+        em.env[SCORE] = score
         return _fresh(gg, em.emit(gg, fwd, score), score)
 
     def score_mod_bprop(gg, dp):
@@ -344,12 +340,6 @@ def _fresh(g, out, given):
     t = g.identity(input=given)
     t.set_data_type(_ir_dtype(F32))
     return t
-
-
-def rules_score():
-    from scoremod.lowering.cudnn_rules import SCORE
-
-    return SCORE
 
 
 def frontend_version() -> int:
