@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +68,21 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
 
         if cudnn_path.usable(query, key, value, mod):
             return cudnn_path.attention(query, key, value, mod, scale, return_lse, explicit=False)
+        if cudnn_path._gpu_family() is not None:  # a GPU is here, but not for this call
+            _warn_once(cudnn_path.why_not(query, key, value, mod)
+                       or "the fused path is not validated on this GPU family")
     out, lse = scores_and_lse_reference(query, key, value, mod, scale, return_lse)
     return (out, lse) if return_lse else out
+
+
+_WARNED: set = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"scoremod: implementation=None uses the reference path here: {reason}",
+                      stacklevel=3)
 
 
 def which_implementation(query, key, value, score_mod=None) -> tuple:

@@ -243,3 +243,23 @@ def test_which_implementation_explains_the_choice():
     assert impl == "xla" and isinstance(reason, str) and reason
     with pytest.raises(ScoreModTypeError):
         scoremod.which_implementation(q[0], k, v)
+
+
+def test_falling_back_on_a_gpu_warns_once(monkeypatch):
+    import importlib
+
+    from scoremod.lowering import cudnn_path
+
+    attention_module = importlib.import_module("scoremod.attention")
+
+    monkeypatch.setattr(cudnn_path, "_gpu_family", lambda: 9)  # pretend a Hopper GPU is here
+    monkeypatch.setattr(attention_module, "_WARNED", set())
+    q, k, v = _inputs(jnp.bfloat16)
+    mod = lambda s, b, h, qi, ki: jnp.where(s > 0.0, s, 0.0)  # noqa: E731 float compare: refused
+    with pytest.warns(UserWarning, match="reference path here: the fused cuDNN path cannot run `gt`"):
+        scoremod.attention(q, k, v, mod)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scoremod.attention(q, k, v, mod)  # the same reason is not repeated

@@ -97,8 +97,10 @@ def test_load_cuda_libraries_reports_without_crashing(ffi):
 
 
 def _lowered_call(**overrides):
+    # frontend_version given explicitly: these tests need the extension, not the cudnn package
     kwargs = dict(graph_bytes=b"\x01\x02\x03", graph_id=7, in_uids=[1, 2], out_uids=[3],
-                  scalar_uids=[], scalar_bits=[], workspace_size=0)
+                  scalar_uids=[], scalar_bits=[], workspace_size=0,
+                  frontend_version=kernels_ffi.compiled_frontend_version())
     kwargs.update(overrides)
 
     def f(a, b):
@@ -120,7 +122,8 @@ def test_call_lowers_to_the_ffi_target_with_empty_scalars(ffi):
     # the workspace is an extra uint8 result, dropped from what call() returns
     assert "-> (tensor<2x4xbf16>, tensor<1xui8>)" in text
     out = jax.eval_shape(lambda a, b: kernels_ffi.call(
-        b"\x01", 7, [a, b], [jax.ShapeDtypeStruct((2, 4), jnp.bfloat16)], [1, 2], [3]),
+        b"\x01", 7, [a, b], [jax.ShapeDtypeStruct((2, 4), jnp.bfloat16)], [1, 2], [3],
+        frontend_version=ffi.compiled_frontend_version()),
         jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros((2, 4), jnp.bfloat16))
     assert len(out) == 1 and out[0].shape == (2, 4)
 
@@ -140,7 +143,8 @@ def test_call_runs_nowhere_but_cuda(ffi):
     cpu = jax.devices("cpu")[0]
     x = jax.device_put(jnp.zeros((2, 4), jnp.bfloat16), cpu)
     f = jax.jit(lambda a: kernels_ffi.call(b"\x01", 7, [a], [jax.ShapeDtypeStruct((2, 4), jnp.bfloat16)],
-                                           [1], [3])[0])
+                                           [1], [3],
+                                           frontend_version=ffi.compiled_frontend_version())[0])
     with pytest.raises(Exception, match=kernels_ffi.TARGET_NAME):
         f.lower(x).compile()
 
