@@ -119,3 +119,25 @@ def test_nonnegative_index_arithmetic_is_supported():
     check_supported(mod.expr, mod.sources)
     fwd, _ = forward_and_backward(mod.expr)
     _assert_cudnn_shaped(fwd)
+
+
+def test_index_expressions_are_not_held_to_cudnn_rules():
+    """A computed index is evaluated by XLA (materialized), so float -> int there is fine."""
+    table = jnp.linspace(-1.0, 1.0, 32)
+
+    def t5_like(s, b, h, q, k):
+        rel = (k - q).astype(jnp.float32)
+        bucket = (jnp.log1p(jnp.abs(rel)) * 4.0).astype(jnp.int32)  # float -> int in the index
+        return s + table[bucket]
+
+    mod = scoremod.trace(t5_like)
+    check_supported(mod.expr, mod.sources)
+    fwd, bwd = forward_and_backward(mod.expr)
+    assert [n.op for n in emission_order(fwd)] == ["var", "load", "add"]
+
+
+def test_index_computed_from_the_score_is_refused():
+    table = jnp.linspace(-1.0, 1.0, 32)
+    mod = scoremod.trace(lambda s, b, h, q, k: s + table[jnp.clip(s * 4, 0, 31).astype(jnp.int32)])
+    with pytest.raises(UnsupportedOpError, match="computed from the score"):
+        check_supported(mod.expr, mod.sources)

@@ -72,8 +72,15 @@ def check_supported(expr: Node, sources: dict) -> None:
     """Raise UnsupportedOpError naming the op and its source line if cuDNN can't run it."""
     from scoremod.dsl.text import format_expr
 
-    for node in ir.toposort(expr):
+    score = ir.var(ir.SCORE)
+    # An array's index expressions never reach cuDNN: XLA computes a computed
+    # index ahead (materialize), so only an index that depends on the score,
+    # which XLA cannot know in advance, is refused there.
+    for node in ir.toposort(expr, stop=lambda n: n.op == "load"):
         why = refusal(node)
+        if node.op == "load" and any(score in ir.depends_on(i, score) for i in node.args[1:]):
+            why = ("it indexes an array with a value computed from the score; the fused path "
+                   "reads arrays at positions known before the kernel runs")
         if why:
             where = sources.get(node) or _nearest_source(node, expr, sources)
             raise UnsupportedOpError(
@@ -222,11 +229,15 @@ def canonical(root: Node) -> Node:
     """``root`` rewritten so every node maps onto one cuDNN node under the rules."""
     root = _lift_data_masks(root)
     done = {}
-    for node in ir.toposort(root):
+    # Index expressions of loads and materialized values are computed by XLA
+    # exactly as written: they are not rewritten for cuDNN.
+    for node in ir.toposort(root, stop=lambda n: n.op in ("load", "materialize")):
         if ir.is_const(node) or node.op in ("var", "operand", "materialize"):
             done[node] = node
-            continue
-        done[node] = _rewrite(node, tuple(done[a] for a in node.args))
+        elif node.op == "load":
+            done[node] = _rewrite(node, node.args)
+        else:
+            done[node] = _rewrite(node, tuple(done[a] for a in node.args))
     out = done[root]
     # The root must be a tensor that is not the raw input.
     if out.op == "const":
