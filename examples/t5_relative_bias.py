@@ -7,12 +7,13 @@ before the query and half to keys after it; in each half, distances below
 to `max_distance`, beyond which all distances share the last bucket.
 
 T5 computes the log-spaced bucket with a float `log` and a float -> int
-conversion. That traces, and runs on the reference path, but the fused
-cuDNN path refuses float -> int conversions (it names the op and the line).
-So this example computes the *same* buckets with integer ops only: the
-boundaries of the log-spaced buckets are Python ints worked out once, and
-the bucket of a distance `n` is `min(n, max_exact)` plus the number of
-boundaries `n` has reached. The script checks this against T5's formula.
+conversion. Both paths run that: the fused path hands a computed index to
+XLA, which materializes the looked-up bias before the kernel runs, so the
+index may use any op. This example also computes the *same* buckets with
+integer ops only (the boundaries of the log-spaced buckets are Python ints
+worked out once; the bucket of a distance `n` is `min(n, max_exact)` plus
+the number of boundaries `n` has reached) and checks them against T5's
+formula: the integer form has no float rounding at bucket boundaries.
 
 What each path does with the mod:
 
@@ -88,7 +89,7 @@ def t5_mod(table, bucket):
 
 
 def t5_mod_float_log(table, num_buckets, max_distance):
-    """The same bias written as T5 writes it (float log, then int): not fusable."""
+    """The same bias written as T5 writes it (float log, then int)."""
     half, max_exact = num_buckets // 2, num_buckets // 4
 
     def mod(score, b, h, q_idx, kv_idx):
