@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
-from scoremod.errors import CudnnUnavailableError, ScoreModTypeError
+from scoremod.errors import ScoreModTypeError
 from scoremod.lowering.reference import scores_and_lse_reference
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")

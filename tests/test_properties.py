@@ -1,11 +1,9 @@
 """Property tests: random expression trees through trace, text and grad."""
 
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node, const
 from scoremod.errors import ScoreModTypeError
 
@@ -311,10 +310,6 @@ def evaluate_op(name: str, args: list, attr=None):
     if name == "integer_pow":
         return op.ref(args[0], attr)
     return op.ref(*args)
-
-
-def is_leaf(node: Node) -> bool:
-    return node.op in ("var", "const", "operand")
 
 
 def compile_time_eval():

@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 
-from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node, const, is_const
 
 PATTERNS: dict[str, list] = {}

@@ -19,7 +19,6 @@ import struct
 import threading
 import time
 
-import numpy as np
 
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scoremod.dsl import ir
-from scoremod.dsl.ir import BOOL, F32, I32, Node
+from scoremod.dsl.ir import F32, Node
 from scoremod.errors import CudnnUnavailableError, ScoreModError
 from scoremod.lowering import cudnn_graph as cg
 from scoremod.lowering import cudnn_rules
@@ -319,7 +319,3 @@ def attention(query, key, value, mod, scale, return_lse, *, explicit=True):
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
     o, lse = _fused(static, query, key, value, operands)
     return (o, lse) if return_lse else o
-
-
-def cache_info() -> dict:
-    return cg.cache_info()

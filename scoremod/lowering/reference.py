@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32

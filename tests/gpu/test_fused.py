@@ -5,7 +5,6 @@ Sq != Skv and GQA: output, LSE, dQ, dK and dV all checked (cuDNN can accept a
 graph and still compute dV wrong).
 """
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod import CudnnUnavailableError, UnsupportedOpError
+from scoremod import CudnnUnavailableError
 from scoremod.lowering import cudnn_graph
 from tests.test_cudnn_rules import REFUSED
 
