@@ -306,8 +306,9 @@ _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 def attention(query, key, value, mod, scale, return_lse, *, explicit=True):
-    """The fused path; ``explicit`` is True when the user asked for it by name."""
-    reason = why_not(query, key, value, mod)
+    """The fused path; ``explicit`` is True when the user asked for it by name
+    (otherwise ``usable`` has just said yes, so the checks are not repeated)."""
+    reason = why_not(query, key, value, mod) if explicit else None
     if reason is not None:
         raise CudnnUnavailableError(
             f"implementation=\"cudnn\" cannot run this call: {reason}. "
