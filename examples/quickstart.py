@@ -37,10 +37,11 @@ def plain_attention(q, k, v, scale):
     """The same attention in plain jax.numpy, float32, for comparison."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))  # GQA
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    hi = jax.lax.Precision.HIGHEST  # float32, not the TF32 GPUs use by default
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=hi) * scale
     s = 30.0 * jnp.tanh(s / 30.0)
     s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision=hi)
 
 
 def implementation_arg(text):

@@ -3,6 +3,10 @@
 import jax
 import pytest
 
+# float32 comparisons in the tests mean float32 arithmetic: GPUs default to
+# TF32 matmuls, which differ from float32 by about 1e-3.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 
 def _has_gpu():
     try:

@@ -412,10 +412,10 @@ def test_nnx_fused_matches_reference_bf16():
     mask = nnx.make_causal_mask(x[..., 0], dtype=jnp.bool_)
     w = jax.random.normal(jax.random.key(7), (B, length, features), jnp.float32)
 
-    def run(implementation):
+    def run(implementation, dtype=jnp.bfloat16):
         fn = scoremod.flax.attention_fn(softcap, implementation=implementation)
         # cuDNN returns no gradient for operands, so this bias is held fixed.
-        model = NnxModel(fn, rngs=nnx.Rngs(1), dtype=jnp.bfloat16, features=features,
+        model = NnxModel(fn, rngs=nnx.Rngs(1), dtype=dtype, features=features,
                          length=length, learn_bias=False)
 
         def loss(model, x):
@@ -427,10 +427,15 @@ def test_nnx_fused_matches_reference_bf16():
 
     out, grads = run("cudnn")
     ref_out, ref_grads = run("xla")
+    _, true_grads = run("xla", jnp.float32)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
                                atol=3e-2, rtol=3e-2)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-        scale = max(float(np.abs(r).max()), 1e-6)
-        assert float(np.abs(g - r).max()) <= 3e-2 * scale
+    # A bf16 model's parameter gradients sum many rounded terms: judge the fused
+    # path by its distance to the float32 model, next to the bf16 reference's.
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), jax.tree.leaves(true_grads))
+    for g, r, t in leaves:
+        g, r, t = (np.asarray(a, np.float32) for a in (g, r, t))
+        scale = max(float(np.abs(t).max()), 1e-6)
+        fused_err, ref_err = float(np.abs(g - t).max()), float(np.abs(r - t).max())
+        assert fused_err <= max(2 * ref_err, 2e-2 * scale), (fused_err, ref_err, scale)
