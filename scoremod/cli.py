@@ -143,6 +143,12 @@ def show_lowering(mod) -> None:
         print(f"fused cuDNN path:   not supported: {e}")
         return
     print("fused cuDNN path:   supported")
+    from scoremod.lowering import masks
+
+    band = masks.native_band(cudnn_rules.canonical(mod.expr), 4096, 4096)
+    if band is not None:
+        print(f"{'':20s}a pure mask: runs as plain attention under cuDNN's native mask "
+              f"(at Sq = Skv = 4096: {band}); the score_mod below is the form used otherwise")
     in_fwd = set(cudnn_graph.emission_order(fwd))
     for label, expr in (("score_mod", fwd), ("score_mod_bprop", bwd)):
         # bprop reuses what score_mod emitted; count only what it adds

@@ -202,6 +202,7 @@ class Problem:
     dtype: str
     scale: float
     loads: tuple  # TensorSpec per load, in order
+    band: object = None  # masks.Band: cuDNN's native diagonal-band mask, or None
 
 
 def _scalar_bits(node: Node) -> int:
@@ -240,6 +241,17 @@ def _common_inputs(g, p: Problem, consts, load_nodes):
     for node, spec in zip(load_nodes, p.loads):
         loads[node] = _io_tensor(g, f"load{spec.uid}", spec.uid, spec.dims, spec.strides, spec.dtype)
     return q, k, v, scalars, loads
+
+
+def _mask_args(p: Problem) -> dict:
+    """sdpa / sdpa_backward arguments for the native mask (none: no mask)."""
+    if p.band is None:
+        return {"use_causal_mask": False}
+    args = {"diagonal_alignment": getattr(_cudnn().diagonal_alignment, p.band.alignment),
+            "diagonal_band_right_bound": p.band.right_bound}
+    if p.band.left_bound is not None:
+        args["diagonal_band_left_bound"] = p.band.left_bound
+    return args
 
 
 def _finalize(g, what, describe):
@@ -285,7 +297,7 @@ def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
         return _fresh(gg, em.emit(gg, fwd, score), score)
 
     o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, generate_stats=True,
-                      use_causal_mask=False, score_mod=score_mod if fwd is not None else None)
+                      score_mod=score_mod if fwd is not None else None, **_mask_args(p))
     dims, strides = bshd(p.b, p.sq, p.hq, p.dv)
     o.set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(_dtype(p.dtype))
     o.set_uid(UID_O)
@@ -317,7 +329,7 @@ def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describ
 
     mods = {} if fwd is None else {"score_mod": score_mod, "score_mod_bprop": score_mod_bprop}
     dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
-                                 attn_scale=p.scale, use_causal_mask=False, **mods)
+                                 attn_scale=p.scale, **_mask_args(p), **mods)
     for t, uid, (b, s, h, d) in ((dq, UID_DQ, (p.b, p.sq, p.hq, p.d)),
                                  (dk, UID_DK, (p.b, p.skv, p.hkv, p.d)),
                                  (dv, UID_DV, (p.b, p.skv, p.hkv, p.dv))):

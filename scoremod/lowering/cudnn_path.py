@@ -20,7 +20,8 @@ from scoremod.dsl import ir
 from scoremod.dsl.ir import F32, Node
 from scoremod.errors import CudnnUnavailableError, ScoreModError
 from scoremod.lowering import cudnn_graph as cg
-from scoremod.lowering import cudnn_rules
+from scoremod.dsl import ops
+from scoremod.lowering import cudnn_rules, masks
 from scoremod.lowering.reference import scores_and_lse_reference
 
 # Architecture families (compute capability major) where score_mod graphs were
@@ -84,6 +85,24 @@ def usable(query, key, value, mod) -> bool:
 
 # --- the static description of one fused call --------------------------------
 
+# Pure band masks (causal, sliding window) run on cuDNN's native mask, which
+# skips masked tiles; False keeps them as score_mod masks (for comparison).
+NATIVE_MASKS = True
+
+# Key tiles past the end of the sequence: cuDNN's backward pass evaluates
+# score_mod on padding keys (kv_idx >= Skv) of the last tile and, in float16,
+# P = exp(score - LSE) can overflow there when the mod grows with kv_idx
+# (measured: `score + 0.25 * kv_idx` at Skv=192 gives NaN in dQ). Masking the
+# padding inside the mod keeps those entries at zero.
+_KV_TILE = 128
+
+
+def _guard_kv_padding(expr: Node, skv: int) -> Node:
+    if skv % _KV_TILE == 0:
+        return expr
+    inside = ops.apply("lt", ir.var("kv_idx"), ir.const(skv, ir.I32))
+    return ops.apply("where", inside, expr, ir.const(float("-inf"), F32))
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadPlan:
@@ -103,11 +122,14 @@ class Static:
         self.mod = None if mod is None else type(mod)(mod.expr)
         self.allow_fallback = allow_fallback
         self.sizes = {"b": b, "h": hq, "q_idx": sq, "kv_idx": skv}
-        if mod is None:
+        self.band = None
+        if mod is not None and NATIVE_MASKS:
+            self.band = masks.native_band(cudnn_rules.canonical(mod.expr), sq, skv)
+        if mod is None or self.band is not None:  # plain attention, maybe under a native mask
             self.fwd = self.bwd = None
             self.consts, self.fwd_consts, self.loads, self.fwd_loads = (), (), (), ()
         else:
-            self.fwd, self.bwd = cudnn_rules.forward_and_backward(mod.expr)
+            self.fwd, self.bwd = cudnn_rules.forward_and_backward(_guard_kv_padding(mod.expr, skv))
             # What the graphs read: constants and tensors on the emitted paths only
             # (a graph is given exactly the scalars it contains).
             fwd_nodes = cg.emission_order(self.fwd)
@@ -119,7 +141,7 @@ class Static:
             fwd_set = set(fwd_nodes)
             self.fwd_loads = tuple(l for l in self.loads if l.node in fwd_set)
         self.problem = cg.Problem(b, sq, skv, hq, hkv, d, dv, dtype, float(scale),
-                                  tuple(l.spec for l in self.loads))
+                                  tuple(l.spec for l in self.loads), self.band)
         self.fwd_problem = dataclasses.replace(self.problem,
                                                loads=tuple(l.spec for l in self.fwd_loads))
         self.key = (mod.key if mod is not None else None, self.problem)
@@ -132,6 +154,8 @@ class Static:
                 and other.allow_fallback == self.allow_fallback)
 
     def describe(self):
+        if self.band is not None:
+            return f"score_mod `{self.mod}` as cuDNN's native mask {self.band}"
         return f"score_mod `{self.mod}`" if self.mod is not None else "plain attention"
 
     def _plan_load(self, node, i):

@@ -13,7 +13,7 @@ import pytest
 
 import scoremod
 from scoremod import CudnnUnavailableError
-from scoremod.lowering import cudnn_graph
+from scoremod.lowering import cudnn_graph, cudnn_path, masks
 from tests.test_cudnn_rules import REFUSED
 
 pytestmark = pytest.mark.gpu
@@ -108,9 +108,10 @@ OP_MODS = {
 }
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", sorted(OP_MODS))
-def test_each_op(name):
-    check(scoremod.trace(OP_MODS[name]))
+def test_each_op(name, dtype):
+    check(scoremod.trace(OP_MODS[name]), dtype=dtype)
 
 
 def test_op_table_is_covered():
@@ -270,3 +271,39 @@ def test_bad_inputs_for_the_fused_path():
     q, k, v, _ = _inputs(1, 64, 64, 2, 2, 60, jnp.bfloat16)
     with pytest.raises(CudnnUnavailableError, match="multiples of 8"):
         scoremod.attention(q, k, v, implementation="cudnn")
+
+
+# --- native masks and the key padding of the last tile --------------------------
+
+NATIVE = {
+    "causal": lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf),
+    "window": lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 48), s, -jnp.inf),
+    "bottom_right_causal": lambda s, b, h, q, k: jnp.where(k <= q + 64, s, -jnp.inf),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_pure_masks_run_on_the_native_mask(name, dtype):
+    sq, skv = 192, 256  # bottom_right_causal's offset is skv - sq
+    mod = scoremod.trace(NATIVE[name])
+    static = cudnn_path.Static(mod, (2, sq, skv, 4, 2, 64, 64), np.dtype(dtype).name, 0.125, False)
+    assert isinstance(static.band, masks.Band) and static.fwd is None
+    check(mod, dtype=dtype, sq=sq, skv=skv)
+    check(mod, dtype=dtype, sq=256, skv=256, d=128)  # native at Sq == Skv too
+
+
+KV_RAMP = jnp.asarray(0.25 * np.arange(320), jnp.float32)
+GROWING = {  # scores that grow along kv_idx (or q_idx): the padding of the last tile overflows
+    "kv_ramp": lambda s, b, h, q, k: s + 0.25 * k,
+    "alibi": lambda s, b, h, q, k: s + SLOPES[h] * (k - q),
+    "kv_vector_load": lambda s, b, h, q, k: s + KV_RAMP[k],
+    "q_ramp": lambda s, b, h, q, k: s + 0.25 * q,
+}
+
+
+@pytest.mark.parametrize("sq,skv", [(192, 192), (128, 320), (256, 256)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("name", sorted(GROWING))
+def test_scores_growing_into_the_padding_of_the_last_tile(name, dtype, sq, skv):
+    check(scoremod.trace(GROWING[name]), dtype=dtype, sq=sq, skv=skv, hq=4, hkv=4)
