@@ -676,6 +676,9 @@ def metadata(argv, cfg):
         except Exception:  # the backend library may not load on this machine
             pass
     m["graph_cache"] = cache_info()
+    from scoremod.lowering import cudnn_path
+
+    m["native_masks"] = cudnn_path.NATIVE_MASKS  # SCOREMOD_NATIVE_MASKS
     return m
 
 

@@ -85,15 +85,33 @@ def test_window_maps_to_cudnn_bounds():
     assert masks.native_band(causal, 1024, 1024) == masks.Band("TOP_LEFT", None, 0)
 
 
-def test_static_uses_the_native_mask_and_keys_it():
+def test_static_uses_the_native_mask_only_when_enabled(monkeypatch):
     causal = scoremod.trace(BANDS["causal"])
     shapes = (2, 64, 64, 4, 4, 64, 64)
+    monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", False)
+    off = cudnn_path.Static(causal, shapes, "bfloat16", 0.125, allow_fallback=False)
+    assert off.band is None and off.fwd is not None
+    monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", True)
     static = cudnn_path.Static(causal, shapes, "bfloat16", 0.125, allow_fallback=False)
     assert static.band == masks.Band("TOP_LEFT", None, 0) and static.fwd is None
     assert static.problem.band == static.band and static.loads == ()
     softcap = scoremod.trace(NOT_BANDS["softcap_causal"])
     other = cudnn_path.Static(softcap, shapes, "bfloat16", 0.125, allow_fallback=False)
     assert other.band is None and other.fwd is not None and other.key != static.key
+    assert off.key != static.key  # the two lowerings never share a graph
+
+
+def test_tensors_along_kv_only_are_materialized_with_the_q_axis():
+    ramp = jnp.arange(192, dtype=jnp.float32)
+    per_key = scoremod.trace(lambda s, b, h, q, k: s + ramp[k])
+    static = cudnn_path.Static(per_key, (2, 64, 192, 4, 4, 64, 64), "bfloat16", 0.125, False)
+    (plan,) = static.loads
+    assert plan.spec.dims == (1, 1, 64, 192) and plan.operand is None
+    (array,) = static.load_arrays(per_key.operands)
+    np.testing.assert_array_equal(np.asarray(array), np.broadcast_to(np.asarray(ramp), (1, 1, 64, 192)))
+    per_head = scoremod.trace(lambda s, b, h, q, k: s + ramp[h])  # read as it is
+    (plan,) = cudnn_path.Static(per_head, (2, 64, 192, 4, 4, 64, 64), "bfloat16", 0.125, False).loads
+    assert plan.spec.dims == (1, 4, 1, 1) and plan.operand is not None
 
 
 def test_kv_padding_is_masked_inside_the_mod_when_skv_is_not_a_tile_multiple():

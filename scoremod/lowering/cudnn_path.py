@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 
 import jax
@@ -87,7 +88,7 @@ def usable(query, key, value, mod) -> bool:
 
 # Pure band masks (causal, sliding window) run on cuDNN's native mask, which
 # skips masked tiles; False keeps them as score_mod masks (for comparison).
-NATIVE_MASKS = True
+NATIVE_MASKS = os.environ.get("SCOREMOD_NATIVE_MASKS", "0") == "1"
 
 # Key tiles past the end of the sequence: cuDNN's backward pass evaluates
 # score_mod on padding keys (kv_idx >= Skv) of the last tile and, in float16,
@@ -95,6 +96,18 @@ NATIVE_MASKS = True
 # (measured: `score + 0.25 * kv_idx` at Skv=192 gives NaN in dQ). Masking the
 # padding inside the mod keeps those entries at zero.
 _KV_TILE = 128
+
+
+def _varies_along_kv_only(dims) -> bool:
+    """Whether a tensor input spans kv_idx but not q_idx ([1,1,1,Skv], [B,1,1,Skv], ...).
+
+    Measured on the H200 (cuDNN 9.19, float16, Skv=192): a score_mod adding a
+    [1,1,1,Skv] tensor gave the right output and dQ, dK, dV all wrong (zero),
+    while the same values as a [1,H,Sq,Skv] tensor were right. Such inputs are
+    therefore materialized with the q_idx axis too, the layout the tests
+    validate (it costs Sq x Skv memory per input).
+    """
+    return dims[cg._AXIS["kv_idx"]] > 1 and dims[cg._AXIS["q_idx"]] == 1
 
 
 def _guard_kv_padding(expr: Node, skv: int) -> Node:
@@ -177,6 +190,8 @@ class Static:
                 dims[cg._AXIS[a.attr]] = size
                 strides[cg._AXIS[a.attr]] = stride
                 stride *= size
+            if _varies_along_kv_only(dims):
+                return self._plan_materialized(node, uid)
             return LoadPlan(node, cg.TensorSpec(uid, tuple(dims), tuple(strides), dtype), name)
         return self._plan_materialized(node, uid)
 
@@ -186,6 +201,8 @@ class Static:
         for v in ("b", "h", "q_idx", "kv_idx"):
             if v in used:
                 dims[cg._AXIS[v]] = self.sizes[v]
+        if _varies_along_kv_only(dims):
+            dims[cg._AXIS["q_idx"]] = self.sizes["q_idx"]
         stride = 1
         for ax in (3, 2, 1, 0):
             strides[ax] = stride

@@ -284,7 +284,8 @@ NATIVE = {
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", sorted(NATIVE))
-def test_pure_masks_run_on_the_native_mask(name, dtype):
+def test_pure_masks_run_on_the_native_mask(name, dtype, monkeypatch):
+    monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", True)
     sq, skv = 192, 256  # bottom_right_causal's offset is skv - sq
     mod = scoremod.trace(NATIVE[name])
     static = cudnn_path.Static(mod, (2, sq, skv, 4, 2, 64, 64), np.dtype(dtype).name, 0.125, False)
