@@ -36,3 +36,14 @@ def test_check_runs_reference_and_says_why_not_fused(capsys):
     assert main(["check", "30.0 * tanh(score / 30.0)", "--seq", "64", "--heads", "2", "--head-dim", "64"]) == 0
     out = capsys.readouterr().out
     assert "reference (xla)" in out and "fused path not run: no NVIDIA GPU" in out
+
+
+@pytest.mark.gpu
+def test_check_compares_fused_with_reference_on_a_gpu(capsys):
+    assert main(["check", "30.0 * tanh(score / 30.0)", "--seq", "256", "--heads", "4",
+                 "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "fused (cudnn)" in out
+    for name in ("O ", "dQ", "dK", "dV"):
+        line = next(l for l in out.splitlines() if l.startswith(f"max |{name}"))
+        assert float(line.split("relative ")[1].rstrip(")")) < 3e-2, line

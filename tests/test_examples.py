@@ -171,3 +171,12 @@ def test_config_mods_yaml_and_too_small_arrays(tmp_path):
                 "--head-dim", "16"])
     assert r["softcap"]["finite"]
     assert "indexed by q_idx" in r["document_mask"]["skipped"]  # ids cover 32 positions
+
+
+@pytest.mark.gpu
+def test_quickstart_takes_the_fused_path_on_a_gpu(capsys):
+    r = load("quickstart").main(["--batch", "1", "--seq", "256", "--heads", "4",
+                                 "--kv-heads", "2", "--head-dim", "64"])  # bf16 by default
+    assert r["fused"], capsys.readouterr().out
+    for name in ("out", "dq", "dk", "dv"):
+        assert r["xla"][name] < 3e-2 and r["plain"][name] < 3e-2, (name, r)
