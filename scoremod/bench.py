@@ -266,20 +266,41 @@ def make_call(impl, name, shape, direction):
 
 
 def make_direct(name, shape, direction):
-    """The graphs scoremod runs for this mod and shape, executed by the frontend's Python API."""
+    """The graphs scoremod runs for this mod and shape, executed by the frontend's Python API
+    (with query-block splitting on: each block's graphs in turn, on contiguous slices)."""
+    import torch
+
+    from scoremod.lowering import cudnn_path, split
+
+    b, s, h, d = shape.b, shape.s, shape.h, shape.d
+    mod = shape.mod(name)
+    blocks = cudnn_path._split_blocks(mod, s, s) or (split.Block(0, s, 0, s),)
+    q, k, v, do = shape.torch_inputs()
+    fwds, bwds = [], []
+    for blk in blocks:
+        m = split.shifted(mod, blk.q0, blk.k0)
+        static = cudnn_path.Static(m, (b, blk.q1 - blk.q0, blk.k1 - blk.k0, h, h, d, d),
+                                   shape.dtype, 1.0 / math.sqrt(d), allow_fallback=False)
+        qb, dob = (x[:, blk.q0:blk.q1].contiguous() for x in (q, do))
+        kb, vb = (x[:, blk.k0:blk.k1].contiguous() for x in (k, v))
+        fwd, bwd = _direct_runners(static, qb, kb, vb, dob, direction)
+        fwds.append(fwd)
+        bwds.append(bwd)
+    if direction == "fwd":
+        return (lambda: [f() for f in fwds]), ""
+    return (lambda: [(f(), g()) for f, g in zip(fwds, bwds)]), ""
+
+
+def _direct_runners(static, q, k, v, do, direction):
     import cudnn
     import torch
 
     from scoremod.dsl.ir import F32
     from scoremod.lowering import cudnn_graph as cg
-    from scoremod.lowering import cudnn_path
 
-    b, s, h, d = shape.b, shape.s, shape.h, shape.d
-    static = cudnn_path.Static(shape.mod(name), (b, s, s, h, h, d, d), shape.dtype,
-                               1.0 / math.sqrt(d), allow_fallback=False)
-    q, k, v, do = shape.torch_inputs()
+    bsz, sq, h, _ = q.shape
     bufs = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
-            cg.UID_STATS: torch.empty(b, h, s, 1, dtype=torch.float32, device="cuda"),
+            cg.UID_STATS: torch.empty(bsz, h, sq, 1, dtype=torch.float32, device="cuda"),
             cg.UID_DQ: torch.empty_like(q), cg.UID_DK: torch.empty_like(k), cg.UID_DV: torch.empty_like(v)}
 
     def runner(built, consts, loads):
@@ -299,10 +320,8 @@ def make_direct(name, shape, direction):
         return lambda keep=keep: g.execute(pack, ws)  # keep: the load buffers stay alive
 
     fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads)
-    if direction == "fwd":
-        return fwd, ""
-    bwd = runner(static.backward_graph(), static.consts, static.loads)
-    return (lambda: (fwd(), bwd())), ""
+    bwd = None if direction == "fwd" else runner(static.backward_graph(), static.consts, static.loads)
+    return fwd, bwd
 
 
 def make_flex(name, shape, direction):
@@ -679,6 +698,7 @@ def metadata(argv, cfg):
     from scoremod.lowering import cudnn_path
 
     m["native_masks"] = cudnn_path.NATIVE_MASKS  # SCOREMOD_NATIVE_MASKS
+    m["split_blocks"] = cudnn_path.SPLIT_BLOCKS  # SCOREMOD_SPLIT_BLOCKS
     return m
 
 

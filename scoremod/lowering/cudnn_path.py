@@ -22,7 +22,7 @@ from scoremod.dsl.ir import F32, Node
 from scoremod.errors import CudnnUnavailableError, ScoreModError
 from scoremod.lowering import cudnn_graph as cg
 from scoremod.dsl import ops
-from scoremod.lowering import cudnn_rules, masks
+from scoremod.lowering import cudnn_rules, masks, split
 from scoremod.lowering.reference import scores_and_lse_reference
 
 # Architecture families (compute capability major) where score_mod graphs were
@@ -89,6 +89,11 @@ def usable(query, key, value, mod) -> bool:
 # Pure band masks (causal, sliding window) run on cuDNN's native mask, which
 # skips masked tiles; False keeps them as score_mod masks (for comparison).
 NATIVE_MASKS = os.environ.get("SCOREMOD_NATIVE_MASKS", "0") == "1"
+
+# Band-masked mods with a modifier (softcap + causal) split into this many
+# query blocks, each a fused call on the keys it can see (``split``); 0 or 1:
+# one call. Opt-in (SCOREMOD_SPLIT_BLOCKS=4) until measured on a GPU.
+SPLIT_BLOCKS = int(os.environ.get("SCOREMOD_SPLIT_BLOCKS", "0"))
 
 # Key tiles past the end of the sequence: cuDNN's backward pass evaluates
 # score_mod on padding keys (kv_idx >= Skv) of the last tile and, in float16,
@@ -355,9 +360,28 @@ def attention(query, key, value, mod, scale, return_lse, *, explicit=True):
             f"implementation=\"cudnn\" cannot run this call: {reason}. "
             "Use implementation=\"xla\", or implementation=None to choose automatically."
         )
+    blocks = _split_blocks(mod, query.shape[1], key.shape[1])
+    if blocks is not None:
+        o, lse = split.blockwise(query, key, value, mod, blocks,
+                                 lambda q, k, v, m: _one_call(q, k, v, m, scale, explicit))
+    else:
+        o, lse = _one_call(query, key, value, mod, scale, explicit)
+    return (o, lse) if return_lse else o
+
+
+def _one_call(query, key, value, mod, scale, explicit):
     shapes = query.shape[:1] + (query.shape[1], key.shape[1], query.shape[2], key.shape[2],
                                 query.shape[3], value.shape[3])
     static = Static(mod, shapes, np.dtype(query.dtype).name, scale, allow_fallback=not explicit)
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
-    o, lse = _fused(static, query, key, value, operands)
-    return (o, lse) if return_lse else o
+    return _fused(static, query, key, value, operands)
+
+
+def _split_blocks(mod, sq, skv):
+    """Query blocks for a band-masked mod (see ``split``), or None for one call."""
+    if mod is None or SPLIT_BLOCKS < 2:
+        return None
+    expr = cudnn_rules.canonical(mod.expr)
+    if NATIVE_MASKS and masks.native_band(expr, sq, skv) is not None:
+        return None  # the native mask skips masked tiles already
+    return split.plan(expr, sq, skv, SPLIT_BLOCKS)

@@ -35,6 +35,34 @@ class Band:
     right_bound: int | None
 
 
+def band_of(expr: Node):
+    """``(lo, hi, body, others)`` when ``expr`` is ``where(conds, body, -inf)``
+    (nested wheres included) and some conjuncts of ``conds`` bound
+    ``d = kv_idx - q_idx`` to ``[lo, hi]`` (infinite where unbounded);
+    ``others`` are the remaining conjuncts. None when no conjunct is a band.
+    """
+    conds = []
+    while True:
+        if expr.op == "where" and _is_neg_inf(expr.args[2]):
+            conds.append(expr.args[0])
+            expr = expr.args[1]
+            continue
+        mask = _materialized_mask(expr)  # x + materialize(where(c, 0, -inf))
+        if mask is None:
+            break
+        conds.append(mask[0])
+        expr = mask[1]
+    lo, hi, others, banded = -math.inf, math.inf, [], False
+    for atom in (a for c in conds for a in _conjuncts(c)):
+        bound = _d_bound(atom)
+        if bound is None:
+            others.append(atom)
+            continue
+        banded = True
+        lo, hi = max(lo, bound[0]), min(hi, bound[1])
+    return (lo, hi, expr, tuple(others)) if banded else None
+
+
 def native_band(expr: Node, sq: int, skv: int) -> Band | None:
     """The native mask computing ``expr`` (canonical form) at these sizes, or None.
 
@@ -43,18 +71,12 @@ def native_band(expr: Node, sq: int, skv: int) -> Band | None:
     query row at least one key (fully masked rows keep the score_mod path,
     whose output for them is tested).
     """
-    conds = []
-    while expr.op == "where" and _is_neg_inf(expr.args[2]):
-        conds.append(expr.args[0])
-        expr = expr.args[1]
-    if expr.op != "var" or expr.attr != SCORE or not conds:
+    band = band_of(expr)
+    if band is None:
         return None
-    lo, hi = -math.inf, math.inf  # bounds on d = kv_idx - q_idx
-    for atom in (a for c in conds for a in _conjuncts(c)):
-        bound = _d_bound(atom)
-        if bound is None:
-            return None
-        lo, hi = max(lo, bound[0]), min(hi, bound[1])
+    lo, hi, body, others = band
+    if others or body.op != "var" or body.attr != SCORE:
+        return None
     lo = lo if lo > 1 - sq else -math.inf  # binds no row
     # Every row sees a key: row 0 needs hi >= 0, the last row needs lo <= skv - sq.
     if hi < 0 or lo > skv - sq or lo > hi:
@@ -67,6 +89,20 @@ def native_band(expr: Node, sq: int, skv: int) -> Band | None:
         return None
     left = None if lo == -math.inf else int(1 - (lo - shift))
     return Band(alignment, left, 0)
+
+
+def _materialized_mask(expr):
+    """``(cond, x)`` for ``x + materialize(where(cond, 0, -inf))`` (how the
+    canonical form carries a data-dependent mask), else None."""
+    if expr.op != "add":
+        return None
+    for m, x in ((expr.args[1], expr.args[0]), (expr.args[0], expr.args[1])):
+        if m.op == "materialize":
+            w = m.args[0]
+            if (w.op == "where" and _is_neg_inf(w.args[2]) and w.args[1].op == "const"
+                    and w.args[1].attr == 0.0):
+                return w.args[0], x
+    return None
 
 
 def _is_neg_inf(node):

@@ -308,3 +308,21 @@ GROWING = {  # scores that grow along kv_idx (or q_idx): the padding of the last
 @pytest.mark.parametrize("name", sorted(GROWING))
 def test_scores_growing_into_the_padding_of_the_last_tile(name, dtype, sq, skv):
     check(scoremod.trace(GROWING[name]), dtype=dtype, sq=sq, skv=skv, hq=4, hkv=4)
+
+
+# --- band-masked mods split into query blocks ----------------------------------
+
+SPLIT = {
+    "softcap_causal": lambda s, b, h, q, k: jnp.where(q >= k, 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
+    "alibi_causal": lambda s, b, h, q, k: jnp.where(q >= k, s + SLOPES[h] * (k - q), -jnp.inf),
+    "softcap_window": lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 200), 20.0 * jnp.tanh(s / 20.0), -jnp.inf),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("name", sorted(SPLIT))
+def test_split_into_query_blocks_matches_reference(name, dtype, monkeypatch):
+    monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 4)
+    mod = scoremod.trace(SPLIT[name])
+    assert cudnn_path._split_blocks(mod, 512, 512) is not None
+    check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2)

@@ -1,0 +1,86 @@
+"""Band-masked mods with a modifier, split into query blocks.
+
+cuDNN does not take score_mod together with its native masks, so a mod like
+``where(q_idx >= kv_idx, 30 * tanh(score / 30), -inf)`` visits every tile,
+masked or not. Split the queries into blocks: a block of rows ``[q0, q1)``
+can only see keys ``[q0 + lo, q1 - 1 + hi]`` (``lo <= kv_idx - q_idx <= hi``
+is the band), so each block is one fused call on a slice of the keys, with
+the mod's indices shifted back (``q_idx -> q_idx + q0``). Every row sees all
+its keys inside its own call, so outputs and LSEs are simply concatenated,
+and JAX's autodiff sums the key gradients of the blocks. No softmax merging,
+no new kernel: each call is an ordinary fused call.
+
+    >>> import jax.numpy as jnp, scoremod
+    >>> from scoremod.lowering.cudnn_rules import canonical
+    >>> mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, 30 * jnp.tanh(s / 30), -jnp.inf))
+    >>> [(b.q0, b.q1, b.k0, b.k1) for b in plan(canonical(mod.expr), 1024, 1024, blocks=4)]
+    [(0, 256, 0, 256), (256, 512, 0, 512), (512, 768, 0, 768), (768, 1024, 0, 1024)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from scoremod.dsl import ir, ops
+from scoremod.dsl.scoremod import ScoreMod
+from scoremod.lowering import masks
+
+TILE = 128  # cuDNN's key and query tile: block edges on it waste no tile
+MAX_VISITED = 0.8  # split only when the blocks visit at most this share of the scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+
+def plan(expr: ir.Node, sq: int, skv: int, blocks: int) -> tuple[Block, ...] | None:
+    """Query blocks and the key range each one needs, or None when splitting
+    does not pay (no band, too short, or most scores visible anyway)."""
+    band = masks.band_of(expr)
+    if band is None or blocks < 2:
+        return None
+    lo, hi = band[0], band[1]
+    size = math.ceil(sq / blocks / TILE) * TILE
+    if size >= sq:
+        return None
+    out = []
+    for q0 in range(0, sq, size):
+        q1 = min(sq, q0 + size)
+        k0 = 0 if lo == -math.inf else max(0, (q0 + lo) // TILE * TILE)
+        k1 = skv if hi == math.inf else min(skv, -(-(q1 + hi) // TILE) * TILE)
+        if k1 <= k0:  # rows that see no key: leave them to one unsplit call
+            return None
+        out.append(Block(q0, q1, int(k0), int(k1)))
+    visited = sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in out)
+    return tuple(out) if visited <= MAX_VISITED * sq * skv else None
+
+
+def shifted(mod: ScoreMod, q0: int, k0: int) -> ScoreMod:
+    """``mod`` for a block whose first query is ``q0`` and first key ``k0``."""
+    mapping = {}
+    for name, offset in (("q_idx", q0), ("kv_idx", k0)):
+        if offset:
+            var = ir.var(name)
+            mapping[var] = ops.apply("add", var, ir.const(offset, ir.I32))
+    expr = ir.substitute(mod.expr, mapping) if mapping else mod.expr
+    by_name = dict(zip(mod.operand_names, mod.operands))
+    return ScoreMod(expr, tuple(by_name[n.attr[0]] for n in ir.operands_of(expr)))
+
+
+def blockwise(query, key, value, mod, blocks, run):
+    """Attention as the concatenation of ``run(q, k, v, mod) -> (out, lse)`` over
+    ``blocks`` (arrays [B, S, H, D]; the LSE is [B, H, Sq])."""
+    outs, lses = [], []
+    for b in blocks:
+        o, lse = run(query[:, b.q0:b.q1], key[:, b.k0:b.k1], value[:, b.k0:b.k1],
+                     shifted(mod, b.q0, b.k0))
+        outs.append(o)
+        lses.append(lse)
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
