@@ -90,6 +90,11 @@ def usable(query, key, value, mod) -> bool:
 # skips masked tiles; False keeps them as score_mod masks (for comparison).
 NATIVE_MASKS = os.environ.get("SCOREMOD_NATIVE_MASKS", "0") == "1"
 
+# Fold a constant factor of the score (softcap's `score / 30`) into cuDNN's
+# attn_scale, where it costs nothing (``cudnn_rules.fold_scale``). Opt-in
+# (SCOREMOD_FOLD_SCALE=1) until run on a GPU.
+FOLD_SCALE = os.environ.get("SCOREMOD_FOLD_SCALE", "0") == "1"
+
 # Band-masked mods with a modifier (softcap + causal) split into this many
 # query blocks, each a fused call on the keys it can see (``split``); 0 or 1:
 # one call. Opt-in (SCOREMOD_SPLIT_BLOCKS=4) until measured on a GPU.
@@ -140,6 +145,8 @@ class Static:
         self.mod = None if mod is None else type(mod)(mod.expr)
         self.allow_fallback = allow_fallback
         self.sizes = {"b": b, "h": hq, "q_idx": sq, "kv_idx": skv}
+        self.scale = float(scale)  # the caller's: the reference fallback uses it
+        graph_scale = scale  # cuDNN's attn_scale
         self.band = None
         if mod is not None and NATIVE_MASKS:
             self.band = masks.native_band(cudnn_rules.canonical(mod.expr), sq, skv)
@@ -147,7 +154,11 @@ class Static:
             self.fwd = self.bwd = None
             self.consts, self.fwd_consts, self.loads, self.fwd_loads = (), (), (), ()
         else:
-            self.fwd, self.bwd = cudnn_rules.forward_and_backward(_guard_kv_padding(mod.expr, skv))
+            expr = _guard_kv_padding(mod.expr, skv)
+            if FOLD_SCALE:  # a constant factor on every use of the score joins attn_scale
+                expr, factor = cudnn_rules.fold_scale(cudnn_rules.canonical(expr))
+                graph_scale = scale * factor
+            self.fwd, self.bwd = cudnn_rules.forward_and_backward(expr)
             # What the graphs read: constants and tensors on the emitted paths only
             # (a graph is given exactly the scalars it contains).
             fwd_nodes = cg.emission_order(self.fwd)
@@ -158,11 +169,12 @@ class Static:
                 x for x in nodes if x.op in ("load", "materialize")))
             fwd_set = set(fwd_nodes)
             self.fwd_loads = tuple(l for l in self.loads if l.node in fwd_set)
-        self.problem = cg.Problem(b, sq, skv, hq, hkv, d, dv, dtype, float(scale),
+        self.problem = cg.Problem(b, sq, skv, hq, hkv, d, dv, dtype, float(graph_scale),
                                   tuple(l.spec for l in self.loads), self.band)
         self.fwd_problem = dataclasses.replace(self.problem,
                                                loads=tuple(l.spec for l in self.fwd_loads))
-        self.key = (mod.key if mod is not None else None, self.problem)
+        # The lowered expression too: folding or not, the same mod never shares a graph.
+        self.key = (mod.key if mod is not None else None, self.fwd, self.problem)
 
     def __hash__(self):
         return hash((self.key, self.allow_fallback))
@@ -312,7 +324,7 @@ def _fused_fwd(static, q, k, v, operands):
         (o, lse), vjp = jax.vjp(
             lambda q, k, v, ops: scores_and_lse_reference(
                 q, k, v, static.mod.bind(**dict(zip(_names(static), ops))),
-                static.problem.scale, True),
+                static.scale, True),
             q, k, v, operands)
         return (o, lse), {"reference_vjp": vjp}  # a dict marks the fallback residuals
     if perturbed:

@@ -252,3 +252,38 @@ def forward_and_backward(expr: Node) -> tuple[Node, Node]:
     if bwd.op == "const":  # zero gradient: still an expression of dP
         bwd = Node("mul", (DP, const(0.0, F32)), None, F32)
     return fwd, canonical(bwd)
+
+
+def fold_scale(expr: Node) -> tuple[Node, float]:
+    """``(expr', c)`` with ``expr(score) == expr'(score * c)`` when every use of
+    the score in ``expr`` (canonical form) is ``score * c`` or ``score / (1/c)``
+    for one positive constant; else ``(expr, 1.0)``.
+
+    The factor then joins cuDNN's attn_scale, which scales the score inside
+    the matmul epilogue for free: softcap's ``score / 30`` costs nothing.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> softcap = scoremod.trace(lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0))
+        >>> folded, c = fold_scale(canonical(softcap.expr))
+        >>> print(folded, round(1 / c, 6))
+        <f32 tanh(score) * 30.0> 30.0
+    """
+    uses = [n for n in ir.toposort(expr, stop=lambda n: n.op in ("load", "materialize"))
+            if SCORE in n.args]
+    factors = set()
+    for n in uses:
+        other = n.args[1]
+        if n.args[0] is not SCORE or other is SCORE or other.op != "const":
+            return expr, 1.0
+        if n.op == "mul":
+            factors.add(float(other.attr))
+        elif n.op == "div" and other.attr != 0:
+            factors.add(1.0 / float(other.attr))
+        else:
+            return expr, 1.0
+    if len(factors) != 1:
+        return expr, 1.0
+    (c,) = factors
+    if not (c > 0 and math.isfinite(c)) or c == 1.0:
+        return expr, 1.0
+    return ir.substitute(expr, {n: SCORE for n in uses}), c

@@ -326,3 +326,23 @@ def test_split_into_query_blocks_matches_reference(name, dtype, monkeypatch):
     mod = scoremod.trace(SPLIT[name])
     assert cudnn_path._split_blocks(mod, 512, 512) is not None
     check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2)
+
+
+# --- a constant factor of the score folded into attn_scale ------------------------
+
+FOLD = {
+    "softcap": lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0),
+    "softcap_causal": lambda s, b, h, q, k: jnp.where(q >= k, 5.0 * jnp.tanh(s / 5.0), -jnp.inf),
+    "two_uses": lambda s, b, h, q, k: s * 0.5 + jnp.tanh(s * 0.5),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("name", sorted(FOLD))
+def test_scale_folding_matches_reference(name, dtype, monkeypatch):
+    monkeypatch.setattr(cudnn_path, "FOLD_SCALE", True)
+    mod = scoremod.trace(FOLD[name])
+    static = cudnn_path.Static(mod, (2, 128, 192, 4, 2, 64, 64), np.dtype(dtype).name, 0.125, False)
+    assert static.problem.scale != 0.125  # folded
+    check(mod, dtype=dtype)
+    check(mod, dtype=dtype, scale=0.3)
