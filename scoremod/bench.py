@@ -699,6 +699,7 @@ def metadata(argv, cfg):
 
     m["native_masks"] = cudnn_path.NATIVE_MASKS  # SCOREMOD_NATIVE_MASKS
     m["split_blocks"] = cudnn_path.SPLIT_BLOCKS  # SCOREMOD_SPLIT_BLOCKS
+    m["fold_scale"] = cudnn_path.FOLD_SCALE  # SCOREMOD_FOLD_SCALE
     return m
 
 
