@@ -2,7 +2,15 @@
 
 
 class ScoreModError(Exception):
-    """Base class of every error scoremod raises on purpose."""
+    """Base class of every error scoremod raises on purpose.
+
+        >>> import scoremod
+        >>> try:
+        ...     scoremod.parse("score +")
+        ... except scoremod.ScoreModError as e:
+        ...     print(type(e).__name__)
+        ScoreModSyntaxError
+    """
 
 
 class UnsupportedOpError(ScoreModError):
@@ -10,16 +18,54 @@ class UnsupportedOpError(ScoreModError):
 
     The message names the JAX primitive (or cuDNN node) and the user's
     ``file:line`` where it was written.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> try:
+        ...     scoremod.trace(lambda s, b, h, q, k: jnp.sort(jnp.stack([s, -s]))[0])
+        ... except scoremod.UnsupportedOpError as e:
+        ...     print(str(e).split(" at ")[0])
+        stack
     """
 
 
 class ScoreModTypeError(ScoreModError, TypeError):
-    """A score_mod or its inputs have the wrong shape or dtype."""
+    """A score_mod or its inputs have the wrong shape or dtype.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> try:
+        ...     scoremod.trace(lambda s, b, h, q, k: jnp.stack([s, s]))   # not a scalar
+        ... except scoremod.ScoreModTypeError as e:
+        ...     print(type(e).__name__)
+        ScoreModTypeError
+    """
 
 
 class ScoreModSyntaxError(ScoreModError, SyntaxError):
-    """The text form of a score_mod could not be parsed (has line and column)."""
+    """The text form of a score_mod could not be parsed (has line and column).
+
+        >>> import scoremod
+        >>> try:
+        ...     scoremod.parse("tanh(score")
+        ... except scoremod.ScoreModSyntaxError as e:
+        ...     print(e.lineno, e.offset)
+        1 11
+    """
+
+    def __str__(self):  # the message already says where; SyntaxError would append it again
+        return self.msg
 
 
 class CudnnUnavailableError(ScoreModError, NotImplementedError):
-    """The fused cuDNN path was requested but cannot run here."""
+    """The fused cuDNN path was requested but cannot run here.
+
+    The message says why (no GPU, float32 inputs, an unsupported op, operand
+    gradients) and what to use instead.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> q = jnp.ones((1, 8, 2, 16), jnp.float32)
+        >>> try:
+        ...     scoremod.attention(q, q, q, implementation="cudnn")
+        ... except scoremod.CudnnUnavailableError as e:
+        ...     print("implementation=" in str(e))
+        True
+    """

@@ -47,6 +47,15 @@ class FlaxAttentionError(ScoreModError, NotImplementedError):
     Attention dropout (``dropout_rate > 0`` with ``deterministic=False``),
     sowing the attention weights (``sow_weights=True``), and custom einsums
     (``qk_attn_weights_einsum_cls`` and the like).
+
+        >>> import jax, jax.numpy as jnp, scoremod.flax
+        >>> fn = scoremod.flax.attention_fn(implementation="xla")
+        >>> x = jnp.ones((1, 4, 2, 8))
+        >>> try:
+        ...     fn(x, x, x, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+        ... except scoremod.flax.FlaxAttentionError as e:
+        ...     print(type(e).__name__)
+        FlaxAttentionError
     """
 
 

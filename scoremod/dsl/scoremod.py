@@ -5,7 +5,7 @@
     >>> str(softcap)
     'tanh(score / 30.0) * 30.0'
     >>> str(softcap.grad)
-    '(1.0 - tanh(score / 30.0) * tanh(score / 30.0)) * 30.0 / 30.0'
+    'let x0 = tanh(score / 30.0); (1.0 - x0 * x0) * 30.0 / 30.0'
     >>> scoremod.parse(str(softcap)) == softcap
     True
 """
@@ -40,6 +40,17 @@ class ScoreMod:
     pytree whose leaves are its operand values, so it can cross ``jax.jit``
     and ``jax.grad`` boundaries (gradients flow to the operands on the
     reference path).
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> slopes = jnp.asarray([0.5, 0.25])
+        >>> alibi = scoremod.trace(lambda s, b, h, q, k: s + slopes[h] * (k - q))
+        >>> alibi.operand_names, str(alibi)
+        (('c0',), 'c0: float32[2]; score + c0[h] * f32(kv_idx - q_idx)')
+        >>> steeper = alibi.bind(c0=slopes * 2)   # same IR and key, new values
+        >>> steeper == alibi and steeper.key == alibi.key
+        True
+        >>> float(alibi(0.0, 0, 1, 3, 1))         # score 0, head 1, q 3, kv 1
+        -0.5
     """
 
     __slots__ = ("expr", "_values", "_cache")

@@ -227,7 +227,8 @@ class _Builder:
     def error(self, meta, msg):
         line = self.text.splitlines()[meta.line - 1] if self.text else ""
         caret = " " * (meta.column - 1) + "^"
-        return ScoreModSyntaxError(f"{_where(meta)}: {msg}\n  {line}\n  {caret}")
+        return _located(ScoreModSyntaxError(f"{_where(meta)}: {msg}\n  {line}\n  {caret}"),
+                        meta.line, meta.column)
 
     def value(self, t) -> _V:
         if isinstance(t, Token):
@@ -417,4 +418,11 @@ def _syntax_error(text, e: UnexpectedInput) -> ScoreModSyntaxError:
         what = "syntax error"
     src = text.splitlines()[line - 1] if text.splitlines() else ""
     caret = " " * max(col - 1, 0) + "^"
-    return ScoreModSyntaxError(f"line {line}, column {col}: {what}\n  {src}\n  {caret}")
+    return _located(ScoreModSyntaxError(f"line {line}, column {col}: {what}\n  {src}\n  {caret}"),
+                    line, col)
+
+
+def _located(err: ScoreModSyntaxError, line, column) -> ScoreModSyntaxError:
+    """Set SyntaxError's own fields, for tools that read them (str() keeps our message)."""
+    err.lineno, err.offset = line, column
+    return err
