@@ -646,11 +646,14 @@ def plot(records, path):
         x = np.arange(len(mods))
         for col, (direction, key) in enumerate([(dd, k) for dd in DIRECTIONS for k in ("tflops", "median_ms")]):
             ax, width = axes[row][col], 0.8 / len(impls)
+            measured = False
             for j, impl in enumerate(impls):
                 got = [next((r for r in here if (r["mod"], r["impl"], r["direction"]) == (m, impl, direction)),
                             {}) for m in mods]
                 pos = x + (j - len(impls) / 2 + 0.5) * width
-                ax.bar(pos, [r.get(key, np.nan) for r in got], width, label=IMPLS[impl])
+                heights = [r.get(key, np.nan) for r in got]
+                measured |= any(h is not None and h > 0 for h in heights)
+                ax.bar(pos, heights, width, label=IMPLS[impl])
                 for p, r in zip(pos, got):
                     if r.get("status") == "oom":
                         ax.text(p, 0.02, "OOM", rotation=90, fontsize=6, ha="center",
@@ -659,7 +662,7 @@ def plot(records, path):
             unit = "TF/s" if key == "tflops" else "ms per call (log)"
             ax.set_title(f"seq {seq}{' (long)' if long else ''}, head dim {d}: {DIRECTIONS[direction]}, {unit}",
                          fontsize=9)
-            if key == "median_ms":
+            if key == "median_ms" and measured:  # a log axis needs a positive value
                 ax.set_yscale("log")
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="upper center", ncol=len(impls), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (3.2 * len(shapes))))
