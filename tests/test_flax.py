@@ -405,6 +405,25 @@ def test_guide_flax_examples_run():
 # --- GPU: the fused path against the reference, in bf16 ----------------------
 
 
+def assert_fused_bf16_model_close(run):
+    """``run(implementation, dtype=bf16) -> (out, grads)`` of one model: the fused
+    bf16 model against the reference bf16 and float32 models."""
+    out, grads = run("cudnn")
+    ref_out, ref_grads = run("xla")
+    _, true_grads = run("xla", jnp.float32)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               atol=3e-2, rtol=3e-2)
+    # A bf16 model's parameter gradients sum many rounded terms: judge the fused
+    # path by its distance to the float32 model, next to the bf16 reference's.
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), jax.tree.leaves(true_grads))
+    for g, r, t in leaves:
+        g, r, t = (np.asarray(a, np.float32) for a in (g, r, t))
+        scale = max(float(np.abs(t).max()), 1e-6)
+        fused_err, ref_err = float(np.abs(g - t).max()), float(np.abs(r - t).max())
+        assert fused_err <= max(2 * ref_err, 2e-2 * scale), (fused_err, ref_err, scale)
+
+
 @pytest.mark.gpu
 def test_nnx_fused_matches_reference_bf16():
     length, features = 128, 64  # head_dim 16
@@ -425,20 +444,7 @@ def test_nnx_fused_matches_reference_bf16():
         model_grads, x_grad = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(model, x)
         return out, (nnx.to_pure_dict(model_grads), x_grad)
 
-    out, grads = run("cudnn")
-    ref_out, ref_grads = run("xla")
-    _, true_grads = run("xla", jnp.float32)
-    assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
-                               atol=3e-2, rtol=3e-2)
-    # A bf16 model's parameter gradients sum many rounded terms: judge the fused
-    # path by its distance to the float32 model, next to the bf16 reference's.
-    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), jax.tree.leaves(true_grads))
-    for g, r, t in leaves:
-        g, r, t = (np.asarray(a, np.float32) for a in (g, r, t))
-        scale = max(float(np.abs(t).max()), 1e-6)
-        fused_err, ref_err = float(np.abs(g - t).max()), float(np.abs(r - t).max())
-        assert fused_err <= max(2 * ref_err, 2e-2 * scale), (fused_err, ref_err, scale)
+    assert_fused_bf16_model_close(run)
 
 
 class LinenPlain(nn.Module):
@@ -471,15 +477,4 @@ def test_linen_fused_matches_reference_bf16():
 
         return jax.jit(model.apply)(params, x, mask), jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
 
-    out, grads = run("cudnn")
-    ref_out, ref_grads = run("xla")
-    _, true_grads = run("xla", jnp.float32)
-    assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
-                               atol=3e-2, rtol=3e-2)
-    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), jax.tree.leaves(true_grads))
-    for g, r, t in leaves:
-        g, r, t = (np.asarray(a, np.float32) for a in (g, r, t))
-        scale = max(float(np.abs(t).max()), 1e-6)
-        fused_err, ref_err = float(np.abs(g - t).max()), float(np.abs(r - t).max())
-        assert fused_err <= max(2 * ref_err, 2e-2 * scale), (fused_err, ref_err, scale)
+    assert_fused_bf16_model_close(run)

@@ -135,11 +135,14 @@ class ScoreMod:
     def grad(self) -> "ScoreMod":
         """d(mod)/d(score) as a ScoreMod in the same text form."""
         if "grad" not in self._cache:
-            expr = vjp(self.expr, const(1.0, F32))
-            by_name = dict(zip(self.operand_names, self._values))
-            values = tuple(by_name[n.attr[0]] for n in ir.operands_of(expr))
-            self._cache["grad"] = ScoreMod(expr, values)
+            self._cache["grad"] = self.derived(vjp(self.expr, const(1.0, F32)))
         return self._cache["grad"]
+
+    def derived(self, expr: Node) -> "ScoreMod":
+        """A mod of ``expr``, an expression built from this one's operands,
+        carrying their values (by name: ``expr`` may use some, in any order)."""
+        by_name = dict(zip(self.operand_names, self._values))
+        return ScoreMod(expr, tuple(by_name[n.attr[0]] for n in ir.operands_of(expr)))
 
     @property
     def has_computed_index(self) -> bool:

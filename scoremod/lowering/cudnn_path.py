@@ -147,9 +147,7 @@ class Static:
         self.sizes = {"b": b, "h": hq, "q_idx": sq, "kv_idx": skv}
         self.scale = float(scale)  # the caller's: the reference fallback uses it
         graph_scale = scale  # cuDNN's attn_scale
-        self.band = None
-        if mod is not None and NATIVE_MASKS:
-            self.band = masks.native_band(cudnn_rules.canonical(mod.expr), sq, skv)
+        self.band = _native_band(mod, sq, skv)
         if mod is None or self.band is not None:  # plain attention, maybe under a native mask
             self.fwd = self.bwd = None
             self.consts, self.fwd_consts, self.loads, self.fwd_loads = (), (), (), ()
@@ -391,9 +389,13 @@ def _one_call(query, key, value, mod, scale, explicit):
 
 def _split_blocks(mod, sq, skv):
     """Query blocks for a band-masked mod (see ``split``), or None for one call."""
-    if mod is None or SPLIT_BLOCKS < 2:
+    if mod is None or SPLIT_BLOCKS < 2 or _native_band(mod, sq, skv) is not None:
+        return None  # (a native mask skips masked tiles already)
+    return split.plan(cudnn_rules.canonical(mod.expr), sq, skv, SPLIT_BLOCKS)
+
+
+def _native_band(mod, sq, skv):
+    """The native mask ``mod`` runs under at these sizes (when enabled), or None."""
+    if mod is None or not NATIVE_MASKS:
         return None
-    expr = cudnn_rules.canonical(mod.expr)
-    if NATIVE_MASKS and masks.native_band(expr, sq, skv) is not None:
-        return None  # the native mask skips masked tiles already
-    return split.plan(expr, sq, skv, SPLIT_BLOCKS)
+    return masks.native_band(cudnn_rules.canonical(mod.expr), sq, skv)

@@ -69,9 +69,7 @@ def shifted(mod: ScoreMod, q0: int, k0: int) -> ScoreMod:
         if offset:
             var = ir.var(name)
             mapping[var] = ops.apply("add", var, ir.const(offset, ir.I32))
-    expr = ir.substitute(mod.expr, mapping) if mapping else mod.expr
-    by_name = dict(zip(mod.operand_names, mod.operands))
-    return ScoreMod(expr, tuple(by_name[n.attr[0]] for n in ir.operands_of(expr)))
+    return mod.derived(ir.substitute(mod.expr, mapping) if mapping else mod.expr)
 
 
 def blockwise(query, key, value, mod, blocks, run):
