@@ -139,7 +139,7 @@ def test_targets_ratios_pass_and_miss():
         ("softcap", "scoremod"): (1.0, 4.0), ("softcap", "direct"): (0.99, 3.98),
         ("softcap", "jax-cudnn"): (0.85, 3.0), ("softcap", "xla"): (None, 20.0),
         ("softcap", "flex"): (1.1, 5.0),
-        ("softcap_causal", "scoremod"): (0.6, 2.0),
+        ("softcap_causal", "scoremod"): (0.6, 2.0), ("softcap_causal", "scoremod-plain"): (1.0, 4.0),
         ("causal", "scoremod"): (0.5, 2.0), ("causal", "jax-cudnn"): (0.49, 1.0),
     }
     records = [_rec(s, mod, impl, d, ms) for (mod, impl), pair in times.items()
@@ -161,8 +161,8 @@ def test_targets_ratios_pass_and_miss():
     check("softcap", "xla", "vs XLA reference at seq 4096", "fwdbwd", 5.0, True)
     check("softcap", "flex", "vs FlexAttention", "fwd", 1.1, False)
     check("softcap", "flex", "vs FlexAttention", "fwdbwd", 1.25, True)
-    check("softcap_causal", "scoremod", "vs unsplit score_mod", "fwd", 1.0 / 0.6, True)
-    check("softcap_causal", "scoremod", "vs unsplit score_mod", "fwdbwd", 2.0, True)
+    check("softcap_causal", "scoremod-plain", "vs unsplit score_mod", "fwd", 1.0 / 0.6, True)
+    check("softcap_causal", "scoremod-plain", "vs unsplit score_mod", "fwdbwd", 2.0, True)
     check("causal", "jax-cudnn", "vs native mask", "fwd", 0.98, True)
     check("causal", "jax-cudnn", "vs native mask", "fwdbwd", 0.5, False)
     check("softcap", "xla", "scoremod runs (XLA: oom)", "fwdbwd", None, True, seq=32768)
@@ -214,3 +214,14 @@ def test_from_merges_runs_later_file_wins(tmp_path, capsys):
     assert "| FFI / direct | <= 1.03 | 1 | 0 | 1.000: s4096 d128 softcap fwd |" in text
     assert "FFI / direct (<= 1.03): fwd 1.000 pass |" in text
     assert "target s4096 d128 softcap fwd: FFI / direct: 1.000 (needs <= 1.03) pass" in capsys.readouterr().out
+
+
+def test_plain_lowering_switches_the_three_lowerings_off_and_restores_them():
+    from scoremod.lowering import cudnn_path
+
+    before = (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE)
+    with bench.plain_lowering(True):
+        assert (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE) == (False, 0, False)
+    assert (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE) == before
+    with bench.plain_lowering(False):
+        assert (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE) == before

@@ -346,3 +346,26 @@ def test_scale_folding_matches_reference(name, dtype, monkeypatch):
     assert static.problem.scale != 0.125  # folded
     check(mod, dtype=dtype)
     check(mod, dtype=dtype, scale=0.3)
+
+
+# --- the same mods with the three lowerings above switched off ---------------------
+
+OFF = {**{f"native_{n}": (f, dict(sq=192, skv=256)) for n, f in NATIVE.items()},
+       **{f"split_{n}": (f, dict(sq=512, skv=512)) for n, f in SPLIT.items()},
+       **{f"fold_{n}": (f, {}) for n, f in FOLD.items()}}
+
+
+@pytest.mark.parametrize("name", sorted(OFF))
+def test_native_split_and_folding_switched_off_match_reference(name, monkeypatch):
+    """The plain score_mod lowering (SCOREMOD_NATIVE_MASKS=0, SPLIT_BLOCKS=0,
+    FOLD_SCALE=0) stays correct: it is the escape hatch and the benchmarks' baseline."""
+    monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", False)
+    monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 0)
+    monkeypatch.setattr(cudnn_path, "FOLD_SCALE", False)
+    fn, sizes = OFF[name]
+    mod = scoremod.trace(fn)
+    sq, skv = sizes.get("sq", 128), sizes.get("skv", 192)
+    static = cudnn_path.Static(mod, (2, sq, skv, 4, 2, 64, 64), "bfloat16", 0.125, False)
+    assert static.band is None and static.problem.scale == 0.125
+    assert cudnn_path._split_blocks(mod, sq, skv) is None
+    check(mod, **sizes)
