@@ -204,8 +204,9 @@ def _lift_data_masks(root: Node) -> Node:
     data = _depends_on_loads(root)
     zero, one, ninf = const(0.0, F32), const(1.0, F32), const(float("-inf"), F32)
     done = {}
-    for node in ir.toposort(root):
-        if node.op in ("var", "const", "operand", "load"):
+    # Materialized values are already lifted: canonical form is a fixed point.
+    for node in ir.toposort(root, stop=lambda n: n.op == "materialize"):
+        if node.op in ("var", "const", "operand", "load", "materialize"):
             done[node] = node
             continue
         args = tuple(done[a] for a in node.args)
@@ -272,9 +273,9 @@ def fold_scale(expr: Node) -> tuple[Node, float]:
             if SCORE in n.args]
     factors = set()
     for n in uses:
+        if len(n.args) != 2 or n.args[0] is not SCORE or n.args[1].op != "const":
+            return expr, 1.0  # the score used otherwise (abs(score), score * score, ...)
         other = n.args[1]
-        if n.args[0] is not SCORE or other is SCORE or other.op != "const":
-            return expr, 1.0
         if n.op == "mul":
             factors.add(float(other.attr))
         elif n.op == "div" and other.attr != 0:
