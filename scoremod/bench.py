@@ -446,7 +446,8 @@ def run(cfg, save=lambda records, not_run: None):
             _free_memory()
             shape = Shape(cfg.batch, cfg.heads, seq, d, cfg.dtype, cfg.window, long)
         for direction in cfg.directions:
-            rec = dict(shape.record(), mod=name, impl=impl, direction=direction, variant="")
+            rec = dict(shape.record(), mod=name, impl=impl, direction=direction, variant="",
+                       lowered=lowered(name, {} if impl == "scoremod-plain" else switches()))
             builds, build_s = cache_counts()
             try:
                 call, clock, rec["variant"] = make_call(impl, name, shape, direction)
@@ -620,6 +621,8 @@ def markdown(records, metas, image=None):
                 if f is None and fb is None:
                     continue
                 variant = (f or fb).get("variant")
+                how = (f or fb).get("lowered", "as written") if impl in ("scoremod", "direct") else ""
+                variant = variant or ("" if how == "as written" else how)
                 label = IMPLS[impl] + (f" ({variant})" if variant else "")
                 first = " / ".join(f"{r['first_call_s']:.2f}" if r and "first_call_s" in r else "-"
                                    for r in (f, fb))
@@ -721,23 +724,57 @@ def metadata(argv, cfg):
         except Exception:  # the backend library may not load on this machine
             pass
     m["graph_cache"] = cache_info()
-    from scoremod.lowering import cudnn_path
-
-    m["native_masks"] = cudnn_path.NATIVE_MASKS  # SCOREMOD_NATIVE_MASKS
-    m["split_blocks"] = cudnn_path.SPLIT_BLOCKS  # SCOREMOD_SPLIT_BLOCKS
-    m["fold_scale"] = cudnn_path.FOLD_SCALE  # SCOREMOD_FOLD_SCALE
+    m.update(switches())
     return m
 
 
+def switches():
+    """The lowering switches of this process (the SCOREMOD_* environment variables)."""
+    from scoremod.lowering import cudnn_path
+
+    return {"native_masks": cudnn_path.NATIVE_MASKS, "split_blocks": cudnn_path.SPLIT_BLOCKS,
+            "fold_scale": cudnn_path.FOLD_SCALE}
+
+
 def load(paths):
-    """Merge saved runs: metadata listed, results keyed by case (a later file wins)."""
+    """Merge saved runs: metadata listed, results keyed by case (a later file wins).
+
+    A result of the ``direct`` run is kept only if scoremod's result for the
+    same case ran the same lowering (``lowered``): else they ran different graphs."""
     metas, merged = [], {}
     for p in paths:
         data = json.loads(Path(p).read_text())
         metas += data["meta"]
         for r in data["results"]:
-            merged[(r["seq"], r["head_dim"], r["mod"], r["impl"], r["direction"])] = r
-    return list(merged.values()), metas
+            meta = {} if r["impl"] == "scoremod-plain" else data["meta"][-1]
+            merged[(r["seq"], r["head_dim"], r["mod"], r["impl"], r["direction"])] = \
+                dict(r, lowered=r.get("lowered") or lowered(r["mod"], meta))
+    records = list(merged.values())
+    mine = {(r["seq"], r["head_dim"], r["mod"], r["direction"]): r["lowered"]
+            for r in records if r["impl"] == "scoremod"}
+    kept = []
+    for r in records:
+        theirs = mine.get((r["seq"], r["head_dim"], r["mod"], r["direction"]))
+        if r["impl"] != "direct" or theirs in (None, r["lowered"]):
+            kept.append(r)
+        else:
+            print(f"dropped: s{r['seq']} d{r['head_dim']} {r['mod']} direct {r['direction']} "
+                  f"(ran {r['lowered']}; scoremod ran {theirs})")
+    return kept, metas
+
+
+# Which of the benchmark's mods each lowering switch changes (run metadata key, test).
+SWITCHES = {
+    "native mask": ("native_masks", lambda v: bool(v), ("causal", "window")),
+    "query blocks": ("split_blocks", lambda v: (v or 0) > 1, ("softcap_causal", "document")),
+    "scale folded": ("fold_scale", lambda v: bool(v), ("softcap", "softcap_causal")),
+}
+
+
+def lowered(mod, meta):
+    """How a run with these switches (its metadata) lowered the benchmark's ``mod``."""
+    on = [name for name, (key, test, mods) in SWITCHES.items() if mod in mods and test(meta.get(key))]
+    return ", ".join(on) or "as written"
 
 
 # --- command line -----------------------------------------------------------

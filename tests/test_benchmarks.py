@@ -225,3 +225,19 @@ def test_plain_lowering_switches_the_three_lowerings_off_and_restores_them():
     assert (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE) == before
     with bench.plain_lowering(False):
         assert (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE) == before
+
+
+def test_from_keeps_direct_results_only_beside_the_same_lowering(tmp_path, capsys):
+    plain, folded = tmp_path / "plain.json", tmp_path / "folded.json"
+    plain.write_text(json.dumps({"meta": [{"date": "d1"}], "results": [
+        _rec(4096, "softcap", "scoremod", "fwd", 2.0), _rec(4096, "softcap", "direct", "fwd", 2.0),
+        _rec(4096, "identity", "scoremod", "fwd", 1.0), _rec(4096, "identity", "direct", "fwd", 1.0)]}))
+    folded.write_text(json.dumps({"meta": [{"date": "d2", "fold_scale": True, "split_blocks": 4}], "results": [
+        _rec(4096, "softcap", "scoremod", "fwd", 1.5), _rec(4096, "softcap", "scoremod-plain", "fwd", 2.0),
+        _rec(4096, "identity", "scoremod", "fwd", 1.0)]}))
+    records, _ = bench.load([str(plain), str(folded)])
+    got = {(r["mod"], r["impl"]): r["lowered"] for r in records}
+    assert got == {("softcap", "scoremod"): "scale folded", ("softcap", "scoremod-plain"): "as written",
+                   ("identity", "scoremod"): "as written", ("identity", "direct"): "as written"}
+    assert "dropped: s4096 d128 softcap direct fwd (ran as written; scoremod ran scale folded)" in capsys.readouterr().out
+    assert "| softcap | scoremod fused (scale folded) |" in bench.markdown(records, [{"date": "d2"}])

@@ -6,7 +6,8 @@
 #   OUT=$OUT bash tests/gpu/run_chunks.sh            # all chunks, in order
 #   OUT=$OUT bash tests/gpu/run_chunks.sh new rest   # some of them
 #
-# Chunks: new (the lowerings still opt-in, and the growing-score cases),
+# Chunks: new (native masks, query-block split, scale folding, each on and
+# switched off, and the growing-score cases),
 # rest (everything else but the per-op cases), ops (every op, bf16 and fp16).
 # With pytest-xdist importable, N workers (default 4) share the one GPU.
 set -u

@@ -312,7 +312,9 @@ def test_scores_growing_into_the_padding_of_the_last_tile(name, dtype, sq, skv):
 
 # --- band-masked mods split into query blocks ----------------------------------
 
+DOC_IDS = jnp.asarray(np.sort(np.random.default_rng(1).integers(0, 4, (2, 512)), axis=1), jnp.int32)
 SPLIT = {
+    "document": lambda s, b, h, q, k: jnp.where((DOC_IDS[b, q] == DOC_IDS[b, k]) & (q >= k), s, -jnp.inf),
     "softcap_causal": lambda s, b, h, q, k: jnp.where(q >= k, 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
     "alibi_causal": lambda s, b, h, q, k: jnp.where(q >= k, s + SLOPES[h] * (k - q), -jnp.inf),
     "softcap_window": lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 200), 20.0 * jnp.tanh(s / 20.0), -jnp.inf),
