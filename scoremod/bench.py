@@ -270,17 +270,19 @@ def make_call(impl, name, shape, direction):
     return (lambda: f(*args)), wall_clock, variant
 
 
+LOWERING_SWITCHES = ("NATIVE_MASKS", "SPLIT_BLOCKS", "FOLD_SCALE")  # in lowering/cudnn_path.py
+
+
 @contextlib.contextmanager
 def plain_lowering(on):
     """Switch off native masks, query-block splitting and scale folding (the
     SCOREMOD_* variables) while ``on``: the mod lowered as one score_mod call."""
     from scoremod.lowering import cudnn_path
 
-    names = ("NATIVE_MASKS", "SPLIT_BLOCKS", "FOLD_SCALE")
-    saved = {n: getattr(cudnn_path, n) for n in names}
+    saved = {n: getattr(cudnn_path, n) for n in LOWERING_SWITCHES}
     if on:
-        for n in names:
-            setattr(cudnn_path, n, type(saved[n])(0))
+        for n, value in saved.items():
+            setattr(cudnn_path, n, type(value)(0))
     try:
         yield
     finally:
@@ -732,8 +734,7 @@ def switches():
     """The lowering switches of this process (the SCOREMOD_* environment variables)."""
     from scoremod.lowering import cudnn_path
 
-    return {"native_masks": cudnn_path.NATIVE_MASKS, "split_blocks": cudnn_path.SPLIT_BLOCKS,
-            "fold_scale": cudnn_path.FOLD_SCALE}
+    return {n.lower(): getattr(cudnn_path, n) for n in LOWERING_SWITCHES}
 
 
 def load(paths):

@@ -6,6 +6,10 @@ find what cuDNN computes. Run here with the lowerings' defaults, so a default
 switched on is planned for every mod the GPU suite runs.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -54,3 +58,20 @@ def test_scale_folding_keeps_the_value_of_every_op_mod(name):
 def _eval(expr, score, operands):
     inputs = {"score": score, "b": 0, "h": 1, "q_idx": 5, "kv_idx": 3}
     return float(reference.evaluate(expr, inputs, operands))
+
+
+SHOW = "from scoremod.lowering import cudnn_path as c; print(c.NATIVE_MASKS, c.SPLIT_BLOCKS, c.FOLD_SCALE)"
+
+
+@pytest.mark.parametrize("env, out", [
+    ({}, "True 4 True"),
+    ({"SCOREMOD_NATIVE_MASKS": "0", "SCOREMOD_SPLIT_BLOCKS": "0", "SCOREMOD_FOLD_SCALE": "0"}, "False 0 False"),
+    ({"SCOREMOD_SPLIT_BLOCKS": "8"}, "True 8 True"),
+    ({"SCOREMOD_NATIVE_MASKS": "yes"}, "SCOREMOD_NATIVE_MASKS='yes': expected 0 (off) or 1 (on)"),
+    ({"SCOREMOD_SPLIT_BLOCKS": "-1"}, "SCOREMOD_SPLIT_BLOCKS='-1': expected a number of query blocks"),
+])
+def test_lowering_switches_from_the_environment(env, out):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SCOREMOD_")}
+    run = subprocess.run([sys.executable, "-c", SHOW], env={**clean, **env, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=120)
+    assert out in run.stdout + run.stderr

@@ -89,19 +89,32 @@ def usable(query, key, value, mod) -> bool:
 # Three lowerings that make common mods faster, each on by default and each
 # switched off by an environment variable read at import (for comparison and
 # as an escape hatch); all three passed their GPU tests (docs/validation.md).
-#
+
+
+def _switch(name, default, kind):
+    text = os.environ.get(name, default)
+    try:
+        value = int(text)
+        if value < 0 or (kind is bool and value > 1):
+            raise ValueError
+    except ValueError:
+        wanted = "0 (off) or 1 (on)" if kind is bool else "a number of query blocks (0: off)"
+        raise ValueError(f"environment variable {name}={text!r}: expected {wanted}") from None
+    return kind(value)
+
+
 # Pure band masks (causal, sliding window) run on cuDNN's native mask, which
 # skips masked tiles (SCOREMOD_NATIVE_MASKS=0 keeps them as score_mod masks).
-NATIVE_MASKS = os.environ.get("SCOREMOD_NATIVE_MASKS", "1") == "1"
+NATIVE_MASKS = _switch("SCOREMOD_NATIVE_MASKS", "1", bool)
 
 # A constant factor of the score on every use (softcap's `score / 30`) joins
 # cuDNN's attn_scale, where it costs nothing (``cudnn_rules.fold_scale``).
-FOLD_SCALE = os.environ.get("SCOREMOD_FOLD_SCALE", "1") == "1"
+FOLD_SCALE = _switch("SCOREMOD_FOLD_SCALE", "1", bool)
 
 # Band-masked mods with a modifier (softcap + causal) split into this many
 # query blocks, each a fused call on the keys it can see (``split``); 0 or 1:
 # one call.
-SPLIT_BLOCKS = int(os.environ.get("SCOREMOD_SPLIT_BLOCKS", "4"))
+SPLIT_BLOCKS = _switch("SCOREMOD_SPLIT_BLOCKS", "4", int)
 
 # Key tiles past the end of the sequence: cuDNN's backward pass evaluates
 # score_mod on padding keys (kv_idx >= Skv) of the last tile and, in float16,
