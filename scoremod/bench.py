@@ -292,46 +292,54 @@ def plain_lowering(on):
 
 def make_direct(name, shape, direction):
     """The graphs scoremod runs for this mod and shape, executed by the frontend's Python API
-    (with query-block splitting on: each block's graphs in turn, on contiguous slices)."""
+    (with query-block splitting on: each block's graphs in turn, on its rows of the full
+    arrays as scoremod runs them; the sum of the blocks' dK, dV is not included)."""
     import torch
 
-    from scoremod.lowering import cudnn_path, split
+    from scoremod.lowering import cudnn_graph as cg
+    from scoremod.lowering import cudnn_path
 
     b, s, h, d = shape.b, shape.s, shape.h, shape.d
     mod = shape.mod(name)
-    blocks = cudnn_path._split_blocks(mod, s, s) or (split.Block(0, s, 0, s),)
+    blocks = cudnn_path._split_blocks(mod, s, s)
+    scale = 1.0 / math.sqrt(d)
     q, k, v, do = shape.torch_inputs()
-    fwds, bwds = [], []
-    for blk in blocks:
-        m = split.shifted(mod, blk.q0, blk.k0)
-        static = cudnn_path.Static(m, (b, blk.q1 - blk.q0, blk.k1 - blk.k0, h, h, d, d),
-                                   shape.dtype, 1.0 / math.sqrt(d), allow_fallback=False)
-        qb, dob = (x[:, blk.q0:blk.q1].contiguous() for x in (q, do))
-        kb, vb = (x[:, blk.k0:blk.k1].contiguous() for x in (k, v))
-        fwd, bwd = _direct_runners(static, qb, kb, vb, dob, direction)
-        fwds.append(fwd)
-        bwds.append(bwd)
+    shared = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
+              cg.UID_STATS: torch.empty(b, h, s, 1, dtype=torch.float32, device="cuda"),
+              cg.UID_DQ: torch.empty_like(q)}
+    if blocks is None:
+        static = cudnn_path.Static(mod, (b, s, s, h, h, d, d), shape.dtype, scale,
+                                   allow_fallback=False)
+        parts = [(static, {}, {**shared, cg.UID_DK: torch.empty_like(k),
+                               cg.UID_DV: torch.empty_like(v)})]
+    else:
+        sp = cudnn_path.Split(mod, (b, s, s, h, h, d, d), shape.dtype, scale, False, blocks)
+        parts = []
+        for blk, part in zip(sp.blocks, sp.parts):
+            oq, ok, ov, oo, os_ = sp.offsets(blk)
+            offsets = {cg.UID_Q: oq, cg.UID_DQ: oq, cg.UID_K: ok, cg.UID_V: ov, cg.UID_O: oo,
+                       cg.UID_DO: oo, cg.UID_STATS: os_}
+            rows = (b, blk.k1 - blk.k0, h, d)
+            parts.append((part, offsets, {**shared, cg.UID_DK: k.new_empty(rows),
+                                          cg.UID_DV: v.new_empty(rows)}))
+    fwds, bwds = zip(*(_direct_runners(st, bufs, offsets, direction)
+                       for st, offsets, bufs in parts))
     if direction == "fwd":
         return (lambda: [f() for f in fwds]), ""
     return (lambda: [(f(), g()) for f, g in zip(fwds, bwds)]), ""
 
 
-def _direct_runners(static, q, k, v, do, direction):
+def _direct_runners(static, bufs, offsets, direction):
     import cudnn
     import torch
 
     from scoremod.dsl.ir import F32
-    from scoremod.lowering import cudnn_graph as cg
-
-    bsz, sq, h, _ = q.shape
-    bufs = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
-            cg.UID_STATS: torch.empty(bsz, h, sq, 1, dtype=torch.float32, device="cuda"),
-            cg.UID_DQ: torch.empty_like(q), cg.UID_DK: torch.empty_like(k), cg.UID_DV: torch.empty_like(v)}
 
     def runner(built, consts, loads):
         g = cudnn.pygraph()
         g.deserialize(built.blob)
-        pack = {uid: bufs[uid].data_ptr() for uid in built.in_uids + built.out_uids if uid in bufs}
+        pack = {uid: bufs[uid].data_ptr() + offsets.get(uid, 0)
+                for uid in built.in_uids + built.out_uids if uid in bufs}
         keep = []
         for plan in loads:  # captured arrays and materialized masks: ones (values do not matter)
             dims, strides = plan.spec.dims, plan.spec.strides

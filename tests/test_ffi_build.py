@@ -166,6 +166,16 @@ def test_call_rejects_bad_arguments(ffi):
         kernels_ffi.call(b"", 1, [x], s, [1], [3])
     with pytest.raises(CudnnUnavailableError, match="mismatch"):
         kernels_ffi.call(b"\x01", 1, [x], s, [1], [3], frontend_version=10000)
+    with pytest.raises(ValueError, match="offsets"):
+        kernels_ffi.call(b"\x01", 1, [x], s, [1], [3], offsets=[0])
+    with pytest.raises(ValueError, match="offsets must be >= 0"):
+        kernels_ffi.call(b"\x01", 1, [x], s, [1], [3], offsets=[0, -2])
+    with pytest.raises(ValueError, match="in_uid -1"):
+        kernels_ffi.call(b"\x01", 1, [x], s, [1], [3], carry={0: 0})
+    with pytest.raises(ValueError, match="needs a carry entry"):
+        kernels_ffi.call(b"\x01", 1, [x, x], s, [1, -1], [3])
+    with pytest.raises(ValueError, match="cannot become"):
+        kernels_ffi.call(b"\x01", 1, [x, x.astype(jnp.float32)], s, [1, -1], [3], carry={1: 0})
 
 
 def test_scalar_bit_helpers():
@@ -287,7 +297,7 @@ def _sdpa_graph(cap):
     return bytes(g.serialize(as_bytes=True)), int(g.get_workspace_size())
 
 
-def _run(blob, ws, cap, q, k, v, **overrides):
+def _run(blob, ws, cap, *inputs, **overrides):
     b, s, h, d = SHAPE
     args = dict(graph_bytes=blob, graph_id=None,
                 out_shapes=[jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16),
@@ -297,7 +307,7 @@ def _run(blob, ws, cap, q, k, v, **overrides):
                 scalar_bits=[] if cap is None else [kernels_ffi.float32_bits(cap)],
                 workspace_size=ws)
     args.update(overrides)
-    return jax.jit(lambda *xs: kernels_ffi.call(inputs=list(xs), **args))(q, k, v)
+    return jax.jit(lambda *xs: kernels_ffi.call(inputs=list(xs), **args))(*inputs)
 
 
 def _qkv(device=None):
@@ -342,6 +352,30 @@ def test_handler_errors_are_reported_and_harmless(ffi):
         jax.block_until_ready(_run(b"\xff" * 4096, ws, 30.0, q, k, v))
     again, _ = _run(blob, ws, 30.0, q, k, v)
     assert bool(jnp.array_equal(again, want))
+
+
+@pytest.mark.gpu
+def test_handler_reads_and_writes_at_byte_offsets_in_place(ffi):
+    # The graph's tensors start one batch element into larger arrays; O and the
+    # stats are carried in, so the bytes the graph does not write keep their values.
+    blob, ws = _sdpa_graph(30.0)
+    q, k, v = _qkv()
+    want_o, want_stats = _run(blob, ws, 30.0, q, k, v)
+    b, s, h, d = SHAPE
+    big = [jnp.concatenate([jnp.full((1, s, h, d), 7, jnp.bfloat16), x]) for x in (q, k, v)]
+    o0 = jnp.full((b + 1, s, h, d), -1, jnp.bfloat16)
+    stats0 = jnp.full((b + 1, h, s, 1), -1, jnp.float32)
+    row = s * h * d * 2
+    args = dict(in_uids=[1, 2, 3, -1, -1], carry={3: 0, 4: 1},
+                out_shapes=[jax.ShapeDtypeStruct(o0.shape, o0.dtype),
+                            jax.ShapeDtypeStruct(stats0.shape, stats0.dtype)])
+    o, stats = _run(blob, ws, 30.0, *big, o0, stats0, offsets=[row] * 3 + [0, 0, row, h * s * 4],
+                    **args)
+    assert bool(jnp.array_equal(o[1:], want_o)) and bool(jnp.all(o[0] == -1))
+    assert bool(jnp.array_equal(stats[1:], want_stats)) and bool(jnp.all(stats[0] == -1))
+    with pytest.raises(Exception, match="bytes after its offset"):
+        jax.block_until_ready(_run(blob, ws, 30.0, *big, o0, stats0,
+                                   offsets=[2 * row] * 3 + [0, 0, row, h * s * 4], **args))
 
 
 @pytest.mark.gpu

@@ -398,6 +398,8 @@ def call(
     *,
     frontend_version: int | None = None,
     vmap_method: str | None = None,
+    offsets: Sequence[int] = (),
+    carry: dict[int, int] | None = None,
 ) -> list[Any]:
     """Runs a serialized cuDNN graph on ``inputs`` through XLA FFI; returns its outputs.
 
@@ -438,6 +440,14 @@ def call(
       vmap_method: passed to ``jax.ffi.ffi_call``. The default (None) makes
         ``jax.vmap`` of the call an error, since a cuDNN graph has fixed shapes;
         "sequential" runs it once per batch element.
+      offsets: empty, or a byte offset per ``in_uids`` entry then per
+        ``out_uids`` entry: the graph tensor starts that far into its buffer
+        (with the graph's strides, a block of rows of a larger array is read
+        or written in place, no slice copied).
+      carry: ``{input index: output index}``. Each such input has the in_uid
+        -1: the graph does not read it; XLA hands its buffer over as that
+        output (``input_output_aliases``), so bytes the graph does not write
+        keep their values. This is how calls fill blocks of one array in turn.
 
     Every UID the graph expects from the caller must appear exactly once across
     ``in_uids``/``out_uids``/``scalar_uids``, and no other UID may: the handler
@@ -476,7 +486,23 @@ def call(
         raise ValueError(f"{len(out_shapes)} out_shapes but {outs.size} out_uids")
     if bits.size != suids.size:
         raise ValueError(f"{suids.size} scalar_uids but {bits.size} scalar_bits")
-    all_uids = np.concatenate([ins, outs, suids])
+    carry = dict(carry or {})
+    for i, o in carry.items():
+        if not (0 <= i < ins.size and 0 <= o < outs.size) or ins[i] != -1:
+            raise ValueError(f"carry {{{i}: {o}}}: input {i} must exist and have the in_uid -1, "
+                             f"output {o} must exist")
+        a, want = inputs[i], out_shapes[o]
+        if tuple(a.shape) != tuple(want.shape) or np.dtype(a.dtype) != np.dtype(want.dtype):
+            raise ValueError(f"carry {{{i}: {o}}}: input {a.shape} {a.dtype} cannot become "
+                             f"output {want.shape} {want.dtype}")
+    if np.any(ins == -1) and set(np.flatnonzero(ins == -1).tolist()) != set(carry):
+        raise ValueError("an in_uid of -1 marks a carried input; every one needs a carry entry")
+    offs = _uids(offsets)
+    if offs.size not in (0, ins.size + outs.size):
+        raise ValueError(f"{offs.size} offsets but {ins.size} in_uids + {outs.size} out_uids")
+    if np.any(offs < 0):
+        raise ValueError(f"offsets must be >= 0, got {offs.tolist()}")
+    all_uids = np.concatenate([ins[ins != -1], outs, suids])
     if np.unique(all_uids).size != all_uids.size:
         raise ValueError(f"duplicate UIDs in in_uids/out_uids/scalar_uids: {all_uids.tolist()}")
     workspace_size = int(workspace_size)
@@ -498,7 +524,8 @@ def call(
 
     result_types = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_shapes]
     result_types.append(jax.ShapeDtypeStruct((max(workspace_size, 1),), jnp.uint8))
-    fn = jax.ffi.ffi_call(TARGET_NAME, result_types, vmap_method=vmap_method)
+    fn = jax.ffi.ffi_call(TARGET_NAME, result_types, vmap_method=vmap_method,
+                          input_output_aliases=carry or None)
     results = fn(
         *inputs,
         graph=blob,
@@ -508,5 +535,6 @@ def call(
         out_uids=outs,
         scalar_uids=suids,
         scalar_bits=bits,
+        offsets=offs,
     )
     return list(results[:-1])

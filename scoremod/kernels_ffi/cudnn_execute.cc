@@ -16,9 +16,15 @@
 //   frontend_version i64  version of the Python cudnn frontend that built the
 //                   graph, major*10000+minor*100+patch; must equal the
 //                   CUDNN_FRONTEND_VERSION of the headers compiled in here
-//   in_uids, out_uids, scalar_uids  i64[]  (may be empty)
+//   in_uids, out_uids, scalar_uids  i64[]  (may be empty); an in_uid of -1
+//                   marks a carried operand: not read by the graph, present
+//                   only so that XLA aliases its buffer with a result
+//                   (input_output_aliases), whose untouched bytes it keeps
 //   scalar_bits     i32[] raw 4-byte patterns (float32 or int32) of the
 //                   pass-by-value scalars, parallel to scalar_uids
+//   offsets         i64[] empty, or a byte offset per in_uid then per
+//                   out_uid: where in its buffer the graph tensor starts
+//                   (a block of rows inside a larger array)
 //
 // Every failure is returned to XLA as an ffi::Error with a message naming
 // what went wrong; nothing here aborts the process or silently does nothing.
@@ -367,7 +373,8 @@ std::string ListUids(const std::unordered_map<int64_t, TensorSpec>& tensors,
 // Validates one XLA buffer against the graph's tensor `uid` and adds it to the
 // variant pack.
 ffi::Error AddBuffer(const GraphEntry& entry, const char* kind, size_t index, int64_t uid,
-                     ffi::AnyBuffer buffer, std::unordered_map<int64_t, void*>* pack) {
+                     ffi::AnyBuffer buffer, int64_t offset,
+                     std::unordered_map<int64_t, void*>* pack) {
   const std::string where = std::string(kind) + " " + std::to_string(index) + " (uid " +
                             std::to_string(uid) + ")";
   auto it = entry.tensors.find(uid);
@@ -391,13 +398,21 @@ ffi::Error AddBuffer(const GraphEntry& entry, const char* kind, size_t index, in
                          " but graph tensor '" + spec.name + "' is " +
                          FfiTypeName(spec.dtype.ffi_type));
   }
-  if (spec.required_bytes >= 0 && static_cast<int64_t>(buffer.size_bytes()) < spec.required_bytes) {
+  const int64_t size = static_cast<int64_t>(buffer.size_bytes());
+  if (offset < 0 || offset > size) {
     return MakeError(ffi::ErrorCode::kInvalidArgument,
-                     where + " has " + std::to_string(buffer.size_bytes()) +
-                         " bytes but graph tensor '" + spec.name + "' spans " +
+                     where + ": byte offset " + std::to_string(offset) +
+                         " is outside its buffer of " + std::to_string(size) + " bytes");
+  }
+  if (spec.required_bytes >= 0 && size - offset < spec.required_bytes) {
+    return MakeError(ffi::ErrorCode::kInvalidArgument,
+                     where + " has " + std::to_string(size - offset) +
+                         " bytes after its offset of " + std::to_string(offset) +
+                         " but graph tensor '" + spec.name + "' spans " +
                          std::to_string(spec.required_bytes) + " bytes (dims/strides)");
   }
-  if (!pack->emplace(uid, buffer.untyped_data()).second) {
+  void* data = static_cast<char*>(buffer.untyped_data()) + offset;
+  if (!pack->emplace(uid, data).second) {
     return MakeError(ffi::ErrorCode::kInvalidArgument, where + ": uid given more than once");
   }
   return ffi::Error::Success();
@@ -407,7 +422,7 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs a
                        ffi::RemainingRets rets, ffi::Span<const uint8_t> blob, int64_t graph_id,
                        int64_t frontend_version, ffi::Span<const int64_t> in_uids,
                        ffi::Span<const int64_t> out_uids, ffi::Span<const int64_t> scalar_uids,
-                       ffi::Span<const int32_t> scalar_bits) {
+                       ffi::Span<const int32_t> scalar_bits, ffi::Span<const int64_t> offsets) {
   // ---- cheap checks of the call itself ------------------------------------
   if (frontend_version != CUDNN_FRONTEND_VERSION) {
     return MakeError(
@@ -439,6 +454,13 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs a
                      "got " + std::to_string(scalar_uids.size()) + " scalar_uids but " +
                          std::to_string(scalar_bits.size()) + " scalar_bits");
   }
+  if (offsets.size() != 0 && offsets.size() != in_uids.size() + out_uids.size()) {
+    return MakeError(ffi::ErrorCode::kInvalidArgument,
+                     "got " + std::to_string(offsets.size()) + " offsets but " +
+                         std::to_string(in_uids.size() + out_uids.size()) +
+                         " in_uids + out_uids (or none)");
+  }
+  auto offset_of = [&](size_t i) { return offsets.size() == 0 ? int64_t{0} : offsets[i]; };
 
   // ---- libraries, device, handle -------------------------------------------
   const std::string load_error =
@@ -467,12 +489,14 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs a
   std::unordered_map<int64_t, void*> pack;
   pack.reserve(in_uids.size() + out_uids.size() + scalar_uids.size());
   for (size_t i = 0; i < in_uids.size(); ++i) {
+    if (in_uids[i] == -1) continue;  // carried for aliasing only
     auto buffer = args.get<ffi::AnyBuffer>(i);
     if (buffer.has_error()) {
       return MakeError(ffi::ErrorCode::kInvalidArgument,
                        "operand " + std::to_string(i) + ": " + buffer.error().message());
     }
-    if (auto err = AddBuffer(*entry, "operand", i, in_uids[i], *buffer, &pack); err.failure()) {
+    if (auto err = AddBuffer(*entry, "operand", i, in_uids[i], *buffer, offset_of(i),
+                             &pack); err.failure()) {
       return err;
     }
   }
@@ -482,7 +506,8 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs a
       return MakeError(ffi::ErrorCode::kInvalidArgument,
                        "result " + std::to_string(i) + ": " + buffer.error().message());
     }
-    if (auto err = AddBuffer(*entry, "result", i, out_uids[i], **buffer, &pack); err.failure()) {
+    if (auto err = AddBuffer(*entry, "result", i, out_uids[i], **buffer,
+                             offset_of(in_uids.size() + i), &pack); err.failure()) {
       return err;
     }
   }
@@ -550,12 +575,12 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                    ffi::RemainingRets rets, ffi::Span<const uint8_t> blob, int64_t graph_id,
                    int64_t frontend_version, ffi::Span<const int64_t> in_uids,
                    ffi::Span<const int64_t> out_uids, ffi::Span<const int64_t> scalar_uids,
-                   ffi::Span<const int32_t> scalar_bits) {
+                   ffi::Span<const int32_t> scalar_bits, ffi::Span<const int64_t> offsets) {
   // The frontend reports some failures by throwing (e.g. std::runtime_error
   // when a CUDA/cuDNN symbol cannot be resolved); none may cross into XLA.
   try {
     return ExecuteImpl(stream, device, args, rets, blob, graph_id, frontend_version, in_uids,
-                       out_uids, scalar_uids, scalar_bits);
+                       out_uids, scalar_uids, scalar_bits, offsets);
   } catch (const std::exception& e) {
     return MakeError(ffi::ErrorCode::kInternal, std::string("C++ exception: ") + e.what());
   } catch (...) {
@@ -583,7 +608,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScoremodCudnnExecute, scoremod_ffi::Execute,
                                   .Attr<ffi::Span<const int64_t>>("in_uids")
                                   .Attr<ffi::Span<const int64_t>>("out_uids")
                                   .Attr<ffi::Span<const int64_t>>("scalar_uids")
-                                  .Attr<ffi::Span<const int32_t>>("scalar_bits"));
+                                  .Attr<ffi::Span<const int32_t>>("scalar_bits")
+                                  .Attr<ffi::Span<const int64_t>>("offsets"));
 
 // CUDNN_FRONTEND_VERSION of the headers compiled in (major*10000+minor*100+patch).
 SCOREMOD_FFI_EXPORT int64_t scoremod_ffi_compiled_frontend_version(void) {

@@ -81,9 +81,10 @@ def _ir_dtype(t):
     return {F32: cudnn.data_type.FLOAT, I32: cudnn.data_type.INT32, BOOL: cudnn.data_type.BOOLEAN}[t]
 
 
-def bshd(b, s, h, d):
-    """cuDNN dims and strides of a [b, s, h, d] array, in (b, h, s, d) order."""
-    return (b, h, s, d), (s * h * d, d, h * d, 1)
+def bshd(b, s, h, d, rows=None):
+    """cuDNN dims and strides of a [b, s, h, d] array, in (b, h, s, d) order;
+    with ``rows``, of ``s`` rows inside a [b, rows, h, d] array."""
+    return (b, h, s, d), ((rows or s) * h * d, d, h * d, 1)
 
 
 # --- the lowering table: one emitter per op ---------------------------------
@@ -203,6 +204,14 @@ class Problem:
     scale: float
     loads: tuple  # TensorSpec per load, in order
     band: object = None  # masks.Band: cuDNN's native diagonal-band mask, or None
+    # Rows of the arrays holding q (o, dO, dQ, stats) and k, v: a query block
+    # reads and writes its rows in place (None: the arrays are exactly sq, skv).
+    q_rows: int | None = None
+    kv_rows: int | None = None
+
+    def stats_layout(self):
+        rows = self.q_rows or self.sq
+        return (self.b, self.hq, self.sq, 1), (self.hq * rows, rows, 1, 1)
 
 
 def _scalar_bits(node: Node) -> int:
@@ -228,9 +237,9 @@ def _io_tensor(g, name, uid, dims, strides, dtype):
 
 
 def _common_inputs(g, p: Problem, consts, load_nodes):
-    q = _io_tensor(g, "q", UID_Q, *bshd(p.b, p.sq, p.hq, p.d), p.dtype)
-    k = _io_tensor(g, "k", UID_K, *bshd(p.b, p.skv, p.hkv, p.d), p.dtype)
-    v = _io_tensor(g, "v", UID_V, *bshd(p.b, p.skv, p.hkv, p.dv), p.dtype)
+    q = _io_tensor(g, "q", UID_Q, *bshd(p.b, p.sq, p.hq, p.d, p.q_rows), p.dtype)
+    k = _io_tensor(g, "k", UID_K, *bshd(p.b, p.skv, p.hkv, p.d, p.kv_rows), p.dtype)
+    v = _io_tensor(g, "v", UID_V, *bshd(p.b, p.skv, p.hkv, p.dv, p.kv_rows), p.dtype)
     scalars = {}
     for i, c in enumerate(consts):
         t = g.tensor(name=f"c{i}", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
@@ -298,11 +307,12 @@ def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
 
     o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, generate_stats=True,
                       score_mod=score_mod if fwd is not None else None, **_mask_args(p))
-    dims, strides = bshd(p.b, p.sq, p.hq, p.dv)
+    dims, strides = bshd(p.b, p.sq, p.hq, p.dv, p.q_rows)
     o.set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(_dtype(p.dtype))
     o.set_uid(UID_O)
     stats.set_output(True).set_data_type(_dtype("float32"))
-    stats.set_dim([p.b, p.hq, p.sq, 1]).set_stride([p.hq * p.sq, p.sq, 1, 1])
+    dims, strides = p.stats_layout()
+    stats.set_dim(list(dims)).set_stride(list(strides))
     stats.set_uid(UID_STATS)
     blob, gid, ws, plan, secs = _finalize(g, "forward", describe)
     return Built(blob, gid, (UID_Q, UID_K, UID_V) + tuple(s.uid for s in p.loads),
@@ -313,10 +323,9 @@ def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
 def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
     g = _graph()
     q, k, v, scalars, loads = _common_inputs(g, p, consts, load_nodes)
-    o = _io_tensor(g, "o", UID_O, *bshd(p.b, p.sq, p.hq, p.dv), p.dtype)
-    do = _io_tensor(g, "dO", UID_DO, *bshd(p.b, p.sq, p.hq, p.dv), p.dtype)
-    stats = _io_tensor(g, "stats", UID_STATS, (p.b, p.hq, p.sq, 1), (p.hq * p.sq, p.sq, 1, 1),
-                       "float32")
+    o = _io_tensor(g, "o", UID_O, *bshd(p.b, p.sq, p.hq, p.dv, p.q_rows), p.dtype)
+    do = _io_tensor(g, "dO", UID_DO, *bshd(p.b, p.sq, p.hq, p.dv, p.q_rows), p.dtype)
+    stats = _io_tensor(g, "stats", UID_STATS, *p.stats_layout(), "float32")
     em = Emitter({}, scalars, loads)
 
     def score_mod(gg, score):
@@ -330,10 +339,12 @@ def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describ
     mods = {} if fwd is None else {"score_mod": score_mod, "score_mod_bprop": score_mod_bprop}
     dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
                                  attn_scale=p.scale, **_mask_args(p), **mods)
-    for t, uid, (b, s, h, d) in ((dq, UID_DQ, (p.b, p.sq, p.hq, p.d)),
-                                 (dk, UID_DK, (p.b, p.skv, p.hkv, p.d)),
-                                 (dv, UID_DV, (p.b, p.skv, p.hkv, p.dv))):
-        dims, strides = bshd(b, s, h, d)
+    # dQ lands in its rows of the full array; a block's dK, dV are its own
+    # arrays (blocks overlap in keys, so they are summed afterwards).
+    for t, uid, (b, s, h, d, rows) in ((dq, UID_DQ, (p.b, p.sq, p.hq, p.d, p.q_rows)),
+                                       (dk, UID_DK, (p.b, p.skv, p.hkv, p.d, None)),
+                                       (dv, UID_DV, (p.b, p.skv, p.hkv, p.dv, None))):
+        dims, strides = bshd(b, s, h, d, rows)
         t.set_output(True).set_dim(list(dims)).set_stride(list(strides))
         t.set_data_type(_dtype(p.dtype))
         t.set_uid(uid)

@@ -155,7 +155,7 @@ class LoadPlan:
 class Static:
     """Hashable, static part of a fused call (custom_vjp nondiff argument)."""
 
-    def __init__(self, mod, problem_shapes, dtype, scale, allow_fallback):
+    def __init__(self, mod, problem_shapes, dtype, scale, allow_fallback, rows=(None, None)):
         b, sq, skv, hq, hkv, d, dv = problem_shapes
         # The expression only: operand values (maybe tracers) never enter static data.
         self.mod = None if mod is None else type(mod)(mod.expr)
@@ -184,7 +184,7 @@ class Static:
             fwd_set = set(fwd_nodes)
             self.fwd_loads = tuple(l for l in self.loads if l.node in fwd_set)
         self.problem = cg.Problem(b, sq, skv, hq, hkv, d, dv, dtype, float(graph_scale),
-                                  tuple(l.spec for l in self.loads), self.band)
+                                  tuple(l.spec for l in self.loads), self.band, *rows)
         self.fwd_problem = dataclasses.replace(self.problem,
                                                loads=tuple(l.spec for l in self.fwd_loads))
         # The lowered expression too: folding or not, the same mod never shares a graph.
@@ -290,18 +290,65 @@ class Static:
         return jnp.broadcast_to(out, spec.dims).astype(spec.dtype)
 
 
+class Split:
+    """Static part of a query-block split (see ``split``): one ``Static`` per
+    block, whose graphs read and write the block's rows of the full arrays in
+    place (strides of the full arrays, byte offsets per call), so no slice of
+    q, k, v, O or dQ is copied."""
+
+    def __init__(self, mod, problem_shapes, dtype, scale, allow_fallback, blocks):
+        b, sq, skv, hq, hkv, d, dv = problem_shapes
+        self.mod = type(mod)(mod.expr)
+        self.scale = float(scale)
+        self.allow_fallback = allow_fallback
+        self.shapes, self.blocks = problem_shapes, tuple(blocks)
+        self.itemsize = np.dtype(dtype).itemsize
+        self.parts = tuple(
+            Static(split.shifted(mod, blk.q0, blk.k0),
+                   (b, blk.q1 - blk.q0, blk.k1 - blk.k0, hq, hkv, d, dv), dtype, scale,
+                   allow_fallback, rows=(sq, skv))
+            for blk in self.blocks)
+        self.key = ("split", mod.key, self.blocks, tuple(p.key for p in self.parts))
+
+    def __hash__(self):
+        return hash((self.key, self.allow_fallback))
+
+    def __eq__(self, other):
+        return (isinstance(other, Split) and other.key == self.key
+                and other.allow_fallback == self.allow_fallback)
+
+    def describe(self):
+        return f"score_mod `{self.mod}` in {len(self.blocks)} query blocks"
+
+    def offsets(self, blk):
+        """Byte offsets of the block's first row in q (dQ), k, v, O (dO) and the stats."""
+        _, _, _, hq, hkv, d, dv = self.shapes
+        n = self.itemsize
+        return (blk.q0 * hq * d * n, blk.k0 * hkv * d * n, blk.k0 * hkv * dv * n,
+                blk.q0 * hq * dv * n, blk.q0 * 4)
+
+
 # --- the custom_vjp ------------------------------------------------------------
 
 
-def _call(built, inputs, out_shapes):
+def _call(built, inputs, out_shapes, offsets=(), carried=()):
+    """Runs ``built``; ``carried``: arrays appended to the inputs that become
+    the outputs of the same index, updated in place (see ``kernels_ffi.call``)."""
     from scoremod import kernels_ffi
 
-    return kernels_ffi.call(built.blob, built.graph_id, inputs, out_shapes, built.in_uids,
-                            built.out_uids, built.scalar_uids, built.scalar_bits,
-                            built.workspace)
+    n = len(inputs)
+    carry = {n + i: i for i in range(len(carried))}
+    if carried:
+        offsets = offsets[:n] + (0,) * len(carried) + offsets[n:]
+    return kernels_ffi.call(built.blob, built.graph_id, [*inputs, *carried], out_shapes,
+                            built.in_uids + (-1,) * len(carried), built.out_uids,
+                            built.scalar_uids, built.scalar_bits, built.workspace,
+                            offsets=offsets, carry=carry)
 
 
 def _forward(static, q, k, v, operands):
+    if isinstance(static, Split):
+        return _forward_split(static, q, k, v, operands)
     built = static.forward_graph()
     p = static.problem
     out_shapes = [jax.ShapeDtypeStruct((p.b, p.sq, p.hq, p.dv), q.dtype),
@@ -310,7 +357,51 @@ def _forward(static, q, k, v, operands):
     return o, stats[..., 0]
 
 
+def _forward_split(sp, q, k, v, operands):
+    b, sq, _, hq, _, _, dv = sp.shapes
+    out_shapes = [jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
+                  jax.ShapeDtypeStruct((b, hq, sq, 1), jnp.float32)]
+    carried = ()  # the first block's call allocates O and the stats, later ones fill in
+    for blk, part in zip(sp.blocks, sp.parts):
+        loads = part.load_arrays(operands, forward=True)
+        oq, ok, ov, oo, os_ = sp.offsets(blk)
+        offsets = (oq, ok, ov) + (0,) * len(loads) + (oo, os_)
+        carried = tuple(_call(part.forward_graph(), [q, k, v, *loads], out_shapes, offsets,
+                              carried))
+    o, stats = carried
+    return o, stats[..., 0]
+
+
+def _backward_split(sp, q, k, v, o, lse, do, operands):
+    stats = lse[..., None]
+    dq, dks, dvs = (), [], []
+    for blk, part in zip(sp.blocks, sp.parts):
+        loads = part.load_arrays(operands)
+        oq, ok, ov, oo, os_ = sp.offsets(blk)
+        n = blk.k1 - blk.k0
+        out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                      jax.ShapeDtypeStruct(k.shape[:1] + (n,) + k.shape[2:], k.dtype),
+                      jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
+        offsets = (oq, ok, ov, oo, oo, os_) + (0,) * len(loads) + (oq, 0, 0)
+        dq, dk, dv = _call(part.backward_graph(), [q, k, v, o, do, stats, *loads], out_shapes,
+                           offsets, dq[:1])
+        dq = (dq,)
+        dks.append(dk)
+        dvs.append(dv)
+
+    def summed(parts, like):  # blocks overlap in keys: add their gradients, in float32
+        total = sum(jax.lax.pad(p.astype(jnp.float32), jnp.float32(0),
+                                [(0, 0, 0), (blk.k0, like.shape[1] - blk.k1, 0), (0, 0, 0),
+                                 (0, 0, 0)])
+                    for p, blk in zip(parts, sp.blocks))
+        return total.astype(like.dtype)
+
+    return dq[0], summed(dks, k), summed(dvs, v)
+
+
 def _backward(static, q, k, v, o, lse, do, operands):
+    if isinstance(static, Split):
+        return _backward_split(static, q, k, v, o, lse, do, operands)
     built = static.backward_graph()
     stats = lse[..., None]
     out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -386,21 +477,17 @@ def attention(query, key, value, mod, scale, return_lse, *, explicit=True):
             f"implementation=\"cudnn\" cannot run this call: {reason}. "
             "Use implementation=\"xla\", or implementation=None to choose automatically."
         )
-    blocks = _split_blocks(mod, query.shape[1], key.shape[1])
-    if blocks is not None:
-        o, lse = split.blockwise(query, key, value, mod, blocks,
-                                 lambda q, k, v, m: _one_call(q, k, v, m, scale, explicit))
-    else:
-        o, lse = _one_call(query, key, value, mod, scale, explicit)
-    return (o, lse) if return_lse else o
-
-
-def _one_call(query, key, value, mod, scale, explicit):
     shapes = query.shape[:1] + (query.shape[1], key.shape[1], query.shape[2], key.shape[2],
                                 query.shape[3], value.shape[3])
-    static = Static(mod, shapes, np.dtype(query.dtype).name, scale, allow_fallback=not explicit)
+    dtype = np.dtype(query.dtype).name
+    blocks = _split_blocks(mod, query.shape[1], key.shape[1])
+    if blocks is not None:
+        static = Split(mod, shapes, dtype, scale, not explicit, blocks)
+    else:
+        static = Static(mod, shapes, dtype, scale, allow_fallback=not explicit)
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
-    return _fused(static, query, key, value, operands)
+    o, lse = _fused(static, query, key, value, operands)
+    return (o, lse) if return_lse else o
 
 
 def _split_blocks(mod, sq, skv):
