@@ -301,7 +301,7 @@ def make_direct(name, shape, direction):
 
     b, s, h, d = shape.b, shape.s, shape.h, shape.d
     mod = shape.mod(name)
-    blocks = cudnn_path._split_blocks(mod, s, s)
+    blocks = cudnn_path._split_blocks(mod, s, s, b * h)
     scale = 1.0 / math.sqrt(d)
     q, k, v, do = shape.torch_inputs()
     shared = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
@@ -321,7 +321,11 @@ def make_direct(name, shape, direction):
                        cg.UID_DO: oo, cg.UID_STATS: os_}
             rows = (b, blk.k1 - blk.k0, h, d)
             parts.append((part, offsets, {**shared, cg.UID_DK: k.new_empty(rows),
-                                          cg.UID_DV: v.new_empty(rows)}))
+                                          cg.UID_DV: v.new_empty(rows),
+                                          # sdpa_backward reads packed stats
+                                          "bwd_stats": torch.empty(b, h, blk.q1 - blk.q0, 1,
+                                                                   dtype=torch.float32,
+                                                                   device="cuda")}))
     fwds, bwds = zip(*(_direct_runners(st, bufs, offsets, direction)
                        for st, offsets, bufs in parts))
     if direction == "fwd":
@@ -334,8 +338,9 @@ def _direct_runners(static, bufs, offsets, direction):
     import torch
 
     from scoremod.dsl.ir import F32
+    from scoremod.lowering import cudnn_graph as cg
 
-    def runner(built, consts, loads):
+    def runner(built, consts, loads, bufs, offsets):
         g = cudnn.pygraph()
         g.deserialize(built.blob)
         pack = {uid: bufs[uid].data_ptr() + offsets.get(uid, 0)
@@ -352,9 +357,12 @@ def _direct_runners(static, bufs, offsets, direction):
         ws = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device="cuda")
         return lambda keep=keep: g.execute(pack, ws)  # keep: the load buffers stay alive
 
-    fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads)
-    bwd = None if direction == "fwd" else runner(static.backward_graph(), static.consts, static.loads)
-    return fwd, bwd
+    fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads, bufs, offsets)
+    if direction == "fwd":
+        return fwd, None
+    if "bwd_stats" in bufs:
+        bufs, offsets = {**bufs, cg.UID_STATS: bufs["bwd_stats"]}, {**offsets, cg.UID_STATS: 0}
+    return fwd, runner(static.backward_graph(), static.consts, static.loads, bufs, offsets)
 
 
 def make_flex(name, shape, direction):
@@ -457,7 +465,7 @@ def run(cfg, save=lambda records, not_run: None):
             shape = Shape(cfg.batch, cfg.heads, seq, d, cfg.dtype, cfg.window, long)
         for direction in cfg.directions:
             rec = dict(shape.record(), mod=name, impl=impl, direction=direction, variant="",
-                       lowered=lowered(name, {} if impl == "scoremod-plain" else switches()))
+                       lowered=_lowered_here(name, impl, shape))
             builds, build_s = cache_counts()
             try:
                 call, clock, rec["variant"] = make_call(impl, name, shape, direction)
@@ -778,6 +786,18 @@ SWITCHES = {
     "query blocks": ("split_blocks", lambda v: (v or 0) > 1, ("softcap_causal", "document")),
     "scale folded": ("fold_scale", lambda v: bool(v), ("softcap", "softcap_causal")),
 }
+
+
+def _lowered_here(name, impl, shape):
+    """``lowered`` for this run, with the block count the split plans at this shape."""
+    how = lowered(name, {} if impl == "scoremod-plain" else switches())
+    if "query blocks" not in how:
+        return how
+    from scoremod.lowering import cudnn_path
+
+    blocks = cudnn_path._split_blocks(shape.mod(name), shape.s, shape.s, shape.b * shape.h)
+    parts = [p for p in how.split(", ") if p != "query blocks"]
+    return ", ".join(([f"{len(blocks)} query blocks"] if blocks else []) + parts) or "as written"
 
 
 def lowered(mod, meta):

@@ -29,16 +29,19 @@ CASES = {  # name: (mod function, GPU-test sizes (sq, skv, hq))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_fused_call_plans_and_canonical_form_is_a_fixed_point(name):
+def test_fused_call_plans_and_canonical_form_is_a_fixed_point(name, monkeypatch):
     fn, (sq, skv, hq) = CASES[name]
     mod = scoremod.trace(fn)
     once = cudnn_rules.canonical(mod.expr)
     assert cudnn_rules.canonical(once) == once
-    blocks = cudnn_path._split_blocks(mod, sq, skv) or (split.Block(0, sq, 0, skv),)
-    for blk in blocks:
-        part = split.shifted(mod, blk.q0, blk.k0)
-        static = cudnn_path.Static(part, (2, blk.q1 - blk.q0, blk.k1 - blk.k0, hq, 2, 64, 64),
-                                   "bfloat16", 0.125, allow_fallback=False)
+    monkeypatch.setattr(cudnn_path, "_sm_count", lambda: 1)  # small shapes split as on the GPU tests
+    shapes = (2, sq, skv, hq, 2, 64, 64)
+    blocks = cudnn_path._split_blocks(mod, sq, skv, 2 * hq)
+    if blocks is None:
+        parts = [cudnn_path.Static(mod, shapes, "bfloat16", 0.125, allow_fallback=False)]
+    else:
+        parts = cudnn_path.Split(mod, shapes, "bfloat16", 0.125, False, blocks).parts
+    for static in parts:
         assert static.problem.scale > 0
 
 
@@ -64,9 +67,9 @@ SHOW = "from scoremod.lowering import cudnn_path as c; print(c.NATIVE_MASKS, c.S
 
 
 @pytest.mark.parametrize("env, out", [
-    ({}, "True 4 True"),
+    ({}, "True 8 True"),
     ({"SCOREMOD_NATIVE_MASKS": "0", "SCOREMOD_SPLIT_BLOCKS": "0", "SCOREMOD_FOLD_SCALE": "0"}, "False 0 False"),
-    ({"SCOREMOD_SPLIT_BLOCKS": "8"}, "True 8 True"),
+    ({"SCOREMOD_SPLIT_BLOCKS": "4"}, "True 4 True"),
     ({"SCOREMOD_NATIVE_MASKS": "yes"}, "SCOREMOD_NATIVE_MASKS='yes': expected 0 (off) or 1 (on)"),
     ({"SCOREMOD_SPLIT_BLOCKS": "-1"}, "SCOREMOD_SPLIT_BLOCKS='-1': expected a number of query blocks"),
 ])

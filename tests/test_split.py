@@ -52,7 +52,7 @@ def test_blocks_compute_the_same_attention_and_gradients(name, sq, skv):
     if skv > sq:  # bottom-right: every row sees skv - sq more keys
         off = skv - sq
         mod = scoremod.trace(lambda s, b, h, q, k: MODS[name](s, b, h, q + off, k))
-    blocks = split.plan(canonical(mod.expr), sq, skv, blocks=4)
+    blocks = split.plan(canonical(mod.expr), sq, skv, blocks=4, sms=1)
     assert blocks is not None and len(blocks) >= 3
     q, k, v = inputs(sq, skv)
 
@@ -74,7 +74,7 @@ def test_blocks_compute_the_same_attention_and_gradients(name, sq, skv):
 
 def test_plan_covers_every_visible_key_and_skips_the_rest():
     expr = canonical(scoremod.trace(MODS["softcap_window"]).expr)
-    blocks = split.plan(expr, 2048, 2048, blocks=8)
+    blocks = split.plan(expr, 2048, 2048, blocks=8, sms=1)
     assert [b.q0 for b in blocks] == list(range(0, 2048, 256))
     for b in blocks:
         # rows [q0, q1) see keys [q - 199, q]: all inside [k0, k1), tile-aligned
@@ -91,7 +91,7 @@ def test_plan_covers_every_visible_key_and_skips_the_rest():
     (lambda s, b, h, q, k: jnp.where((q >= k) & (q - k > 600), s * 2, NEG), 512),  # early rows see nothing
 ])
 def test_no_split_when_it_does_not_pay(fn, sq):
-    assert split.plan(canonical(scoremod.trace(fn).expr), sq, sq, blocks=4) is None
+    assert split.plan(canonical(scoremod.trace(fn).expr), sq, sq, blocks=4, sms=1) is None
 
 
 def test_shifted_mod_reads_operands_at_the_right_rows():
@@ -105,12 +105,25 @@ def test_shifted_mod_reads_operands_at_the_right_rows():
     np.testing.assert_allclose(got, want)
 
 
+@pytest.mark.parametrize("batch_heads,seq,count", [
+    (64, 4096, 8),     # measured on the H200: 8 blocks 6-9% faster than 4 (forward)
+    (64, 16384, 8),
+    (64, 1024, 4),     # 8 blocks of one tile each would leave most of the GPU idle
+    (8, 4096, 2),
+    (1, 4096, None),   # one call already runs in one partial wave: splitting only adds waves
+])
+def test_block_count_follows_the_wave_model(batch_heads, seq, count):
+    expr = canonical(scoremod.trace(MODS["softcap_causal"]).expr)
+    blocks = split.plan(expr, seq, seq, blocks=8, batch_heads=batch_heads, sms=132)
+    assert (None if blocks is None else len(blocks)) == count
+
+
 def test_fused_path_splits_only_when_enabled(monkeypatch):
     mod = scoremod.trace(MODS["softcap_causal"])
     monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 0)
-    assert cudnn_path._split_blocks(mod, 4096, 4096) is None
+    assert cudnn_path._split_blocks(mod, 4096, 4096, 64) is None
     monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 4)
-    assert len(cudnn_path._split_blocks(mod, 4096, 4096)) == 4
+    assert len(cudnn_path._split_blocks(mod, 4096, 4096, 64)) == 4
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, s, NEG))
     monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", True)
-    assert cudnn_path._split_blocks(pure, 4096, 4096) is None  # the native mask is better
+    assert cudnn_path._split_blocks(pure, 4096, 4096, 64) is None  # the native mask is better

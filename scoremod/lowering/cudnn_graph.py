@@ -209,8 +209,9 @@ class Problem:
     q_rows: int | None = None
     kv_rows: int | None = None
 
-    def stats_layout(self):
-        rows = self.q_rows or self.sq
+    def stats_layout(self, packed=False):
+        # cuDNN < 9.26 takes only a packed stats input in sdpa_backward.
+        rows = self.sq if packed else (self.q_rows or self.sq)
         return (self.b, self.hq, self.sq, 1), (self.hq * rows, rows, 1, 1)
 
 
@@ -325,7 +326,7 @@ def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describ
     q, k, v, scalars, loads = _common_inputs(g, p, consts, load_nodes)
     o = _io_tensor(g, "o", UID_O, *bshd(p.b, p.sq, p.hq, p.dv, p.q_rows), p.dtype)
     do = _io_tensor(g, "dO", UID_DO, *bshd(p.b, p.sq, p.hq, p.dv, p.q_rows), p.dtype)
-    stats = _io_tensor(g, "stats", UID_STATS, *p.stats_layout(), "float32")
+    stats = _io_tensor(g, "stats", UID_STATS, *p.stats_layout(packed=True), "float32")
     em = Emitter({}, scalars, loads)
 
     def score_mod(gg, score):

@@ -13,7 +13,8 @@ no new kernel: each call is an ordinary fused call.
     >>> import jax.numpy as jnp, scoremod
     >>> from scoremod.lowering.cudnn_rules import canonical
     >>> mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, 30 * jnp.tanh(s / 30), -jnp.inf))
-    >>> [(b.q0, b.q1, b.k0, b.k1) for b in plan(canonical(mod.expr), 1024, 1024, blocks=4)]
+    >>> [(b.q0, b.q1, b.k0, b.k1) for b in plan(canonical(mod.expr), 1024, 1024, blocks=8,
+    ...                                           batch_heads=64)]
     [(0, 256, 0, 256), (256, 512, 0, 512), (512, 768, 0, 768), (768, 1024, 0, 1024)]
 """
 
@@ -29,7 +30,8 @@ from scoremod.dsl.scoremod import ScoreMod
 from scoremod.lowering import masks
 
 TILE = 128  # cuDNN's key and query tile: block edges on it waste no tile
-MAX_VISITED = 0.8  # split only when the blocks visit at most this share of the scores
+MAX_COST = 0.8  # split only when the modelled time is at most this share of one call's
+SMS = 132  # streaming multiprocessors of an H100 / H200: the default for ``plan``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +42,33 @@ class Block:
     k1: int
 
 
-def plan(expr: ir.Node, sq: int, skv: int, blocks: int) -> tuple[Block, ...] | None:
-    """Query blocks and the key range each one needs, or None when splitting
-    does not pay (no band, too short, or most scores visible anyway)."""
+def plan(expr: ir.Node, sq: int, skv: int, blocks: int, batch_heads: int = 1,
+         sms: int = SMS) -> tuple[Block, ...] | None:
+    """Query blocks (at most ``blocks``) and the key range each one needs, or
+    None when splitting does not pay (no band, too short, or not faster).
+
+    The block count is the one with the least modelled time: each block is a
+    kernel of ``batch_heads * query tiles`` tile programs running in waves of
+    ``sms``, each program walking the block's key tiles. Splitting skips
+    masked tiles but makes smaller kernels, whose last wave may leave the GPU
+    half idle (at batch 1, 8 heads, seq 4096, four blocks would be slower
+    than one call). ``sms=1`` counts visited tiles only."""
     band = masks.band_of(expr)
     if band is None or blocks < 2:
         return None
+    limit = MAX_COST * _cost((Block(0, sq, 0, skv),), batch_heads, sms)
+    best, best_cost = None, math.inf
+    for n in range(2, blocks + 1):  # fewest blocks among the cheapest
+        parts = _blocks(band, sq, skv, n)
+        cost = math.inf if parts is None else _cost(parts, batch_heads, sms)
+        if cost <= limit and cost < best_cost:
+            best, best_cost = parts, cost
+    return best
+
+
+def _blocks(band, sq, skv, n):
     lo, hi = band[0], band[1]
-    size = math.ceil(sq / blocks / TILE) * TILE
+    size = math.ceil(sq / n / TILE) * TILE
     if size >= sq:
         return None
     out = []
@@ -58,8 +79,13 @@ def plan(expr: ir.Node, sq: int, skv: int, blocks: int) -> tuple[Block, ...] | N
         if k1 <= k0:  # rows that see no key: leave them to one unsplit call
             return None
         out.append(Block(q0, q1, int(k0), int(k1)))
-    visited = sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in out)
-    return tuple(out) if visited <= MAX_VISITED * sq * skv else None
+    return tuple(out)
+
+
+def _cost(blocks, batch_heads, sms):
+    """Modelled time in tile steps: waves of tile programs times key tiles per program."""
+    tiles = lambda n: -(-n // TILE)  # noqa: E731
+    return sum(-(-batch_heads * tiles(b.q1 - b.q0) // sms) * tiles(b.k1 - b.k0) for b in blocks)
 
 
 def shifted(mod: ScoreMod, q0: int, k0: int) -> ScoreMod:

@@ -325,8 +325,9 @@ SPLIT = {
 @pytest.mark.parametrize("name", sorted(SPLIT))
 def test_split_into_query_blocks_matches_reference(name, dtype, monkeypatch):
     monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 4)
+    monkeypatch.setattr(cudnn_path, "_sm_count", lambda: 1)  # split these small shapes too
     mod = scoremod.trace(SPLIT[name])
-    assert cudnn_path._split_blocks(mod, 512, 512) is not None
+    assert len(cudnn_path._split_blocks(mod, 512, 512, 2 * 4)) == 4
     check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2)
 
 
@@ -369,5 +370,5 @@ def test_native_split_and_folding_switched_off_match_reference(name, monkeypatch
     sq, skv = sizes.get("sq", 128), sizes.get("skv", 192)
     static = cudnn_path.Static(mod, (2, sq, skv, 4, 2, 64, 64), "bfloat16", 0.125, False)
     assert static.band is None and static.problem.scale == 0.125
-    assert cudnn_path._split_blocks(mod, sq, skv) is None
+    assert cudnn_path._split_blocks(mod, sq, skv, 2 * 4) is None
     check(mod, **sizes)
