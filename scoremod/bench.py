@@ -490,6 +490,29 @@ def run(cfg, save=lambda records, not_run: None):
     return records, not_run
 
 
+def warm_up(impls):
+    """Load cuDNN, JAX's CUDA kernels and (for direct, flex) torch with tiny calls,
+    so that the first case's first call measures its own compilation and graph
+    builds, not the process's start-up. Returns the seconds it took."""
+    import jax
+    import jax.numpy as jnp
+
+    import scoremod
+
+    t0 = time.perf_counter()
+    x = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
+    f = lambda q: jnp.sum(jax.nn.dot_product_attention(q, q, q, implementation="cudnn"))  # noqa: E731
+    jax.block_until_ready(jax.jit(jax.grad(f))(x))
+    mod = scoremod.trace(lambda s, b, h, q, k: 2.0 * jnp.tanh(s / 2.0))
+    f = lambda q: jnp.sum(scoremod.attention(q, q, q, mod, implementation="cudnn"))  # noqa: E731
+    jax.block_until_ready(jax.jit(jax.grad(f))(x))
+    if {"direct", "flex"} & set(impls):
+        import torch
+
+        torch.ones(1, device="cuda").sum().item()
+    return time.perf_counter() - t0
+
+
 def _free_memory():
     gc.collect()
     if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
@@ -597,6 +620,8 @@ def markdown(records, metas, image=None):
            "edit the code, not this section.", ""]
     for m in metas:
         skipped = f"; {len(m['not_run'])} cases not run (--max-seconds)" if m.get("not_run") else ""
+        if "startup_s" in m:  # runs since e4507c5 warm the libraries up before the first case
+            skipped += f"; library start-up {m['startup_s']:.1f} s, before the first case"
         out.append(f"- {m.get('date', '?')}, commit {m.get('commit', '?')}: {m.get('device', '?')}; "
                    f"jax {m.get('jax', '?')}, cuDNN {m.get('cudnn_backend', '-')}, frontend "
                    f"{m.get('cudnn_frontend', '-')}, torch {m.get('torch', '-')}: "
@@ -881,6 +906,9 @@ def main(argv=None):
             meta.update(not_run=not_run, graph_cache=cache_info())
             save(records, metas)
 
+        if not a.dry_run:
+            meta["startup_s"] = warm_up(a.impls)
+            print(f"library start-up (before the first case): {meta['startup_s']:.2f} s", flush=True)
         records, _ = run(a, checkpoint)
         meta.update(metadata(argv, a))  # now with the torch and cuDNN versions
     for t in targets(records):
