@@ -907,8 +907,13 @@ def main(argv=None):
             save(records, metas)
 
         if not a.dry_run:
-            meta["startup_s"] = warm_up(a.impls)
-            print(f"library start-up (before the first case): {meta['startup_s']:.2f} s", flush=True)
+            try:
+                meta["startup_s"] = warm_up(a.impls)
+                print(f"library start-up (before the first case): {meta['startup_s']:.2f} s",
+                      flush=True)
+            except Exception as e:  # the cases still run; their first calls include start-up
+                print(f"warm-up failed, the first case pays library start-up: {failure(e)}",
+                      flush=True)
         records, _ = run(a, checkpoint)
         meta.update(metadata(argv, a))  # now with the torch and cuDNN versions
     for t in targets(records):
