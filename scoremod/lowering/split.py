@@ -4,11 +4,12 @@ cuDNN does not take score_mod together with its native masks, so a mod like
 ``where(q_idx >= kv_idx, 30 * tanh(score / 30), -inf)`` visits every tile,
 masked or not. Split the queries into blocks: a block of rows ``[q0, q1)``
 can only see keys ``[q0 + lo, q1 - 1 + hi]`` (``lo <= kv_idx - q_idx <= hi``
-is the band), so each block is one fused call on a slice of the keys, with
+is the band), so each block is one fused call on a range of the keys, with
 the mod's indices shifted back (``q_idx -> q_idx + q0``). Every row sees all
-its keys inside its own call, so outputs and LSEs are simply concatenated,
-and JAX's autodiff sums the key gradients of the blocks. No softmax merging,
-no new kernel: each call is an ordinary fused call.
+its keys inside its own call, so the blocks' outputs and LSEs are its rows
+of the whole (no softmax merging, no new kernel), and the key gradients of
+the blocks add up. ``blockwise`` says this in JAX; the fused path
+(``cudnn_path.Split``) does it in place, without slicing.
 
     >>> import jax.numpy as jnp, scoremod
     >>> from scoremod.lowering.cudnn_rules import canonical
@@ -51,8 +52,8 @@ def plan(expr: ir.Node, sq: int, skv: int, blocks: int, batch_heads: int = 1,
     kernel of ``batch_heads * query tiles`` tile programs running in waves of
     ``sms``, each program walking the block's key tiles. Splitting skips
     masked tiles but makes smaller kernels, whose last wave may leave the GPU
-    half idle (at batch 1, 8 heads, seq 4096, four blocks would be slower
-    than one call). ``sms=1`` counts visited tiles only."""
+    half idle (at batch 1, 8 heads, seq 4096 the model rates four blocks
+    slower than one call, and picks two). ``sms=1`` counts visited tiles only."""
     band = masks.band_of(expr)
     if band is None or blocks < 2:
         return None
@@ -100,7 +101,8 @@ def shifted(mod: ScoreMod, q0: int, k0: int) -> ScoreMod:
 
 def blockwise(query, key, value, mod, blocks, run):
     """Attention as the concatenation of ``run(q, k, v, mod) -> (out, lse)`` over
-    ``blocks`` (arrays [B, S, H, D]; the LSE is [B, H, Sq])."""
+    ``blocks`` (arrays [B, S, H, D]; the LSE is [B, H, Sq]): the split's meaning,
+    which the tests check against one call."""
     outs, lses = [], []
     for b in blocks:
         o, lse = run(query[:, b.q0:b.q1], key[:, b.k0:b.k1], value[:, b.k0:b.k1],
