@@ -374,7 +374,7 @@ def _forward_split(sp, q, k, v, operands):
 
 
 def _backward_split(sp, q, k, v, o, lse, do, operands):
-    dq, dks, dvs = (), [], []
+    carried, dks, dvs = (), [], []  # dQ: the first block's call allocates it, later ones fill in
     for blk, part in zip(sp.blocks, sp.parts):
         loads = part.load_arrays(operands)
         oq, ok, ov, oo, _ = sp.offsets(blk)
@@ -385,8 +385,8 @@ def _backward_split(sp, q, k, v, o, lse, do, operands):
                       jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
         offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + (oq, 0, 0)
         dq, dk, dv = _call(part.backward_graph(), [q, k, v, o, do, stats, *loads], out_shapes,
-                           offsets, dq[:1])
-        dq = (dq,)
+                           offsets, carried)
+        carried = (dq,)
         dks.append(dk)
         dvs.append(dv)
 
@@ -397,7 +397,7 @@ def _backward_split(sp, q, k, v, o, lse, do, operands):
                     for p, blk in zip(parts, sp.blocks))
         return total.astype(like.dtype)
 
-    return dq[0], summed(dks, k), summed(dvs, v)
+    return carried[0], summed(dks, k), summed(dvs, v)
 
 
 def _backward(static, q, k, v, o, lse, do, operands):

@@ -331,6 +331,20 @@ def test_split_into_query_blocks_matches_reference(name, dtype, monkeypatch):
     check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2)
 
 
+@pytest.mark.parametrize("sq,skv", [(1000, 1000), (384, 640)])
+def test_split_into_eight_uneven_blocks_matches_reference(sq, skv, monkeypatch):
+    """Eight blocks, a last block shorter than a tile, Skv off the tile, and
+    bottom-right alignment (Sq < Skv): every block's byte offsets and in-place rows."""
+    monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 8)
+    monkeypatch.setattr(cudnn_path, "_sm_count", lambda: 1)
+    off = skv - sq
+    mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(q + off >= k, 30.0 * jnp.tanh(s / 30.0),
+                                                         -jnp.inf))
+    blocks = cudnn_path._split_blocks(mod, sq, skv, 2 * 4)
+    assert blocks is not None and len(blocks) >= 3
+    check(mod, sq=sq, skv=skv, hq=4, hkv=2)
+
+
 # --- a constant factor of the score folded into attn_scale ------------------------
 
 FOLD = {
