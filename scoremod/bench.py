@@ -311,7 +311,7 @@ def make_direct(name, shape, direction):
         static = cudnn_path.Static(mod, (b, s, s, h, h, d, d), shape.dtype, scale,
                                    allow_fallback=False)
         parts = [(static, {}, {**shared, cg.UID_DK: torch.empty_like(k),
-                               cg.UID_DV: torch.empty_like(v)})]
+                               cg.UID_DV: torch.empty_like(v)}, None)]
     else:
         sp = cudnn_path.Split(mod, (b, s, s, h, h, d, d), shape.dtype, scale, False, blocks)
         parts = []
@@ -320,20 +320,19 @@ def make_direct(name, shape, direction):
             offsets = {cg.UID_Q: oq, cg.UID_DQ: oq, cg.UID_K: ok, cg.UID_V: ov, cg.UID_O: oo,
                        cg.UID_DO: oo, cg.UID_STATS: os_}
             rows = (b, blk.k1 - blk.k0, h, d)
-            parts.append((part, offsets, {**shared, cg.UID_DK: k.new_empty(rows),
-                                          cg.UID_DV: v.new_empty(rows),
-                                          # sdpa_backward reads packed stats
-                                          "bwd_stats": torch.empty(b, h, blk.q1 - blk.q0, 1,
-                                                                   dtype=torch.float32,
-                                                                   device="cuda")}))
-    fwds, bwds = zip(*(_direct_runners(st, bufs, offsets, direction)
-                       for st, offsets, bufs in parts))
+            bufs = {**shared, cg.UID_DK: k.new_empty(rows), cg.UID_DV: v.new_empty(rows)}
+            # sdpa_backward reads the block's stats packed, not at the forward's offset
+            stats = torch.empty(b, h, blk.q1 - blk.q0, 1, dtype=torch.float32, device="cuda")
+            parts.append((part, offsets, bufs, stats))
+    fwds, bwds = zip(*(_direct_runners(*part, direction) for part in parts))
     if direction == "fwd":
         return (lambda: [f() for f in fwds]), ""
     return (lambda: [(f(), g()) for f, g in zip(fwds, bwds)]), ""
 
 
-def _direct_runners(static, bufs, offsets, direction):
+def _direct_runners(static, offsets, bufs, bwd_stats, direction):
+    """Forward and backward executes of ``static``'s graphs on ``bufs`` (by uid)
+    at byte ``offsets``; ``bwd_stats``: the backward's own stats buffer, if any."""
     import cudnn
     import torch
 
@@ -360,8 +359,8 @@ def _direct_runners(static, bufs, offsets, direction):
     fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads, bufs, offsets)
     if direction == "fwd":
         return fwd, None
-    if "bwd_stats" in bufs:
-        bufs, offsets = {**bufs, cg.UID_STATS: bufs["bwd_stats"]}, {**offsets, cg.UID_STATS: 0}
+    if bwd_stats is not None:
+        bufs, offsets = {**bufs, cg.UID_STATS: bwd_stats}, {**offsets, cg.UID_STATS: 0}
     return fwd, runner(static.backward_graph(), static.consts, static.loads, bufs, offsets)
 
 
@@ -565,10 +564,9 @@ def targets(records):
 
     rows = []
     for long, seq, d in _shapes(records):
+        checked = TARGETS if (seq, d) in TARGET_SHAPES else ()
         for mod in (m for m in MODS if any((seq, d, m) == (r["seq"], r["head_dim"], r["mod"]) for r in records)):
-            for name, mods, directions, (num, num_mod), den, bound, at_least in TARGETS:
-                if (seq, d) not in TARGET_SHAPES:
-                    break
+            for name, mods, directions, (num, num_mod), den, bound, at_least in checked:
                 if (mods is not None and mod not in mods) or ("4096" in name and seq != 4096):
                     continue
                 for direction in directions:

@@ -493,10 +493,12 @@ def attention(query, key, value, mod, scale, return_lse, *, explicit=True):
 
 def _split_blocks(mod, sq, skv, batch_heads):
     """Query blocks for a band-masked mod (see ``split``), or None for one call."""
-    if mod is None or SPLIT_BLOCKS < 2 or _native_band(mod, sq, skv) is not None:
-        return None  # (a native mask skips masked tiles already)
-    return split.plan(cudnn_rules.canonical(mod.expr), sq, skv, SPLIT_BLOCKS, batch_heads,
-                      _sm_count())
+    if mod is None or SPLIT_BLOCKS < 2:
+        return None
+    expr = cudnn_rules.canonical(mod.expr)
+    if NATIVE_MASKS and masks.native_band(expr, sq, skv) is not None:
+        return None  # a native mask skips masked tiles already
+    return split.plan(expr, sq, skv, SPLIT_BLOCKS, batch_heads, _sm_count())
 
 
 @functools.lru_cache(maxsize=None)
