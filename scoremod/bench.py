@@ -324,44 +324,55 @@ def make_direct(name, shape, direction):
             # sdpa_backward reads the block's stats packed, not at the forward's offset
             stats = torch.empty(b, h, blk.q1 - blk.q0, 1, dtype=torch.float32, device="cuda")
             parts.append((part, offsets, bufs, stats))
-    fwds, bwds = zip(*(_direct_runners(*part, direction) for part in parts))
+    fwds, bwds = zip(*(_direct_runners(*part, mod.operands, direction) for part in parts))
     if direction == "fwd":
         return (lambda: [f() for f in fwds]), ""
     return (lambda: [(f(), g()) for f, g in zip(fwds, bwds)]), ""
 
 
-def _direct_runners(static, offsets, bufs, bwd_stats, direction):
+def _torch_view(x):
+    """A JAX device array as a flat torch CUDA tensor (row-major, as the graphs read it)."""
+    import jax.numpy as jnp
+    import torch
+
+    return torch.from_dlpack(jnp.ravel(x).block_until_ready())
+
+
+def _direct_runners(static, offsets, bufs, bwd_stats, operands, direction):
     """Forward and backward executes of ``static``'s graphs on ``bufs`` (by uid)
-    at byte ``offsets``; ``bwd_stats``: the backward's own stats buffer, if any."""
+    at byte ``offsets``; ``bwd_stats``: the backward's own stats buffer, if any;
+    ``operands``: the mod's captured arrays."""
     import cudnn
     import torch
 
     from scoremod.dsl.ir import F32
     from scoremod.lowering import cudnn_graph as cg
 
-    def runner(built, consts, loads, bufs, offsets):
+    def runner(built, consts, loads, arrays, bufs, offsets):
         g = cudnn.pygraph()
         g.deserialize(built.blob)
         pack = {uid: bufs[uid].data_ptr() + offsets.get(uid, 0)
                 for uid in built.in_uids + built.out_uids if uid in bufs}
-        keep = []
-        for plan in loads:  # captured arrays and materialized masks: ones (values do not matter)
-            dims, strides = plan.spec.dims, plan.spec.strides
-            n = 1 + sum((x - 1) * st for x, st in zip(dims, strides))
-            keep.append(torch.ones(n, dtype=getattr(torch, plan.spec.dtype), device="cuda"))
-            pack[plan.spec.uid] = keep[-1].data_ptr()
+        # The captured arrays and materialized masks, with the values scoremod gives
+        # them (computed once, outside the timed calls)
+        keep = [_torch_view(x) for x in arrays]
+        for plan, x in zip(loads, keep):
+            assert x.numel() == math.prod(plan.spec.dims), (plan.spec, x.shape)
+            pack[plan.spec.uid] = x.data_ptr()
         for uid, bits, c in zip(built.scalar_uids, built.scalar_bits, consts):
             x = torch.tensor([bits], dtype=torch.int32)
             pack[uid] = (x.view(torch.float32) if c.dtype == F32 else x).reshape(1, 1, 1, 1)
         ws = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device="cuda")
         return lambda keep=keep: g.execute(pack, ws)  # keep: the load buffers stay alive
 
-    fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads, bufs, offsets)
+    fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads,
+                 static.load_arrays(operands, forward=True), bufs, offsets)
     if direction == "fwd":
         return fwd, None
     if bwd_stats is not None:
         bufs, offsets = {**bufs, cg.UID_STATS: bwd_stats}, {**offsets, cg.UID_STATS: 0}
-    return fwd, runner(static.backward_graph(), static.consts, static.loads, bufs, offsets)
+    return fwd, runner(static.backward_graph(), static.consts, static.loads,
+                       static.load_arrays(operands), bufs, offsets)
 
 
 def make_flex(name, shape, direction):
