@@ -215,9 +215,10 @@ class Shape:
             from torch.nn.attention.flex_attention import create_block_mask
 
             b = self.b if name == "document" else None
+            kw = {"_compile": True} if self.s <= 8192 else {}  # compiled at seq 16384 (torch
+            # 2.11), the mask builder sat in ptxas for over 150 s; built eagerly it is a vmap
             try:
-                self._masks[name] = create_block_mask(mask_mod, b, None, self.s, self.s, device="cuda",
-                                                      _compile=True)
+                self._masks[name] = create_block_mask(mask_mod, b, None, self.s, self.s, device="cuda", **kw)
             except TypeError:  # a torch without _compile
                 self._masks[name] = create_block_mask(mask_mod, b, None, self.s, self.s, device="cuda")
         return self._masks[name]

@@ -10,6 +10,7 @@
 # switched off, and the growing-score cases),
 # rest (everything else but the per-op cases), ops (every op, bf16 and fp16).
 # With pytest-xdist importable, N workers (default 4) share the one GPU.
+# NEW_S, REST_S, OPS_S override each chunk's time limit in seconds.
 set -u
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -30,9 +31,9 @@ NEW="native or growing or split or folding"
 for chunk in "${@:-new rest ops}"; do
     for c in $chunk; do
         case $c in
-            new) run new 240 tests/gpu -k "$NEW" ;;
-            rest) run rest 300 tests -k "not each_op and not ($NEW)" ;;
-            ops) run ops 240 tests/gpu -k each_op ;;
+            new) run new "${NEW_S:-240}" tests/gpu -k "$NEW" ;;
+            rest) run rest "${REST_S:-300}" tests -k "not each_op and not ($NEW)" ;;
+            ops) run ops "${OPS_S:-240}" tests/gpu -k each_op ;;
             *) echo "unknown chunk $c (new, rest, ops)"; exit 2 ;;
         esac
     done
