@@ -212,7 +212,12 @@ def test_from_merges_runs_later_file_wins(tmp_path, capsys):
     assert [t["ratio"] for t in merged["targets"]] == [1.0]
     text = page.read_text()
     assert "| FFI / direct | <= 1.03 | 1 | 0 | 1.000: s4096 d128 softcap fwd |" in text
-    assert "FFI / direct (<= 1.03): fwd 1.000 pass |" in text
+    assert "FFI / direct (<= 1.03): fwd 1.000 pass (runs 1+2) |" in text  # direct: d1's
+    assert "- run 2: d2, commit" in text
+    assert [r["run"] for r in sorted(merged["results"], key=lambda r: r["impl"])] == [0, 1]
+    # merged again, the file's own run numbers hold
+    assert bench.main(["--from", str(tmp_path / "m.json"), "--doc", str(page)]) == 0
+    assert "FFI / direct (<= 1.03): fwd 1.000 pass (runs 1+2) |" in page.read_text()
     assert "target s4096 d128 softcap fwd: FFI / direct: 1.000 (needs <= 1.03) pass" in capsys.readouterr().out
 
 
