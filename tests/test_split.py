@@ -105,6 +105,61 @@ def test_shifted_mod_reads_operands_at_the_right_rows():
     np.testing.assert_allclose(got, want)
 
 
+def test_offset_is_never_simplified_and_round_trips_through_text():
+    from scoremod.dsl import ir, ops
+    from scoremod.dsl.text import format_expr, parse_expr
+
+    q = ir.var("q_idx")
+    zero = ops.apply("offset", q, ir.const(0, ir.I32))
+    assert zero.op == "offset" and ops.apply("add", q, ir.const(0, ir.I32)) is q
+    mod = split.shifted(scoremod.trace(MODS["softcap_causal"]), 0, 0, uniform=("q_idx",))
+    assert canonical(mod.expr) is not None and "offset(q_idx, 0)" in format_expr(canonical(mod.expr))
+    assert parse_expr(format_expr(mod.expr), {})[0] is mod.expr
+    # the analyses that read index arithmetic read it as an addition
+    from scoremod.dsl.rewrite import nonneg
+    from scoremod.lowering import masks
+
+    assert nonneg(zero)
+    pure = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, s, NEG))
+    for q0 in (0, 256):
+        part = canonical(split.shifted(pure, q0, 0, uniform=("q_idx",)).expr)
+        want = canonical(split.shifted(pure, q0, 0).expr)
+        assert masks.band_of(part) == masks.band_of(want) is not None
+
+
+def _structure(root):
+    """The expression's DAG with constant values left out: what a cuDNN graph's
+    structure (and so its compiled kernel) depends on."""
+    from scoremod.dsl import ir
+
+    order = ir.toposort(root)
+    at = {n: i for i, n in enumerate(order)}
+    return [(n.op, n.dtype, None if n.op == "const" else n.attr, tuple(at[a] for a in n.args))
+            for n in order]
+
+
+@pytest.mark.parametrize("name", sorted(MODS))
+def test_every_block_of_a_split_has_one_graph_structure(name):
+    # cuDNN compiles a kernel per graph structure (measured on the H200: 1.4 s for
+    # the first block, 0.9 s for the second, whose indices were shifted, 0.07 s
+    # for each later one); with every block shifted alike, one compile serves all.
+    mod = scoremod.trace(MODS[name])
+    blocks = split.plan(canonical(mod.expr), 1024, 1024, blocks=8, sms=1)
+    assert blocks is not None and len(blocks) >= 4
+    sp = cudnn_path.Split(mod, (2, 1024, 1024, 4, 2, 32, 32), "bfloat16", 0.2, False, blocks)
+    # Equal shifts are one hash-consed constant, so a block whose query and key
+    # shifts are both 0 (the first block of a sliding window) feeds one scalar to
+    # both: a second structure, as many compiles as before the offsets.
+    both_zero = [b.q0 == b.k0 and "kv_idx" in split.shifted_indices(blocks) for b in blocks]
+    assert both_zero == [name == "softcap_window"] + [False] * (len(blocks) - 1)
+    for graph in ("fwd", "bwd"):
+        first, *rest = [_structure(getattr(p, graph)) for p, same in zip(sp.parts, both_zero)
+                        if not same]
+        assert all(r == first for r in rest), graph
+    assert len({tuple(l.spec.dtype for l in p.loads) for p in sp.parts}) == 1
+    assert "offset(q_idx, 0)" in str(sp.parts[0].mod)  # the first block too, shifted by 0
+
+
 @pytest.mark.parametrize("batch_heads,seq,count", [
     (64, 4096, 8),     # measured on the H200: 8 blocks 6-9% faster than 4 (forward)
     (64, 16384, 8),

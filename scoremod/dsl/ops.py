@@ -166,6 +166,10 @@ _op("mod", 2, "num2", jnp.remainder, _zero, infix="%", prec=6,
     doc="remainder with the sign of the divisor, Python semantics (`%`)")
 _op("rem", 2, "num2", _b(lax.rem), _zero, prims=("rem",),
     doc="remainder with the sign of the dividend (lax.rem, C fmod)")
+_op("offset", 2, "int2", jnp.add, _zero,
+    doc="an index plus a constant, never simplified (not even `+ 0`): the query-block "
+        "split shifts every block's indices with it, so all blocks share one cuDNN graph "
+        "structure and cuDNN compiles their kernel once")
 _op("neg", 1, "num", jnp.negative, _rule("neg"), prefix="-", prec=7, prims=("neg",),
     doc="negation")
 _op("abs", 1, "num", jnp.abs, _rule("abs"), prims=("abs",), doc="absolute value")

@@ -63,7 +63,8 @@ def nonneg(node: Node) -> bool:
         return True
     if node.op == "const":
         return node.attr >= 0
-    if node.op in ("add", "mul", "max", "floordiv", "trunc_div", "rem", "mod", "integer_pow"):
+    if node.op in ("add", "offset", "mul", "max", "floordiv", "trunc_div", "rem", "mod",
+                   "integer_pow"):
         if node.op == "max":
             return any(nonneg(a) for a in node.args)
         return all(nonneg(a) for a in node.args)

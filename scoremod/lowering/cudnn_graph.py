@@ -113,6 +113,7 @@ def _cmp(name):
 
 LOWER = {
     "add": _binary("add"),
+    "offset": _binary("add"),
     "sub": _binary("sub"),
     "mul": _binary("mul"),
     "div": _binary("div"),

@@ -304,8 +304,9 @@ class Split:
         self.allow_fallback = allow_fallback
         self.shapes, self.blocks = problem_shapes, tuple(blocks)
         self.itemsize = np.dtype(dtype).itemsize
+        uniform = split.shifted_indices(self.blocks)  # one graph structure for all blocks
         self.parts = tuple(
-            Static(split.shifted(mod, blk.q0, blk.k0),
+            Static(split.shifted(mod, blk.q0, blk.k0, uniform),
                    (b, blk.q1 - blk.q0, blk.k1 - blk.k0, hq, hkv, d, dv), dtype, scale,
                    allow_fallback, rows=(sq, skv))
             for blk in self.blocks)

@@ -121,11 +121,11 @@ def _linear(node):
         return {node.attr: 1}
     if node.op == "const" and isinstance(node.attr, int) and not isinstance(node.attr, bool):
         return {_ONE: node.attr}
-    if node.op in ("add", "sub"):
+    if node.op in ("add", "offset", "sub"):
         a, b = (_linear(x) for x in node.args)
         if a is None or b is None:
             return None
-        sign = 1 if node.op == "add" else -1
+        sign = -1 if node.op == "sub" else 1
         return {k: a.get(k, 0) + sign * b.get(k, 0) for k in set(a) | set(b)}
     if node.op == "neg":
         a = _linear(node.args[0])
