@@ -353,16 +353,20 @@ def _forward(static, q, k, v, operands):
         return _forward_split(static, q, k, v, operands)
     built = static.forward_graph()
     p = static.problem
-    out_shapes = [jax.ShapeDtypeStruct((p.b, p.sq, p.hq, p.dv), q.dtype),
-                  jax.ShapeDtypeStruct((p.b, p.hq, p.sq, 1), jnp.float32)]
+    out_shapes = _forward_outputs(p.b, p.sq, p.hq, p.dv, q.dtype)
     o, stats = _call(built, [q, k, v, *static.load_arrays(operands, forward=True)], out_shapes)
     return o, stats[..., 0]
 
 
+def _forward_outputs(b, sq, hq, dv, dtype):
+    """Shapes of the forward graph's O [b, sq, hq, dv] and stats [b, hq, sq, 1]."""
+    return [jax.ShapeDtypeStruct((b, sq, hq, dv), dtype),
+            jax.ShapeDtypeStruct((b, hq, sq, 1), jnp.float32)]
+
+
 def _forward_split(sp, q, k, v, operands):
     b, sq, _, hq, _, _, dv = sp.shapes
-    out_shapes = [jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
-                  jax.ShapeDtypeStruct((b, hq, sq, 1), jnp.float32)]
+    out_shapes = _forward_outputs(b, sq, hq, dv, q.dtype)
     carried = ()  # the first block's call allocates O and the stats, later ones fill in
     for blk, part in zip(sp.blocks, sp.parts):
         loads = part.load_arrays(operands, forward=True)
