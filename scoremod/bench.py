@@ -367,14 +367,20 @@ def _direct_runners(static, offsets, bufs, bwd_stats, operands, direction):
         ws = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device="cuda")
         return lambda keep=keep: g.execute(pack, ws)  # keep: the load buffers stay alive
 
-    fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads,
-                 static.load_arrays(operands, forward=True), bufs, offsets)
     if direction == "fwd":
-        return fwd, None
+        arrays = static.load_arrays(operands, forward=True)
+        return runner(static.forward_graph(), static.fwd_consts, static.fwd_loads, arrays,
+                      bufs, offsets), None
+    # Both graphs share the forward's arrays: each is materialized once (a bias is
+    # 17 GB at seq 16384).
+    arrays = static.load_arrays(operands)
+    fwd_arrays = [x for plan, x in zip(static.loads, arrays) if plan in static.fwd_loads]
+    fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads, fwd_arrays,
+                 bufs, offsets)
     if bwd_stats is not None:
         bufs, offsets = {**bufs, cg.UID_STATS: bwd_stats}, {**offsets, cg.UID_STATS: 0}
-    return fwd, runner(static.backward_graph(), static.consts, static.loads,
-                       static.load_arrays(operands), bufs, offsets)
+    return fwd, runner(static.backward_graph(), static.consts, static.loads, arrays, bufs,
+                       offsets)
 
 
 def make_flex(name, shape, direction):
