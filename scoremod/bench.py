@@ -271,7 +271,7 @@ def make_call(impl, name, shape, direction):
     return (lambda: f(*args)), wall_clock, variant
 
 
-LOWERING_SWITCHES = ("NATIVE_MASKS", "SPLIT_BLOCKS", "FOLD_SCALE")  # in lowering/cudnn_path.py
+LOWERING_SWITCHES = ("NATIVE_MASKS", "SPLIT_BLOCKS", "SPLIT_KEYS", "FOLD_SCALE")  # in lowering/cudnn_path.py
 
 
 @contextlib.contextmanager
@@ -293,8 +293,8 @@ def plain_lowering(on):
 
 def make_direct(name, shape, direction):
     """The graphs scoremod runs for this mod and shape, executed by the frontend's Python API
-    (with query-block splitting on: each block's graphs in turn, on its rows of the full
-    arrays as scoremod runs them; the sum of the blocks' dK, dV is not included)."""
+    (with the split on: each block's graphs in turn, on its rows of the full arrays as
+    scoremod runs them; the sum of the blocks' partial gradients is not included)."""
     import torch
 
     from scoremod.lowering import cudnn_graph as cg
@@ -307,28 +307,51 @@ def make_direct(name, shape, direction):
     q, k, v, do = shape.torch_inputs()
     shared = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
               cg.UID_STATS: torch.empty(b, h, s, 1, dtype=torch.float32, device="cuda"),
-              cg.UID_DQ: torch.empty_like(q)}
+              cg.UID_DQ: torch.empty_like(q), cg.UID_DK: torch.empty_like(k),
+              cg.UID_DV: torch.empty_like(v)}
     if blocks is None:
         static = cudnn_path.Static(mod, (b, s, s, h, h, d, d), shape.dtype, scale,
                                    allow_fallback=False)
-        parts = [(static, {}, {**shared, cg.UID_DK: torch.empty_like(k),
-                               cg.UID_DV: torch.empty_like(v)}, None)]
+        fwd_parts = bwd_parts = [(static, {}, shared)]
     else:
-        sp = cudnn_path.Split(mod, (b, s, s, h, h, d, d), shape.dtype, scale, False, blocks)
-        parts = []
+        sp = cudnn_path.Split(mod, (b, s, s, h, h, d, d), shape.dtype, scale, False, *blocks)
+        fwd_parts, bwd_parts, packed = [], [], []
         for blk, part in zip(sp.blocks, sp.parts):
             oq, ok, ov, oo, os_ = sp.offsets(blk)
-            offsets = {cg.UID_Q: oq, cg.UID_DQ: oq, cg.UID_K: ok, cg.UID_V: ov, cg.UID_O: oo,
-                       cg.UID_DO: oo, cg.UID_STATS: os_}
-            rows = (b, blk.k1 - blk.k0, h, d)
-            bufs = {**shared, cg.UID_DK: k.new_empty(rows), cg.UID_DV: v.new_empty(rows)}
+            fwd_parts.append((part, {cg.UID_Q: oq, cg.UID_K: ok, cg.UID_V: ov, cg.UID_O: oo,
+                                     cg.UID_STATS: os_}, shared))
+        by_keys = sp.key_blocks is not None
+        for blk, part in zip(sp.key_blocks or sp.blocks, sp.bwd_parts):
+            oq, ok, ov, oo, _ = sp.offsets(blk)
+            offsets = {cg.UID_Q: oq, cg.UID_K: ok, cg.UID_V: ov, cg.UID_O: oo, cg.UID_DO: oo}
+            if by_keys:  # dK, dV in place, dQ the block's own (as cudnn_path._backward_split)
+                offsets.update({cg.UID_DK: ok, cg.UID_DV: ov})
+                own = {cg.UID_DQ: q.new_empty((b, blk.q1 - blk.q0, h, d))}
+            else:
+                offsets[cg.UID_DQ] = oq
+                own = {cg.UID_DK: k.new_empty((b, blk.k1 - blk.k0, h, d)),
+                       cg.UID_DV: v.new_empty((b, blk.k1 - blk.k0, h, d))}
             # sdpa_backward reads the block's stats packed, not at the forward's offset
-            stats = torch.empty(b, h, blk.q1 - blk.q0, 1, dtype=torch.float32, device="cuda")
-            parts.append((part, offsets, bufs, stats))
-    fwds, bwds = zip(*(_direct_runners(*part, mod.operands, direction) for part in parts))
+            own[cg.UID_STATS] = torch.empty(b, h, blk.q1 - blk.q0, 1, dtype=torch.float32,
+                                            device="cuda")
+            packed.append((own[cg.UID_STATS], blk))
+            bwd_parts.append((part, offsets, {**shared, **own}))
+    arrays = _load_arrays_once(mod.operands)
+    fwds = [_direct_runner(part.forward_graph(), part.fwd_consts, part.fwd_loads,
+                           arrays(part, forward=True), bufs, offsets)
+            for part, offsets, bufs in fwd_parts]
     if direction == "fwd":
         return (lambda: [f() for f in fwds]), ""
-    return (lambda: [(f(), g()) for f, g in zip(fwds, bwds)]), ""
+    bwds = [_direct_runner(part.backward_graph(), part.consts, part.loads, arrays(part), bufs,
+                           offsets)
+            for part, offsets, bufs in bwd_parts]
+    if blocks is not None:  # the backward reads the forward's LSE: compute it once, copy it
+        for f in fwds:
+            f()
+        for stats, blk in packed:
+            stats.copy_(shared[cg.UID_STATS][:, :, blk.q0:blk.q1])
+        torch.cuda.synchronize()
+    return (lambda: [f() for f in fwds] + [g() for g in bwds]), ""
 
 
 def _torch_view(x):
@@ -340,47 +363,45 @@ def _torch_view(x):
     return torch.from_dlpack(x.block_until_ready()).reshape(-1)
 
 
-def _direct_runners(static, offsets, bufs, bwd_stats, operands, direction):
-    """Forward and backward executes of ``static``'s graphs on ``bufs`` (by uid)
-    at byte ``offsets``; ``bwd_stats``: the backward's own stats buffer, if any;
-    ``operands``: the mod's captured arrays."""
+def _load_arrays_once(operands):
+    """``arrays(static, forward=False)``: the graph's load arrays, with the values scoremod
+    gives them, computed once per ``static`` (the forward's are a subset of the
+    backward's) and in one jitted computation (op by op, a [1, H, S, S] bias built its
+    int32 index grids at full size: out of memory at seq 16384)."""
+    import jax
+
+    done = {}
+
+    def arrays(static, forward=False):
+        if static not in done:
+            done[static] = jax.jit(static.load_arrays)(tuple(operands))
+        return [x for plan, x in zip(static.loads, done[static])
+                if not forward or plan in static.fwd_loads]
+
+    return arrays
+
+
+def _direct_runner(built, consts, loads, arrays, bufs, offsets):
+    """An execute of ``built`` on ``bufs`` (by uid) at byte ``offsets``, with the
+    graph's scalars ``consts`` and its ``loads`` given ``arrays``."""
     import cudnn
     import torch
 
     from scoremod.dsl.ir import F32
-    from scoremod.lowering import cudnn_graph as cg
 
-    def runner(built, consts, loads, arrays, bufs, offsets):
-        g = cudnn.pygraph()
-        g.deserialize(built.blob)
-        pack = {uid: bufs[uid].data_ptr() + offsets.get(uid, 0)
-                for uid in built.in_uids + built.out_uids if uid in bufs}
-        # The captured arrays and materialized masks, with the values scoremod gives
-        # them (computed once, outside the timed calls)
-        keep = [_torch_view(x) for x in arrays]
-        for plan, x in zip(loads, keep):
-            assert x.numel() == math.prod(plan.spec.dims), (plan.spec, x.shape)
-            pack[plan.spec.uid] = x.data_ptr()
-        for uid, bits, c in zip(built.scalar_uids, built.scalar_bits, consts):
-            x = torch.tensor([bits], dtype=torch.int32)
-            pack[uid] = (x.view(torch.float32) if c.dtype == F32 else x).reshape(1, 1, 1, 1)
-        ws = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device="cuda")
-        return lambda keep=keep: g.execute(pack, ws)  # keep: the load buffers stay alive
-
-    if direction == "fwd":
-        arrays = static.load_arrays(operands, forward=True)
-        return runner(static.forward_graph(), static.fwd_consts, static.fwd_loads, arrays,
-                      bufs, offsets), None
-    # Both graphs share the forward's arrays: each is materialized once (a bias is
-    # 17 GB at seq 16384).
-    arrays = static.load_arrays(operands)
-    fwd_arrays = [x for plan, x in zip(static.loads, arrays) if plan in static.fwd_loads]
-    fwd = runner(static.forward_graph(), static.fwd_consts, static.fwd_loads, fwd_arrays,
-                 bufs, offsets)
-    if bwd_stats is not None:
-        bufs, offsets = {**bufs, cg.UID_STATS: bwd_stats}, {**offsets, cg.UID_STATS: 0}
-    return fwd, runner(static.backward_graph(), static.consts, static.loads, arrays, bufs,
-                       offsets)
+    g = cudnn.pygraph()
+    g.deserialize(built.blob)
+    pack = {uid: bufs[uid].data_ptr() + offsets.get(uid, 0)
+            for uid in built.in_uids + built.out_uids if uid in bufs}
+    keep = [_torch_view(x) for x in arrays]
+    for plan, x in zip(loads, keep):
+        assert x.numel() == math.prod(plan.spec.dims), (plan.spec, x.shape)
+        pack[plan.spec.uid] = x.data_ptr()
+    for uid, bits, c in zip(built.scalar_uids, built.scalar_bits, consts):
+        x = torch.tensor([bits], dtype=torch.int32)
+        pack[uid] = (x.view(torch.float32) if c.dtype == F32 else x).reshape(1, 1, 1, 1)
+    ws = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device="cuda")
+    return lambda keep=keep: g.execute(pack, ws)  # keep: the load buffers stay alive
 
 
 def make_flex(name, shape, direction):
@@ -858,7 +879,12 @@ def _lowered_here(name, impl, shape):
 
     blocks = cudnn_path._split_blocks(shape.mod(name), shape.s, shape.s, shape.b * shape.h)
     parts = [p for p in how.split(", ") if p != "query blocks"]
-    return ", ".join(([f"{len(blocks)} query blocks"] if blocks else []) + parts) or "as written"
+    split = []
+    if blocks:
+        split = [f"{len(blocks[0])} query blocks"]
+        if blocks[1]:
+            split.append(f"{len(blocks[1])} key blocks backward")
+    return ", ".join(split + parts) or "as written"
 
 
 def lowered(mod, meta):
