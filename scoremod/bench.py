@@ -271,7 +271,7 @@ def make_call(impl, name, shape, direction):
     return (lambda: f(*args)), wall_clock, variant
 
 
-LOWERING_SWITCHES = ("NATIVE_MASKS", "SPLIT_BLOCKS", "SPLIT_KEYS", "FOLD_SCALE")  # in lowering/cudnn_path.py
+LOWERING_SWITCHES = ("NATIVE_MASKS", "SPLIT_BLOCKS", "FOLD_SCALE")  # in lowering/cudnn_path.py
 
 
 @contextlib.contextmanager
@@ -294,7 +294,7 @@ def plain_lowering(on):
 def make_direct(name, shape, direction):
     """The graphs scoremod runs for this mod and shape, executed by the frontend's Python API
     (with the split on: each block's graphs in turn, on its rows of the full arrays as
-    scoremod runs them; the sum of the blocks' partial gradients is not included)."""
+    scoremod runs them; the sum of the blocks' dK, dV is not included)."""
     import torch
 
     from scoremod.lowering import cudnn_graph as cg
@@ -314,28 +314,20 @@ def make_direct(name, shape, direction):
                                    allow_fallback=False)
         fwd_parts = bwd_parts = [(static, {}, shared)]
     else:
-        sp = cudnn_path.Split(mod, (b, s, s, h, h, d, d), shape.dtype, scale, False, *blocks)
+        sp = cudnn_path.Split(mod, (b, s, s, h, h, d, d), shape.dtype, scale, False, blocks)
         fwd_parts, bwd_parts, packed = [], [], []
         for blk, part in zip(sp.blocks, sp.parts):
             oq, ok, ov, oo, os_ = sp.offsets(blk)
-            fwd_parts.append((part, {cg.UID_Q: oq, cg.UID_K: ok, cg.UID_V: ov, cg.UID_O: oo,
-                                     cg.UID_STATS: os_}, shared))
-        by_keys = sp.key_blocks is not None
-        for blk, part in zip(sp.key_blocks or sp.blocks, sp.bwd_parts):
-            oq, ok, ov, oo, _ = sp.offsets(blk)
-            offsets = {cg.UID_Q: oq, cg.UID_K: ok, cg.UID_V: ov, cg.UID_O: oo, cg.UID_DO: oo}
-            if by_keys:  # dK, dV in place, dQ the block's own (as cudnn_path._backward_split)
-                offsets.update({cg.UID_DK: ok, cg.UID_DV: ov})
-                own = {cg.UID_DQ: q.new_empty((b, blk.q1 - blk.q0, h, d))}
-            else:
-                offsets[cg.UID_DQ] = oq
-                own = {cg.UID_DK: k.new_empty((b, blk.k1 - blk.k0, h, d)),
-                       cg.UID_DV: v.new_empty((b, blk.k1 - blk.k0, h, d))}
+            offsets = {cg.UID_Q: oq, cg.UID_DQ: oq, cg.UID_K: ok, cg.UID_V: ov, cg.UID_O: oo,
+                       cg.UID_DO: oo, cg.UID_STATS: os_}
+            fwd_parts.append((part, offsets, shared))
+            rows = (b, blk.k1 - blk.k0, h, d)  # the block's own dK, dV (as _backward_split)
             # sdpa_backward reads the block's stats packed, not at the forward's offset
-            own[cg.UID_STATS] = torch.empty(b, h, blk.q1 - blk.q0, 1, dtype=torch.float32,
-                                            device="cuda")
-            packed.append((own[cg.UID_STATS], blk))
-            bwd_parts.append((part, offsets, {**shared, **own}))
+            stats = torch.empty(b, h, blk.q1 - blk.q0, 1, dtype=torch.float32, device="cuda")
+            packed.append((stats, blk))
+            bwd_parts.append((part, {**offsets, cg.UID_STATS: 0},
+                              {**shared, cg.UID_DK: k.new_empty(rows), cg.UID_DV: v.new_empty(rows),
+                               cg.UID_STATS: stats}))
     arrays = _load_arrays_once(mod.operands)
     fwds = [_direct_runner(part.forward_graph(), part.fwd_consts, part.fwd_loads,
                            arrays(part, forward=True), bufs, offsets)
@@ -879,12 +871,7 @@ def _lowered_here(name, impl, shape):
 
     blocks = cudnn_path._split_blocks(shape.mod(name), shape.s, shape.s, shape.b * shape.h)
     parts = [p for p in how.split(", ") if p != "query blocks"]
-    split = []
-    if blocks:
-        split = [f"{len(blocks[0])} query blocks"]
-        if blocks[1]:
-            split.append(f"{len(blocks[1])} key blocks backward")
-    return ", ".join(split + parts) or "as written"
+    return ", ".join(([f"{len(blocks)} query blocks"] if blocks else []) + parts) or "as written"
 
 
 def lowered(mod, meta):

@@ -72,56 +72,6 @@ def test_blocks_compute_the_same_attention_and_gradients(name, sq, skv):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sq,skv", [(512, 512), (384, 640)])
-@pytest.mark.parametrize("name", sorted(MODS))
-def test_key_blocks_compute_the_same_gradients(name, sq, skv):
-    # The split backward: each key block's dK, dV whole, its dQ rows summed,
-    # every block given the whole rows' O and LSE.
-    mod = scoremod.trace(MODS[name])
-    if skv > sq:
-        off = skv - sq
-        mod = scoremod.trace(lambda s, b, h, q, k: MODS[name](s, b, h, q + off, k))
-    key_blocks = split.plan(canonical(mod.expr), sq, skv, blocks=8, sms=1, by_keys=True)
-    assert key_blocks is not None and len(key_blocks) >= 4
-    q, k, v = inputs(sq, skv)
-    o, lse = reference(q, k, v, mod)
-    w = jax.random.normal(jax.random.key(3), o.shape)
-    want = jax.grad(lambda *a: jnp.sum(reference(*a, mod)[0] * w), (0, 1, 2))(q, k, v)
-    got = jax.jit(lambda *a: split.blockwise_backward(*a, mod, key_blocks, reference))(
-        q, k, v, o, lse, w)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
-
-
-BANDS = {  # kv_idx - q_idx in [lo, hi], as the masks write them
-    "causal": lambda q, k: q >= k,
-    "window": lambda q, k: (q >= k) & (q - k < 300),
-    "both_sides": lambda q, k: (k - q <= 200) & (q - k <= 200),
-    "ahead": lambda q, k: q + 128 >= k,
-}
-
-
-@pytest.mark.parametrize("sq,skv", [(1024, 1024), (1000, 1100), (768, 1536)])
-@pytest.mark.parametrize("name", sorted(BANDS))
-def test_key_blocks_partition_the_keys_and_cover_their_queries(name, sq, skv):
-    fn = BANDS[name]
-    expr = canonical(scoremod.trace(lambda s, b, h, q, k: jnp.where(fn(q, k), s * 2, NEG)).expr)
-    seen = np.asarray(fn(np.arange(sq)[:, None], np.arange(skv)[None, :]))
-    key_blocks = split.plan(expr, sq, skv, blocks=8, sms=1, by_keys=True)
-    # Keys no query sees get zero gradients inside a block with queries; a block
-    # whose keys no query sees has no call, so no plan has one.
-    if key_blocks is None:
-        assert not seen.any(axis=0).all() and (name, skv) != ("ahead", 1536)
-        return
-    assert [b.k0 for b in key_blocks] == sorted({b.k0 for b in key_blocks})
-    assert key_blocks[0].k0 == 0 and key_blocks[-1].k1 == skv
-    assert all(a.k1 == b.k0 for a, b in zip(key_blocks, key_blocks[1:]))  # a partition
-    for b in key_blocks:
-        rows = np.flatnonzero(seen[:, b.k0:b.k1].any(axis=1))
-        assert rows.size, b
-        assert b.q0 <= rows.min() and rows.max() < b.q1 and b.q0 % 128 == 0
-
-
 def test_plan_covers_every_visible_key_and_skips_the_rest():
     expr = canonical(scoremod.trace(MODS["softcap_window"]).expr)
     blocks = split.plan(expr, 2048, 2048, blocks=8, sms=1)
@@ -196,15 +146,7 @@ def test_every_block_of_a_split_has_one_graph_structure(name):
     mod = scoremod.trace(MODS[name])
     blocks = split.plan(canonical(mod.expr), 1024, 1024, blocks=8, sms=1)
     assert blocks is not None and len(blocks) >= 4
-    key_blocks = split.plan(canonical(mod.expr), 1024, 1024, blocks=8, sms=1, by_keys=True)
-    sp = cudnn_path.Split(mod, (2, 1024, 1024, 4, 2, 32, 32), "bfloat16", 0.2, False, blocks,
-                          key_blocks)
-    # The backward's key blocks shift both indices by the same amount in every
-    # block (q0 == k0), so they share one structure, the first block included.
-    assert all(b.q0 == b.k0 for b in key_blocks)
-    for graph in ("fwd", "bwd"):
-        first, *rest = [_structure(getattr(p, graph)) for p in sp.bwd_parts]
-        assert all(r == first for r in rest), graph
+    sp = cudnn_path.Split(mod, (2, 1024, 1024, 4, 2, 32, 32), "bfloat16", 0.2, False, blocks)
     # Equal shifts are one hash-consed constant, so a block whose query and key
     # shifts are both 0 (the first block of a sliding window) feeds one scalar to
     # both: a second structure, as many compiles as before the offsets.
@@ -236,10 +178,7 @@ def test_fused_path_splits_only_when_enabled(monkeypatch):
     monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 0)
     assert cudnn_path._split_blocks(mod, 4096, 4096, 64) is None
     monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 4)
-    blocks, key_blocks = cudnn_path._split_blocks(mod, 4096, 4096, 64)
-    assert len(blocks) == 4 and len(key_blocks) == 4
-    monkeypatch.setattr(cudnn_path, "SPLIT_KEYS", False)
-    assert cudnn_path._split_blocks(mod, 4096, 4096, 64) == (blocks, None)
+    assert len(cudnn_path._split_blocks(mod, 4096, 4096, 64)) == 4
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, s, NEG))
     monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", True)
     assert cudnn_path._split_blocks(pure, 4096, 4096, 64) is None  # the native mask is better

@@ -209,9 +209,6 @@ class Problem:
     # reads and writes its rows in place (None: the arrays are exactly sq, skv).
     q_rows: int | None = None
     kv_rows: int | None = None
-    # The backward's gradients written in place: "q" (dQ; a query block's dK,
-    # dV are its own arrays) or "kv" (dK, dV; a key block's dQ is its own).
-    grads_in_place: str = "q"
 
     def stats_layout(self, packed=False):
         # cuDNN < 9.26 takes only a packed stats input in sdpa_backward.
@@ -344,12 +341,11 @@ def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describ
     mods = {} if fwd is None else {"score_mod": score_mod, "score_mod_bprop": score_mod_bprop}
     dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
                                  attn_scale=p.scale, **_mask_args(p), **mods)
-    # A block's gradients either land in their rows of the full arrays or are
-    # its own arrays (blocks overlapping in those rows are summed afterwards).
-    q_rows, kv_rows = (p.q_rows, None) if p.grads_in_place == "q" else (None, p.kv_rows)
-    for t, uid, (b, s, h, d, rows) in ((dq, UID_DQ, (p.b, p.sq, p.hq, p.d, q_rows)),
-                                       (dk, UID_DK, (p.b, p.skv, p.hkv, p.d, kv_rows)),
-                                       (dv, UID_DV, (p.b, p.skv, p.hkv, p.dv, kv_rows))):
+    # dQ lands in its rows of the full array; a block's dK, dV are its own
+    # arrays (blocks overlap in keys, so they are summed afterwards).
+    for t, uid, (b, s, h, d, rows) in ((dq, UID_DQ, (p.b, p.sq, p.hq, p.d, p.q_rows)),
+                                       (dk, UID_DK, (p.b, p.skv, p.hkv, p.d, None)),
+                                       (dv, UID_DV, (p.b, p.skv, p.hkv, p.dv, None))):
         dims, strides = bshd(b, s, h, d, rows)
         t.set_output(True).set_dim(list(dims)).set_stride(list(strides))
         t.set_data_type(_dtype(p.dtype))

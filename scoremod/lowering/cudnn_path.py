@@ -117,11 +117,6 @@ FOLD_SCALE = _switch("SCOREMOD_FOLD_SCALE", "1", bool)
 # 16 heads): 8 blocks beat 4 by 6-9% forward.
 SPLIT_BLOCKS = _switch("SCOREMOD_SPLIT_BLOCKS", "8", int)
 
-# The split's backward splits the keys (each key block's dK, dV whole, the
-# blocks' dQ summed) rather than the queries (dK and dV summed);
-# SCOREMOD_SPLIT_KEYS=0 splits the backward by the forward's query blocks.
-SPLIT_KEYS = _switch("SCOREMOD_SPLIT_KEYS", "1", bool)
-
 # Key tiles past the end of the sequence: cuDNN's backward pass evaluates
 # score_mod on padding keys (kv_idx >= Skv) of the last tile and, in float16,
 # P = exp(score - LSE) can overflow there when the mod grows with kv_idx
@@ -161,8 +156,7 @@ class LoadPlan:
 class Static:
     """Hashable, static part of a fused call (custom_vjp nondiff argument)."""
 
-    def __init__(self, mod, problem_shapes, dtype, scale, allow_fallback, rows=(None, None),
-                 grads_in_place="q"):
+    def __init__(self, mod, problem_shapes, dtype, scale, allow_fallback, rows=(None, None)):
         b, sq, skv, hq, hkv, d, dv = problem_shapes
         # The expression only: operand values (maybe tracers) never enter static data.
         self.mod = None if mod is None else type(mod)(mod.expr)
@@ -191,8 +185,7 @@ class Static:
             fwd_set = set(fwd_nodes)
             self.fwd_loads = tuple(l for l in self.loads if l.node in fwd_set)
         self.problem = cg.Problem(b, sq, skv, hq, hkv, d, dv, dtype, float(graph_scale),
-                                  tuple(l.spec for l in self.loads), self.band, *rows,
-                                  grads_in_place=grads_in_place)
+                                  tuple(l.spec for l in self.loads), self.band, *rows)
         self.fwd_problem = dataclasses.replace(self.problem,
                                                loads=tuple(l.spec for l in self.fwd_loads))
         # The lowered expression too: folding or not, the same mod never shares a graph.
@@ -299,35 +292,25 @@ class Static:
 
 
 class Split:
-    """Static part of a split (see ``split``): the forward runs one ``Static``
-    per query block (``parts``), the backward one per key block (``bwd_parts``;
-    per query block when ``key_blocks`` is None). Their graphs read and write
-    the block's rows of the full arrays in place (strides of the full arrays,
-    byte offsets per call), so no slice of q, k, v, O, dO, dQ, dK or dV is
-    copied; the gradients blocks share rows of are summed."""
+    """Static part of a query-block split (see ``split``): one ``Static`` per
+    block, whose graphs read and write the block's rows of the full arrays in
+    place (strides of the full arrays, byte offsets per call), so no slice of
+    q, k, v, O or dQ is copied."""
 
-    def __init__(self, mod, problem_shapes, dtype, scale, allow_fallback, blocks,
-                 key_blocks=None):
+    def __init__(self, mod, problem_shapes, dtype, scale, allow_fallback, blocks):
+        b, sq, skv, hq, hkv, d, dv = problem_shapes
         self.mod = type(mod)(mod.expr)
         self.scale = float(scale)
         self.allow_fallback = allow_fallback
         self.shapes, self.blocks = problem_shapes, tuple(blocks)
-        self.key_blocks = None if key_blocks is None else tuple(key_blocks)
         self.itemsize = np.dtype(dtype).itemsize
-        self.parts = self._parts(mod, self.blocks, dtype, "q")
-        self.bwd_parts = (self.parts if self.key_blocks is None
-                          else self._parts(mod, self.key_blocks, dtype, "kv"))
-        self.key = ("split", mod.key, self.blocks, self.key_blocks,
-                    tuple(p.key for p in self.parts + self.bwd_parts))
-
-    def _parts(self, mod, blocks, dtype, grads_in_place):
-        b, sq, skv, hq, hkv, d, dv = self.shapes
-        uniform = split.shifted_indices(blocks)  # one graph structure for all blocks
-        return tuple(
+        uniform = split.shifted_indices(self.blocks)  # one graph structure for all blocks
+        self.parts = tuple(
             Static(split.shifted(mod, blk.q0, blk.k0, uniform),
-                   (b, blk.q1 - blk.q0, blk.k1 - blk.k0, hq, hkv, d, dv), dtype, self.scale,
-                   self.allow_fallback, rows=(sq, skv), grads_in_place=grads_in_place)
-            for blk in blocks)
+                   (b, blk.q1 - blk.q0, blk.k1 - blk.k0, hq, hkv, d, dv), dtype, scale,
+                   allow_fallback, rows=(sq, skv))
+            for blk in self.blocks)
+        self.key = ("split", mod.key, self.blocks, tuple(p.key for p in self.parts))
 
     def __hash__(self):
         return hash((self.key, self.allow_fallback))
@@ -337,8 +320,7 @@ class Split:
                 and other.allow_fallback == self.allow_fallback)
 
     def describe(self):
-        keys = "" if self.key_blocks is None else f" ({len(self.key_blocks)} key blocks backward)"
-        return f"score_mod `{self.mod}` in {len(self.blocks)} query blocks{keys}"
+        return f"score_mod `{self.mod}` in {len(self.blocks)} query blocks"
 
     def offsets(self, blk):
         """Byte offsets of the block's first row in q (dQ), k, v, O (dO) and the stats."""
@@ -351,14 +333,13 @@ class Split:
 # --- the custom_vjp ------------------------------------------------------------
 
 
-def _call(built, inputs, out_shapes, offsets=(), carried=(), into=None):
+def _call(built, inputs, out_shapes, offsets=(), carried=()):
     """Runs ``built``; ``carried``: arrays appended to the inputs that become
-    the outputs numbered ``into`` (default 0, 1, ...), updated in place (see
-    ``kernels_ffi.call``)."""
+    the outputs of the same index, updated in place (see ``kernels_ffi.call``)."""
     from scoremod import kernels_ffi
 
     n = len(inputs)
-    carry = dict(zip(range(n, n + len(carried)), into or range(len(carried))))
+    carry = {n + i: i for i in range(len(carried))}
     if carried:
         offsets = offsets[:n] + (0,) * len(carried) + offsets[n:]
     return kernels_ffi.call(built.blob, built.graph_id, [*inputs, *carried], out_shapes,
@@ -398,44 +379,30 @@ def _forward_split(sp, q, k, v, operands):
 
 
 def _backward_split(sp, q, k, v, o, lse, do, operands):
-    # One gradient is carried in place: the first block's call allocates it,
-    # later ones fill in their rows. The other two are each block's own, summed.
-    by_keys = sp.key_blocks is not None
-    carried, own = (), []
-    for blk, part in zip(sp.key_blocks or sp.blocks, sp.bwd_parts):
+    carried, dks, dvs = (), [], []  # dQ: the first block's call allocates it, later ones fill in
+    for blk, part in zip(sp.blocks, sp.parts):
         loads = part.load_arrays(operands)
         oq, ok, ov, oo, _ = sp.offsets(blk)
         stats = lse[:, :, blk.q0:blk.q1, None]  # packed: see Problem.stats_layout
-        if by_keys:  # dK, dV in place; dQ the block's rows
-            out_shapes = [_rows(q, blk.q1 - blk.q0), _rows(k, k.shape[1]), _rows(v, v.shape[1])]
-            out_offsets, into = (0, ok, ov), (1, 2)
-        else:  # dQ in place; dK, dV the block's rows
-            out_shapes = [_rows(q, q.shape[1]), _rows(k, blk.k1 - blk.k0),
-                          _rows(v, blk.k1 - blk.k0)]
-            out_offsets, into = (oq, 0, 0), (0,)
-        offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + out_offsets
+        n = blk.k1 - blk.k0
+        out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                      jax.ShapeDtypeStruct(k.shape[:1] + (n,) + k.shape[2:], k.dtype),
+                      jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
+        offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + (oq, 0, 0)
         dq, dk, dv = _call(part.backward_graph(), [q, k, v, o, do, stats, *loads], out_shapes,
-                           offsets, carried, into)
-        carried = (dk, dv) if by_keys else (dq,)
-        own.append((dq,) if by_keys else (dk, dv))
-    if by_keys:
-        return _sum_rows([x for x, in own], [(b.q0, b.q1) for b in sp.key_blocks], q), *carried
-    ranges = [(b.k0, b.k1) for b in sp.blocks]
-    return (carried[0], _sum_rows([x for x, _ in own], ranges, k),
-            _sum_rows([x for _, x in own], ranges, v))
+                           offsets, carried)
+        carried = (dq,)
+        dks.append(dk)
+        dvs.append(dv)
 
+    def summed(parts, like):  # blocks overlap in keys: add their gradients, in float32
+        total = sum(jax.lax.pad(p.astype(jnp.float32), jnp.float32(0),
+                                [(0, 0, 0), (blk.k0, like.shape[1] - blk.k1, 0), (0, 0, 0),
+                                 (0, 0, 0)])
+                    for p, blk in zip(parts, sp.blocks))
+        return total.astype(like.dtype)
 
-def _rows(x, n):
-    """The shape of ``n`` rows of ``x`` ([B, S, H, D])."""
-    return jax.ShapeDtypeStruct(x.shape[:1] + (n,) + x.shape[2:], x.dtype)
-
-
-def _sum_rows(parts, ranges, like):
-    """The blocks' gradients, each for rows ``[r0, r1)`` of ``like``, added in float32."""
-    total = sum(jax.lax.pad(p.astype(jnp.float32), jnp.float32(0),
-                            [(0, 0, 0), (r0, like.shape[1] - r1, 0), (0, 0, 0), (0, 0, 0)])
-                for p, (r0, r1) in zip(parts, ranges))
-    return total.astype(like.dtype)
+    return carried[0], summed(dks, k), summed(dvs, v)
 
 
 def _backward(static, q, k, v, o, lse, do, operands):
@@ -521,7 +488,7 @@ def attention(query, key, value, mod, scale, return_lse, *, explicit=True):
     dtype = np.dtype(query.dtype).name
     blocks = _split_blocks(mod, query.shape[1], key.shape[1], query.shape[0] * query.shape[2])
     if blocks is not None:
-        static = Split(mod, shapes, dtype, scale, not explicit, *blocks)
+        static = Split(mod, shapes, dtype, scale, not explicit, blocks)
     else:
         static = Static(mod, shapes, dtype, scale, allow_fallback=not explicit)
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
@@ -530,21 +497,13 @@ def attention(query, key, value, mod, scale, return_lse, *, explicit=True):
 
 
 def _split_blocks(mod, sq, skv, batch_heads):
-    """(query blocks, key blocks of the backward or None) for a band-masked mod
-    (see ``split``), or None for one call."""
+    """Query blocks for a band-masked mod (see ``split``), or None for one call."""
     if mod is None or SPLIT_BLOCKS < 2:
         return None
     expr = cudnn_rules.canonical(mod.expr)
     if NATIVE_MASKS and masks.native_band(expr, sq, skv) is not None:
         return None  # a native mask skips masked tiles already
-    blocks = split.plan(expr, sq, skv, SPLIT_BLOCKS, batch_heads, _sm_count())
-    if blocks is None:
-        return None
-    key_blocks = None
-    if SPLIT_KEYS:  # None when a key is seen by no query: the backward splits queries too
-        key_blocks = split.plan(expr, sq, skv, SPLIT_BLOCKS, batch_heads, _sm_count(),
-                                by_keys=True)
-    return blocks, key_blocks
+    return split.plan(expr, sq, skv, SPLIT_BLOCKS, batch_heads, _sm_count())
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,15 +7,9 @@ can only see keys ``[q0 + lo, q1 - 1 + hi]`` (``lo <= kv_idx - q_idx <= hi``
 is the band), so each block is one fused call on a range of the keys, with
 the mod's indices shifted back (``q_idx -> q_idx + q0``). Every row sees all
 its keys inside its own call, so the blocks' outputs and LSEs are its rows
-of the whole (no softmax merging, no new kernel).
-
-The backward is given every row's LSE, so it needs no whole rows: it splits
-the keys instead (``plan(..., by_keys=True)``). Each key block's dK, dV then
-come whole from one call and only the blocks' dQ add up: one sum of partial
-gradients where a query split has two (dK and dV), and the cuDNN backward
-kernel, which spreads its work over key tiles, gets equal-sized blocks.
-``blockwise`` and ``blockwise_backward`` say both in JAX; the fused path
-(``cudnn_path.Split``) does them in place, without slicing.
+of the whole (no softmax merging, no new kernel), and the key gradients of
+the blocks add up. ``blockwise`` says this in JAX; the fused path
+(``cudnn_path.Split``) does it in place, without slicing.
 
     >>> import jax.numpy as jnp, scoremod
     >>> from scoremod.lowering.cudnn_rules import canonical
@@ -30,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
 from scoremod.dsl import ir, ops
@@ -51,12 +44,9 @@ class Block:
 
 
 def plan(expr: ir.Node, sq: int, skv: int, blocks: int, batch_heads: int = 1,
-         sms: int = SMS, by_keys: bool = False) -> tuple[Block, ...] | None:
+         sms: int = SMS) -> tuple[Block, ...] | None:
     """Query blocks (at most ``blocks``) and the key range each one needs, or
     None when splitting does not pay (no band, too short, or not faster).
-    ``by_keys``: key blocks and the query range each one is seen by instead
-    (the backward's split, see ``cudnn_path.Split``), or None when some key is
-    seen by no query.
 
     The block count is the one with the least modelled time: each block is a
     kernel of ``batch_heads * query tiles`` tile programs running in waves of
@@ -67,15 +57,6 @@ def plan(expr: ir.Node, sq: int, skv: int, blocks: int, batch_heads: int = 1,
     band = masks.band_of(expr)
     if band is None or blocks < 2:
         return None
-    if by_keys:  # the same plan with the roles of queries and keys swapped
-        band = (-band[1], -band[0])
-        found = _plan_band(band, skv, sq, blocks, batch_heads, sms)
-        return found and tuple(Block(b.k0, b.k1, b.q0, b.q1) for b in found)
-    return _plan_band(band, sq, skv, blocks, batch_heads, sms)
-
-
-def _plan_band(band, sq, skv, blocks, batch_heads, sms):
-    """``plan`` for the band ``lo <= kv_idx - q_idx <= hi`` given as ``(lo, hi)``."""
     limit = MAX_COST * _cost((Block(0, sq, 0, skv),), batch_heads, sms)
     best, best_cost = None, math.inf
     for n in range(2, blocks + 1):  # fewest blocks among the cheapest
@@ -151,34 +132,3 @@ def blockwise(query, key, value, mod, blocks, run):
         outs.append(o)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
-
-
-def blockwise_backward(query, key, value, out, lse, dout, mod, key_blocks, run):
-    """dQ, dK, dV of attention with cotangent ``dout`` as the sum of each key
-    block's share, computed from the whole rows' ``out`` and ``lse``: the
-    meaning of the split backward (``plan(..., by_keys=True)``), which the tests
-    check against the gradient of one call.
-
-    A block's share is the gradient of ``sum_i w_i (dO_i . O'_i - D_i)`` with
-    ``(O', lse') = run(...)`` over the block alone, ``w_i = exp(lse'_i - lse_i)``
-    (the block's part of row i's softmax mass) and ``D_i = dO_i . O_i``, with
-    ``lse`` and ``D`` held fixed: this is what cuDNN's backward computes for
-    the keys it is given."""
-    f32 = jnp.float32
-    row_dot = lambda a, b: jnp.einsum("bqhd,bqhd->bhq", a.astype(f32), b.astype(f32))  # noqa: E731
-    fixed_d = row_dot(dout, out)
-    grads = [jnp.zeros(x.shape, f32) for x in (query, key, value)]
-    uniform = shifted_indices(key_blocks)
-    for b in key_blocks:
-        rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
-        part_mod = shifted(mod, b.q0, b.k0, uniform)
-
-        def share(q, k, v, rows=rows, part_mod=part_mod):
-            o, part_lse = run(q, k, v, part_mod)
-            w = jnp.exp(part_lse - lse[:, :, rows])  # 0 where the block sees none of the row
-            return jnp.sum(w * (row_dot(dout[:, rows], o) - fixed_d[:, :, rows]))
-
-        g = jax.grad(share, (0, 1, 2))(query[:, rows], key[:, keys], value[:, keys])
-        grads = [x.at[:, r].add(gx.astype(f32))
-                 for x, gx, r in zip(grads, g, (rows, keys, keys))]
-    return tuple(x.astype(y.dtype) for x, y in zip(grads, (query, key, value)))

@@ -321,18 +321,13 @@ SPLIT = {
 }
 
 
-@pytest.mark.parametrize("backward", ["keys", "queries"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", sorted(SPLIT))
-def test_split_into_query_blocks_matches_reference(name, dtype, backward, monkeypatch):
-    """The forward in 4 query blocks; the backward in 4 key blocks (dK, dV in
-    place, dQ summed) or in the forward's query blocks (dQ in place, dK, dV summed)."""
+def test_split_into_query_blocks_matches_reference(name, dtype, monkeypatch):
     monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 4)
-    monkeypatch.setattr(cudnn_path, "SPLIT_KEYS", backward == "keys")
     monkeypatch.setattr(cudnn_path, "_sm_count", lambda: 1)  # split these small shapes too
     mod = scoremod.trace(SPLIT[name])
-    blocks, key_blocks = cudnn_path._split_blocks(mod, 512, 512, 2 * 4)
-    assert len(blocks) == 4 and (len(key_blocks) == 4 if backward == "keys" else key_blocks is None)
+    assert len(cudnn_path._split_blocks(mod, 512, 512, 2 * 4)) == 4
     check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2)
 
 
@@ -345,8 +340,8 @@ def test_split_into_eight_uneven_blocks_matches_reference(sq, skv, monkeypatch):
     off = skv - sq
     mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(q + off >= k, 30.0 * jnp.tanh(s / 30.0),
                                                          -jnp.inf))
-    blocks, key_blocks = cudnn_path._split_blocks(mod, sq, skv, 2 * 4)
-    assert len(blocks) >= 3 and len(key_blocks) >= 3
+    blocks = cudnn_path._split_blocks(mod, sq, skv, 2 * 4)
+    assert blocks is not None and len(blocks) >= 3
     check(mod, sq=sq, skv=skv, hq=4, hkv=2)
 
 
