@@ -108,17 +108,31 @@ OP_MODS = {
 }
 
 
+# Ops no jax.numpy function traces to, written in the text form.
+TEXT_MODS = {
+    # the split's index shift (every block's q_idx or kv_idx), here outside a split
+    "offset": "score + 0.01 * f32(kv_idx - offset(q_idx, 37))",
+}
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", sorted(OP_MODS))
 def test_each_op(name, dtype):
     check(scoremod.trace(OP_MODS[name]), dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("name", sorted(TEXT_MODS))
+def test_each_op_in_text(name, dtype):
+    mod = scoremod.parse(TEXT_MODS[name])
+    assert name in {n.op for n in scoremod.dsl.ir.toposort(mod.expr)}
+    check(mod, dtype=dtype)
+
+
 def test_op_table_is_covered():
     """Every op is either exercised above or refused with a clear error."""
     seen = set()
-    for fn in OP_MODS.values():
-        mod = scoremod.trace(fn)
+    for mod in [*map(scoremod.trace, OP_MODS.values()), *map(scoremod.parse, TEXT_MODS.values())]:
         from scoremod.lowering.cudnn_rules import forward_and_backward
 
         fwd, bwd = forward_and_backward(mod.expr)
