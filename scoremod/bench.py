@@ -307,12 +307,12 @@ def make_direct(name, shape, direction):
     q, k, v, do = shape.torch_inputs()
     shared = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
               cg.UID_STATS: torch.empty(b, h, s, 1, dtype=torch.float32, device="cuda"),
-              cg.UID_DQ: torch.empty_like(q), cg.UID_DK: torch.empty_like(k),
-              cg.UID_DV: torch.empty_like(v)}
+              cg.UID_DQ: torch.empty_like(q)}
     if blocks is None:
         static = cudnn_path.Static(mod, (b, s, s, h, h, d, d), shape.dtype, scale,
                                    allow_fallback=False)
-        fwd_parts = bwd_parts = [(static, {}, shared)]
+        bufs = {**shared, cg.UID_DK: torch.empty_like(k), cg.UID_DV: torch.empty_like(v)}
+        fwd_parts = bwd_parts = [(static, {}, bufs)]
     else:
         sp = cudnn_path.Split(mod, (b, s, s, h, h, d, d), shape.dtype, scale, False, blocks)
         fwd_parts, bwd_parts, packed = [], [], []
