@@ -81,9 +81,14 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     else:
         backend = _choose(problem, mod)
     plan = backend.plan(problem, mod, scale, options, return_lse)
+    fallback = None
+    if implementation is None and not backend.operand_gradients:
+        # Gradients for the mod's operands, if asked for, come from a backend
+        # that computes them (the reference path), with a warning.
+        other = registry.operand_gradients()
+        fallback = (other, other.plan(problem, mod, scale, options, True))
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
-    o, lse = run(backend, plan, query, key, value, operands,
-                 allow_fallback=implementation is None)
+    o, lse = run(backend, plan, query, key, value, operands, fallback=fallback)
     return (o, lse) if return_lse else o
 
 

@@ -48,6 +48,12 @@ class LoweringOptions:
       sms: streaming multiprocessors the split's wave model assumes; None
         asks the device (132 where it cannot tell). Small values make small
         shapes split, as the tests do.
+
+    Example: softcap + causal as one score_mod call, for comparison::
+
+        >>> import scoremod
+        >>> scoremod.LoweringOptions().replace(split_blocks=0)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, sms=None)
     """
 
     native_masks: bool = True
@@ -116,6 +122,11 @@ def lowering_options(options: LoweringOptions | None = None, **changes):
 
     The options are read when a call is traced: a function jitted inside the
     block and called outside keeps what it was traced with.
+
+        >>> import scoremod
+        >>> with scoremod.lowering_options(fold_scale=False) as inside:
+        ...     inside.fold_scale, scoremod.options.current() is inside
+        (False, True)
     """
     base = current() if options is None else options
     if not isinstance(base, LoweringOptions):

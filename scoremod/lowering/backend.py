@@ -17,9 +17,9 @@ A backend is one object with a small protocol:
 
 A backend whose forward JAX can differentiate itself (``differentiable``) is
 called directly; the others run inside :func:`run`'s ``custom_vjp``, which
-refuses (or, when the user allowed a fallback, hands to the reference path)
-what their backward does not compute: gradients of captured operands and of
-the LSE.
+refuses what their backward does not compute (gradients of captured operands
+unless ``operand_gradients``, and of the LSE), or, where the user allowed a
+fallback, hands the operand gradients to the fallback backend and its plan.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Backend:
     name: str = ""
     title: str = ""  # how messages name it, e.g. "the fused cuDNN path"
     differentiable: bool = False  # JAX differentiates forward() itself
+    operand_gradients: bool = False  # its gradients reach the mod's captured operands
     error: type = ScoreModError  # raised when asked by name for a call it refuses
     hint: str = ""  # what to do instead, appended to that error
 
@@ -69,19 +70,21 @@ class Backend:
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """The custom_vjp's static argument: a fused backend, its plan, and
-    whether the user allowed a fallback to the reference path."""
+    """The custom_vjp's static argument: a fused backend, its plan, and the
+    (backend, plan) that computes operand gradients when the user allowed a
+    fallback (None: such gradients are refused)."""
 
     backend: Backend
     plan: object
-    allow_fallback: bool
+    fallback: tuple | None
 
 
-def run(backend: Backend, plan, q, k, v, operands, *, allow_fallback: bool):
-    """``(O, LSE)`` of ``plan`` on ``backend``, differentiable in q, k, v."""
+def run(backend: Backend, plan, q, k, v, operands, *, fallback=None):
+    """``(O, LSE)`` of ``plan`` on ``backend``, differentiable in q, k, v
+    (and in the operands where ``backend`` or the ``fallback`` computes them)."""
     if backend.differentiable:
         return backend.forward(plan, q, k, v, operands)
-    return _fused(_Static(backend, plan, allow_fallback), q, k, v, operands)
+    return _fused(_Static(backend, plan, fallback), q, k, v, operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -99,19 +102,16 @@ def _fused_fwd(static, q, k, v, operands):
     vals = lambda x: x.value  # noqa: E731
     q, k, v = vals(q), vals(k), vals(v)
     operands = jax.tree.map(vals, operands, is_leaf=lambda x: hasattr(x, "perturbed"))
-    if perturbed and static.allow_fallback:
-        from scoremod.lowering.reference import scores_and_lse_reference
-
-        # implementation=None: the reference path computes what the backend cannot.
+    if perturbed and static.fallback is not None:
+        fallback, fallback_plan = static.fallback
+        # implementation=None: the fallback computes what the backend cannot.
         warnings.warn(
-            f"scoremod: gradients for score_mod operands {perturbed} need the reference path; "
+            f"scoremod: gradients for score_mod operands {perturbed} need {fallback.title}; "
             "implementation=None falls back to it for this call (O(S^2) memory).",
             stacklevel=5,
         )
         (o, lse), vjp = jax.vjp(
-            lambda q, k, v, ops: scores_and_lse_reference(
-                q, k, v, plan.mod.bind(**dict(zip(_names(plan), ops))), plan.scale, True),
-            q, k, v, operands)
+            lambda q, k, v, ops: fallback.forward(fallback_plan, q, k, v, ops), q, k, v, operands)
         return (o, lse), {"reference_vjp": vjp}  # a dict marks the fallback residuals
     if perturbed:
         raise CudnnUnavailableError(

@@ -81,6 +81,7 @@ class Reference(Backend):
     name = "xla"
     title = "the reference path"
     differentiable = True
+    operand_gradients = True
 
     def why_not(self, problem, mod, automatic):
         need, have = memory_needed(problem), device.available_memory()

@@ -36,6 +36,12 @@ def names() -> tuple:
     return tuple(b.name for b in _BACKENDS)
 
 
+def operand_gradients() -> Backend:
+    """The first backend whose gradients reach the mod's operands (where a
+    fused backend that cannot compute them hands over, if the user allowed it)."""
+    return next(b for b in _BACKENDS if b.operand_gradients)
+
+
 def get(name: str) -> Backend:
     """The backend registered as ``name``; a ScoreModError listing the names otherwise."""
     name = _ALIASES.get(name, name)

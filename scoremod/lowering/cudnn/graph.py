@@ -342,6 +342,13 @@ def cache_info() -> dict:
         return dict(_stats, size=len(_cache))
 
 
+def cache_entries() -> dict:
+    """A copy of the graph cache: ``{key: Built}``, where ``key[0]`` is "forward"
+    or "backward" (for tools that time or inspect the built graphs)."""
+    with _lock:
+        return dict(_cache)
+
+
 def cache_clear() -> None:
     with _lock:
         _cache.clear()
