@@ -141,9 +141,9 @@ class GraphSpec:
 
     def stats_layout(self, packed=False):
         # cuDNN < 9.26 takes only a packed stats input in sdpa_backward.
-        p = self.shape
-        rows = p.shape.sq if packed else (self.q_rows or p.shape.sq)
-        return (p.shape.b, p.shape.hq, p.shape.sq, 1), (p.shape.hq * rows, rows, 1, 1)
+        s = self.shape
+        rows = s.sq if packed else (self.q_rows or s.sq)
+        return (s.b, s.hq, s.sq, 1), (s.hq * rows, rows, 1, 1)
 
 
 def _scalar_bits(node: Node) -> int:
