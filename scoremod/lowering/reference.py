@@ -88,7 +88,8 @@ class Reference(Backend):
         if have is None or need <= have:
             return None
         smaller = max(1, int(problem.sq * (have / need) ** 0.5) // 128 * 128)
-        return (f"the reference path materializes the [batch, heads, q_len, kv_len] = "
+        return (f"the reference path would run out of memory: it materializes the "
+                f"[batch, heads, q_len, kv_len] = "
                 f"[{problem.b}, {problem.hq}, {problem.sq}, {problem.skv}] float32 scores and "
                 f"their gradient, at least {_gib(need)}, more than the {_gib(have)} this device "
                 "has free; use the fused path (implementation=\"cudnn\", float16 or bfloat16 "
