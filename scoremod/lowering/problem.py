@@ -12,9 +12,12 @@ import dataclasses
 
 import numpy as np
 
-# The mod's index axes in the order every [B, H, Sq, Skv]-shaped value uses:
-# the reference path's scores, cuDNN's dims and strides, materialized tensors.
-AXES = ("b", "h", "q_idx", "kv_idx")
+from scoremod.dsl.ir import INDEX_VARS
+
+# The mod's index variables, in the order of the axes of every [B, H, Sq, Skv]
+# value: the reference path's scores, cuDNN's dims and strides, materialized
+# tensors (the DSL's own order of the indices, so the two never disagree).
+AXES = INDEX_VARS
 AXIS = {name: i for i, name in enumerate(AXES)}
 
 
