@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod.lowering.cudnn.plan import Part
 from scoremod.lowering.problem import Problem
 from scoremod.lowering.cudnn.rules import canonical, fold_scale
 from scoremod.dsl.evaluate import evaluate
