@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import scoremod
-from scoremod.lowering import cudnn_graph
+from scoremod.lowering.cudnn import graph as cudnn_graph
 
 
 def time_jax(fn, *args, iters=30, reps=7):
@@ -110,7 +110,7 @@ def main(argv=None):
     jax.block_until_ready(fused(q, k, v))
     first_call = time.perf_counter() - t0
     t_fused = time_jax(fused, q, k, v)
-    built = next(val for key, val in cudnn_graph._cache.items() if key[0] == "forward")
+    built = next(val for key, val in cudnn_graph.cache_entries().items() if key[0] == "forward")
     t_direct = time_frontend(built, q, k, v)
     plain = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
     t_plain = time_jax(plain, q, k, v)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import scoremod
-from scoremod.lowering import cudnn_graph
+from scoremod.lowering.cudnn import graph as cudnn_graph
 
 
 def softcap_causal(score, b, h, q_idx, kv_idx):
@@ -34,11 +34,11 @@ def first_call(seq, head_dim, *, backward, batch=4, heads=16):
     fn = attend
     if backward:
         fn = jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-    before = set(cudnn_graph._cache)
+    before = set(cudnn_graph.cache_entries())
     t0 = time.perf_counter()
     jax.block_until_ready(jax.jit(fn)(q, k, v))
     seconds = time.perf_counter() - t0
-    built = [(key[0], cudnn_graph._cache[key]) for key in cudnn_graph._cache if key not in before]
+    built = [(key[0], built) for key, built in cudnn_graph.cache_entries().items() if key not in before]
     return seconds, [(direction, b.seconds, b.plan) for direction, b in built]
 
 

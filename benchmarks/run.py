@@ -1,15 +1,16 @@
-"""The benchmark harness: ``python benchmarks/run.py ARGS`` is ``scoremod bench ARGS``.
+"""The benchmark harness: ``python benchmarks/run.py ARGS`` (``--help`` lists them).
 
-The code lives in scoremod/bench.py (so that ``scoremod bench`` works from an
-install); see benchmarks/README.md for the commands and what is measured.
+The code is benchmarks/harness.py, outside the package: it imports scoremod's
+public API only. See benchmarks/README.md for the commands and what is measured.
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's scoremod
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # this checkout's scoremod, and the harness
 
-from scoremod.bench import main  # noqa: E402
+from harness import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 
 import scoremod
-from scoremod.lowering import cudnn_path
 
 
 def alibi_slopes(n):
@@ -113,7 +112,7 @@ def main(argv=None):
     k = jax.random.normal(kk, (args.batch, args.seq, kv_heads, args.head_dim), dtype)
     v = jax.random.normal(kv, (args.batch, args.seq, kv_heads, args.head_dim), dtype)
     impl = args.implementation
-    path = impl or ("cudnn" if cudnn_path.usable(q, k, v, mod) else "xla")
+    path = impl or scoremod.which_implementation(q, k, v, mod)[0]
     print(f"device: {jax.devices()[0].device_kind}; q {q.shape}, k/v {k.shape}; "
           f"implementation={impl!r} runs the {path} path")
 

@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 
 import scoremod
-from scoremod.lowering import cudnn_path
 
 DEFAULT_CONFIG = pathlib.Path(__file__).with_name("config_mods.json")
 
@@ -97,7 +96,7 @@ def main(argv=None):
         print(f"  key:  {mod.key}")
         print(f"  grad: {mod.grad}")
         roundtrip = scoremod.parse(str(mod)) == mod  # declarations keep operands' shapes
-        path = args.implementation or ("cudnn" if cudnn_path.usable(q, k, v, mod) else "xla")
+        path = args.implementation or scoremod.which_implementation(q, k, v, mod)[0]
         result = {"text": str(mod), "key": mod.key, "roundtrip": roundtrip, "path": path}
         try:
             out = attend(q, k, v, mod)

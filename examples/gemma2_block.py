@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 import scoremod
-from scoremod.lowering import cudnn_path
 
 ATTN_SOFTCAP = 50.0   # Gemma 2: attn_logit_softcapping
 FINAL_SOFTCAP = 30.0  # Gemma 2: final_logit_softcapping
@@ -179,12 +178,12 @@ def main(argv=None):
     probe_kv = jnp.zeros((cfg.batch, cfg.seq, cfg.kv_heads, cfg.head_dim), cfg.dtype)
     impl = cfg.implementation
     if impl is None:
-        path = "cudnn" if cudnn_path.usable(probe, probe_kv, probe_kv, layer_mods[0]) else "xla"
+        path = scoremod.which_implementation(probe, probe_kv, probe_kv, layer_mods[0])[0]
     else:
         path = impl
     print(f"device: {jax.devices()[0].device_kind}; implementation={impl!r} runs the {path} path")
     if path == "xla" and impl is None:
-        reason = cudnn_path.why_not(probe, probe_kv, probe_kv, layer_mods[0])
+        reason = scoremod.which_implementation(probe, probe_kv, probe_kv, layer_mods[0])[1]
         print(f"  (not fused because: {reason})")
 
     def scoremod_attend(q, k, v, layer):

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 import scoremod
-from scoremod.lowering import cudnn_path
 
 
 # The mod: one score in, one score out. Scalars, not arrays; jnp.where, not `if`.
@@ -66,7 +65,7 @@ def parse_args(argv):
 def path_taken(q, k, v, mod, implementation):
     """"cudnn" or "xla": the path scoremod.attention takes for this call."""
     if implementation is None:
-        return "cudnn" if cudnn_path.usable(q, k, v, mod) else "xla"
+        return scoremod.which_implementation(q, k, v, mod)[0]
     return implementation  # "cudnn" raises CudnnUnavailableError when it cannot run
 
 
@@ -97,7 +96,7 @@ def main(argv=None):
     print(f"device: {jax.devices()[0].device_kind}; q {q.shape}, k/v {k.shape}, {dtype.name}")
     print(f"implementation={impl!r} runs the {path} path")
     if impl is None and not fused:
-        print(f"  (not fused because: {cudnn_path.why_not(q, k, v, mod)})")
+        print(f"  (not fused because: {scoremod.which_implementation(q, k, v, mod)[1]})")
 
     def attend(q, k, v, implementation):
         return scoremod.attention(q, k, v, mod, implementation=implementation)

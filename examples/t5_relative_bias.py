@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import scoremod
-from scoremod.lowering import cudnn_path, cudnn_rules
+from scoremod.lowering.cudnn import rules as cudnn_rules
 
 
 def t5_bucket_reference(relative_position, num_buckets=32, max_distance=128):
@@ -156,7 +156,7 @@ def main(argv=None):
     shape = (args.batch, args.seq, heads, args.head_dim)
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, shape, dtype) for key in keys)
-    fused_ok = cudnn_path.usable(q, k, v, mod)
+    fused_ok = scoremod.which_implementation(q, k, v, mod)[0] == "cudnn"
     print(f"device: {jax.devices()[0].device_kind}; q, k, v {shape} {dtype.name}")
     print(f"forward, implementation={impl!r}: "
           f"{impl or ('cudnn' if fused_ok else 'xla')} path")

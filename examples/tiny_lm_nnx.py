@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 import scoremod
-from scoremod.lowering import cudnn_path
 
 try:
     from flax import nnx
@@ -149,7 +148,7 @@ def main(argv=None):
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     probe = jnp.zeros((args.batch, args.seq, args.heads, args.head_dim), dtype)
     impl = args.implementation
-    path = impl or ("cudnn" if cudnn_path.usable(probe, probe, probe, MOD) else "xla")
+    path = impl or scoremod.which_implementation(probe, probe, probe, MOD)[0]
     print(f"TinyLM: {args.layers} layers, d_model {args.d_model}, {args.heads} heads of "
           f"{args.head_dim}, vocab {args.vocab}, {n_params} parameters")
     print(f"mod: {MOD}")

@@ -7,8 +7,9 @@
     (1, 16, 4, 64)
 """
 
+from scoremod import device, options
 from scoremod.attention import attention, which_implementation
-from scoremod.lowering.cudnn_graph import cache_info
+from scoremod.lowering.cudnn.graph import cache_info
 from scoremod.dsl.ops import OPS
 from scoremod.dsl.scoremod import ScoreMod, parse, score_mod, trace
 from scoremod.errors import (
@@ -18,6 +19,7 @@ from scoremod.errors import (
     ScoreModTypeError,
     UnsupportedOpError,
 )
+from scoremod.options import LoweringOptions, lowering_options
 
 __version__ = "0.1.0"
 
@@ -25,6 +27,8 @@ __all__ = [
     "attention",
     "cache_info",
     "which_implementation",
+    "LoweringOptions",
+    "lowering_options",
     "trace",
     "score_mod",
     "parse",

@@ -1,4 +1,10 @@
-"""``scoremod.attention``: scaled dot-product attention with a score_mod."""
+"""``scoremod.attention``: scaled dot-product attention with a score_mod.
+
+The call is checked, described as a :class:`~scoremod.lowering.problem.Problem`,
+and handed to a backend of the registry (``scoremod.lowering.registry``):
+the one named by ``implementation``, or the first whose ``why_not`` has no
+objection. Nothing here knows a backend by name.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +14,20 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 
+from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
-from scoremod.errors import ScoreModTypeError
-from scoremod.lowering.reference import scores_and_lse_reference
+from scoremod.errors import ScoreModError, ScoreModTypeError
+from scoremod.lowering import registry
+from scoremod.lowering.backend import run
+from scoremod.lowering.problem import Problem
+from scoremod.options import LoweringOptions
 
-IMPLEMENTATIONS = (None, "xla", "cudnn")
 _DTYPES = ("float16", "bfloat16", "float32")
 
 
 def attention(query, key, value, score_mod=None, *, scale=None, implementation=None,
-              return_lse=False):
+              return_lse=False, options: LoweringOptions | None = None):
     """Attention whose scaled scores pass through ``score_mod`` before the softmax.
 
     Layout as ``jax.nn.dot_product_attention``: ``query`` is
@@ -31,11 +40,16 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
       score_mod: a :class:`ScoreMod`, a function ``(score, b, h, q_idx, kv_idx)``
         written in jax.numpy (traced here), a text form, or None.
       scale: multiplies ``q . k`` before the mod; default ``1/sqrt(head_dim)``.
-      implementation: ``"xla"`` (reference: float32 scores and softmax, any
-        device), ``"cudnn"`` (one fused cuDNN kernel), or None (cudnn when it
-        can run this call, else xla).
+      implementation: the name of a registered backend: ``"xla"`` (alias
+        ``"reference"``: float32 scores and softmax, any device), ``"cudnn"``
+        (one fused cuDNN kernel); or None: the first backend that can run
+        this call (cudnn, else xla), with a warning when a GPU is here but
+        the fused path cannot take the call.
       return_lse: also return the log-sum-exp of the modified scores,
         float32 [batch, q_heads, q_len].
+      options: a :class:`~scoremod.LoweringOptions` (native masks, query-block
+        split, scale folding); default: the innermost
+        ``scoremod.lowering_options`` block's, else the environment's.
 
     A query row whose scores are all ``-inf`` (fully masked) yields an output
     of zeros, an LSE of ``-inf`` and zero gradients.
@@ -47,69 +61,112 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         (1, 8, 2, 16)
     """
     mod = as_score_mod(score_mod)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
-        )
+    asked = None if implementation is None else registry.get(implementation)
+    if options is None:
+        options = lowering_options.current()
+    elif not isinstance(options, LoweringOptions):
+        raise ScoreModTypeError(f"options must be a scoremod.LoweringOptions, got {options!r}")
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    shapes = check_inputs(query, key, value)
+    problem = check_inputs(query, key, value)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     if mod is not None:
         mod.require_bound()
-        check_operand_ranges(mod, shapes)
-    if implementation == "cudnn":
-        from scoremod.lowering import cudnn_path
+        check_operand_ranges(mod, problem)
+    if asked is not None:
+        reason = asked.why_not(problem, mod, automatic=False)
+        if reason is not None:
+            raise asked.refused(reason)
+        backend = asked
+    else:
+        backend = _choose(problem, mod)
+    plan = backend.plan(problem, mod, scale, options, return_lse)
+    fallback = None
+    if implementation is None and not backend.operand_gradients:
+        # Gradients for the mod's operands, if asked for, come from a backend
+        # that computes them (the reference path), with a warning.
+        other = registry.operand_gradients()
+        fallback = (other, other.plan(problem, mod, scale, options, True))
+    operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
+    o, lse = run(backend, plan, query, key, value, operands, fallback=fallback)
+    return (o, lse) if return_lse else o
 
-        return cudnn_path.attention(query, key, value, mod, scale, return_lse)
-    if implementation is None:
-        from scoremod.lowering import cudnn_path
 
-        if cudnn_path.usable(query, key, value, mod):
-            return cudnn_path.attention(query, key, value, mod, scale, return_lse, explicit=False)
-        if cudnn_path._gpu_family() is not None:  # a GPU is here, but not for this call
-            _warn_once(cudnn_path.why_not(query, key, value, mod)
-                       or "the fused path is not validated on this GPU family")
-    out, lse = scores_and_lse_reference(query, key, value, mod, scale, return_lse)
-    return (out, lse) if return_lse else out
+def _choose(problem, mod):
+    """The first backend without objection; warns once per reason when a backend
+    whose hardware is here was passed over."""
+    passed = []
+    for backend in registry.backends():
+        reason = backend.why_not(problem, mod, automatic=True)
+        if reason is None:
+            present = [r for b, r in passed if b.present()]
+            if present:
+                _warn_once(backend, present[0])
+            return backend
+        passed.append((backend, reason))
+    raise ScoreModError("no implementation can run this call: "
+                        + "; ".join(f"{b.name}: {r}" for b, r in passed))
 
 
 _WARNED: set = set()
 
 
-def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"scoremod: implementation=None uses the reference path here: {reason}",
-                      stacklevel=3)
+def _warn_once(backend, reason: str) -> None:
+    if (backend.name, reason) not in _WARNED:
+        _WARNED.add((backend.name, reason))
+        warnings.warn(f"scoremod: implementation=None uses {backend.title} here: {reason}",
+                      stacklevel=4)
 
 
-def which_implementation(query, key, value, score_mod=None) -> tuple:
+class Choice(tuple):
+    """``(implementation, reason)``, with every backend's verdict in ``verdicts``."""
+
+    def __new__(cls, implementation, reason, verdicts):
+        self = super().__new__(cls, (implementation, reason))
+        self.verdicts = verdicts
+        return self
+
+    @property
+    def implementation(self):
+        return self[0]
+
+    @property
+    def reason(self):
+        return self[1]
+
+
+def which_implementation(query, key, value, score_mod=None) -> Choice:
     """``(implementation, reason)`` that ``implementation=None`` would pick.
 
         >>> import jax.numpy as jnp, scoremod
         >>> q = jnp.ones((1, 8, 2, 64), jnp.float32)
-        >>> scoremod.which_implementation(q, q, q)[0]
-        'xla'
+        >>> choice = scoremod.which_implementation(q, q, q)
+        >>> choice[0], list(choice.verdicts)
+        ('xla', ['cudnn', 'xla'])
 
-    ``reason`` says why the fused path is not taken (None when it is). Only
-    the IR and the shapes are looked at; nothing is compiled or run.
+    ``reason`` says why the first backend in the registry's order (the fused
+    path) is not taken (None when it is); ``verdicts`` maps every registered
+    backend to its reason for refusing this call, or None when it could run
+    it. Only the IR and the shapes are looked at; nothing is compiled or run.
     """
-    from scoremod.lowering import cudnn_path
-
     mod = as_score_mod(score_mod)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    check_inputs(query, key, value)
-    if cudnn_path.usable(query, key, value, mod):
-        return "cudnn", None
-    reason = cudnn_path.why_not(query, key, value, mod)
-    if reason is None:
-        reason = "the fused path is not validated on this GPU family; ask for it by name"
-    return "xla", reason
+    problem = check_inputs(query, key, value)
+    verdicts = {b.name: b.why_not(problem, mod, automatic=True) for b in registry.backends()}
+    chosen = next((name for name, reason in verdicts.items() if reason is None), None)
+    first = next(iter(verdicts))
+    return Choice(chosen, verdicts[first] if chosen != first else None, verdicts)
 
 
-def check_inputs(query, key, value) -> dict:
-    """Validate shapes and dtypes; returns the sizes the mod's indices range over."""
+def check_implementation(implementation) -> None:
+    """Raises a ScoreModError (also a ValueError) unless ``implementation`` is
+    None or the name of a registered backend."""
+    if implementation is not None:
+        registry.get(implementation)
+
+
+def check_inputs(query, key, value) -> Problem:
+    """Validate shapes and dtypes; returns the call's :class:`Problem`."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim != 4:
             raise ScoreModTypeError(
@@ -140,10 +197,10 @@ def check_inputs(query, key, value) -> dict:
             f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) "
             "for grouped-query attention"
         )
-    return {"b": b, "h": hq, "q_idx": sq, "kv_idx": skv}
+    return Problem.of(query, key, value)
 
 
-def check_operand_ranges(mod: ScoreMod, sizes: dict):
+def check_operand_ranges(mod: ScoreMod, problem: Problem):
     """An array indexed directly by an index must cover its range (or be size 1).
 
     Indices clamp, so ``slopes[h]`` with too few slopes would silently reuse the
@@ -154,9 +211,10 @@ def check_operand_ranges(mod: ScoreMod, sizes: dict):
             continue
         name, shape, _ = node.args[0].attr
         for axis, (idx, n) in enumerate(zip(node.args[1:], shape)):
-            if idx.op == "var" and n != 1 and n < sizes[idx.attr]:
+            if idx.op == "var" and n != 1 and n < problem.extent(idx.attr):
+                size = problem.extent(idx.attr)
                 raise ScoreModTypeError(
                     f"operand {name} has {n} entries along axis {axis}, indexed by "
-                    f"{idx.attr}, which runs to {sizes[idx.attr] - 1} in this call; give it "
-                    f"at least {sizes[idx.attr]} entries (or 1 to broadcast)"
+                    f"{idx.attr}, which runs to {size - 1} in this call; give it "
+                    f"at least {size} entries (or 1 to broadcast)"
                 )

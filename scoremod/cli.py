@@ -4,7 +4,7 @@
     scoremod show "30.0 * tanh(score / 30.0)"
     scoremod show "cap * tanh(score / cap)" --set cap=30.0
     scoremod show mypackage.mods:softcap   # import a function (or ScoreMod) and trace it
-    scoremod bench --help                  # the benchmark harness (scoremod/bench.py)
+    python benchmarks/run.py --help        # the benchmark harness (in a checkout, not installed)
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ def demo(args) -> int:
     import jax.numpy as jnp
 
     import scoremod
-    from scoremod.lowering import cudnn_path
 
     cap = 30.0
 
@@ -50,11 +49,11 @@ def demo(args) -> int:
     shape = (2, 256, 4, 64)  # batch, seq, heads, head_dim
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in (kq, kk, kv))
-    picked = "cudnn" if cudnn_path.usable(q, k, v, mod) else "xla"
+    picked, reason = scoremod.which_implementation(q, k, v, mod)
     device = jax.devices()[0]
     print(f"backend:   {jax.default_backend()} ({device.device_kind})")
     print(f"q, k, v:   {shape} {q.dtype}")
-    print(f"implementation=None runs: {picked} (cudnn_path.usable: {picked == 'cudnn'})")
+    print(f"implementation=None runs: {picked}" + (f" ({reason})" if reason else ""))
 
     def forward(q, k, v, impl):
         return scoremod.attention(q, k, v, mod, implementation=impl)
@@ -134,7 +133,9 @@ def show_lowering(mod) -> None:
 
     from scoremod.dsl.text import format_mod
     from scoremod.errors import ScoreModError
-    from scoremod.lowering import cudnn_graph, cudnn_rules
+    from scoremod.lowering.cudnn import graph as cudnn_graph
+    from scoremod.lowering.cudnn import rules as cudnn_rules
+    from scoremod.lowering.cudnn.table import TABLE
 
     try:
         cudnn_rules.check_supported(mod.expr, mod.sources)
@@ -143,7 +144,7 @@ def show_lowering(mod) -> None:
         print(f"fused cuDNN path:   not supported: {e}")
         return
     print("fused cuDNN path:   supported")
-    from scoremod.lowering import masks
+    from scoremod.lowering.cudnn import masks
 
     band = masks.native_band(cudnn_rules.canonical(mod.expr), 4096, 4096)
     if band is not None:
@@ -157,7 +158,7 @@ def show_lowering(mod) -> None:
             "gen_index" if n.op == "var" and n.attr != "score" and n.attr != "dP"
             else "scalar" if n.op == "const"
             else "tensor input" if n.op in ("load", "materialize")
-            else cudnn_graph.LOWER[n.op].node
+            else TABLE[n.op].emit.node
             for n in nodes if not (n.op == "var" and n.attr in ("score", "dP")))
         print(f"{label + ':':20s}{format_mod(expr)}")
         print(f"{'':20s}cuDNN nodes: {', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))}")
@@ -170,7 +171,6 @@ def check(args) -> int:
     import numpy as np
 
     import scoremod
-    from scoremod.lowering import cudnn_path
 
     mod = load_mod(args.expr, dict(args.set))
     dtype = jnp.dtype(args.dtype)
@@ -192,7 +192,7 @@ def check(args) -> int:
         out, seconds = _timed(fn, q, k, v)
         return out, seconds
 
-    reason = cudnn_path.why_not(q, k, v, mod)
+    reason = scoremod.which_implementation(q, k, v, mod).verdicts["cudnn"]
     ref, t_ref = run("xla")
     print(f"reference (xla):    {t_ref * 1e3:8.3f} ms per forward+backward")
     if reason is not None:
@@ -205,6 +205,13 @@ def check(args) -> int:
         err = float(np.max(np.abs(a - r)))
         print(f"max |{name:2s} fused - reference| = {err:.3e}  (relative {err / (np.max(np.abs(r)) + 1e-12):.2e})")
     return 0
+
+
+BENCH_MOVED = (
+    "scoremod bench: the benchmark harness is not part of the installed package; it lives in "
+    "the repository's benchmarks/ folder. From a checkout, run\n"
+    "    python benchmarks/run.py ARGS   (python benchmarks/run.py --help for the options)\n"
+    "It needs an NVIDIA GPU; --dry-run runs a tiny CPU smoke test.")
 
 
 def main(argv=None) -> int:
@@ -228,13 +235,11 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.set_defaults(run=check)
-    sub.add_parser("bench", add_help=False,
-                   help="benchmark harness: scoremod vs cuDNN, JAX, XLA, FlexAttention (bench --help)")
+    sub.add_parser("bench", add_help=False, help="moved: python benchmarks/run.py (in a checkout)")
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":  # everything after "bench" is the harness's own
-        from scoremod import bench
-
-        return bench.main(rest)
+    if args.command == "bench":
+        print(BENCH_MOVED, file=sys.stderr)
+        return 2
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 

@@ -27,7 +27,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from scoremod.attention import IMPLEMENTATIONS
+from scoremod.attention import check_implementation
 from scoremod.attention import attention as _attention
 from scoremod.dsl import ir
 from scoremod.dsl.ir import F32, const
@@ -133,10 +133,7 @@ def attention_fn(score_mod=None, *, implementation=None):
     mod = as_score_mod(score_mod)
     if mod is not None:
         mod.require_bound()
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
-        )
+    check_implementation(implementation)
     return _FlaxAttention(mod, implementation)
 
 

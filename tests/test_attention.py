@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod import ScoreModTypeError
+from scoremod import ScoreModTypeError, device
+from scoremod.lowering import registry
 
 B, SQ, SKV, HQ, HKV, D = 2, 24, 40, 4, 2, 16
 SLOPES = np.array([2.0 ** (-8 * (i + 1) / HQ) for i in range(HQ)], np.float32)
@@ -217,42 +218,54 @@ def test_operand_too_small_for_heads_is_an_error():
     scoremod.attention(q, k, v, lambda s, b, h, qi, ki: s + one[h], implementation="xla")
 
 
+def _fused_runs_here(q, k, v, mod=None):
+    return scoremod.which_implementation(q, k, v, mod)[0] == "cudnn"
+
+
 def test_cudnn_request_is_never_silently_served_by_xla():
     q, k, v = _inputs(jnp.bfloat16)
-    from scoremod.lowering import cudnn_path
-
-    if cudnn_path.usable(q, k, v, None):
+    if _fused_runs_here(q, k, v):
         pytest.skip("the fused path runs here")
     with pytest.raises(scoremod.ScoreModError):
         scoremod.attention(q, k, v, implementation="cudnn")
 
 
-def test_bad_implementation_name():
+@pytest.mark.parametrize("name", ["flash", "bogus"])
+def test_bad_implementation_name_lists_the_registered_ones(name):
     q = jnp.ones((1, 4, 2, 8))
-    with pytest.raises(ValueError, match="implementation"):
-        scoremod.attention(q, q, q, implementation="flash")
+    with pytest.raises(scoremod.ScoreModError, match=f"unknown implementation '{name}'.*'cudnn', 'xla'"):
+        scoremod.attention(q, q, q, implementation=name)
+
+
+def test_reference_is_an_alias_of_xla():
+    q, k, v = _inputs(jnp.float32)
+    a = scoremod.attention(q, k, v, CASES["causal"][0], implementation="reference")
+    b = scoremod.attention(q, k, v, CASES["causal"][0], implementation="xla")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_which_implementation_explains_the_choice():
     q, k, v = _inputs(jnp.float32)
-    impl, reason = scoremod.which_implementation(q, k, v, CASES["causal"][0])
-    from scoremod.lowering import cudnn_path
-
-    if cudnn_path.usable(q, k, v, None):
+    choice = scoremod.which_implementation(q, k, v, CASES["causal"][0])
+    impl, reason = choice
+    if _fused_runs_here(q, k, v):
         pytest.skip("float32 inputs: the reason differs on a GPU")
     assert impl == "xla" and isinstance(reason, str) and reason
+    assert list(choice.verdicts) == list(registry.names())
+    assert choice.verdicts["cudnn"] == reason and choice.verdicts["xla"] is None
     with pytest.raises(ScoreModTypeError):
         scoremod.which_implementation(q[0], k, v)
+
+
+HOPPER = device.Device("gpu", "pretend H100", 9, 132)
 
 
 def test_falling_back_on_a_gpu_warns_once(monkeypatch):
     import importlib
 
-    from scoremod.lowering import cudnn_path
-
     attention_module = importlib.import_module("scoremod.attention")
 
-    monkeypatch.setattr(cudnn_path, "_gpu_family", lambda: 9)  # pretend a Hopper GPU is here
+    monkeypatch.setattr(device, "current", lambda: HOPPER)  # pretend a Hopper GPU is here
     monkeypatch.setattr(attention_module, "_WARNED", set())
     q, k, v = _inputs(jnp.bfloat16)
     mod = lambda s, b, h, qi, ki: jnp.where(s > 0.0, s, 0.0)  # noqa: E731 float compare: refused
@@ -263,3 +276,35 @@ def test_falling_back_on_a_gpu_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scoremod.attention(q, k, v, mod)  # the same reason is not repeated
+        monkeypatch.setattr(device, "current", lambda: device.Device("cpu", "cpu", None, None))
+        scoremod.attention(q, k, v, lambda s, b, h, qi, ki: s * 2.0)  # no GPU: nothing to warn of
+
+
+def test_an_unvalidated_gpu_family_is_used_only_by_name(monkeypatch):
+    import sys
+    import types
+
+    from scoremod import kernels_ffi
+    from scoremod.lowering.problem import Problem
+
+    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "pretend", 10, 148))
+    monkeypatch.setattr(kernels_ffi, "available", lambda: True)
+    monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
+    q, k, v = _inputs(jnp.bfloat16)
+    choice = scoremod.which_implementation(q, k, v)
+    assert choice[0] == "xla" and "not validated on this GPU family (sm_10x)" in choice[1]
+    assert registry.get("cudnn").why_not(Problem.of(q, k, v), None, automatic=False) is None
+
+
+def test_reference_path_refuses_a_call_too_big_for_the_device(monkeypatch):
+    big = jax.ShapeDtypeStruct((64, 65536, 32, 64), jnp.bfloat16)  # 32 TiB of float32 scores
+    with pytest.raises(scoremod.ScoreModError, match=r"at least .* GiB.*implementation=\"cudnn\".*smaller"):
+        jax.eval_shape(lambda q: scoremod.attention(q, q, q, implementation="xla"), big)
+    with pytest.raises(scoremod.ScoreModError, match="no implementation can run this call"):
+        jax.eval_shape(lambda q: scoremod.attention(q, q, q), big)
+    monkeypatch.setattr(device, "available_memory", lambda: 2**20)  # 1 MiB free
+    q, k, v = _inputs(jnp.float32)  # 2 * 4 * 24 * 40 * 4 B of scores: 30 KiB, fits
+    scoremod.attention(q, k, v, implementation="xla")
+    q = jnp.ones((1, 512, 2, 8))  # 2 * 512 * 512 * 4 B * 2 = 4 MiB: does not
+    with pytest.raises(scoremod.ScoreModError, match="more than the 0.0 GiB"):
+        scoremod.attention(q, q, q, implementation="xla")

@@ -1,13 +1,18 @@
-"""The benchmark harness (scoremod/bench.py): the CPU dry run end to end, targets, output."""
+"""The benchmark harness (benchmarks/harness.py): the CPU dry run end to end, targets, output."""
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import scoremod
-from scoremod import bench
+from benchmarks import harness as bench
 from scoremod.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rows(text, header_start):
@@ -83,20 +88,42 @@ def test_dry_run_end_to_end(tmp_path, capsys, monkeypatch):
     assert ("](images/bench.png)" in text) == png.exists()
 
 
-def test_cli_bench_forwards_its_arguments(tmp_path, capsys):
+def test_cli_bench_says_where_the_harness_went(capsys):
+    assert cli_main(["bench", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "python benchmarks/run.py" in err and "--dry-run" in err
+
+
+def test_run_script_forwards_its_arguments(tmp_path):
     out = tmp_path / "b.json"
-    assert cli_main(["bench", "--dry-run", "--mods", "identity", "--seqs", "32", "--long", "0",
-                     "--directions", "fwd", "--reps", "2", "--json", str(out)]) == 0
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--dry-run", "--mods",
+                          "identity", "--seqs", "32", "--long", "0", "--directions", "fwd", "--reps",
+                          "2", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
     results = json.loads(out.read_text())["results"]
     assert [(r["mod"], r["impl"], r["direction"], r["status"], r["reps"]) for r in results] == [
         ("identity", "xla", "fwd", "ok", 2)]
-    assert "wrote" in capsys.readouterr().out
+    assert "wrote" in run.stdout and not (tmp_path / "docs").exists()
 
 
-def test_dry_run_writes_no_page_unless_asked(tmp_path, monkeypatch):
+def test_refuses_to_start_without_a_gpu_unless_dry_run(capsys, monkeypatch):
+    if bench.no_gpu() is None:
+        pytest.skip("a GPU is here")
+    monkeypatch.setattr(bench, "run", lambda cfg, save: pytest.fail("started"))
+    assert bench.main(["--seqs", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "no GPU is visible" in err and "--dry-run" in err
+
+
+def test_no_page_unless_asked(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run", lambda cfg, save: ([], []))
     monkeypatch.setattr(bench, "write_section", lambda *a: pytest.fail("wrote a page"))
+    monkeypatch.setattr(bench, "plot", lambda *a: pytest.fail("drew a plot"))
+    monkeypatch.setattr(bench, "no_gpu", lambda: None)  # as on a GPU machine
+    monkeypatch.setattr(bench, "warm_up", lambda impls: 0.0)
     assert bench.main(["--dry-run"]) == 0
+    assert bench.main(["--seqs", "4096", "--head-dims", "128"]) == 0
 
 
 def test_results_are_saved_after_every_case(tmp_path, monkeypatch):
@@ -221,15 +248,24 @@ def test_from_merges_runs_later_file_wins(tmp_path, capsys):
     assert "target s4096 d128 softcap fwd: FFI / direct: 1.000 (needs <= 1.03) pass" in capsys.readouterr().out
 
 
-def test_plain_lowering_switches_the_three_lowerings_off_and_restores_them():
-    from scoremod.lowering import cudnn_path
+def test_plain_variant_passes_plain_options_and_the_harness_uses_public_names(monkeypatch):
+    seen = []
+    monkeypatch.setattr(scoremod, "attention", lambda *a, **kw: seen.append(kw["options"]) or a[0])
+    shape = bench.Shape(1, 2, 32, 16, "float32", 16)
+    for impl in ("scoremod-plain", "scoremod"):
+        call, _, _ = bench.make_call(impl, "softcap", shape, "fwd")
+        call()
+    assert seen == [scoremod.LoweringOptions.plain(), None]
+    text = (ROOT / "benchmarks" / "harness.py").read_text()
+    assert not re.findall(r"\bscoremod(?:\.\w+)*\._[a-z]", text)  # no private scoremod names
 
-    before = (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE)
-    with bench.plain_lowering(True):
-        assert (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE) == (False, 0, False)
-    assert (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE) == before
-    with bench.plain_lowering(False):
-        assert (cudnn_path.NATIVE_MASKS, cudnn_path.SPLIT_BLOCKS, cudnn_path.FOLD_SCALE) == before
+
+def test_plan_hook_gives_the_blocks_scoremod_runs():
+    shape = bench.Shape(4, 16, 4096, 128, "bfloat16", 256)
+    plan = bench.plan_of("softcap_causal", shape, scoremod.LoweringOptions(sms=132))
+    assert plan.split and len(plan.blocks) == 8
+    assert not bench.plan_of("softcap_causal", shape, scoremod.LoweringOptions.plain()).split
+    assert bench.lowered("softcap_causal", {"split_blocks": 8}) == "query blocks"
 
 
 def test_from_keeps_direct_results_only_beside_the_same_lowering(tmp_path, capsys):

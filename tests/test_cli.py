@@ -2,6 +2,8 @@
 
 import pytest
 
+import scoremod
+
 from scoremod.cli import main
 
 
@@ -27,11 +29,10 @@ def test_show_unknown_name_suggests_set(capsys):
 
 
 def test_check_runs_reference_and_says_why_not_fused(capsys):
-    from scoremod.lowering import cudnn_path
     import jax.numpy as jnp
 
     q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
-    if cudnn_path.why_not(q, q, q, None) is None:
+    if scoremod.which_implementation(q, q, q).verdicts["cudnn"] is None:
         pytest.skip("a GPU is present: the fused comparison runs instead")
     assert main(["check", "30.0 * tanh(score / 30.0)", "--seq", "64", "--heads", "2", "--head-dim", "64"]) == 0
     out = capsys.readouterr().out

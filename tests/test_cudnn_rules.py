@@ -15,8 +15,10 @@ from hypothesis import HealthCheck
 import scoremod
 from scoremod import UnsupportedOpError
 from scoremod.dsl import ir
-from scoremod.lowering.cudnn_graph import LOWER, emission_order
-from scoremod.lowering.cudnn_rules import DP, check_supported, forward_and_backward
+from scoremod.dsl.evaluate import evaluate
+from scoremod.lowering.cudnn.graph import emission_order
+from scoremod.lowering.cudnn.rules import DP, check_supported, forward_and_backward
+from scoremod.lowering.cudnn.table import CONST, INPUT_TENSORS, TABLE, VAR
 from tests.test_properties import SPECS, _as_fn, _points
 
 _BINARY_FIRST_TENSOR = {"add", "sub", "mul", "div", "pow", "max", "min", "relu_grad", "and", "or",
@@ -25,9 +27,9 @@ _BINARY_FIRST_TENSOR = {"add", "sub", "mul", "div", "pow", "max", "min", "relu_g
 
 def _assert_cudnn_shaped(expr):
     for node in emission_order(expr):
-        if node.op in ("var", "const", "load", "materialize"):
+        if node.op in (VAR, CONST) + INPUT_TENSORS:
             continue
-        assert node.op in LOWER, f"no lowering for {node.op}"
+        assert TABLE[node.op].emit is not None, f"no lowering for {node.op}"
         if node.op in _BINARY_FIRST_TENSOR:
             assert node.args[0].op != "const", f"scalar first in {node}"
         if node.op == "where":
@@ -38,8 +40,6 @@ def _assert_cudnn_shaped(expr):
 
 
 def _eval(expr, pts, mod, dp=None):
-    from scoremod.lowering.reference import evaluate
-
     inputs = dict(zip(ir.VAR_NAMES, pts))
     if dp is not None:
         inputs["dP"] = dp
@@ -141,3 +141,18 @@ def test_index_computed_from_the_score_is_refused():
     mod = scoremod.trace(lambda s, b, h, q, k: s + table[jnp.clip(s * 4, 0, 31).astype(jnp.int32)])
     with pytest.raises(UnsupportedOpError, match="computed from the score"):
         check_supported(mod.expr, mod.sources)
+
+
+def test_every_op_of_the_op_table_is_lowered_or_refused_with_a_reason():
+    missing = sorted(set(scoremod.OPS) - set(TABLE))
+    assert not missing, f"ops without a cuDNN table entry: {missing}"
+    for op, entry in TABLE.items():
+        assert entry.emit or entry.rewrite or entry.tensor or entry.refusal, op
+        if entry.emit is not None:
+            assert isinstance(entry.emit.node, str)
+
+
+def test_an_op_without_an_entry_fails_the_coverage_check(monkeypatch):
+    monkeypatch.delitem(TABLE, "tanh")
+    with pytest.raises(AssertionError, match="tanh"):
+        test_every_op_of_the_op_table_is_lowered_or_refused_with_a_reason()

@@ -68,7 +68,7 @@ def test_compiled_header_versions(ffi):
     info = ffi._read_build_info()
     assert info is not None and info["status"] == "built"
     fe = info["headers"]["cudnn_frontend"]["version"]
-    assert kernels_ffi._encode_version(fe) == ffi.compiled_frontend_version()
+    assert kernels_ffi.encode_version(fe) == ffi.compiled_frontend_version()
 
 
 def test_register_is_idempotent_on_cpu_jax(ffi):

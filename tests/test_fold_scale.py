@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod.lowering import cudnn_path
-from scoremod.lowering.cudnn_rules import canonical, fold_scale
-from scoremod.lowering.reference import evaluate
+from scoremod.lowering.problem import Problem
+from scoremod.lowering.cudnn.rules import canonical, fold_scale
+from scoremod.dsl.evaluate import evaluate
 
 FOLDED = {  # mod, factor
     "softcap": (lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0), 1 / 30),
@@ -47,14 +47,15 @@ def test_mods_without_one_positive_factor_are_kept(name):
     assert fold_scale(expr) == (expr, 1.0)
 
 
-def test_static_folds_only_when_enabled_and_keeps_the_callers_scale(monkeypatch):
+def test_plan_folds_only_when_enabled_and_keeps_the_callers_scale():
+    from scoremod.lowering.cudnn.plan import Plan
+
     softcap = scoremod.trace(FOLDED["softcap"][0])
-    shapes = (1, 128, 128, 2, 2, 64, 64)
-    monkeypatch.setattr(cudnn_path, "FOLD_SCALE", False)
-    plain = cudnn_path.Static(softcap, shapes, "bfloat16", 0.125, False)
-    monkeypatch.setattr(cudnn_path, "FOLD_SCALE", True)
-    folded = cudnn_path.Static(softcap, shapes, "bfloat16", 0.125, False)
-    assert plain.problem.scale == 0.125 and folded.problem.scale == pytest.approx(0.125 / 30)
+    shape = Problem(1, 128, 128, 2, 2, 64, 64, "bfloat16")
+    plain = Plan(softcap, shape, 0.125, scoremod.LoweringOptions(fold_scale=False))
+    folded = Plan(softcap, shape, 0.125, scoremod.LoweringOptions(fold_scale=True))
+    (p,), (f,) = plain.parts, folded.parts
+    assert p.spec.scale == 0.125 and f.spec.scale == pytest.approx(0.125 / 30)
     assert folded.scale == plain.scale == 0.125  # the reference fallback's scale
-    assert str(folded.fwd) == "<f32 tanh(score) * 30.0>"
-    assert folded.key != plain.key
+    assert str(f.fwd) == "<f32 tanh(score) * 30.0>"
+    assert f.key != p.key and folded != plain

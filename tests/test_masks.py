@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod.lowering import cudnn_path, masks
-from scoremod.lowering.cudnn_rules import canonical
-from scoremod.lowering.reference import evaluate
+from scoremod.lowering.cudnn import masks
+from scoremod.lowering.cudnn.plan import Part
+from scoremod.lowering.problem import Problem
+from scoremod.lowering.cudnn.rules import canonical
+from scoremod.dsl.evaluate import evaluate
 
 NEG = -jnp.inf
 BANDS = {  # recognized whenever every row keeps a key
@@ -85,18 +87,20 @@ def test_window_maps_to_cudnn_bounds():
     assert masks.native_band(causal, 1024, 1024) == masks.Band("TOP_LEFT", None, 0)
 
 
-def test_static_uses_the_native_mask_only_when_enabled(monkeypatch):
+def _part(mod, shape, dtype="bfloat16", **options):
+    return Part(mod, Problem(*shape, dtype), 0.125, scoremod.LoweringOptions(**options))
+
+
+def test_plan_uses_the_native_mask_only_when_enabled():
     causal = scoremod.trace(BANDS["causal"])
     shapes = (2, 64, 64, 4, 4, 64, 64)
-    monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", False)
-    off = cudnn_path.Static(causal, shapes, "bfloat16", 0.125, allow_fallback=False)
+    off = _part(causal, shapes, native_masks=False)
     assert off.band is None and off.fwd is not None
-    monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", True)
-    static = cudnn_path.Static(causal, shapes, "bfloat16", 0.125, allow_fallback=False)
+    static = _part(causal, shapes, native_masks=True)
     assert static.band == masks.Band("TOP_LEFT", None, 0) and static.fwd is None
-    assert static.problem.band == static.band and static.loads == ()
+    assert static.spec.band == static.band and static.loads == ()
     softcap = scoremod.trace(NOT_BANDS["softcap_causal"])
-    other = cudnn_path.Static(softcap, shapes, "bfloat16", 0.125, allow_fallback=False)
+    other = _part(softcap, shapes)
     assert other.band is None and other.fwd is not None and other.key != static.key
     assert off.key != static.key  # the two lowerings never share a graph
 
@@ -104,20 +108,20 @@ def test_static_uses_the_native_mask_only_when_enabled(monkeypatch):
 def test_tensors_along_kv_only_are_materialized_with_the_q_axis():
     ramp = jnp.arange(192, dtype=jnp.float32)
     per_key = scoremod.trace(lambda s, b, h, q, k: s + ramp[k])
-    static = cudnn_path.Static(per_key, (2, 64, 192, 4, 4, 64, 64), "bfloat16", 0.125, False)
+    static = _part(per_key, (2, 64, 192, 4, 4, 64, 64))
     (plan,) = static.loads
     assert plan.spec.dims == (1, 1, 64, 192) and plan.operand is None
     (array,) = static.load_arrays(per_key.operands)
     np.testing.assert_array_equal(np.asarray(array), np.broadcast_to(np.asarray(ramp), (1, 1, 64, 192)))
     per_head = scoremod.trace(lambda s, b, h, q, k: s + ramp[h])  # read as it is
-    (plan,) = cudnn_path.Static(per_head, (2, 64, 192, 4, 4, 64, 64), "bfloat16", 0.125, False).loads
+    (plan,) = _part(per_head, (2, 64, 192, 4, 4, 64, 64)).loads
     assert plan.spec.dims == (1, 4, 1, 1) and plan.operand is not None
 
 
 def test_kv_padding_is_masked_inside_the_mod_when_skv_is_not_a_tile_multiple():
     alibi = scoremod.trace(lambda s, b, h, q, k: s + 0.25 * (k - q))
-    padded = cudnn_path.Static(alibi, (1, 64, 192, 2, 2, 64, 64), "float16", 0.125, False)
-    exact = cudnn_path.Static(alibi, (1, 64, 256, 2, 2, 64, 64), "float16", 0.125, False)
+    padded = _part(alibi, (1, 64, 192, 2, 2, 64, 64), "float16")
+    exact = _part(alibi, (1, 64, 256, 2, 2, 64, 64), "float16")
     assert "kv_idx < 192" in str(padded.fwd) and "kv_idx < 192" in str(padded.bwd)
     assert "kv_idx <" not in str(exact.fwd)
     # Inside the sequence the guard changes nothing.

@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod.lowering import cudnn_path, cudnn_rules, reference, split
+from scoremod.dsl.evaluate import evaluate
+from scoremod.lowering.cudnn import rules as cudnn_rules
+from scoremod.lowering.cudnn.plan import Plan, plan_for
+from scoremod.lowering.problem import Problem
 from tests.gpu import test_fused as gpu
 
 CASES = {  # name: (mod function, GPU-test sizes (sq, skv, hq))
@@ -29,20 +32,16 @@ CASES = {  # name: (mod function, GPU-test sizes (sq, skv, hq))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_fused_call_plans_and_canonical_form_is_a_fixed_point(name, monkeypatch):
+def test_fused_call_plans_and_canonical_form_is_a_fixed_point(name):
     fn, (sq, skv, hq) = CASES[name]
     mod = scoremod.trace(fn)
     once = cudnn_rules.canonical(mod.expr)
     assert cudnn_rules.canonical(once) == once
-    monkeypatch.setattr(cudnn_path, "_sm_count", lambda: 1)  # small shapes split as on the GPU tests
-    shapes = (2, sq, skv, hq, 2, 64, 64)
-    blocks = cudnn_path._split_blocks(mod, sq, skv, 2 * hq)
-    if blocks is None:
-        parts = [cudnn_path.Static(mod, shapes, "bfloat16", 0.125, allow_fallback=False)]
-    else:
-        parts = cudnn_path.Split(mod, shapes, "bfloat16", 0.125, False, blocks).parts
-    for static in parts:
-        assert static.problem.scale > 0
+    options = scoremod.LoweringOptions(sms=1)  # small shapes split as on the GPU tests
+    plan = Plan(mod, Problem(2, sq, skv, hq, 2, 64, 64, "bfloat16"), 0.125, options)
+    assert len(plan.parts) == len(plan.blocks) and plan.split == (len(plan.blocks) > 1)
+    for part in plan.parts:
+        assert part.spec.scale > 0
 
 
 @pytest.mark.parametrize("name", sorted(gpu.OP_MODS))
@@ -60,10 +59,11 @@ def test_scale_folding_keeps_the_value_of_every_op_mod(name):
 
 def _eval(expr, score, operands):
     inputs = {"score": score, "b": 0, "h": 1, "q_idx": 5, "kv_idx": 3}
-    return float(reference.evaluate(expr, inputs, operands))
+    return float(evaluate(expr, inputs, operands))
 
 
-SHOW = "from scoremod.lowering import cudnn_path as c; print(c.NATIVE_MASKS, c.SPLIT_BLOCKS, c.FOLD_SCALE)"
+SHOW = ("import scoremod; o = scoremod.options.defaults(); "
+        "print(o.native_masks, o.split_blocks, o.fold_scale)")
 
 
 @pytest.mark.parametrize("env, out", [
@@ -78,3 +78,47 @@ def test_lowering_switches_from_the_environment(env, out):
     run = subprocess.run([sys.executable, "-c", SHOW], env={**clean, **env, "JAX_PLATFORMS": "cpu"},
                          capture_output=True, text=True, timeout=120)
     assert out in run.stdout + run.stderr
+
+
+def test_options_are_part_of_the_plan_and_the_plan_is_cached():
+    mod = scoremod.trace(gpu.SPLIT["softcap_causal"])
+    shape = Problem(2, 512, 512, 4, 2, 64, 64, "bfloat16")
+    default = scoremod.LoweringOptions(sms=1)
+    a, b = plan_for(mod, shape, 0.125, default), plan_for(mod, shape, 0.125, default)
+    assert a is b  # one plan per (mod, shape, scale, options)
+    plain = plan_for(mod, shape, 0.125, scoremod.LoweringOptions.plain().replace(sms=1))
+    assert plain != a and not plain.split and a.split
+    assert plain.parts[0].key != a.parts[0].key
+    # Equal graphs under different options still have different graph keys.
+    only_fold = scoremod.LoweringOptions(split_blocks=0, sms=1)
+    plain_fold = scoremod.LoweringOptions(native_masks=False, split_blocks=0, sms=1)
+    x, y = (plan_for(mod, shape, 0.125, o).parts[0] for o in (only_fold, plain_fold))
+    assert x.fwd is y.fwd and x.spec == y.spec and x.key != y.key
+
+
+def test_options_from_argument_context_and_defaults(monkeypatch):
+    seen = []
+    real = plan_for
+
+    def spy(mod, shape, scale, options):
+        seen.append(options)
+        return real(mod, shape, scale, options)
+
+    from scoremod.lowering.cudnn import backend
+
+    monkeypatch.setattr(backend, "plan_for", spy)
+    q = np.ones((1, 128, 2, 64), np.float16)
+    mod = scoremod.trace(gpu.SPLIT["softcap_causal"])
+    plain = scoremod.LoweringOptions.plain()
+    backend.CUDNN.plan(Problem.of(q, q, q), mod, 0.1, plain, False)
+    assert seen == [plain]
+    with scoremod.lowering_options(split_blocks=3) as inside:
+        assert scoremod.options.current() == inside == scoremod.options.defaults().replace(split_blocks=3)
+        with scoremod.lowering_options(plain):
+            assert scoremod.options.current() == plain
+        assert scoremod.options.current() == inside
+    assert scoremod.options.current() == scoremod.options.defaults()
+    with pytest.raises(scoremod.ScoreModError, match="split_blocks"):
+        scoremod.LoweringOptions(split_blocks=-1)
+    with pytest.raises(scoremod.ScoreModError, match="LoweringOptions"):
+        scoremod.attention(q, q, q, implementation="xla", options={"fold_scale": False})

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod.lowering import cudnn_path, split
-from scoremod.lowering.cudnn_rules import canonical
+from scoremod.lowering.cudnn import split
+from scoremod.lowering.cudnn.plan import Plan
+from scoremod.lowering.problem import Problem
+from scoremod.lowering.cudnn.rules import canonical
 from scoremod.lowering.reference import scores_and_lse_reference
 
 NEG = -jnp.inf
@@ -117,7 +119,7 @@ def test_offset_is_never_simplified_and_round_trips_through_text():
     assert parse_expr(format_expr(mod.expr), {})[0] is mod.expr
     # the analyses that read index arithmetic read it as an addition
     from scoremod.dsl.rewrite import nonneg
-    from scoremod.lowering import masks
+    from scoremod.lowering.cudnn import masks
 
     assert nonneg(zero)
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, s, NEG))
@@ -146,7 +148,9 @@ def test_every_block_of_a_split_has_one_graph_structure(name):
     mod = scoremod.trace(MODS[name])
     blocks = split.plan(canonical(mod.expr), 1024, 1024, blocks=8, sms=1)
     assert blocks is not None and len(blocks) >= 4
-    sp = cudnn_path.Split(mod, (2, 1024, 1024, 4, 2, 32, 32), "bfloat16", 0.2, False, blocks)
+    sp = Plan(mod, Problem(2, 1024, 1024, 4, 2, 32, 32, "bfloat16"), 0.2,
+              scoremod.LoweringOptions(split_blocks=8, sms=1))
+    assert sp.blocks == blocks
     # Equal shifts are one hash-consed constant, so a block whose query and key
     # shifts are both 0 (the first block of a sliding window) feeds one scalar to
     # both: a second structure, as many compiles as before the offsets.
@@ -173,12 +177,14 @@ def test_block_count_follows_the_wave_model(batch_heads, seq, count):
     assert (None if blocks is None else len(blocks)) == count
 
 
-def test_fused_path_splits_only_when_enabled(monkeypatch):
+def test_fused_path_splits_only_when_enabled():
+    from scoremod.lowering.cudnn.plan import split_blocks
+
     mod = scoremod.trace(MODS["softcap_causal"])
-    monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 0)
-    assert cudnn_path._split_blocks(mod, 4096, 4096, 64) is None
-    monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 4)
-    assert len(cudnn_path._split_blocks(mod, 4096, 4096, 64)) == 4
+    shape = Problem(4, 4096, 4096, 16, 16, 64, 64, "bfloat16")  # 64 batch-heads
+    options = scoremod.LoweringOptions(sms=132)
+    assert split_blocks(mod, shape, options.replace(split_blocks=0)) is None
+    assert len(split_blocks(mod, shape, options.replace(split_blocks=4))) == 4
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, s, NEG))
-    monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", True)
-    assert cudnn_path._split_blocks(pure, 4096, 4096, 64) is None  # the native mask is better
+    assert split_blocks(pure, shape, options) is None  # the native mask is better
+    assert len(split_blocks(pure, shape, options.replace(native_masks=False))) == 8

@@ -2,16 +2,16 @@
 scores growing along kv_idx, by form, slope and sequence length; the plan cuDNN picked for each."""
 import jax, jax.numpy as jnp, numpy as np
 import scoremod
-from scoremod.lowering import cudnn_graph
+from scoremod.lowering.cudnn import graph as cudnn_graph
 from tests.gpu.test_fused import _inputs, _run, _rel_err
 
 def run(tag, fn, sq=192, skv=192, hq=4, hkv=4, d=64, dtype=jnp.float16):
     q, k, v, do = _inputs(2, sq, skv, hq, hkv, d, dtype)
     mod = scoremod.trace(fn)
-    before = set(cudnn_graph._cache)
+    before = set(cudnn_graph.cache_entries())
     got = jax.jit(lambda *a: _run("cudnn", mod, *a))(q, k, v, do)
     want = jax.jit(lambda *a: _run("xla", mod, *a))(q, k, v, do)
-    plans = [(key[0], cudnn_graph._cache[key].plan) for key in set(cudnn_graph._cache) - before]
+    plans = [(key[0], cudnn_graph._cache[key].plan) for key in set(cudnn_graph.cache_entries()) - before]
     errs = {n: round(_rel_err(g, w), 5) for n, g, w in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)}
     dq = np.asarray(got[2], np.float32); bad = ~np.isfinite(dq)
     extra = f" nonfinite dQ {bad.sum()}/{bad.size} heads {sorted(set(np.argwhere(bad)[:,2].tolist()))}" if bad.any() else ""

@@ -161,7 +161,7 @@ class ScoreMod:
     # --- evaluation -------------------------------------------------------
     def __call__(self, score, b, h, q_idx, kv_idx):
         """Evaluate on broadcastable arrays with jax.numpy (float32 result)."""
-        from scoremod.lowering.reference import evaluate
+        from scoremod.dsl.evaluate import evaluate
 
         self.require_bound()
         inputs = dict(zip(ir.VAR_NAMES, (score, b, h, q_idx, kv_idx)))

@@ -31,8 +31,9 @@ Public API
     The cuDNN frontend version compiled into the extension, and the version
     of the Python ``cudnn`` package; :func:`call` refuses to run when they
     differ (a mismatched Python package vs. headers is a known source of bugs).
-``hash_graph()``, ``float32_bits()``, ``int32_bits()``
-    Helpers to produce ``graph_id`` and ``scalar_bits`` values.
+``hash_graph()``, ``float32_bits()``, ``int32_bits()``, ``encode_version()``
+    Helpers to produce ``graph_id`` and ``scalar_bits`` values and version
+    numbers (the graph builder uses these too: one definition of each).
 ``load_cuda_libraries()``, ``cache_entries()``
     Diagnostics: load cuDNN/libcudart now and describe what was chosen; the
     number of (device, graph) entries in the process-wide graph cache.
@@ -72,6 +73,7 @@ __all__ = [
     "compiled_cudnn_version",
     "compiled_cudart_version",
     "installed_frontend_version",
+    "encode_version",
     "hash_graph",
     "float32_bits",
     "int32_bits",
@@ -225,7 +227,9 @@ def compiled_cudart_version() -> int:
     return int(_require().scoremod_ffi_compiled_cudart_version())
 
 
-def _encode_version(text: str) -> int | None:
+def encode_version(text: str) -> int | None:
+    """``"1.32.0"`` as 13200 (major*10000+minor*100+patch), the encoding of the
+    headers' version macros; None when ``text`` is not a version."""
     m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
     if m is None:
         return None
@@ -249,7 +253,7 @@ def installed_frontend_version() -> int | None:
             version = dist_version("nvidia-cudnn-frontend")
         except PackageNotFoundError:
             return None
-    return _encode_version(str(version))
+    return encode_version(str(version))
 
 
 def _version_text(v: int) -> str:

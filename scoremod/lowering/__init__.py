@@ -1,1 +1,8 @@
-"""Lowerings of the IR: the jax.numpy reference path and the fused cuDNN path."""
+"""Routes from the IR to attention: the backends and their registry.
+
+    backend.py   the Backend protocol and the custom_vjp running a fused plan
+    registry.py  the ordered registry ``implementation=`` names
+    problem.py   the shape of a call and the one axis order
+    reference.py the reference path (jax.numpy; runs anywhere)
+    cudnn/       the fused cuDNN path
+"""

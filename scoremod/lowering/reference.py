@@ -2,47 +2,19 @@
 
 It runs anywhere JAX runs, is jit-able and differentiable (gradients reach
 the operands), and materializes the [batch, heads, q, kv] scores in float32.
-It is the definition the fused path is tested against.
+It is the definition the fused paths are tested against.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from scoremod.dsl import ir
-from scoremod.dsl.ir import BOOL, F32, I32
-from scoremod.dsl.ops import evaluate_op
-
-_JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
-
-
-def evaluate(expr: ir.Node, inputs: dict, operands: dict):
-    """Value of ``expr`` given arrays for the variables and the operands."""
-    vals = {}
-    for node in ir.toposort(expr):
-        if node.op == "const":
-            vals[node] = jnp.asarray(node.attr, _JNP_DTYPE[node.dtype])
-        elif node.op == "var":
-            vals[node] = jnp.asarray(inputs[node.attr], _JNP_DTYPE[node.dtype])
-        elif node.op == "operand":
-            continue
-        elif node.op == "materialize":  # lowering-internal: a value computed ahead
-            vals[node] = vals[node.args[0]]
-        elif node.op == "load":
-            vals[node] = _load(node, operands[node.args[0].attr[0]], [vals[a] for a in node.args[1:]])
-        else:
-            vals[node] = evaluate_op(node.op, [vals[a] for a in node.args], node.attr)
-    return vals[expr]
-
-
-def _load(node, array, idx):
-    array = jnp.asarray(array)
-    shape = node.args[0].attr[1]
-    # Indices clamp into range, as XLA's dynamic_slice does.
-    idx = tuple(jnp.clip(i, 0, n - 1) for i, n in zip(idx, shape))
-    out = array[idx] if idx else array
-    return out.astype(_JNP_DTYPE[node.dtype])
+from scoremod import device
+from scoremod.dsl.scoremod import ScoreMod
+from scoremod.lowering.backend import Backend
 
 
 def scores_and_lse_reference(query, key, value, mod, scale, return_lse):
@@ -78,3 +50,63 @@ def scores_and_lse_reference(query, key, value, mod, scale, return_lse):
         return out, None
     lse = jnp.where(empty, -jnp.inf, jnp.log(safe) + m)[..., 0]
     return out, lse
+
+
+# float32 arrays of [B, H, Sq, Skv] entries the reference path holds at once
+# at the least: the scores and their gradient (the softmax's exp and the
+# mod's intermediates come on top). Only a lower bound: a call refused by it
+# could not have run.
+_SCORE_ARRAYS = 2
+
+
+def memory_needed(problem) -> int:
+    """Bytes the reference path needs at least for ``problem`` (a lower bound)."""
+    return _SCORE_ARRAYS * 4 * problem.scores
+
+
+def _gib(n):
+    return f"{n / 2**30:.1f} GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferencePlan:
+    mod: ScoreMod | None  # the expression only: operand values travel beside it
+    scale: float
+    return_lse: bool
+
+
+class Reference(Backend):
+    """The reference path as a backend: runs anywhere that has the memory."""
+
+    name = "xla"
+    title = "the reference path"
+    differentiable = True
+    operand_gradients = True
+
+    def why_not(self, problem, mod, automatic):
+        need, have = memory_needed(problem), device.available_memory()
+        if have is None or need <= have:
+            return None
+        smaller = max(1, int(problem.sq * (have / need) ** 0.5) // 128 * 128)
+        return (f"the reference path would run out of memory: it materializes the "
+                f"[batch, heads, q_len, kv_len] = "
+                f"[{problem.b}, {problem.hq}, {problem.sq}, {problem.skv}] float32 scores and "
+                f"their gradient, at least {_gib(need)}, more than the {_gib(have)} this device "
+                "has free; use the fused path (implementation=\"cudnn\", float16 or bfloat16 "
+                "inputs on an NVIDIA GPU), or a smaller shape (a smaller batch, fewer heads, or "
+                f"sequences of about {smaller} or less)")
+
+    def plan(self, problem, mod, scale, options, return_lse):
+        return ReferencePlan(None if mod is None else ScoreMod(mod.expr), float(scale),
+                             bool(return_lse))
+
+    def forward(self, plan, q, k, v, operands):
+        mod = None if plan.mod is None else ScoreMod(plan.mod.expr, tuple(operands))
+        return scores_and_lse_reference(q, k, v, mod, plan.scale, plan.return_lse)
+
+    def backward(self, plan, q, k, v, o, lse, do, operands):
+        _, vjp = jax.vjp(lambda q, k, v: self.forward(plan, q, k, v, operands)[0], q, k, v)
+        return vjp(do)
+
+
+REFERENCE = Reference()

@@ -13,7 +13,11 @@ import pytest
 
 import scoremod
 from scoremod import CudnnUnavailableError
-from scoremod.lowering import cudnn_graph, cudnn_path, masks
+from scoremod import LoweringOptions
+from scoremod.lowering.cudnn import graph as cudnn_graph
+from scoremod.lowering.cudnn import masks
+from scoremod.lowering.cudnn.plan import Part, Plan
+from scoremod.lowering.problem import Problem
 from tests.test_cudnn_rules import REFUSED
 
 pytestmark = pytest.mark.gpu
@@ -28,9 +32,10 @@ def _inputs(b, sq, skv, hq, hkv, d, dtype, seed=0):
     return q, k, v, do
 
 
-def _run(impl, mod, q, k, v, do, scale=None):
+def _run(impl, mod, q, k, v, do, scale=None, options=None):
     def f(q, k, v):
-        o, lse = scoremod.attention(q, k, v, mod, scale=scale, implementation=impl, return_lse=True)
+        o, lse = scoremod.attention(q, k, v, mod, scale=scale, implementation=impl, return_lse=True,
+                                    options=options)
         return o, jax.lax.stop_gradient(lse)  # the fused path does not differentiate the LSE
 
     (o, lse), vjp = jax.vjp(f, q, k, v)
@@ -48,9 +53,10 @@ def _rel_err(a, b):
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 1e-2}
 
 
-def check(mod, dtype=jnp.bfloat16, b=2, sq=128, skv=192, hq=4, hkv=2, d=64, scale=None, seed=0):
+def check(mod, dtype=jnp.bfloat16, b=2, sq=128, skv=192, hq=4, hkv=2, d=64, scale=None, seed=0,
+          options=None):
     q, k, v, do = _inputs(b, sq, skv, hq, hkv, d, dtype, seed)
-    got = jax.jit(lambda *a: _run("cudnn", mod, *a, scale=scale))(q, k, v, do)
+    got = jax.jit(lambda *a: _run("cudnn", mod, *a, scale=scale, options=options))(q, k, v, do)
     want = jax.jit(lambda *a: _run("xla", mod, *a, scale=scale))(q, k, v, do)
     errs = {n: _rel_err(g, w) for n, g, w in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)}
     for name, err in errs.items():
@@ -133,7 +139,7 @@ def test_op_table_is_covered():
     """Every op is either exercised above or refused with a clear error."""
     seen = set()
     for mod in [*map(scoremod.trace, OP_MODS.values()), *map(scoremod.parse, TEXT_MODS.values())]:
-        from scoremod.lowering.cudnn_rules import forward_and_backward
+        from scoremod.lowering.cudnn.rules import forward_and_backward
 
         fwd, bwd = forward_and_backward(mod.expr)
         seen |= {n.op for n in scoremod.dsl.ir.toposort(mod.expr, fwd, bwd)}
@@ -298,14 +304,14 @@ NATIVE = {
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", sorted(NATIVE))
-def test_pure_masks_run_on_the_native_mask(name, dtype, monkeypatch):
-    monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", True)
+def test_pure_masks_run_on_the_native_mask(name, dtype):
+    native = LoweringOptions(native_masks=True)
     sq, skv = 192, 256  # bottom_right_causal's offset is skv - sq
     mod = scoremod.trace(NATIVE[name])
-    static = cudnn_path.Static(mod, (2, sq, skv, 4, 2, 64, 64), np.dtype(dtype).name, 0.125, False)
-    assert isinstance(static.band, masks.Band) and static.fwd is None
-    check(mod, dtype=dtype, sq=sq, skv=skv)
-    check(mod, dtype=dtype, sq=256, skv=256, d=128)  # native at Sq == Skv too
+    part = Part(mod, Problem(2, sq, skv, 4, 2, 64, 64, np.dtype(dtype).name), 0.125, native)
+    assert isinstance(part.band, masks.Band) and part.fwd is None
+    check(mod, dtype=dtype, sq=sq, skv=skv, options=native)
+    check(mod, dtype=dtype, sq=256, skv=256, d=128, options=native)  # native at Sq == Skv too
 
 
 KV_RAMP = jnp.asarray(0.25 * np.arange(320), jnp.float32)
@@ -337,26 +343,25 @@ SPLIT = {
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", sorted(SPLIT))
-def test_split_into_query_blocks_matches_reference(name, dtype, monkeypatch):
-    monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 4)
-    monkeypatch.setattr(cudnn_path, "_sm_count", lambda: 1)  # split these small shapes too
+def test_split_into_query_blocks_matches_reference(name, dtype):
+    four = LoweringOptions(split_blocks=4, sms=1)  # sms=1: split these small shapes too
     mod = scoremod.trace(SPLIT[name])
-    assert len(cudnn_path._split_blocks(mod, 512, 512, 2 * 4)) == 4
-    check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2)
+    plan = Plan(mod, Problem(2, 512, 512, 4, 2, 64, 64, np.dtype(dtype).name), 0.125, four)
+    assert len(plan.blocks) == 4
+    check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2, options=four)
 
 
 @pytest.mark.parametrize("sq,skv", [(1000, 1000), (384, 640)])
-def test_split_into_eight_uneven_blocks_matches_reference(sq, skv, monkeypatch):
+def test_split_into_eight_uneven_blocks_matches_reference(sq, skv):
     """Eight blocks, a last block shorter than a tile, Skv off the tile, and
     bottom-right alignment (Sq < Skv): every block's byte offsets and in-place rows."""
-    monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 8)
-    monkeypatch.setattr(cudnn_path, "_sm_count", lambda: 1)
+    eight = LoweringOptions(split_blocks=8, sms=1)
     off = skv - sq
     mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(q + off >= k, 30.0 * jnp.tanh(s / 30.0),
                                                          -jnp.inf))
-    blocks = cudnn_path._split_blocks(mod, sq, skv, 2 * 4)
-    assert blocks is not None and len(blocks) >= 3
-    check(mod, sq=sq, skv=skv, hq=4, hkv=2)
+    plan = Plan(mod, Problem(2, sq, skv, 4, 2, 64, 64, "bfloat16"), 0.125, eight)
+    assert plan.split and len(plan.blocks) >= 3
+    check(mod, sq=sq, skv=skv, hq=4, hkv=2, options=eight)
 
 
 # --- a constant factor of the score folded into attn_scale ------------------------
@@ -370,13 +375,13 @@ FOLD = {
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", sorted(FOLD))
-def test_scale_folding_matches_reference(name, dtype, monkeypatch):
-    monkeypatch.setattr(cudnn_path, "FOLD_SCALE", True)
+def test_scale_folding_matches_reference(name, dtype):
+    fold = LoweringOptions(fold_scale=True)
     mod = scoremod.trace(FOLD[name])
-    static = cudnn_path.Static(mod, (2, 128, 192, 4, 2, 64, 64), np.dtype(dtype).name, 0.125, False)
-    assert static.problem.scale != 0.125  # folded
-    check(mod, dtype=dtype)
-    check(mod, dtype=dtype, scale=0.3)
+    part = Part(mod, Problem(2, 128, 192, 4, 2, 64, 64, np.dtype(dtype).name), 0.125, fold)
+    assert part.spec.scale != 0.125  # folded
+    check(mod, dtype=dtype, options=fold)
+    check(mod, dtype=dtype, scale=0.3, options=fold)
 
 
 # --- the same mods with the three lowerings above switched off ---------------------
@@ -387,16 +392,13 @@ OFF = {**{f"native_{n}": (f, dict(sq=192, skv=256)) for n, f in NATIVE.items()},
 
 
 @pytest.mark.parametrize("name", sorted(OFF))
-def test_native_split_and_folding_switched_off_match_reference(name, monkeypatch):
-    """The plain score_mod lowering (SCOREMOD_NATIVE_MASKS=0, SPLIT_BLOCKS=0,
-    FOLD_SCALE=0) stays correct: it is the escape hatch and the benchmarks' baseline."""
-    monkeypatch.setattr(cudnn_path, "NATIVE_MASKS", False)
-    monkeypatch.setattr(cudnn_path, "SPLIT_BLOCKS", 0)
-    monkeypatch.setattr(cudnn_path, "FOLD_SCALE", False)
+def test_native_split_and_folding_switched_off_match_reference(name):
+    """The plain score_mod lowering (LoweringOptions.plain(): no native mask, no
+    split, no folding) stays correct: it is the escape hatch and the benchmarks' baseline."""
+    plain = LoweringOptions.plain().replace(sms=1)
     fn, sizes = OFF[name]
     mod = scoremod.trace(fn)
     sq, skv = sizes.get("sq", 128), sizes.get("skv", 192)
-    static = cudnn_path.Static(mod, (2, sq, skv, 4, 2, 64, 64), "bfloat16", 0.125, False)
-    assert static.band is None and static.problem.scale == 0.125
-    assert cudnn_path._split_blocks(mod, sq, skv, 2 * 4) is None
-    check(mod, **sizes)
+    plan = Plan(mod, Problem(2, sq, skv, 4, 2, 64, 64, "bfloat16"), 0.125, plain)
+    assert not plan.split and plan.parts[0].band is None and plan.parts[0].spec.scale == 0.125
+    check(mod, **sizes, options=plain)

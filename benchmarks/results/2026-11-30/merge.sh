@@ -9,7 +9,7 @@ set -eu
 R=$(dirname "$0")
 cd "$R/../../.."
 R=benchmarks/results/2026-11-30
-python -m scoremod bench --json docs/images/bench.json --from \
+python benchmarks/run.py --doc docs/performance.md --json docs/images/bench.json --from \
     $R/s4096_d128.json $R/flex_s4096_d128.json $R/native_s4096.json $R/s16384.json \
     $R/s32768.json $R/lowerings.json $R/split_e4507c5.json $R/softcap_direct.json \
     $R/s1024.json $R/s4096_d64.json $R/bias_long.json $R/flex_s16384.json \

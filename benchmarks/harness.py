@@ -1,14 +1,17 @@
 """Benchmark harness: scoremod against cuDNN, JAX, its XLA reference and FlexAttention.
 
-    scoremod bench --seqs 4096 --head-dims 128 --json s4096.json --no-doc   # a subset, on a GPU
-    scoremod bench --from s1024.json s4096.json ...    # merge runs; write docs/performance.md
-    scoremod bench --dry-run --json /tmp/b.json --doc /tmp/perf.md          # CPU, tiny shapes
+    python benchmarks/run.py --seqs 4096 --head-dims 128 --json s4096.json   # a subset, on a GPU
+    python benchmarks/run.py --from s1024.json s4096.json --doc docs/performance.md  # merge runs
+    python benchmarks/run.py --dry-run --json /tmp/b.json --doc /tmp/perf.md  # CPU, tiny shapes
+
+It refuses to start without a GPU unless --dry-run (or --from, which runs
+nothing), and writes a page (and its plot) only when given --doc.
 
 Same shapes, same run, side by side (``--impls``):
 
   scoremod   scoremod.attention(implementation="cudnn"): the fused path, through XLA FFI
-  scoremod-plain  the same with the mod lowered as written: no native mask, no query-block
-             split, no scale folding (what the three lowerings gain)
+  scoremod-plain  the same with LoweringOptions.plain(): the mod lowered as written, no
+             native mask, no query-block split, no scale folding (what those lowerings gain)
   direct     the same serialized cuDNN graphs run by the cuDNN frontend's Python API
              (torch buffers, CUDA events), as in benchmarks/ffi_overhead.py
   xla        scoremod.attention(implementation="xla"): the reference path
@@ -26,7 +29,6 @@ dense: 4*B*H*S*S*D forward and 2.5x that backward, for masked mods too.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
 import gc
@@ -241,9 +243,10 @@ def make_call(impl, name, shape, direction):
     if impl in ("scoremod", "scoremod-plain", "xla"):
         mod, how = shape.mod(name), "xla" if impl == "xla" else "cudnn"
 
+        options = scoremod.LoweringOptions.plain() if impl == "scoremod-plain" else None
+
         def fn(q, k, v):
-            with plain_lowering(impl == "scoremod-plain"):  # read while tracing
-                return scoremod.attention(q, k, v, mod, implementation=how)
+            return scoremod.attention(q, k, v, mod, implementation=how, options=options)
     elif impl == "jax-cudnn":
         variant, kw, mask = jax_native(name, shape.aux)
         extra = () if mask is None else (mask,)
@@ -271,24 +274,16 @@ def make_call(impl, name, shape, direction):
     return (lambda: f(*args)), wall_clock, variant
 
 
-LOWERING_SWITCHES = ("NATIVE_MASKS", "SPLIT_BLOCKS", "FOLD_SCALE")  # in lowering/cudnn_path.py
+def plan_of(name, shape, options=None):
+    """scoremod's plan for the benchmark's mod ``name`` at ``shape`` (public hooks only:
+    the cudnn backend's ``plan``, whose blocks and parts hold the graphs it runs)."""
+    import scoremod
+    from scoremod.lowering import registry
+    from scoremod.lowering.problem import Problem
 
-
-@contextlib.contextmanager
-def plain_lowering(on):
-    """Switch off native masks, query-block splitting and scale folding (the
-    SCOREMOD_* variables) while ``on``: the mod lowered as one score_mod call."""
-    from scoremod.lowering import cudnn_path
-
-    saved = {n: getattr(cudnn_path, n) for n in LOWERING_SWITCHES}
-    if on:
-        for n, value in saved.items():
-            setattr(cudnn_path, n, type(value)(0))
-    try:
-        yield
-    finally:
-        for n, value in saved.items():
-            setattr(cudnn_path, n, value)
+    problem = Problem(shape.b, shape.s, shape.s, shape.h, shape.h, shape.d, shape.d, shape.dtype)
+    return registry.get("cudnn").plan(problem, shape.mod(name), 1.0 / math.sqrt(shape.d),
+                                      options or scoremod.options.current(), False)
 
 
 def make_direct(name, shape, direction):
@@ -297,31 +292,27 @@ def make_direct(name, shape, direction):
     scoremod runs them; the sum of the blocks' dK, dV is not included)."""
     import torch
 
-    from scoremod.lowering import cudnn_graph as cg
-    from scoremod.lowering import cudnn_path
+    from scoremod.lowering.cudnn import graph as cg
 
     b, s, h, d = shape.b, shape.s, shape.h, shape.d
     mod = shape.mod(name)
-    blocks = cudnn_path._split_blocks(mod, s, s, b * h)
-    scale = 1.0 / math.sqrt(d)
+    plan = plan_of(name, shape)
     q, k, v, do = shape.torch_inputs()
     shared = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
               cg.UID_STATS: torch.empty(b, h, s, 1, dtype=torch.float32, device="cuda"),
               cg.UID_DQ: torch.empty_like(q)}
-    if blocks is None:
-        static = cudnn_path.Static(mod, (b, s, s, h, h, d, d), shape.dtype, scale,
-                                   allow_fallback=False)
+    if not plan.split:
+        (part,) = plan.parts
         bufs = {**shared, cg.UID_DK: torch.empty_like(k), cg.UID_DV: torch.empty_like(v)}
-        fwd_parts = bwd_parts = [(static, {}, bufs)]
+        fwd_parts = bwd_parts = [(part, {}, bufs)]
     else:
-        sp = cudnn_path.Split(mod, (b, s, s, h, h, d, d), shape.dtype, scale, False, blocks)
         fwd_parts, bwd_parts, packed = [], [], []
-        for blk, part in zip(sp.blocks, sp.parts):
-            oq, ok, ov, oo, os_ = sp.offsets(blk)
+        for blk, part in zip(plan.blocks, plan.parts):
+            oq, ok, ov, oo, os_ = plan.offsets(blk)
             offsets = {cg.UID_Q: oq, cg.UID_DQ: oq, cg.UID_K: ok, cg.UID_V: ov, cg.UID_O: oo,
                        cg.UID_DO: oo, cg.UID_STATS: os_}
             fwd_parts.append((part, offsets, shared))
-            rows = (b, blk.k1 - blk.k0, h, d)  # the block's own dK, dV (as _backward_split)
+            rows = (b, blk.k1 - blk.k0, h, d)  # the block's own dK, dV (as the backend's backward)
             # sdpa_backward reads the block's stats packed, not at the forward's offset
             stats = torch.empty(b, h, blk.q1 - blk.q0, 1, dtype=torch.float32, device="cuda")
             packed.append((stats, blk))
@@ -337,7 +328,7 @@ def make_direct(name, shape, direction):
     bwds = [_direct_runner(part.backward_graph(), part.consts, part.loads, arrays(part), bufs,
                            offsets)
             for part, offsets, bufs in bwd_parts]
-    if blocks is not None:  # the backward reads the forward's LSE: compute it once, copy it
+    if plan.split:  # the backward reads the forward's LSE: compute it once, copy it
         for f in fwds:
             f()
         for stats, blk in packed:
@@ -356,8 +347,8 @@ def _torch_view(x):
 
 
 def _load_arrays_once(operands):
-    """``arrays(static, forward=False)``: the graph's load arrays, with the values scoremod
-    gives them, computed once per ``static`` (the forward's are a subset of the
+    """``arrays(part, forward=False)``: the graph's load arrays, with the values scoremod
+    gives them, computed once per ``part`` (the forward's are a subset of the
     backward's) and in one jitted computation (op by op, a [1, H, S, S] bias built its
     int32 index grids at full size: out of memory at seq 16384)."""
     import jax
@@ -467,9 +458,9 @@ def failure(e):
 
 
 def cache_info():
-    from scoremod.lowering import cudnn_graph
+    import scoremod
 
-    return cudnn_graph.cache_info()
+    return scoremod.cache_info()
 
 
 def cache_counts():
@@ -659,7 +650,7 @@ def _shapes(records):
 def markdown(records, metas, image=None):
     """The generated section of docs/performance.md (without the markers)."""
     out = ["## Benchmark harness", "",
-           "Generated by `scoremod bench` (scoremod/bench.py, see benchmarks/README.md); "
+           "Generated by `python benchmarks/run.py` (benchmarks/harness.py, see benchmarks/README.md); "
            "edit the code, not this section.", ""]
     for i, m in enumerate(metas, 1):
         skipped = f"; {len(m['not_run'])} cases not run (--max-seconds)" if m.get("not_run") else ""
@@ -668,7 +659,7 @@ def markdown(records, metas, image=None):
         out.append(f"- run {i}: {m.get('date', '?')}, commit {m.get('commit', '?')}: {m.get('device', '?')}; "
                    f"jax {m.get('jax', '?')}, cuDNN {m.get('cudnn_backend', '-')}, frontend "
                    f"{m.get('cudnn_frontend', '-')}, torch {m.get('torch', '-')}: "
-                   f"`scoremod bench {' '.join(m.get('argv', []))}`{skipped}")
+                   f"`python benchmarks/run.py {' '.join(m.get('argv', []))}`{skipped}")
     r0 = records[0] if records else {}
     out += ["", f"Batch {r0.get('batch')}, {r0.get('heads')} heads, {r0.get('dtype')}. Time per call in "
             "ms: median (min-max) of the repetitions, each of N calls after warm-up (JAX: wall clock "
@@ -819,10 +810,12 @@ def metadata(argv, cfg):
 
 
 def switches():
-    """The lowering switches of this process (the SCOREMOD_* environment variables)."""
-    from scoremod.lowering import cudnn_path
+    """The default lowering options of this process (the SCOREMOD_* environment variables)."""
+    import scoremod
 
-    return {n.lower(): getattr(cudnn_path, n) for n in LOWERING_SWITCHES}
+    o = scoremod.options.defaults()
+    return {"native_masks": o.native_masks, "split_blocks": o.split_blocks,
+            "fold_scale": o.fold_scale}
 
 
 def load(paths):
@@ -867,11 +860,10 @@ def _lowered_here(name, impl, shape):
     how = lowered(name, {} if impl == "scoremod-plain" else switches())
     if "query blocks" not in how:
         return how
-    from scoremod.lowering import cudnn_path
-
-    blocks = cudnn_path._split_blocks(shape.mod(name), shape.s, shape.s, shape.b * shape.h)
+    plan = plan_of(name, shape)
     parts = [p for p in how.split(", ") if p != "query blocks"]
-    return ", ".join(([f"{len(blocks)} query blocks"] if blocks else []) + parts) or "as written"
+    return ", ".join(([f"{len(plan.blocks)} query blocks"] if plan.split else []) + parts) \
+        or "as written"
 
 
 def lowered(mod, meta):
@@ -895,10 +887,10 @@ def _list(kind, choices=None):
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="scoremod bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true",
-                    help="CPU smoke run: tiny shapes, reference path only, nothing written unless asked")
+                    help="CPU smoke run: tiny shapes, reference path only (runs without a GPU)")
     ap.add_argument("--seqs", type=_list(int), default=[1024, 4096, 16384], help="comma list ('' for none)")
     ap.add_argument("--head-dims", type=_list(int), default=[64, 128])
     ap.add_argument("--long", type=int, default=32768,
@@ -917,10 +909,9 @@ def parse_args(argv):
                     help="start no new case after this many seconds (0: no limit)")
     ap.add_argument("--json", help="write the results here (after every case)")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD of this checkout)")
-    ap.add_argument("--doc", help="markdown page whose bench section is replaced "
-                    "(default docs/performance.md; none with --dry-run)")
-    ap.add_argument("--images", help="folder for bench.png (default: docs/images beside --doc)")
-    ap.add_argument("--no-doc", action="store_true", help="write no page and no plot")
+    ap.add_argument("--doc", help="markdown page whose bench section is replaced, e.g. "
+                    "docs/performance.md (default: no page, no plot)")
+    ap.add_argument("--images", help="folder for bench.png (default: images/ beside --doc)")
     ap.add_argument("--from", dest="from_", nargs="+", metavar="JSON",
                     help="run nothing: merge these results and write the page and the plot")
     a = ap.parse_args(argv)
@@ -932,6 +923,14 @@ def parse_args(argv):
     if not a.head_dims or not (a.seqs or a.long):
         ap.error("no shapes selected")
     return a
+
+
+def no_gpu():
+    """Why this machine cannot run the benchmarks (no GPU), or None."""
+    import scoremod
+
+    dev = scoremod.device.current()
+    return None if dev.platform == "gpu" else f"no GPU is visible to JAX (device: {dev.platform})"
 
 
 def main(argv=None):
@@ -946,6 +945,12 @@ def main(argv=None):
     if a.from_:
         records, metas = load(a.from_)
     else:
+        if not a.dry_run:
+            reason = no_gpu()
+            if reason:
+                print(f"benchmarks/run.py: {reason}; the benchmarks time the fused path on an "
+                      "NVIDIA GPU. Run with --dry-run for a CPU smoke test.", file=sys.stderr)
+                return 2
         if not a.dry_run:  # torch shares the GPU: JAX grows its pool instead of taking 75% up front
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         meta = metadata(argv, a)
@@ -972,8 +977,8 @@ def main(argv=None):
     if a.json:
         save(records, metas)
         print(f"wrote {a.json}")
-    doc = a.doc or (None if a.dry_run else str(ROOT / "docs" / "performance.md"))
-    if doc and not a.no_doc:
+    doc = a.doc
+    if doc:
         images = Path(a.images) if a.images else Path(doc).parent / "images"
         png = plot(records, images / "bench.png")
         image = os.path.relpath(png, Path(doc).parent) if png else None

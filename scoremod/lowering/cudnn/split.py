@@ -9,10 +9,10 @@ the mod's indices shifted back (``q_idx -> q_idx + q0``). Every row sees all
 its keys inside its own call, so the blocks' outputs and LSEs are its rows
 of the whole (no softmax merging, no new kernel), and the key gradients of
 the blocks add up. ``blockwise`` says this in JAX; the fused path
-(``cudnn_path.Split``) does it in place, without slicing.
+(``plan.Plan``) does it in place, without slicing.
 
     >>> import jax.numpy as jnp, scoremod
-    >>> from scoremod.lowering.cudnn_rules import canonical
+    >>> from scoremod.lowering.cudnn.rules import canonical
     >>> mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, 30 * jnp.tanh(s / 30), -jnp.inf))
     >>> [(b.q0, b.q1, b.k0, b.k1) for b in plan(canonical(mod.expr), 1024, 1024, blocks=8,
     ...                                           batch_heads=64)]
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from scoremod.dsl import ir, ops
 from scoremod.dsl.scoremod import ScoreMod
-from scoremod.lowering import masks
+from scoremod.lowering.cudnn import masks
 
 TILE = 128  # cuDNN's key and query tile: block edges on it waste no tile
 MAX_COST = 0.8  # split only when the modelled time is at most this share of one call's

@@ -15,32 +15,30 @@ rules it enforces (see docs/limitations.md):
 
 from __future__ import annotations
 
+import functools
 import math
 
 from scoremod.dsl import ir
 from scoremod.dsl.grad import vjp
 from scoremod.dsl.ir import BOOL, F32, I32, Node, const, is_const
 from scoremod.dsl.ops import apply
+from scoremod.dsl.rewrite import nonneg
+from scoremod.dsl.text import format_expr
 from scoremod.errors import UnsupportedOpError
+from scoremod.lowering.cudnn.table import (COMPARISONS, CONST, INPUT_TENSORS, LOAD, MATERIALIZE,
+                                           OPERAND, TABLE, VAR)
 
 SCORE = ir.var(ir.SCORE)
 DP = ir.cotangent()
 
-# Ops with no faithful cuDNN lowering, and why.
-_REFUSED = {
-    "trunc_div": "integer division rounding toward zero has no cuDNN node",
-    "rem": "lax.rem has no cuDNN node",
-    "sign": "sign has no cuDNN node",
-    "i32": "converting a float to an integer has no exact cuDNN node",
-    "bool": "converting to bool has no cuDNN node; compare instead (x != 0)",
-}
-_COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+_COMPARISONS = COMPARISONS
+# Refused always, except in the cases refusal() lets through (the rest of the
+# table's refusals apply only to float arguments, also in refusal()).
+_REFUSED = {op: TABLE[op].refusal for op in ("trunc_div", "rem", "sign", "i32", "bool")}
 _FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 
 
 def _nonneg_int_pair(node):
-    from scoremod.dsl.rewrite import nonneg
-
     return node.dtype == I32 and all(nonneg(a) for a in node.args)
 
 
@@ -51,7 +49,7 @@ def refusal(node: Node) -> str | None:
     if node.op in _REFUSED and not (node.op in ("i32", "bool") and node.args[0].dtype != F32):
         return _REFUSED[node.op]
     if node.op in ("floordiv", "mod") and node.dtype == F32:
-        return f"{node.op} of floats has no cuDNN node"
+        return TABLE[node.op].refusal
     if node.op in _COMPARISONS and node.args[0].dtype == F32:
         a, b = node.args
         if a is b or (_int_cast(a) and _int_cast(b)):
@@ -70,15 +68,13 @@ def _int_cast(node):
 
 def check_supported(expr: Node, sources: dict) -> None:
     """Raise UnsupportedOpError naming the op and its source line if cuDNN can't run it."""
-    from scoremod.dsl.text import format_expr
-
     score = ir.var(ir.SCORE)
     # An array's index expressions never reach cuDNN: XLA computes a computed
     # index ahead (materialize), so only an index that depends on the score,
     # which XLA cannot know in advance, is refused there.
-    for node in ir.toposort(expr, stop=lambda n: n.op == "load"):
+    for node in ir.toposort(expr, stop=lambda n: n.op == LOAD):
         why = refusal(node)
-        if node.op == "load" and any(score in ir.depends_on(i, score) for i in node.args[1:]):
+        if node.op == LOAD and any(score in ir.depends_on(i, score) for i in node.args[1:]):
             why = ("it indexes an array with a value computed from the score; the fused path "
                    "reads arrays at positions known before the kernel runs")
         if why:
@@ -115,9 +111,9 @@ def _pow_chain(x, n):
 def _rewrite(node: Node, args: tuple) -> Node:
     """One node, arguments already canonical."""
     op = node.op
-    if op == "sub" and args[0].op == "const" and args[1].op != "const":
+    if op == "sub" and args[0].op == CONST and args[1].op != CONST:
         return apply("add", apply("neg", args[1]), args[0])
-    if op == "div" and args[0].op == "const" and args[1].op != "const":
+    if op == "div" and args[0].op == CONST and args[1].op != CONST:
         r = apply("reciprocal", args[1])
         return r if is_const(args[0], 1.0) else r * args[0]
     if op in _COMPARISONS:
@@ -126,14 +122,14 @@ def _rewrite(node: Node, args: tuple) -> Node:
             return const(op in ("eq", "le", "ge"), BOOL)
         if _int_cast(a) and _int_cast(b):  # exact below 2**24
             a, b = a.args[0], b.args[0]
-        if a.op == "const" and b.op != "const":
+        if a.op == CONST and b.op != CONST:
             return apply(_FLIPPED[op], b, a)
         return apply(op, a, b)
     if op == "where":
         c, a, b = args
-        if a.op == "const" and b.op != "const":
+        if a.op == CONST and b.op != CONST:
             return apply("where", apply("not", c), b, a)
-        if a.op == "const" and b.op == "const":
+        if a.op == CONST and b.op == CONST:
             return apply("where", c, const_tensor(a), b)
         return apply("where", c, a, b)
     if op == "integer_pow":
@@ -158,10 +154,10 @@ def _rewrite(node: Node, args: tuple) -> Node:
         return a - _rewrite(Node("floordiv", (a, b), None, I32), (a, b)) * b
     if op == "f32" and args[0].dtype == BOOL:
         return apply("where", args[0], const_tensor(const(1.0, F32)), const(0.0, F32))
-    if op == "load" and node.dtype == BOOL:  # bool arrays travel as int32
-        as_int = Node("load", args, None, I32)
+    if op == LOAD and node.dtype == BOOL:  # bool arrays travel as int32
+        as_int = Node(LOAD, args, None, I32)
         return apply("ne", as_int, const(0, I32))
-    return apply(op, *args, attr=node.attr) if op not in ("load",) else Node(op, args, node.attr, node.dtype)
+    return apply(op, *args, attr=node.attr) if op != LOAD else Node(op, args, node.attr, node.dtype)
 
 
 def const_tensor(c: Node) -> Node:
@@ -181,13 +177,13 @@ def const_tensor(c: Node) -> Node:
 
 def materialize(expr: Node) -> Node:
     """``expr`` computed by XLA over the index grid and read as an input tensor."""
-    return Node("materialize", (expr,), None, expr.dtype)
+    return Node(MATERIALIZE, (expr,), None, expr.dtype)
 
 
 def _depends_on_loads(root):
     dep = set()
     for node in ir.toposort(root):
-        if node.op == "load" or any(a in dep for a in node.args):
+        if node.op == LOAD or any(a in dep for a in node.args):
             dep.add(node)
     return dep
 
@@ -205,8 +201,8 @@ def _lift_data_masks(root: Node) -> Node:
     zero, one, ninf = const(0.0, F32), const(1.0, F32), const(float("-inf"), F32)
     done = {}
     # Materialized values are already lifted: canonical form is a fixed point.
-    for node in ir.toposort(root, stop=lambda n: n.op == "materialize"):
-        if node.op in ("var", "const", "operand", "load", "materialize"):
+    for node in ir.toposort(root, stop=lambda n: n.op == MATERIALIZE):
+        if node.op in (VAR, CONST, OPERAND) + INPUT_TENSORS:
             done[node] = node
             continue
         args = tuple(done[a] for a in node.args)
@@ -226,22 +222,27 @@ def _lift_data_masks(root: Node) -> Node:
     return done[root]
 
 
+@functools.lru_cache(maxsize=4096)
 def canonical(root: Node) -> Node:
-    """``root`` rewritten so every node maps onto one cuDNN node under the rules."""
+    """``root`` rewritten so every node maps onto one cuDNN node under the rules.
+
+    Memoized by node (nodes are hash-consed, so the same expression is the
+    same key): the planning steps that each need the canonical form share one.
+    """
     root = _lift_data_masks(root)
     done = {}
     # Index expressions of loads and materialized values are computed by XLA
     # exactly as written: they are not rewritten for cuDNN.
-    for node in ir.toposort(root, stop=lambda n: n.op in ("load", "materialize")):
-        if ir.is_const(node) or node.op in ("var", "operand", "materialize"):
+    for node in ir.toposort(root, stop=lambda n: n.op in INPUT_TENSORS):
+        if ir.is_const(node) or node.op in (VAR, OPERAND, MATERIALIZE):
             done[node] = node
-        elif node.op == "load":
+        elif node.op == LOAD:
             done[node] = _rewrite(node, node.args)
         else:
             done[node] = _rewrite(node, tuple(done[a] for a in node.args))
     out = done[root]
     # The root must be a tensor that is not the raw input.
-    if out.op == "const":
+    if out.op == CONST:
         out = const_tensor(out) if out.dtype == F32 else out
     return out
 
@@ -250,7 +251,7 @@ def forward_and_backward(expr: Node) -> tuple[Node, Node]:
     """(forward, backward) expressions in canonical form; backward is d/dscore * dP."""
     fwd = canonical(expr)
     bwd = vjp(expr, DP)
-    if bwd.op == "const":  # zero gradient: still an expression of dP
+    if bwd.op == CONST:  # zero gradient: still an expression of dP
         bwd = Node("mul", (DP, const(0.0, F32)), None, F32)
     return fwd, canonical(bwd)
 
@@ -269,11 +270,11 @@ def fold_scale(expr: Node) -> tuple[Node, float]:
         >>> print(folded, round(1 / c, 6))
         <f32 tanh(score) * 30.0> 30.0
     """
-    uses = [n for n in ir.toposort(expr, stop=lambda n: n.op in ("load", "materialize"))
+    uses = [n for n in ir.toposort(expr, stop=lambda n: n.op in INPUT_TENSORS)
             if SCORE in n.args]
     factors = set()
     for n in uses:
-        if len(n.args) != 2 or n.args[0] is not SCORE or n.args[1].op != "const":
+        if len(n.args) != 2 or n.args[0] is not SCORE or n.args[1].op != CONST:
             return expr, 1.0  # the score used otherwise (abs(score), score * score, ...)
         other = n.args[1]
         if n.op == "mul":

@@ -5,7 +5,7 @@ softmax statistics (LSE). The backward graph is ``sdpa_backward(...,
 score_mod=..., score_mod_bprop=...)``: cuDNN re-runs score_mod on the
 recomputed score, then calls score_mod_bprop with dP (the gradient with
 respect to score_mod's output). Both callbacks are emitted from the IR by one
-table (``LOWER``); the backward expression comes from ``dsl.grad`` and reuses
+table (``table.TABLE``); the backward expression comes from ``dsl.grad`` and reuses
 the tensors the score_mod call made (shared ``env``), so nothing in score_mod
 dangles (the silent-dV rule).
 """
@@ -13,23 +13,23 @@ dangles (the silent-dV rule).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import struct
 import threading
 import time
 
-
+from scoremod import kernels_ffi
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node
 from scoremod.errors import ScoreModError, UnsupportedOpError
-from scoremod.lowering.cudnn_rules import DP, SCORE
+from scoremod.lowering.cudnn.rules import DP, SCORE
+from scoremod.lowering.cudnn.table import CONST, INPUT_TENSORS, TABLE, VAR
+from scoremod.lowering.problem import AXIS, Problem
 
 log = logging.getLogger("scoremod")
 
 UID_Q, UID_K, UID_V, UID_O, UID_STATS, UID_DO, UID_DQ, UID_DK, UID_DV = range(1, 10)
 UID_LOADS, UID_SCALARS = 100, 1000
-_AXIS = {"b": 0, "h": 1, "q_idx": 2, "kv_idx": 3}
 
 # Python engines that may claim an SDPA graph and drop score_mod (seed 003).
 PYTHON_ENGINE_NAMES = ("sdpa_fwd", "sdpa_bwd", "sdpa_prefill", "sdpa_decode")
@@ -87,75 +87,11 @@ def bshd(b, s, h, d, rows=None):
     return (b, h, s, d), ((rows or s) * h * d, d, h * d, 1)
 
 
-# --- the lowering table: one emitter per op ---------------------------------
-
-
-def _node(name, emit):
-    emit.node = name  # the cuDNN frontend node this op becomes (for `scoremod show`)
-    return emit
-
-
-def _pointwise(name):
-    return _node(name, lambda g, a: getattr(g, name)(input=a[0]))
-
-
-def _binary(name):
-    return _node(name, lambda g, a: getattr(g, name)(a=a[0], b=a[1]))
-
-
-def _cmp(name):
-    def emit(g, a):
-        return getattr(g, name)(input=a[0], comparison=a[1],
-                                compute_data_type=_cudnn().data_type.BOOLEAN)
-
-    return _node(name, emit)
-
-
-LOWER = {
-    "add": _binary("add"),
-    "offset": _binary("add"),
-    "sub": _binary("sub"),
-    "mul": _binary("mul"),
-    "div": _binary("div"),
-    "neg": _pointwise("neg"),
-    "abs": _pointwise("abs"),
-    "exp": _pointwise("exp"),
-    "log": _pointwise("log"),
-    "tanh": _pointwise("tanh"),
-    "sigmoid": _pointwise("sigmoid"),
-    "sqrt": _pointwise("sqrt"),
-    "rsqrt": _pointwise("rsqrt"),
-    "reciprocal": _pointwise("reciprocal"),
-    "sin": _pointwise("sin"),
-    "cos": _pointwise("cos"),
-    "erf": _pointwise("erf"),
-    "floor": _pointwise("floor"),
-    "ceil": _pointwise("ceil"),
-    "relu": _pointwise("relu"),
-    "pow": _node("pow", lambda g, a: g.pow(input0=a[0], input1=a[1])),
-    "max": _node("max", lambda g, a: g.max(input0=a[0], input1=a[1])),
-    "min": _node("min", lambda g, a: g.min(input0=a[0], input1=a[1])),
-    "relu_grad": _node("relu_backward", lambda g, a: g.relu_backward(loss=a[0], input=a[1])),
-    "lt": _cmp("cmp_lt"),
-    "le": _cmp("cmp_le"),
-    "gt": _cmp("cmp_gt"),
-    "ge": _cmp("cmp_ge"),
-    "eq": _cmp("cmp_eq"),
-    "ne": _cmp("cmp_neq"),
-    "and": _binary("logical_and"),
-    "or": _binary("logical_or"),
-    "not": _pointwise("logical_not"),
-    "where": _node("binary_select", lambda g, a: g.binary_select(input0=a[1], input1=a[2], mask=a[0])),
-    "f32": _pointwise("identity"),
-    "i32": _pointwise("identity"),
-}
-
-
 def emission_order(root: Node) -> list:
     """Nodes to emit for ``root``, children first. A load is an input tensor, so
     its index expressions are NOT emitted: they would dangle in score_mod, and a
     dangling node makes cuDNN compute dV wrong without any error."""
-    return ir.toposort(root, stop=lambda n: n.op in ("load", "materialize"))
+    return ir.toposort(root, stop=lambda n: n.op in INPUT_TENSORS)
 
 
 class Emitter:
@@ -172,16 +108,16 @@ class Emitter:
         for node in emission_order(root):
             if node in self.env:
                 continue
-            if node.op == "const":
+            if node.op == CONST:
                 self.env[node] = self.scalars[node]
-            elif node.op == "var":
-                t = g.gen_index(input=anchor, axis=_AXIS[node.attr])
+            elif node.op == VAR:
+                t = g.gen_index(input=anchor, axis=AXIS[node.attr])
                 t.set_data_type(_ir_dtype(I32))
                 self.env[node] = t
-            elif node.op in ("load", "materialize"):
+            elif node.op in INPUT_TENSORS:
                 self.env[node] = self.loads[node]
             else:
-                t = LOWER[node.op](g, [self.env[a] for a in node.args])
+                t = TABLE[node.op].emit(g, [self.env[a] for a in node.args])
                 t.set_data_type(_ir_dtype(node.dtype))
                 self.env[node] = t
         return self.env[root]
@@ -191,17 +127,10 @@ class Emitter:
 
 
 @dataclasses.dataclass(frozen=True)
-class Problem:
+class GraphSpec:
     """Everything a graph depends on besides the mod (part of the cache key)."""
 
-    b: int
-    sq: int
-    skv: int
-    hq: int
-    hkv: int
-    d: int
-    dv: int
-    dtype: str
+    shape: Problem  # the call's (or the block's) sizes and dtype
     scale: float
     loads: tuple  # TensorSpec per load, in order
     band: object = None  # masks.Band: cuDNN's native diagonal-band mask, or None
@@ -212,8 +141,9 @@ class Problem:
 
     def stats_layout(self, packed=False):
         # cuDNN < 9.26 takes only a packed stats input in sdpa_backward.
-        rows = self.sq if packed else (self.q_rows or self.sq)
-        return (self.b, self.hq, self.sq, 1), (self.hq * rows, rows, 1, 1)
+        s = self.shape
+        rows = s.sq if packed else (self.q_rows or s.sq)
+        return (s.b, s.hq, s.sq, 1), (s.hq * rows, rows, 1, 1)
 
 
 def _scalar_bits(node: Node) -> int:
@@ -238,10 +168,10 @@ def _io_tensor(g, name, uid, dims, strides, dtype):
     return t
 
 
-def _common_inputs(g, p: Problem, consts, load_nodes):
-    q = _io_tensor(g, "q", UID_Q, *bshd(p.b, p.sq, p.hq, p.d, p.q_rows), p.dtype)
-    k = _io_tensor(g, "k", UID_K, *bshd(p.b, p.skv, p.hkv, p.d, p.kv_rows), p.dtype)
-    v = _io_tensor(g, "v", UID_V, *bshd(p.b, p.skv, p.hkv, p.dv, p.kv_rows), p.dtype)
+def _common_inputs(g, p: GraphSpec, consts, load_nodes):
+    q = _io_tensor(g, "q", UID_Q, *bshd(p.shape.b, p.shape.sq, p.shape.hq, p.shape.d, p.q_rows), p.shape.dtype)
+    k = _io_tensor(g, "k", UID_K, *bshd(p.shape.b, p.shape.skv, p.shape.hkv, p.shape.d, p.kv_rows), p.shape.dtype)
+    v = _io_tensor(g, "v", UID_V, *bshd(p.shape.b, p.shape.skv, p.shape.hkv, p.shape.dv, p.kv_rows), p.shape.dtype)
     scalars = {}
     for i, c in enumerate(consts):
         t = g.tensor(name=f"c{i}", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
@@ -254,7 +184,7 @@ def _common_inputs(g, p: Problem, consts, load_nodes):
     return q, k, v, scalars, loads
 
 
-def _mask_args(p: Problem) -> dict:
+def _mask_args(p: GraphSpec) -> dict:
     """sdpa / sdpa_backward arguments for the native mask (none: no mask)."""
     if p.band is None:
         return {"use_causal_mask": False}
@@ -294,11 +224,11 @@ def _finalize(g, what, describe):
     except Exception:  # naming the plan is a courtesy
         plan = "?"
     blob = bytes(g.serialize(as_bytes=True))
-    graph_id = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little", signed=True)
+    graph_id = kernels_ffi.hash_graph(blob)
     return blob, graph_id, int(g.get_workspace_size()), plan, time.perf_counter() - t0
 
 
-def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
+def build_forward(fwd: Node, p: GraphSpec, consts, load_nodes, describe) -> Built:
     g = _graph()
     q, k, v, scalars, loads = _common_inputs(g, p, consts, load_nodes)
     em = Emitter({}, scalars, loads)
@@ -309,8 +239,8 @@ def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
 
     o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, generate_stats=True,
                       score_mod=score_mod if fwd is not None else None, **_mask_args(p))
-    dims, strides = bshd(p.b, p.sq, p.hq, p.dv, p.q_rows)
-    o.set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(_dtype(p.dtype))
+    dims, strides = bshd(p.shape.b, p.shape.sq, p.shape.hq, p.shape.dv, p.q_rows)
+    o.set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(_dtype(p.shape.dtype))
     o.set_uid(UID_O)
     stats.set_output(True).set_data_type(_dtype("float32"))
     dims, strides = p.stats_layout()
@@ -322,11 +252,11 @@ def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
                  tuple(_scalar_bits(c) for c in consts), ws, plan, secs)
 
 
-def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
+def build_backward(fwd: Node, bwd: Node, p: GraphSpec, consts, load_nodes, describe) -> Built:
     g = _graph()
     q, k, v, scalars, loads = _common_inputs(g, p, consts, load_nodes)
-    o = _io_tensor(g, "o", UID_O, *bshd(p.b, p.sq, p.hq, p.dv, p.q_rows), p.dtype)
-    do = _io_tensor(g, "dO", UID_DO, *bshd(p.b, p.sq, p.hq, p.dv, p.q_rows), p.dtype)
+    o = _io_tensor(g, "o", UID_O, *bshd(p.shape.b, p.shape.sq, p.shape.hq, p.shape.dv, p.q_rows), p.shape.dtype)
+    do = _io_tensor(g, "dO", UID_DO, *bshd(p.shape.b, p.shape.sq, p.shape.hq, p.shape.dv, p.q_rows), p.shape.dtype)
     stats = _io_tensor(g, "stats", UID_STATS, *p.stats_layout(packed=True), "float32")
     em = Emitter({}, scalars, loads)
 
@@ -343,12 +273,12 @@ def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describ
                                  attn_scale=p.scale, **_mask_args(p), **mods)
     # dQ lands in its rows of the full array; a block's dK, dV are its own
     # arrays (blocks overlap in keys, so they are summed afterwards).
-    for t, uid, (b, s, h, d, rows) in ((dq, UID_DQ, (p.b, p.sq, p.hq, p.d, p.q_rows)),
-                                       (dk, UID_DK, (p.b, p.skv, p.hkv, p.d, None)),
-                                       (dv, UID_DV, (p.b, p.skv, p.hkv, p.dv, None))):
+    for t, uid, (b, s, h, d, rows) in ((dq, UID_DQ, (p.shape.b, p.shape.sq, p.shape.hq, p.shape.d, p.q_rows)),
+                                       (dk, UID_DK, (p.shape.b, p.shape.skv, p.shape.hkv, p.shape.d, None)),
+                                       (dv, UID_DV, (p.shape.b, p.shape.skv, p.shape.hkv, p.shape.dv, None))):
         dims, strides = bshd(b, s, h, d, rows)
         t.set_output(True).set_dim(list(dims)).set_stride(list(strides))
-        t.set_data_type(_dtype(p.dtype))
+        t.set_data_type(_dtype(p.shape.dtype))
         t.set_uid(uid)
     blob, gid, ws, plan, secs = _finalize(g, "backward", describe)
     ins = (UID_Q, UID_K, UID_V, UID_O, UID_DO, UID_STATS) + tuple(s.uid for s in p.loads)
@@ -367,8 +297,7 @@ def _fresh(g, out, given):
 
 
 def frontend_version() -> int:
-    major, minor, patch = (int(x) for x in _cudnn().__version__.split(".")[:3])
-    return major * 10000 + minor * 100 + patch
+    return kernels_ffi.encode_version(_cudnn().__version__)
 
 
 def backend_version() -> int:
@@ -411,6 +340,13 @@ def cache_info() -> dict:
     """
     with _lock:
         return dict(_stats, size=len(_cache))
+
+
+def cache_entries() -> dict:
+    """A copy of the graph cache: ``{key: Built}``, where ``key[0]`` is "forward"
+    or "backward" (for tools that time or inspect the built graphs)."""
+    with _lock:
+        return dict(_cache)
 
 
 def cache_clear() -> None:

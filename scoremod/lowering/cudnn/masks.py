@@ -7,7 +7,7 @@ cuDNN's own diagonal-band mask gives the same numbers and skips the tiles it
 masks, where a score_mod mask visits every tile.
 
     >>> import jax.numpy as jnp, scoremod
-    >>> from scoremod.lowering.cudnn_rules import canonical
+    >>> from scoremod.lowering.cudnn.rules import canonical
     >>> window = scoremod.trace(lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 256), s, -jnp.inf))
     >>> native_band(canonical(window.expr), sq=1024, skv=1024)
     Band(alignment='TOP_LEFT', left_bound=256, right_bound=0)
@@ -20,6 +20,7 @@ import math
 from fractions import Fraction
 
 from scoremod.dsl.ir import SCORE, Node
+from scoremod.lowering.cudnn.table import MATERIALIZE
 
 # A linear integer form: {"q_idx": a, "kv_idx": b, 1: c} means a*q + b*kv + c.
 _ONE = 1
@@ -97,7 +98,7 @@ def _materialized_mask(expr):
     if expr.op != "add":
         return None
     for m, x in ((expr.args[1], expr.args[0]), (expr.args[0], expr.args[1])):
-        if m.op == "materialize":
+        if m.op == MATERIALIZE:
             w = m.args[0]
             if (w.op == "where" and _is_neg_inf(w.args[2]) and w.args[1].op == "const"
                     and w.args[1].attr == 0.0):

@@ -1,0 +1,80 @@
+"""What the device a call runs on can do: platform, GPU family, SMs, memory.
+
+Backends ask here instead of reading ``jax.devices()`` themselves, so one
+place knows how JAX spells a device's capabilities (and a test can stand in
+a different device by replacing :func:`current`).
+
+    >>> from scoremod import device
+    >>> d = device.current()
+    >>> d.platform in ("cpu", "gpu", "tpu") and (d.family is None) == (d.platform != "gpu")
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["Device", "current", "available_memory"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """The default JAX device, as the backends see it."""
+
+    platform: str  # "cpu", "gpu", "tpu", or "none" when JAX has no device
+    kind: str  # jax's device_kind, e.g. "NVIDIA H200"
+    family: int | None  # compute capability major of an NVIDIA GPU (9: Hopper), else None
+    sm_count: int | None  # streaming multiprocessors of an NVIDIA GPU, else None
+
+
+def current() -> Device:
+    """The default device of this process (``jax.devices()[0]``)."""
+    import jax
+
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return Device("none", "", None, None)
+    family = sm_count = None
+    if dev.platform == "gpu":
+        try:
+            family = int(str(getattr(dev, "compute_capability", "")).split(".")[0])
+        except ValueError:
+            family = None
+        count = getattr(dev, "core_count", None)
+        sm_count = count if isinstance(count, int) and count > 0 else None
+    return Device(dev.platform, str(getattr(dev, "device_kind", "")), family, sm_count)
+
+
+def available_memory() -> int | None:
+    """Bytes a computation on the default device may use: the accelerator's
+    memory limit, or the host's available RAM on a CPU; None when unknown."""
+    import jax
+
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if dev.platform != "cpu":
+        try:
+            stats = dev.memory_stats() or {}
+        except Exception:  # not every backend reports memory
+            stats = {}
+        limit = stats.get("bytes_limit")
+        return int(limit) - int(stats.get("bytes_in_use", 0)) if limit else None
+    return _host_available()
+
+
+def _host_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,145 @@
+"""The interface every route of ``scoremod.attention`` implements, and the
+``custom_vjp`` that runs a fused backend's plan.
+
+A backend is one object with a small protocol:
+
+- ``why_not(problem, mod, automatic)``: why it cannot run this call (a
+  sentence), or None. ``automatic`` is True when ``implementation=None``
+  asks: a backend may then be stricter (cuDNN only volunteers on the GPU
+  families it was validated on).
+- ``present()``: whether its hardware is on this machine; passing over a
+  present backend warns the user, passing over an absent one does not.
+- ``plan(problem, mod, scale, options, return_lse)``: a hashable, static
+  description of the call (everything but array values), with ``mod`` (the
+  expression only) and ``scale`` attributes.
+- ``forward(plan, q, k, v, operands)`` -> (O, LSE) and
+  ``backward(plan, q, k, v, o, lse, do, operands)`` -> (dQ, dK, dV).
+
+A backend whose forward JAX can differentiate itself (``differentiable``) is
+called directly; the others run inside :func:`run`'s ``custom_vjp``, which
+refuses what their backward does not compute (gradients of captured operands
+unless ``operand_gradients``, and of the LSE), or, where the user allowed a
+fallback, hands the operand gradients to the fallback backend and its plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from scoremod.errors import CudnnUnavailableError, ScoreModError
+
+
+class Backend:
+    """Base of the backends: see the module docstring for the protocol."""
+
+    name: str = ""
+    title: str = ""  # how messages name it, e.g. "the fused cuDNN path"
+    differentiable: bool = False  # JAX differentiates forward() itself
+    operand_gradients: bool = False  # its gradients reach the mod's captured operands
+    error: type = ScoreModError  # raised when asked by name for a call it refuses
+    hint: str = ""  # what to do instead, appended to that error
+
+    def refused(self, reason: str) -> ScoreModError:
+        """The error for ``implementation=<name>`` on a call it cannot run."""
+        return self.error(f"implementation=\"{self.name}\" cannot run this call: {reason}."
+                          + (f" {self.hint}" if self.hint else ""))
+
+    def present(self) -> bool:
+        return True
+
+    def why_not(self, problem, mod, automatic: bool) -> str | None:
+        raise NotImplementedError
+
+    def plan(self, problem, mod, scale, options, return_lse):
+        raise NotImplementedError
+
+    def forward(self, plan, q, k, v, operands):
+        raise NotImplementedError
+
+    def backward(self, plan, q, k, v, o, lse, do, operands):
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<scoremod backend {self.name!r}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The custom_vjp's static argument: a fused backend, its plan, and the
+    (backend, plan) that computes operand gradients when the user allowed a
+    fallback (None: such gradients are refused)."""
+
+    backend: Backend
+    plan: object
+    fallback: tuple | None
+
+
+def run(backend: Backend, plan, q, k, v, operands, *, fallback=None):
+    """``(O, LSE)`` of ``plan`` on ``backend``, differentiable in q, k, v
+    (and in the operands where ``backend`` or the ``fallback`` computes them)."""
+    if backend.differentiable:
+        return backend.forward(plan, q, k, v, operands)
+    return _fused(_Static(backend, plan, fallback), q, k, v, operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(static, q, k, v, operands):
+    return static.backend.forward(static.plan, q, k, v, operands)
+
+
+def _names(plan):
+    return plan.mod.operand_names if plan.mod is not None else ()
+
+
+def _fused_fwd(static, q, k, v, operands):
+    plan = static.plan
+    perturbed = [n for n, x in zip(_names(plan), operands) if x.perturbed]
+    vals = lambda x: x.value  # noqa: E731
+    q, k, v = vals(q), vals(k), vals(v)
+    operands = jax.tree.map(vals, operands, is_leaf=lambda x: hasattr(x, "perturbed"))
+    if perturbed and static.fallback is not None:
+        fallback, fallback_plan = static.fallback
+        # implementation=None: the fallback computes what the backend cannot.
+        warnings.warn(
+            f"scoremod: gradients for score_mod operands {perturbed} need {fallback.title}; "
+            "implementation=None falls back to it for this call (O(S^2) memory).",
+            stacklevel=5,
+        )
+        (o, lse), vjp = jax.vjp(
+            lambda q, k, v, ops: fallback.forward(fallback_plan, q, k, v, ops), q, k, v, operands)
+        return (o, lse), {"reference_vjp": vjp}  # a dict marks the fallback residuals
+    if perturbed:
+        raise CudnnUnavailableError(
+            f"gradients with respect to score_mod operands {perturbed} are not computed by "
+            f"{static.backend.title} (it returns dQ, dK, dV only). Use implementation=\"xla\" to "
+            "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
+        )
+    o, lse = static.backend.forward(plan, q, k, v, operands)
+    return (o, lse), (q, k, v, o, lse, operands)
+
+
+def _fused_bwd(static, res, cts):
+    from jax.custom_derivatives import SymbolicZero
+
+    if isinstance(res, dict):
+        cts = tuple(jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cts)
+        return res["reference_vjp"](cts)
+    q, k, v, o, lse, operands = res
+    do, dlse = cts
+    if not isinstance(dlse, SymbolicZero):
+        raise CudnnUnavailableError(
+            f"{static.backend.title} cannot differentiate through the returned LSE; use "
+            "implementation=\"xla\", or jax.lax.stop_gradient(lse)."
+        )
+    if isinstance(do, SymbolicZero):
+        do = jnp.zeros(o.shape, o.dtype)
+    dq, dk, dv = static.backend.backward(static.plan, q, k, v, o, lse, do, operands)
+    return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)

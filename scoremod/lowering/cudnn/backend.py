@@ -1,0 +1,136 @@
+"""The fused cuDNN path as a backend: IR -> cuDNN SDPA graphs run from JAX through XLA FFI.
+
+``plan`` builds (once, at trace time, cached) the plan of a call; ``forward``
+and ``backward`` call its forward and backward graphs through the
+``scoremod_cudnn_execute`` FFI target, inside the ``custom_vjp`` of
+``lowering.backend.run``. No backward is written by hand: the backward
+score_mod is the IR's derivative.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from scoremod import device, kernels_ffi
+from scoremod.errors import CudnnUnavailableError, ScoreModError
+from scoremod.lowering.backend import Backend
+from scoremod.lowering.cudnn import rules
+from scoremod.lowering.cudnn.plan import plan_for
+
+# Architecture families (compute capability major) where score_mod graphs were
+# validated. Families, never exact capabilities: sm_121 behaves as sm_120.
+VALIDATED_FAMILIES = (9,)
+KNOWN_FAMILIES = (9, 10, 12)
+FUSED_DTYPES = ("float16", "bfloat16")
+
+
+class Cudnn(Backend):
+    name = "cudnn"
+    title = "the fused cuDNN path"
+    error = CudnnUnavailableError
+    hint = "Use implementation=\"xla\", or implementation=None to choose automatically."
+
+    def present(self):
+        return device.current().family is not None
+
+    def why_not(self, problem, mod, automatic):
+        # The mod and the inputs are judged first (pure IR and shape checks), so
+        # the answer is informative on a machine without a GPU too.
+        if mod is not None:
+            try:
+                rules.check_supported(mod.expr, mod.sources)
+            except ScoreModError as e:
+                return str(e)
+        if problem.dtype not in FUSED_DTYPES:
+            return f"the fused path takes float16 or bfloat16 inputs, got {problem.dtype}"
+        d, dv = problem.d, problem.dv
+        if d % 8 or dv % 8 or d > 256 or dv > 256:
+            return f"cuDNN needs head dims that are multiples of 8 and at most 256, got {d} and {dv}"
+        family = device.current().family
+        if family is None:
+            return "no NVIDIA GPU is visible to JAX"
+        if family not in KNOWN_FAMILIES:
+            return f"score_mod graphs are not supported on compute capability family sm_{family}x"
+        if not kernels_ffi.available():
+            return kernels_ffi.unavailable_reason()
+        try:
+            import cudnn  # noqa: F401
+        except Exception as e:  # pragma: no cover - depends on the install
+            return (f"the cuDNN frontend Python package is not importable ({e}); "
+                    "pip install nvidia-cudnn-frontend")
+        if automatic and family not in VALIDATED_FAMILIES:
+            return (f"the fused path is not validated on this GPU family (sm_{family}x); "
+                    "ask for it by name: implementation=\"cudnn\"")
+        return None
+
+    def plan(self, problem, mod, scale, options, return_lse):
+        return plan_for(mod, problem, scale, options)
+
+    def forward(self, plan, q, k, v, operands):
+        s = plan.shape
+        out_shapes = _forward_outputs(s.b, s.sq, s.hq, s.dv, q.dtype)
+        carried = ()  # the first block's call allocates O and the stats, later ones fill in
+        for blk, part in zip(plan.blocks, plan.parts):
+            loads = part.load_arrays(operands, forward=True)
+            offsets = plan.offsets(blk)
+            if offsets:
+                oq, ok, ov, oo, os_ = offsets
+                offsets = (oq, ok, ov) + (0,) * len(loads) + (oo, os_)
+            carried = tuple(_call(part.forward_graph(), [q, k, v, *loads], out_shapes, offsets,
+                                  carried))
+        o, stats = carried
+        return o, stats[..., 0]
+
+    def backward(self, plan, q, k, v, o, lse, do, operands):
+        if not plan.split:
+            (part,) = plan.parts
+            out_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+            return _call(part.backward_graph(),
+                         [q, k, v, o, do, lse[..., None], *part.load_arrays(operands)], out_shapes)
+        carried, dks, dvs = (), [], []  # dQ: the first block's call allocates it, later ones fill in
+        for blk, part in zip(plan.blocks, plan.parts):
+            loads = part.load_arrays(operands)
+            oq, ok, ov, oo, _ = plan.offsets(blk)
+            stats = lse[:, :, blk.q0:blk.q1, None]  # packed: see GraphSpec.stats_layout
+            n = blk.k1 - blk.k0
+            out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                          jax.ShapeDtypeStruct(k.shape[:1] + (n,) + k.shape[2:], k.dtype),
+                          jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
+            offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + (oq, 0, 0)
+            dq, dk, dv = _call(part.backward_graph(), [q, k, v, o, do, stats, *loads], out_shapes,
+                               offsets, carried)
+            carried = (dq,)
+            dks.append(dk)
+            dvs.append(dv)
+
+        def summed(parts, like):  # blocks overlap in keys: add their gradients, in float32
+            total = sum(jax.lax.pad(p.astype(jnp.float32), jnp.float32(0),
+                                    [(0, 0, 0), (blk.k0, like.shape[1] - blk.k1, 0), (0, 0, 0),
+                                     (0, 0, 0)])
+                        for p, blk in zip(parts, plan.blocks))
+            return total.astype(like.dtype)
+
+        return carried[0], summed(dks, k), summed(dvs, v)
+
+
+def _forward_outputs(b, sq, hq, dv, dtype):
+    """Shapes of the forward graph's O [b, sq, hq, dv] and stats [b, hq, sq, 1]."""
+    return [jax.ShapeDtypeStruct((b, sq, hq, dv), dtype),
+            jax.ShapeDtypeStruct((b, hq, sq, 1), jnp.float32)]
+
+
+def _call(built, inputs, out_shapes, offsets=(), carried=()):
+    """Runs ``built``; ``carried``: arrays appended to the inputs that become
+    the outputs of the same index, updated in place (see ``kernels_ffi.call``)."""
+    n = len(inputs)
+    carry = {n + i: i for i in range(len(carried))}
+    if carried:
+        offsets = offsets[:n] + (0,) * len(carried) + offsets[n:]
+    return kernels_ffi.call(built.blob, built.graph_id, [*inputs, *carried], out_shapes,
+                            built.in_uids + (-1,) * len(carried), built.out_uids,
+                            built.scalar_uids, built.scalar_bits, built.workspace,
+                            offsets=offsets, carry=carry)
+
+
+CUDNN = Cudnn()

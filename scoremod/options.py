@@ -1,0 +1,138 @@
+"""Lowering options: how a fused backend may rewrite a mod, as one frozen value.
+
+The three lowerings below make common mods faster; each is on by default and
+each can be switched off per call (for comparison, and as an escape hatch):
+
+    >>> import scoremod
+    >>> plain = scoremod.LoweringOptions(native_masks=False, split_blocks=0, fold_scale=False)
+    >>> plain == scoremod.LoweringOptions.plain()
+    True
+    >>> with scoremod.lowering_options(plain):
+    ...     scoremod.options.current() == plain
+    True
+
+An options value is hashable and part of every plan and graph cache key, so
+two calls with different options never share a plan or a graph. A call takes
+``attention(..., options=...)`` when given, else the innermost
+``with lowering_options(...)``, else the defaults, which the environment
+variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS`` and
+``SCOREMOD_FOLD_SCALE`` set (read once, here and nowhere else).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import os
+
+from scoremod.errors import ScoreModError
+
+__all__ = ["LoweringOptions", "defaults", "current", "lowering_options"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringOptions:
+    """How the fused path may lower a mod (all three lowerings passed their GPU tests).
+
+    Attributes:
+      native_masks: a pure band mask (causal, sliding window) runs as plain
+        attention under cuDNN's native mask, which skips masked tiles.
+      split_blocks: a band-masked mod with a modifier (softcap + causal)
+        splits into at most this many query blocks, each a fused call on the
+        keys it can see; 0 or 1: one call. Measured at seq 4096 and 16384
+        (batch 4, 16 heads): 8 blocks beat 4 by 6-9% forward.
+      fold_scale: a constant factor of the score on every use (softcap's
+        ``score / 30``) joins cuDNN's attn_scale, where it costs nothing.
+      sms: streaming multiprocessors the split's wave model assumes; None
+        asks the device (132 where it cannot tell). Small values make small
+        shapes split, as the tests do.
+
+    Example: softcap + causal as one score_mod call, for comparison::
+
+        >>> import scoremod
+        >>> scoremod.LoweringOptions().replace(split_blocks=0)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, sms=None)
+    """
+
+    native_masks: bool = True
+    split_blocks: int = 8
+    fold_scale: bool = True
+    sms: int | None = None
+
+    def __post_init__(self):
+        for name in ("native_masks", "fold_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ScoreModError(f"LoweringOptions.{name} must be True or False, "
+                                    f"got {getattr(self, name)!r}")
+        if not isinstance(self.split_blocks, int) or self.split_blocks < 0:
+            raise ScoreModError("LoweringOptions.split_blocks must be a number of query blocks "
+                                f"(0: no split), got {self.split_blocks!r}")
+        if self.sms is not None and (not isinstance(self.sms, int) or self.sms < 1):
+            raise ScoreModError(f"LoweringOptions.sms must be a positive int or None, got {self.sms!r}")
+
+    @classmethod
+    def plain(cls) -> "LoweringOptions":
+        """The mod lowered as written: no native mask, no split, no folding."""
+        return cls(native_masks=False, split_blocks=0, fold_scale=False)
+
+    def replace(self, **changes) -> "LoweringOptions":
+        return dataclasses.replace(self, **changes)
+
+
+# Environment variable -> (field, parse, what it expects).
+_ENVIRONMENT = {
+    "SCOREMOD_NATIVE_MASKS": ("native_masks", bool, "0 (off) or 1 (on)"),
+    "SCOREMOD_SPLIT_BLOCKS": ("split_blocks", int, "a number of query blocks (0: off)"),
+    "SCOREMOD_FOLD_SCALE": ("fold_scale", bool, "0 (off) or 1 (on)"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def defaults() -> LoweringOptions:
+    """The options of calls that give none: the environment's, read once per process."""
+    values = {}
+    for name, (field, kind, wanted) in _ENVIRONMENT.items():
+        text = os.environ.get(name)
+        if text is None:
+            continue
+        try:
+            value = int(text)
+            if value < 0 or (kind is bool and value > 1):
+                raise ValueError
+        except ValueError:
+            raise ScoreModError(f"environment variable {name}={text!r}: expected {wanted}") from None
+        values[field] = kind(value)
+    return LoweringOptions(**values)
+
+
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("scoremod_lowering_options", default=None)
+
+
+def current() -> LoweringOptions:
+    """The options in effect here: the innermost ``lowering_options`` block's, else the defaults."""
+    options = _CURRENT.get()
+    return defaults() if options is None else options
+
+
+@contextlib.contextmanager
+def lowering_options(options: LoweringOptions | None = None, **changes):
+    """Calls traced inside use ``options`` (default: the current ones) with ``changes``.
+
+    The options are read when a call is traced: a function jitted inside the
+    block and called outside keeps what it was traced with.
+
+        >>> import scoremod
+        >>> with scoremod.lowering_options(fold_scale=False) as inside:
+        ...     inside.fold_scale, scoremod.options.current() is inside
+        (False, True)
+    """
+    base = current() if options is None else options
+    if not isinstance(base, LoweringOptions):
+        raise ScoreModError(f"lowering_options takes a LoweringOptions, got {type(base).__name__}")
+    token = _CURRENT.set(base.replace(**changes) if changes else base)
+    try:
+        yield current()
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,136 @@
+"""The graph builders, run on a CPU against a recording stand-in for the cuDNN frontend.
+
+The GPU suite checks what cuDNN computes; this checks, without a GPU, that
+every plan of the suite's mods builds its forward and backward graphs (no
+exception on any path of the builders) with the tensors, strides, scale and
+scalars the plan describes."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import scoremod
+from scoremod.lowering.cudnn import graph as cg
+from scoremod.lowering.cudnn.plan import Plan
+from scoremod.lowering.problem import Problem
+from tests.test_plans import CASES
+
+
+class Recorder:
+    def __init__(self):
+        self.calls, self.tensors = [], []
+
+    def tensor(self, origin):
+        t = FakeTensor(self, origin)
+        self.tensors.append(t)
+        return t
+
+
+class FakeTensor:
+    def __init__(self, rec, origin, **kw):
+        self.rec, self.origin, self.props = rec, origin, dict(kw)
+
+    def __getattr__(self, name):
+        def setter(*a, **kw):
+            self.props[name.removeprefix("set_")] = a[0] if a else kw
+            return self
+        return setter
+
+
+class FakeGraph:
+    selected_engine = None
+
+    def __init__(self, rec):
+        self.rec = rec
+
+    def tensor(self, **kw):
+        return FakeTensor(self.rec, "io", **kw)
+
+    def gen_index(self, input, axis):
+        return FakeTensor(self.rec, "gen_index", axis=axis)
+
+    def sdpa(self, **kw):
+        return self._sdpa("sdpa", kw, 2)
+
+    def sdpa_backward(self, **kw):
+        return self._sdpa("sdpa_backward", kw, 3)
+
+    def _sdpa(self, name, kw, outputs):
+        self.rec.calls.append((name, {k: v for k, v in kw.items() if not callable(v)}))
+        for cb, anchor in (("score_mod", "score"), ("score_mod_bprop", "dP")):
+            if kw.get(cb) is not None:
+                out = kw[cb](self, FakeTensor(self.rec, anchor))
+                assert isinstance(out, FakeTensor) and out.origin != anchor
+        return [self.rec.tensor(f"{name}_out{i}") for i in range(outputs)]
+
+    def serialize(self, as_bytes):
+        return repr(self.rec.calls).encode()
+
+    def get_workspace_size(self):
+        return 16
+
+    def get_plan_name_at_index(self, i):
+        return "fake"
+
+    def __getattr__(self, name):  # pointwise nodes and the planning steps
+        def node(*a, **kw):
+            self.rec.calls.append((name, sorted(kw)))
+            return FakeTensor(self.rec, name)
+        return node
+
+
+class Names:
+    def __getattr__(self, name):
+        return name
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = Recorder()
+    fake = types.ModuleType("cudnn")
+    fake.pygraph = lambda **kw: FakeGraph(rec)
+    fake.data_type = fake.heur_mode = fake.build_plan_policy = fake.diagonal_alignment = Names()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    return rec
+
+
+OPTIONS = {"default": scoremod.LoweringOptions(sms=1), "plain": scoremod.LoweringOptions.plain()}
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_plan_of_the_gpu_suite_builds_its_graphs(name, options, recorder):
+    fn, (sq, skv, hq) = CASES[name]
+    plan = Plan(scoremod.trace(fn), Problem(2, sq, skv, hq, 2, 64, 64, "float16"), 0.125,
+                OPTIONS[options])
+    for part in plan.parts:
+        for direction, spec, consts, loads, build in (
+                ("sdpa", part.fwd_spec, part.fwd_consts, part.fwd_loads, cg.build_forward),
+                ("sdpa_backward", part.spec, part.consts, part.loads, cg.build_backward)):
+            recorder.calls.clear()
+            args = (part.fwd, spec, consts, [l.node for l in loads], part.describe)
+            built = build(*args) if build is cg.build_forward else build(part.fwd, part.bwd, *args[1:])
+            (call,) = [kw for n, kw in recorder.calls if n == direction]
+            assert call["attn_scale"] == spec.scale
+            assert ("diagonal_band_right_bound" in call) == (spec.band is not None)
+            q = call["q"].props
+            assert q["uid"] == cg.UID_Q and q["dim"][0] == 2 and q["dim"][2] == spec.shape.sq
+            rows = spec.q_rows or spec.shape.sq
+            assert q["stride"] == [rows * hq * 64, 64, hq * 64, 1]
+            assert built.scalar_uids == tuple(cg.UID_SCALARS + i for i in range(len(consts)))
+            assert len(built.scalar_bits) == len(consts)
+            assert built.in_uids[len(built.in_uids) - len(loads):] == tuple(l.spec.uid for l in loads)
+            assert built.graph_id == scoremod.kernels_ffi.hash_graph(built.blob)
+            if direction == "sdpa_backward":
+                stats = call["stats"].props
+                assert stats["dim"] == [2, hq, spec.shape.sq, 1]  # packed, per block
+                assert stats["stride"] == [hq * spec.shape.sq, spec.shape.sq, 1, 1]
+
+
+def test_float_and_int_scalars_travel_as_their_bits():
+    from scoremod.dsl import ir
+
+    assert cg._scalar_bits(ir.const(1.0, ir.F32)) == int(np.float32(1.0).view(np.int32))
+    assert cg._scalar_bits(ir.const(-3, ir.I32)) == -3
