@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 from scikit_build_core import build as _skbuild
 
@@ -49,6 +50,7 @@ def _find_headers():
     # Loaded by path: importing the scoremod package would need jax.
     spec = importlib.util.spec_from_file_location("_scoremod_find_headers", _FIND_HEADERS)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
