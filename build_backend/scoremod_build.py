@@ -30,15 +30,40 @@ import shutil
 import subprocess
 import sys
 
-from scikit_build_core import build as _skbuild
+
+
+def _skbuild():
+    # Imported when a hook runs (pip has installed it by then), so that the
+    # functions below can be tested without it.
+    from scikit_build_core import build
+
+    return build
+
 
 # PEP 517 hooks that need nothing from us.
-build_wheel = _skbuild.build_wheel
-build_sdist = _skbuild.build_sdist
-build_editable = _skbuild.build_editable
-prepare_metadata_for_build_wheel = _skbuild.prepare_metadata_for_build_wheel
-prepare_metadata_for_build_editable = _skbuild.prepare_metadata_for_build_editable
-get_requires_for_build_sdist = _skbuild.get_requires_for_build_sdist
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    return _skbuild().build_wheel(wheel_directory, config_settings, metadata_directory)
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    return _skbuild().build_editable(wheel_directory, config_settings, metadata_directory)
+
+
+def build_sdist(sdist_directory, config_settings=None):
+    return _skbuild().build_sdist(sdist_directory, config_settings)
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    return _skbuild().prepare_metadata_for_build_wheel(metadata_directory, config_settings)
+
+
+def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
+    return _skbuild().prepare_metadata_for_build_editable(metadata_directory, config_settings)
+
+
+def get_requires_for_build_sdist(config_settings=None):
+    return _skbuild().get_requires_for_build_sdist(config_settings)
+
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _FIND_HEADERS = os.path.join(_HERE, os.pardir, "scoremod", "kernels_ffi", "find_headers.py")
@@ -97,8 +122,8 @@ def header_requirements(environ=os.environ, driver=driver_major) -> list[str]:
 
 
 def get_requires_for_build_wheel(config_settings=None):
-    return _skbuild.get_requires_for_build_wheel(config_settings) + header_requirements()
+    return _skbuild().get_requires_for_build_wheel(config_settings) + header_requirements()
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return _skbuild.get_requires_for_build_editable(config_settings) + header_requirements()
+    return _skbuild().get_requires_for_build_editable(config_settings) + header_requirements()
