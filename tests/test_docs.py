@@ -48,7 +48,7 @@ def python_blocks(path):
     return [textwrap.dedent(m.group(2)) for m in _FENCE.finditer(path.read_text())]
 
 
-@pytest.mark.parametrize("name", ["README.md", "docs/guide.md"])
+@pytest.mark.parametrize("name", ["README.md", "docs/guide.md", "docs/api.md"])
 def test_doc_examples_run(name, capsys):
     path = docs_gen.OPS_MD.parent.parent / name
     blocks = python_blocks(path)
