@@ -72,21 +72,31 @@ def gpus() -> tuple[list, str]:
     return [], "this machine has no NVIDIA GPU (no NVIDIA driver is installed)"
 
 
-def loaded_cudnn_version() -> tuple[int | None, str]:
-    """(cudnnGetVersion() of the libcudnn this process loaded, its path), or (None, why not).
-
-    JAX's CUDA plugin loads cuDNN when its GPU backend starts; the library
-    found in the process's memory map is asked for its version.
-    """
+def _mapped_cudnn() -> list[str]:
     try:
         with open("/proc/self/maps", encoding="utf-8") as f:
-            paths = sorted({line.split()[-1] for line in f
-                            if "libcudnn.so" in line and line.split()[-1].startswith("/")})
+            paths = {line.split()[-1] for line in f if "libcudnn.so" in line}
     except OSError:
-        paths = []
+        return []
+    return sorted(p for p in paths
+                  if p.startswith("/") and os.path.basename(p).startswith("libcudnn.so"))
+
+
+def loaded_cudnn_version() -> tuple[int | None, str]:
+    """(cudnnGetVersion() of the libcudnn this process uses, its path), or (None, why not).
+
+    JAX's CUDA plugin loads cuDNN with its GPU backend; if it has not, the
+    extension loads the one the fused path would use. The library found in
+    the process's memory map is asked for its version.
+    """
+    paths = _mapped_cudnn()
+    if not paths:
+        from scoremod import kernels_ffi
+
+        if kernels_ffi.available():
+            kernels_ffi.load_cuda_libraries()
+            paths = _mapped_cudnn()
     for path in paths:
-        if not os.path.basename(path).startswith("libcudnn.so"):
-            continue
         try:
             lib = ctypes.CDLL(path)
             lib.cudnnGetVersion.restype = ctypes.c_size_t
@@ -127,7 +137,7 @@ def extension_line() -> str:
 
 
 def fused_verdict(cudnn_version: int | None = None) -> tuple[bool, str]:
-    """(whether ``implementation=None`` takes the fused path here, the reason).
+    """(whether ``implementation=None`` takes the fused path here, a line saying so and why).
 
     Asked of plain bfloat16 attention at a small shape, so that only the
     machine and the install are judged, not a mod.
@@ -140,14 +150,18 @@ def fused_verdict(cudnn_version: int | None = None) -> tuple[bool, str]:
     try:
         implementation, reason = scoremod.which_implementation(q, q, q)
     except Exception as e:  # noqa: BLE001 - report whatever breaks
-        return False, f"{type(e).__name__}: {e}"
+        return False, f"cannot run here: {type(e).__name__}: {e}"
     if implementation == "xla":
-        return False, reason or "the fused path was not chosen"
+        reason = reason or "the fused path was not chosen"
+        if "not validated on this GPU family" in reason:
+            return False, f'runs only when asked for (implementation="cudnn"): {reason}'
+        return False, f"cannot run here: {reason}"
     if cudnn_version is not None and not support.cudnn_supported(cudnn_version):
-        return False, (f"cuDNN {support.cudnn_version_text(cudnn_version)} is loaded; scoremod "
-                       f"supports cuDNN {support.cudnn_range_text()}: pip install "
-                       f'"scoremod[cuda13]" (or [cuda12]) installs it')
-    return True, "implementation=None runs attention as fused cuDNN graphs"
+        return False, (f"runs, NOT VALIDATED: cuDNN {support.cudnn_version_text(cudnn_version)} "
+                       f"is loaded, scoremod is validated with cuDNN "
+                       f'{support.cudnn_range_text()}; pip install "scoremod[cuda13]" '
+                       "(or [cuda12]) installs it")
+    return True, "runs here: implementation=None runs attention as fused cuDNN graphs"
 
 
 def report() -> list[tuple[str, str]]:
@@ -177,8 +191,7 @@ def report() -> list[tuple[str, str]]:
         rows.append(("cuDNN", f"{support.cudnn_version_text(version)} ({where}): {verdict}"))
     rows.append(("cuDNN frontend", frontend_line()))
     rows.append(("extension", extension_line()))
-    ok, reason = fused_verdict(version)
-    rows.append(("fused path", ("runs here: " if ok else "cannot run here: ") + reason))
+    rows.append(("fused path", fused_verdict(version)[1]))
     return rows
 
 

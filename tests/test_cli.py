@@ -112,18 +112,22 @@ def test_doctor_gives_the_build_command_when_the_extension_is_missing(capsys, mo
         assert rows["fused path"].startswith("cannot run here")
 
 
-def test_doctor_refuses_a_cudnn_outside_the_supported_range(monkeypatch):
+def test_doctor_flags_a_cudnn_outside_the_supported_range(monkeypatch):
     import scoremod
 
     monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: ("cudnn", None))
     low, high = support.CUDNN_SUPPORTED
-    assert doctor.fused_verdict(low) == (True, doctor.fused_verdict(None)[1])
-    ok, reason = doctor.fused_verdict(high)
-    assert not ok
-    assert support.cudnn_version_text(high) in reason and support.cudnn_range_text() in reason
+    ok, line = doctor.fused_verdict(low)
+    assert ok and line.startswith("runs here") and doctor.fused_verdict(None) == (ok, line)
+    ok, line = doctor.fused_verdict(high)
+    assert not ok and line.startswith("runs, NOT VALIDATED")
+    assert support.cudnn_version_text(high) in line and support.cudnn_range_text() in line
     assert not doctor.fused_verdict(low - 100)[0]
     monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: ("xla", "no GPU here"))
-    assert doctor.fused_verdict(low) == (False, "no GPU here")
+    assert doctor.fused_verdict(low) == (False, "cannot run here: no GPU here")
+    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: (
+        "xla", "the fused path is not validated on this GPU family; ask for it by name"))
+    assert doctor.fused_verdict(low)[1].startswith('runs only when asked for (implementation="cudnn")')
 
 
 def test_supported_cudnn_range():
@@ -142,3 +146,15 @@ def test_show_into_a_closed_pipe_exits_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.gpu
+def test_doctor_on_a_gpu(capsys):
+    assert main(["doctor"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert "compute capability" in rows["GPU 0"]
+    version = rows["cuDNN"].split()[0]
+    assert rows["cuDNN"].endswith(": supported"), rows["cuDNN"]
+    assert support.cudnn_supported(kernels_ffi._encode_version(version))
+    assert rows["extension"].startswith("built, loads: ")
+    assert rows["fused path"].startswith("runs here"), rows["fused path"]
