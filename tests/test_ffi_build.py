@@ -28,7 +28,7 @@ from scoremod.kernels_ffi import find_headers
 
 REQUIRE = os.environ.get("SCOREMOD_REQUIRE_FFI") == "1"
 # One short line for the skip summary; `scoremod doctor` gives the whole reason.
-NOT_BUILT = "the FFI extension is not built here (`scoremod doctor` says why and how to build it)"
+from tests.conftest import NO_FFI as NOT_BUILT  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 # What the .so may link against: the C/C++ runtime only (ld-linux appears as
