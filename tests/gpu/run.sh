@@ -11,10 +11,12 @@
 # worker goes on, so one hang cannot stall the run. The whole run is stopped
 # (cleanly, with its reports written) after LIMIT seconds (default 470).
 #
-# Writes $OUT/gpu-suite.xml (JUnit) and $OUT/gpu-suite.log (-v output and any
+# Writes $OUT/doctor.txt (`scoremod doctor`: versions, GPU, extension),
+# $OUT/gpu-suite.xml (JUnit) and $OUT/gpu-suite.log (-v output and any
 # stacks; OUT defaults to ./gpu-results), then prints the failures and one
 # summary line. Environment: N (0: one process, no xdist), PYTHON (default
-# python3), SCOREMOD_TEST_TIMEOUT, LIMIT, JAX_COMPILATION_CACHE_DIR.
+# python3), SCOREMOD_TEST_TIMEOUT, LIMIT, JAX_COMPILATION_CACHE_DIR, TESTS
+# (the paths to collect, default tests).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
@@ -24,7 +26,7 @@ N=${N:-4}
 LIMIT=${LIMIT:-470}
 XML="$OUT/gpu-suite.xml"
 LOG="$OUT/gpu-suite.log"
-rm -f "$XML" "$LOG"
+rm -f "$XML" "$LOG" "$OUT/doctor.txt"
 
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export SCOREMOD_TEST_TIMEOUT=${SCOREMOD_TEST_TIMEOUT:-180}
@@ -40,9 +42,13 @@ elif [ "$N" -gt 0 ]; then
     N=0
 fi
 
+# What the run ran on (versions, GPU, extension), for the record; one line here.
+"$PY" -m scoremod doctor > "$OUT/doctor.txt" 2>&1
+grep -E "^fused path:" "$OUT/doctor.txt" || tail -n 3 "$OUT/doctor.txt"
+
 start=$(date +%s)
 timeout -s INT -k 30 "$LIMIT" "$PY" -m pytest -m gpu -v -rfE -p no:cacheprovider \
-    --junitxml="$XML" "${PARALLEL[@]}" tests "$@" > "$LOG" 2>&1
+    --junitxml="$XML" "${PARALLEL[@]}" ${TESTS:-tests} "$@" > "$LOG" 2>&1
 rc=$?
 seconds=$(( $(date +%s) - start ))
 
