@@ -22,9 +22,6 @@ CUDNN_FRONTEND = "1.32.0"
 #: CUDA major versions with an install extra (``scoremod[cuda12]``, ``[cuda13]``).
 CUDA_MAJORS = (12, 13)
 
-#: GPU architecture families (compute capability major) the fused path was validated on.
-VALIDATED_GPU_FAMILIES = (9,)
-
 
 def cudnn_version_text(version: int) -> str:
     """91900 -> '9.19.0'."""
