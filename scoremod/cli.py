@@ -1,6 +1,7 @@
 """The scoremod command line.
 
     scoremod demo                          # softcap + causal attention, both paths
+    scoremod doctor                        # versions, GPU, extension: can the fused path run here?
     scoremod show "30.0 * tanh(score / 30.0)"
     scoremod show "cap * tanh(score / cap)" --set cap=30.0
     scoremod show mypackage.mods:softcap   # import a function (or ScoreMod) and trace it
@@ -53,7 +54,8 @@ def demo(args) -> int:
     device = jax.devices()[0]
     print(f"backend:   {jax.default_backend()} ({device.device_kind})")
     print(f"q, k, v:   {shape} {q.dtype}")
-    print(f"implementation=None runs: {picked}" + (f" ({reason})" if reason else ""))
+    why = "" if reason is None else f" (fused path not taken: {reason.splitlines()[0]})"
+    print(f"implementation=None runs: {picked}{why}")
 
     def forward(q, k, v, impl):
         return scoremod.attention(q, k, v, mod, implementation=impl)
@@ -143,7 +145,9 @@ def show_lowering(mod) -> None:
     except ScoreModError as e:
         print(f"fused cuDNN path:   not supported: {e}")
         return
-    print("fused cuDNN path:   supported")
+    here = _runnable_here()
+    print("fused cuDNN path:   supported by the lowering; "
+          + ("runnable here" if here is None else f"not runnable here: {here}"))
     from scoremod.lowering.cudnn import masks
 
     band = masks.native_band(cudnn_rules.canonical(mod.expr), 4096, 4096)
@@ -162,6 +166,23 @@ def show_lowering(mod) -> None:
             for n in nodes if not (n.op == "var" and n.attr in ("score", "dP")))
         print(f"{label + ':':20s}{format_mod(expr)}")
         print(f"{'':20s}cuDNN nodes: {', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))}")
+
+
+def _runnable_here() -> str | None:
+    """Why this machine cannot run the fused path (first line), or None when it can."""
+    import jax.numpy as jnp
+
+    import scoremod
+
+    q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    implementation, reason = scoremod.which_implementation(q, q, q)
+    return None if implementation == "cudnn" else (reason or "").splitlines()[0]
+
+
+def doctor(args) -> int:
+    from scoremod import doctor as doctor_module
+
+    return doctor_module.main()
 
 
 def check(args) -> int:
@@ -220,6 +241,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="run softcap + causal attention on both paths").set_defaults(
         run=demo)
+    for name in ("doctor", "info"):
+        sub.add_parser(name, help="versions, GPU, cuDNN and the extension: can the fused path "
+                       "run here, and if not, why" if name == "doctor" else "same as doctor"
+                       ).set_defaults(run=doctor)
     p = sub.add_parser("show", help="print a mod's canonical text, key and gradient")
     p.add_argument("expr", help='text form ("30.0 * tanh(score / 30.0)") or module:function')
     p.add_argument("--set", "-s", action="append", default=[], metavar="NAME=NUMBER",
@@ -246,7 +271,14 @@ def main(argv=None) -> int:
     from scoremod.errors import ScoreModError
 
     try:
-        return args.run(args)
+        rc = args.run(args)
+        sys.stdout.flush()  # a closed pipe (`| head`) shows here, not at exit
+        return rc
+    except BrokenPipeError:
+        # The reader went away: say nothing more, and keep Python's exit-time
+        # flush from reporting the same broken pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ScoreModError, ImportError) as e:
         msg = str(e)
         if "unknown name" in msg:

@@ -1,4 +1,21 @@
-"""GPU tests (marked ``gpu``) skip cleanly on machines without an NVIDIA GPU."""
+"""Shared test setup: float32 precision, and skips for what this machine lacks.
+
+Tests marked ``gpu`` skip without an NVIDIA GPU; tests that take the ``ffi``
+fixture skip when the native extension is not built (unless
+SCOREMOD_REQUIRE_FFI=1, where that is a failure). Each skip is raised here,
+with one short reason, so that the summary folds them into one line each;
+``scoremod doctor`` gives the full reasons.
+
+SCOREMOD_TEST_TIMEOUT=<seconds> (set by tests/gpu/run.sh) ends a test that
+runs longer: the stacks of all threads go to stderr and the process exits, so
+that one hang cannot stall a whole run (under pytest-xdist the worker is
+replaced and the test reported as failed).
+"""
+
+import faulthandler
+import functools
+import os
+import sys
 
 import jax
 import pytest
@@ -7,18 +24,48 @@ import pytest
 # TF32 matmuls, which differ from float32 by about 1e-3.
 jax.config.update("jax_default_matmul_precision", "highest")
 
+NO_GPU = "needs an NVIDIA GPU (`python -m pytest -m gpu` runs these on one)"
+NO_FFI = "needs the FFI extension, not built here (`scoremod doctor` says why)"
+_TIMEOUT = float(os.environ.get("SCOREMOD_TEST_TIMEOUT", "0") or 0)
+_stderr = None  # the real stderr, kept while tests run with their output captured
 
-def _has_gpu():
+
+def pytest_configure(config):
+    global _stderr
+    if _TIMEOUT > 0 and _stderr is None:
+        # Output capture is suspended here, so fd 2 is still the terminal or log.
+        _stderr = os.fdopen(os.dup(sys.__stderr__.fileno()), "w")
+
+
+@functools.cache
+def has_gpu():
     try:
         return any(d.platform == "gpu" for d in jax.devices())
     except RuntimeError:
         return False
 
 
-def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
-        return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run with -m gpu on one)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+@functools.cache
+def has_ffi():
+    from scoremod import kernels_ffi
+
+    return kernels_ffi.available() or os.environ.get("SCOREMOD_REQUIRE_FFI") == "1"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if "gpu" in item.keywords and not has_gpu():
+        pytest.skip(NO_GPU)
+    if "ffi" in getattr(item, "fixturenames", ()) and not has_ffi():
+        pytest.skip(NO_FFI)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _stderr is not None:
+        faulthandler.dump_traceback_later(_TIMEOUT, exit=True, file=_stderr)
+    try:
+        yield
+    finally:
+        if _stderr is not None:
+            faulthandler.cancel_dump_traceback_later()

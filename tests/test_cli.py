@@ -1,10 +1,19 @@
-"""The command line: show and check (demo is run by tests/test_docs.py's README check)."""
+"""The command line: show, check, doctor (demo is run by tests/test_examples.py's README check)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
 import pytest
 
 import scoremod
-
+from scoremod import doctor, kernels_ffi, support
 from scoremod.cli import main
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_show_prints_text_key_grad_and_lowering(capsys):
@@ -48,3 +57,104 @@ def test_check_compares_fused_with_reference_on_a_gpu(capsys):
     for name in ("O ", "dQ", "dK", "dV"):
         line = next(l for l in out.splitlines() if l.startswith(f"max |{name}"))
         assert float(line.split("relative ")[1].rstrip(")")) < 3e-2, line
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU is present")
+def test_show_does_not_claim_the_fused_path_runs_without_a_gpu(capsys):
+    assert main(["show", "30.0 * tanh(score / 30.0)"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("fused cuDNN path"))
+    assert line.endswith("supported by the lowering; not runnable here: no NVIDIA GPU is visible to JAX")
+
+
+@pytest.mark.gpu
+def test_show_says_runnable_on_a_gpu(capsys):
+    assert main(["show", "30.0 * tanh(score / 30.0)"]) == 0
+    assert "supported by the lowering; runnable here" in capsys.readouterr().out
+
+
+def _rows(out):
+    return {line.split(":", 1)[0]: line.split(":", 1)[1].strip()
+            for line in out.splitlines() if ":" in line and not line.startswith(" ")}
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU is present")
+@pytest.mark.parametrize("command", ["doctor", "info"])
+def test_doctor_explains_the_missing_gpu(capsys, command):
+    assert main([command]) == 0
+    rows = _rows(capsys.readouterr().out)
+    for label in ("python", "jax", "CUDA plugin", "GPU", "cuDNN", "cuDNN frontend", "extension",
+                  "fused path"):
+        assert rows.get(label), (label, rows)
+    assert rows["GPU"].startswith("none visible to JAX: ")
+    assert rows["fused path"] == "cannot run here: no NVIDIA GPU is visible to JAX"
+    assert support.cudnn_range_text() in rows["cuDNN"]
+    if not doctor.cuda_plugins():
+        assert 'pip install "scoremod[cuda13]"' in rows["CUDA plugin"]
+
+
+def test_doctor_gives_the_build_command_when_the_extension_is_missing(capsys, monkeypatch):
+    monkeypatch.setattr(kernels_ffi, "_lib", None)
+    monkeypatch.setattr(kernels_ffi, "_load_error", None)
+    monkeypatch.setattr(kernels_ffi, "library_path", lambda: None)
+    monkeypatch.setattr(kernels_ffi, "_read_build_info", lambda: {
+        "status": "missing_headers",
+        "missing": "the scoremod FFI extension was not built: missing cuDNN 9 headers (cudnn.h). "
+                   "Build it with: X\n- cuDNN 9 headers (cudnn.h): set SCOREMOD_CUDNN_INCLUDE_DIR"})
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rows["extension"].startswith("not built: scoremod's native FFI extension was not built "
+                                        "at install time: missing cuDNN 9 headers (cudnn.h)")
+    assert "SCOREMOD_CUDA=" in rows["extension"] and "pip install --no-deps -e" in rows["extension"]
+    assert str(REPO) in rows["extension"]  # the checkout to rebuild
+    assert "SCOREMOD_CUDNN_INCLUDE_DIR" in out  # the details, indented below
+    if not HAS_GPU:
+        assert rows["fused path"].startswith("cannot run here")
+
+
+def test_doctor_flags_a_cudnn_outside_the_supported_range(monkeypatch):
+    import scoremod
+
+    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: ("cudnn", None))
+    low, high = support.CUDNN_SUPPORTED
+    ok, line = doctor.fused_verdict(low)
+    assert ok and line.startswith("runs here") and doctor.fused_verdict(None) == (ok, line)
+    ok, line = doctor.fused_verdict(high)
+    assert not ok and line.startswith("runs, NOT VALIDATED")
+    assert support.cudnn_version_text(high) in line and support.cudnn_range_text() in line
+    assert not doctor.fused_verdict(low - 100)[0]
+    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: ("xla", "no GPU here"))
+    assert doctor.fused_verdict(low) == (False, "cannot run here: no GPU here")
+    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: (
+        "xla", "the fused path is not validated on this GPU family; ask for it by name"))
+    assert doctor.fused_verdict(low)[1].startswith('runs only when asked for (implementation="cudnn")')
+
+
+def test_supported_cudnn_range():
+    assert support.cudnn_supported(91900) and support.cudnn_supported(91902)
+    assert not support.cudnn_supported(91800) and not support.cudnn_supported(92000)
+    assert support.cudnn_range_text() == "9.19.x"
+    assert support.cudnn_version_text(92701) == "9.27.1"
+
+
+def test_show_into_a_closed_pipe_exits_quietly():
+    # `scoremod show ... | head -1`: the reader is gone before scoremod writes.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "scoremod", "show", "30.0 * tanh(score / 30.0)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.gpu
+def test_doctor_on_a_gpu(capsys):
+    assert main(["doctor"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert "compute capability" in rows["GPU 0"]
+    version = rows["cuDNN"].split()[0]
+    assert rows["cuDNN"].endswith(": supported"), rows["cuDNN"]
+    assert support.cudnn_supported(kernels_ffi.encode_version(version))
+    assert rows["extension"].startswith("built, loads: ")
+    assert rows["fused path"].startswith("runs here"), rows["fused path"]

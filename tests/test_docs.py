@@ -48,7 +48,7 @@ def python_blocks(path):
     return [textwrap.dedent(m.group(2)) for m in _FENCE.finditer(path.read_text())]
 
 
-@pytest.mark.parametrize("name", ["README.md", "docs/guide.md"])
+@pytest.mark.parametrize("name", ["README.md", "docs/guide.md", "docs/api.md"])
 def test_doc_examples_run(name, capsys):
     path = docs_gen.OPS_MD.parent.parent / name
     blocks = python_blocks(path)
@@ -57,3 +57,32 @@ def test_doc_examples_run(name, capsys):
     for i, block in enumerate(blocks):
         code = compile(block, f"{name} [python block {i + 1}]", "exec")
         exec(code, namespace)
+
+
+# --- links and install commands ----------------------------------------------
+
+ROOT = docs_gen.OPS_MD.parent.parent
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("name", ["README.md", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_relative_links_point_at_files(name):
+    path = ROOT / name
+    for target in _LINK.findall(path.read_text()):
+        if "://" in target:
+            continue
+        assert (path.parent / target).exists(), f"{name} links to missing {target}"
+
+
+def test_install_page_pins_what_the_build_uses():
+    from scoremod import support
+    from scoremod.kernels_ffi import find_headers
+
+    text = (ROOT / "docs" / "install.md").read_text()
+    pins = set(re.findall(r"(nvidia-[\w-]+==[\w.]+)", text))
+    assert set(find_headers.HEADER_PACKAGES_BY_CUDA[13]) <= pins  # the offline route
+    assert pins <= set(find_headers.HEADER_PACKAGES_BY_CUDA[13]), pins - set(
+        find_headers.HEADER_PACKAGES_BY_CUDA[13])
+    assert support.cudnn_range_text() in text
+    assert "SCOREMOD_CUDA=13 python -m pip install --no-deps -e ." in text

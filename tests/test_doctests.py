@@ -10,7 +10,7 @@ import scoremod
 
 # The command line and the benchmark harness print to the terminal and time
 # GPUs; their docstrings hold no examples.
-SKIP = {"scoremod.__main__", "scoremod.cli", "scoremod.bench", "scoremod.kernels_ffi"}
+SKIP = {"scoremod.__main__", "scoremod.cli", "scoremod.kernels_ffi"}
 MODULES = sorted(
     m.name for m in pkgutil.walk_packages(scoremod.__path__, "scoremod.")
     if m.name not in SKIP and not m.name.startswith("scoremod.kernels_ffi."))

@@ -27,6 +27,8 @@ from scoremod.errors import CudnnUnavailableError
 from scoremod.kernels_ffi import find_headers
 
 REQUIRE = os.environ.get("SCOREMOD_REQUIRE_FFI") == "1"
+# One short line for the skip summary; `scoremod doctor` gives the whole reason.
+from tests.conftest import NO_FFI as NOT_BUILT  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 # What the .so may link against: the C/C++ runtime only (ld-linux appears as
@@ -41,13 +43,13 @@ def ffi():
         reason = kernels_ffi.unavailable_reason()
         if REQUIRE:
             pytest.fail(f"SCOREMOD_REQUIRE_FFI=1 but the FFI extension is unavailable: {reason}")
-        pytest.skip(reason)
+        pytest.skip(NOT_BUILT)
     return kernels_ffi
 
 
 def test_extension_is_available_when_required():
     if not REQUIRE and not kernels_ffi.available():
-        pytest.skip(kernels_ffi.unavailable_reason())
+        pytest.skip(NOT_BUILT)
     assert kernels_ffi.available(), kernels_ffi.unavailable_reason()
     assert kernels_ffi.unavailable_reason() == ""
 
@@ -195,7 +197,7 @@ def test_unavailable_reason_names_the_fix(monkeypatch):
     # Simulate an install whose build found no cuDNN headers.
     missing = find_headers.missing_message([find_headers.HeaderSet(
         "cudnn", "cuDNN 9 headers (cudnn.h)", "SCOREMOD_CUDNN_INCLUDE_DIR",
-        fix="python -m pip install --no-deps nvidia-cudnn-jit-cu12==9.19.0.56")])
+        fix="python -m pip install --no-deps nvidia-cudnn-jit-cu13==9.19.0.56")])
     monkeypatch.setattr(kernels_ffi, "_lib", None)
     monkeypatch.setattr(kernels_ffi, "_load_error", None)
     monkeypatch.setattr(kernels_ffi, "_registered", False)
@@ -219,7 +221,7 @@ def test_find_headers_reports_a_missing_set(tmp_path, monkeypatch):
     sets = {hs.key: hs for hs in find_headers.find_all()}
     assert not sets["cudnn"].found
     msg = find_headers.missing_message(list(sets.values()))
-    assert "SCOREMOD_CUDNN_INCLUDE_DIR" in msg and "nvidia-cudnn-jit-cu12" in msg
+    assert "SCOREMOD_CUDNN_INCLUDE_DIR" in msg and find_headers.HEADER_PACKAGES[1] in msg
     assert str(tmp_path) in msg
 
 
@@ -252,13 +254,101 @@ def test_cmake_without_headers_still_succeeds(tmp_path, require):
     assert "SCOREMOD_CUDNN_INCLUDE_DIR" in namespace["BUILD_INFO"]["missing"]
 
 
-def test_ci_installs_the_header_packages():
+def test_ci_builds_the_extension_with_isolation():
     ci = REPO / ".ci" / "run"
     if not ci.exists():
         pytest.skip("no .ci/run in this checkout")
-    pins = set(re.findall(r"nvidia-[\w-]+==[\w.]+", ci.read_text()))
-    assert pins == set(find_headers.HEADER_PACKAGES)
+    text = ci.read_text()
+    assert "SCOREMOD_CUDA=13" in text and "SCOREMOD_REQUIRE_FFI=1" in text
+    assert "--no-build-isolation" not in text
 
+
+def _pyproject():
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _backend():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_test_scoremod_build",
+                                                  REPO / "build_backend" / "scoremod_build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("major", [12, 13])
+def test_install_extras_pin_what_the_project_supports(major):
+    from scoremod import support
+
+    extra = _pyproject()["project"]["optional-dependencies"][f"cuda{major}"]
+    low, high = support.CUDNN_SUPPORTED
+    assert f"nvidia-cudnn-cu{major}>={low // 10000}.{low // 100 % 100},<" \
+           f"{high // 10000}.{high // 100 % 100}" in extra
+    assert f"nvidia-cudnn-frontend=={support.CUDNN_FRONTEND}" in extra
+    assert any(r.startswith(f"jax[cuda{major}]") for r in extra)
+    # the headers the extension compiles against are of the same versions
+    headers = find_headers.HEADER_PACKAGES_BY_CUDA[major]
+    assert f"nvidia-cudnn-frontend=={support.CUDNN_FRONTEND}" in headers
+    cudnn = next(h for h in headers if h.startswith("nvidia-cudnn-jit"))
+    assert support.cudnn_supported(kernels_ffi.encode_version(cudnn.split("==")[1]))
+
+
+def test_build_backend_picks_header_packages_by_cuda_major():
+    backend = _backend()
+    build = _pyproject()["build-system"]
+    assert build["build-backend"] == "scoremod_build" and build["backend-path"] == ["build_backend"]
+    no_driver, driver = (lambda: None), (lambda: 580)
+    assert backend.header_requirements({}, no_driver) == []  # a CPU machine: light
+    assert backend.header_requirements({"SCOREMOD_CUDA": "13"}, no_driver) == \
+        list(find_headers.HEADER_PACKAGES_BY_CUDA[13])
+    assert backend.header_requirements({"SCOREMOD_CUDA": "12"}, driver) == \
+        list(find_headers.HEADER_PACKAGES_BY_CUDA[12])
+    assert backend.cuda_major({}, driver) == 13
+    assert backend.cuda_major({}, lambda: 570) == 12
+    assert backend.cuda_major({"SCOREMOD_CUDA": "0"}, driver) is None
+    with pytest.raises(ValueError, match="SCOREMOD_CUDA"):
+        backend.cuda_major({"SCOREMOD_CUDA": "11"}, driver)
+
+
+def _touch(root, *rels, text=""):
+    for rel in rels:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_find_headers_assembles_cuda12_pip_wheels(tmp_path, monkeypatch):
+    monkeypatch.setattr(find_headers, "_system_roots", lambda: [])  # only the fake site
+    # CUDA 12 wheels split the headers over four packages (runtime, nvcc's crt/,
+    # cccl's nv/target, nvrtc); CUDA 13 keeps them in one nvidia/cu13/include.
+    inc = tmp_path / "nvidia"
+    _touch(inc / "cuda_runtime" / "include", "cuda.h", "cuda_fp16.h")
+    (inc / "cuda_runtime" / "include" / "cuda_fp16.h").write_text("#include <nv/target>\n")
+    (inc / "cuda_runtime" / "include" / "cuda_runtime_api.h").write_text(
+        "#define CUDART_VERSION 12090\n")
+    _touch(inc / "cuda_nvcc" / "include", "crt/host_defines.h")
+    _touch(inc / "cuda_cccl" / "include", "nv/target")
+    _touch(inc / "cuda_nvrtc" / "include", "nvrtc.h")
+    hs = find_headers.find_cuda([(str(tmp_path), "test")])
+    assert hs.found, hs.tried
+    assert hs.version == "12.9"
+    assert {Path(d).parent.name for d in hs.include_dirs} == {
+        "cuda_runtime", "cuda_nvcc", "cuda_cccl", "cuda_nvrtc"}
+    (inc / "cuda_nvcc" / "include" / "crt" / "host_defines.h").unlink()
+    hs = find_headers.find_cuda([(str(tmp_path), "test")])
+    assert not hs.found and "crt/host_defines.h" in hs.tried[0]
+
+
+def test_missing_headers_message_starts_with_the_build_command():
+    msg = find_headers.missing_message(find_headers.find_all()[:0] + [find_headers.HeaderSet(
+        "cudnn", "cuDNN 9 headers (cudnn.h)", "SCOREMOD_CUDNN_INCLUDE_DIR")])
+    first = msg.splitlines()[0]
+    assert "missing cuDNN 9 headers" in first
+    assert first.endswith(f"Build it with: {find_headers.REBUILD}")
+    assert find_headers.REBUILD == f"SCOREMOD_CUDA=13 python -m pip install --no-deps -e {REPO}"
 
 
 # --------------------------------------------------------------------------- #

@@ -18,7 +18,7 @@ on cuDNN or the CUDA runtime: on its first execution it uses the
 
 Public API
 ----------
-``available()``, ``unavailable_reason()``
+``available()``, ``unavailable_reason()``, ``build_command()``
     Whether the extension is built and loadable here, and if not, why (with
     the command that fixes it). Cheap; never raises.
 ``register()``
@@ -67,6 +67,7 @@ __all__ = [
     "TARGET_NAME",
     "available",
     "unavailable_reason",
+    "build_command",
     "register",
     "call",
     "compiled_frontend_version",
@@ -130,32 +131,42 @@ def _read_build_info() -> dict | None:
     return info if isinstance(info, dict) else None
 
 
-def _header_fix() -> str:
-    from scoremod.kernels_ffi.find_headers import HEADER_PACKAGES, REBUILD
+def _cuda_major() -> int:
+    """The CUDA major of the installed JAX plugin (13 without one)."""
+    return next((m for m in (13, 12) if importlib.util.find_spec(f"jax_cuda{m}_plugin")), 13)
 
-    return (f"python -m pip install --no-deps {' '.join(HEADER_PACKAGES)} && {REBUILD} "
-            "(or `pip install -e .`)")
+
+def build_command() -> str:
+    """The command that builds the extension here (see docs/install.md)."""
+    from scoremod.kernels_ffi.find_headers import rebuild_command
+
+    return rebuild_command(_cuda_major())
 
 
 def _not_built_reason() -> str:
     info = _read_build_info()
+    fix = f"Build it with: {build_command()} (docs/install.md)"
     if info is None:
         return ("scoremod's native FFI extension is not installed: scoremod is imported from "
                 f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))} without having "
-                "been built/installed by pip. Install it (headers first, no GPU needed): "
-                + _header_fix())
+                f"been built by pip. {fix}")
     status = info.get("status")
     if status == "missing_headers":
-        return "scoremod's native FFI extension was not built at install time: " + str(
-            info.get("missing", "")).removeprefix("the scoremod FFI extension was not built: ")
+        missing = str(info.get("missing", "")).splitlines()
+        # the build's first line names what was missing; the rest lists where it looked
+        first = missing[0].split(". Build it with:")[0] if missing else "headers were missing"
+        details = "\n".join(missing[1:])
+        return (first.replace("the scoremod FFI extension was not built",
+                              "scoremod's native FFI extension was not built at install time")
+                + f". {fix}" + (f"\n{details}" if details else ""))
     if status == "no_compiler":
         return ("scoremod's native FFI extension was not built: no C++ compiler was found at "
-                f"install time. Install g++ (or set CXX) and rebuild: {_header_fix()}")
+                f"install time. Install g++ (or set CXX), then: {fix}")
     if status == "disabled":
         return ("scoremod was built with SCOREMOD_BUILD_FFI=OFF, without its native FFI "
-                f"extension; rebuild with: {_header_fix()}")
+                f"extension. {fix}")
     return (f"scoremod's build reported the FFI extension as built, but {_LIB_FILE} is not "
-            f"installed next to it; reinstall with: {_header_fix()}")
+            f"installed next to it. {fix}")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -185,7 +196,7 @@ def _load() -> ctypes.CDLL | None:
             _declare(lib)
         except (OSError, AttributeError) as e:
             _load_error = (f"scoremod's native FFI extension {path} could not be loaded: {e}. "
-                           f"Rebuild it with: {_header_fix()}")
+                           f"Rebuild it with: {build_command()}")
             return None
         _lib = lib
         return lib
@@ -524,7 +535,7 @@ def call(
             f"cuDNN frontend mismatch: graphs come from the Python package "
             f"{_version_text(fv)}, the scoremod extension was compiled against "
             f"{_version_text(compiled)} headers. Install nvidia-cudnn-frontend=="
-            f"{_version_text(compiled)} or rebuild scoremod: {_header_fix()}")
+            f"{_version_text(compiled)} or rebuild scoremod: {build_command()}")
 
     result_types = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_shapes]
     result_types.append(jax.ShapeDtypeStruct((max(workspace_size, 1),), jnp.uint8))

@@ -52,18 +52,53 @@ import sysconfig
 from dataclasses import asdict, dataclass, field
 
 #: The pip packages that provide every header set on a machine without a CUDA
-#: toolkit (CI); versions match the H200 stack (frontend 1.32.0, cuDNN 9.19.0,
-#: CUDA 13.0). Installed with ``--no-deps``: only their headers are used.
-HEADER_PACKAGES = (
-    "nvidia-cudnn-frontend==1.32.0",
-    "nvidia-cudnn-jit-cu12==9.19.0.56",
-    "nvidia-cuda-runtime==13.0.88",
-    "nvidia-cuda-crt==13.0.88",
-    "nvidia-cuda-cccl==13.0.85",
-    "nvidia-cuda-nvrtc==13.0.88",
-)
+#: toolkit, per CUDA major: the cuDNN frontend (the version of the Python
+#: ``cudnn`` package, scoremod.support.CUDNN_FRONTEND), cuDNN 9.19 and the CUDA
+#: runtime headers. Only their headers are compiled against (nothing is
+#: linked, no GPU is needed). The isolated build installs the set that
+#: ``SCOREMOD_CUDA`` selects (``build_backend/scoremod_build.py``).
+HEADER_PACKAGES_BY_CUDA = {
+    13: (
+        "nvidia-cudnn-frontend==1.32.0",
+        "nvidia-cudnn-jit-cu13==9.19.0.56",
+        "nvidia-cuda-runtime==13.0.88",
+        "nvidia-cuda-crt==13.0.88",
+        "nvidia-cuda-cccl==13.0.85",
+        "nvidia-cuda-nvrtc==13.0.88",
+    ),
+    12: (
+        "nvidia-cudnn-frontend==1.32.0",
+        "nvidia-cudnn-jit-cu12==9.19.0.56",
+        "nvidia-cuda-runtime-cu12==12.9.79",
+        "nvidia-cuda-nvcc-cu12==12.9.86",  # crt/host_defines.h
+        "nvidia-cuda-cccl-cu12==12.9.27",
+        "nvidia-cuda-nvrtc-cu12==12.9.86",
+    ),
+}
+#: The CUDA 13 set (what CI and the H200 use).
+HEADER_PACKAGES = HEADER_PACKAGES_BY_CUDA[13]
 
-REBUILD = "python -m pip install --no-build-isolation --no-deps -e ."
+
+def _checkout() -> str | None:
+    """The source checkout this file belongs to (it has pyproject.toml), if any."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return root if os.path.isfile(os.path.join(root, "pyproject.toml")) else None
+
+
+def rebuild_command(cuda_major: int = 13, checkout: str | None = None) -> str:
+    """The one command that (re)builds scoremod with its extension.
+
+    Build isolation on: pip installs the header packages of ``cuda_major``
+    into the build environment (``SCOREMOD_CUDA`` selects them), so this
+    works in a fresh virtual environment. ``--no-deps`` leaves the installed
+    jax alone.
+    """
+    where = checkout or _checkout()
+    target = f"-e {where}" if where else "--force-reinstall --no-binary scoremod scoremod"
+    return f"SCOREMOD_CUDA={cuda_major} python -m pip install --no-deps {target}"
+
+
+REBUILD = rebuild_command()
 
 
 @dataclass
@@ -297,23 +332,29 @@ def find_cuda(sites) -> HeaderSet:
         roots = [(os.path.join(s, "nvidia", sub, "include"), o)
                  for s, o in sites for sub in ("cu13", "cuda_runtime", "cu12")]
         roots += _system_roots()
-        nvrtc_roots = roots + [(os.path.join(s, "nvidia", "cuda_nvrtc", "include"), o)
-                               for s, o in sites]
+        # CUDA 12's pip wheels split the headers a CUDA 13 root holds alone:
+        # crt/ comes with nvcc, nv/target with cccl, nvrtc.h with nvrtc.
+        siblings = {"crt/host_defines.h": "cuda_nvcc", "nv/target": "cuda_cccl",
+                    "nvrtc.h": "cuda_nvrtc"}
         for root, origin in roots:
             if not _has(root, "cuda_runtime_api.h"):
                 continue  # not a CUDA header dir at all: not worth listing
             dirs = _cuda_root_set(root)
-            missing = _cuda_core_missing(dirs)
+            missing = _cuda_core_missing(dirs) + (
+                [] if any(_has(d, "nvrtc.h") for d in dirs) else ["nvrtc.h"])
+            for rel in list(missing):
+                extra = next((d for s, _ in sites if rel in siblings
+                              for d in [os.path.join(s, "nvidia", siblings[rel], "include")]
+                              if _has(d, rel)), None)
+                if extra is None and rel == "nvrtc.h":  # any candidate root has it
+                    extra = next((r for r, _ in roots if _has(r, rel)), None)
+                if extra is not None:
+                    missing.remove(rel)
+                    if extra not in dirs:
+                        dirs.append(extra)
             if missing:
                 hs.tried.append(f"{root} ({origin}): no {', '.join(missing)}")
                 continue
-            if not any(_has(d, "nvrtc.h") for d in dirs):
-                extra = next((r for r, _ in nvrtc_roots if _has(r, "nvrtc.h")), None)
-                if extra is None:
-                    hs.tried.append(f"{root} ({origin}): no nvrtc.h here or in any other "
-                                    "candidate directory")
-                    continue
-                dirs.append(extra)
             hs.include_dirs, hs.origin = dirs, origin
             break
         if not hs.found and not hs.tried:
@@ -344,7 +385,7 @@ def missing_message(sets: list[HeaderSet]) -> str:
     if not missing:
         return ""
     lines = ["the scoremod FFI extension was not built: missing " +
-             ", ".join(hs.title for hs in missing) + "."]
+             ", ".join(hs.title for hs in missing) + f". Build it with: {REBUILD}"]
     for hs in missing:
         lines.append(f"- {hs.title}: set {hs.env_var}=<dir>, or: {hs.fix}")
         lines += [f"    tried {t}" for t in hs.tried[:8]]
@@ -355,7 +396,6 @@ def missing_message(sets: list[HeaderSet]) -> str:
     lines.append("Searched site-packages: " +
                  ", ".join(d for d, _ in site_dirs()) + "; system: " +
                  ", ".join(d for d, _ in _system_roots()))
-    lines.append(f"Then rebuild scoremod: {REBUILD}")
     return "\n".join(lines)
 
 

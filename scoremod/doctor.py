@@ -1,0 +1,206 @@
+"""``scoremod doctor``: what this machine has, and whether the fused path runs here.
+
+Every check is a function of its own that returns a line of text and never
+raises: a broken install is what this command is for, so each failure is
+reported where it happens, with what fixes it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+import sys
+
+from scoremod import support
+
+_CPU_JAX_FIX = 'pip install "scoremod[cuda13]" (or [cuda12]; docs/install.md)'
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def driver_version() -> str | None:
+    """The NVIDIA kernel driver's version (e.g. '580.159.04'), or None without one."""
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            m = re.search(r"Kernel Module\s+([\d.]+)", f.read())
+        return m.group(1) if m else None
+    except OSError:
+        return None
+
+
+def cuda_plugins() -> list[str]:
+    """The installed JAX CUDA plugins, as 'name version'."""
+    out = []
+    for major in support.CUDA_MAJORS[::-1]:
+        version = _dist_version(f"jax-cuda{major}-plugin")
+        if version is not None:
+            out.append(f"jax-cuda{major}-plugin {version}")
+    return out
+
+
+def gpus() -> tuple[list, str]:
+    """(JAX's GPU devices, why there are none: '' when there are some)."""
+    import jax
+
+    try:
+        devices = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError as e:
+        return [], f"JAX could not start: {e}"
+    if devices:
+        return devices, ""
+    plugins, driver = cuda_plugins(), driver_version()
+    if plugins:
+        try:
+            jax.devices("gpu")
+            error = ""
+        except RuntimeError as e:
+            error = f": {str(e).splitlines()[0]}"
+        return [], (f"{', '.join(plugins)} is installed but JAX found no GPU{error} "
+                    "(check the NVIDIA driver and CUDA_VISIBLE_DEVICES)")
+    if driver:
+        return [], (f"an NVIDIA driver ({driver}) is installed but this JAX is a CPU-only "
+                    f"build: {_CPU_JAX_FIX}")
+    return [], "this machine has no NVIDIA GPU (no NVIDIA driver is installed)"
+
+
+def _mapped_cudnn() -> list[str]:
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            paths = {line.split()[-1] for line in f if "libcudnn.so" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths
+                  if p.startswith("/") and os.path.basename(p).startswith("libcudnn.so"))
+
+
+def loaded_cudnn_version() -> tuple[int | None, str]:
+    """(cudnnGetVersion() of the libcudnn this process uses, its path), or (None, why not).
+
+    JAX's CUDA plugin loads cuDNN with its GPU backend; if it has not, the
+    extension loads the one the fused path would use. The library found in
+    the process's memory map is asked for its version.
+    """
+    paths = _mapped_cudnn()
+    if not paths:
+        from scoremod import kernels_ffi
+
+        if kernels_ffi.available():
+            kernels_ffi.load_cuda_libraries()
+            paths = _mapped_cudnn()
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+            lib.cudnnGetVersion.restype = ctypes.c_size_t
+            return int(lib.cudnnGetVersion()), path
+        except (OSError, AttributeError):
+            continue
+    return None, "no libcudnn is loaded in this process"
+
+
+def frontend_line() -> str:
+    from scoremod import kernels_ffi
+
+    installed = _dist_version("nvidia-cudnn-frontend")
+    if installed is None:
+        return (f"not installed: pip install --no-deps nvidia-cudnn-frontend=="
+                f"{support.CUDNN_FRONTEND} (or the [cuda13] / [cuda12] extra)")
+    text = f"nvidia-cudnn-frontend {installed}"
+    if installed != support.CUDNN_FRONTEND:
+        text += f" (scoremod is built and validated with {support.CUDNN_FRONTEND})"
+    if kernels_ffi.available():
+        compiled = kernels_ffi.compiled_frontend_version()
+        if kernels_ffi.installed_frontend_version() != compiled:
+            text += (f"; MISMATCH: the extension was compiled against "
+                     f"{support.cudnn_version_text(compiled)} headers")
+    return text
+
+
+def extension_line() -> str:
+    from scoremod import kernels_ffi
+
+    if not kernels_ffi.available():
+        return "not built: " + kernels_ffi.unavailable_reason()
+    cudart = kernels_ffi.compiled_cudart_version()
+    return (f"built, loads: {kernels_ffi.library_path()} (cuDNN "
+            f"{support.cudnn_version_text(kernels_ffi.compiled_cudnn_version())} headers, CUDA "
+            f"{cudart // 1000}.{cudart % 1000 // 10}, frontend "
+            f"{support.cudnn_version_text(kernels_ffi.compiled_frontend_version())})")
+
+
+def fused_verdict(cudnn_version: int | None = None) -> tuple[bool, str]:
+    """(whether ``implementation=None`` takes the fused path here, a line saying so and why).
+
+    Asked of plain bfloat16 attention at a small shape, so that only the
+    machine and the install are judged, not a mod.
+    """
+    import jax.numpy as jnp
+
+    import scoremod
+
+    q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    try:
+        implementation, reason = scoremod.which_implementation(q, q, q)
+    except Exception as e:  # noqa: BLE001 - report whatever breaks
+        return False, f"cannot run here: {type(e).__name__}: {e}"
+    if implementation == "xla":
+        reason = reason or "the fused path was not chosen"
+        if "not validated on this GPU family" in reason:
+            return False, f'runs only when asked for (implementation="cudnn"): {reason}'
+        return False, f"cannot run here: {reason}"
+    if cudnn_version is not None and not support.cudnn_supported(cudnn_version):
+        return False, (f"runs, NOT VALIDATED: cuDNN {support.cudnn_version_text(cudnn_version)} "
+                       f"is loaded, scoremod is validated with cuDNN "
+                       f'{support.cudnn_range_text()}; pip install "scoremod[cuda13]" '
+                       "(or [cuda12]) installs it")
+    return True, "runs here: implementation=None runs attention as fused cuDNN graphs"
+
+
+def report() -> list[tuple[str, str]]:
+    """The doctor's findings as (label, text) rows, in order."""
+    import jax
+
+    import scoremod
+
+    rows = [("python", f"{platform.python_version()} ({sys.executable})"),
+            ("scoremod", f"{scoremod.__version__} ({os.path.dirname(scoremod.__file__)})"),
+            ("jax", f"{jax.__version__}, jaxlib {_dist_version('jaxlib') or '?'}"),
+            ("CUDA plugin", ", ".join(cuda_plugins()) or f"none (a CPU-only jax): {_CPU_JAX_FIX}"),
+            ("NVIDIA driver", driver_version() or "none")]
+    devices, why = gpus()
+    if devices:
+        for i, d in enumerate(devices):
+            cc = getattr(d, "compute_capability", "?")
+            rows.append((f"GPU {i}", f"{d.device_kind} (compute capability {cc})"))
+    else:
+        rows.append(("GPU", f"none visible to JAX: {why}"))
+    version, where = loaded_cudnn_version() if devices else (None, "no GPU")
+    if version is None:
+        rows.append(("cuDNN", f"not loaded ({where}); scoremod supports {support.cudnn_range_text()}"))
+    else:
+        verdict = ("supported" if support.cudnn_supported(version)
+                   else f"NOT in the supported range {support.cudnn_range_text()}")
+        rows.append(("cuDNN", f"{support.cudnn_version_text(version)} ({where}): {verdict}"))
+    rows.append(("cuDNN frontend", frontend_line()))
+    rows.append(("extension", extension_line()))
+    rows.append(("fused path", fused_verdict(version)[1]))
+    return rows
+
+
+def main() -> int:
+    rows = report()
+    width = max(len(label) for label, _ in rows) + 2
+    for label, text in rows:
+        lines = str(text).splitlines() or [""]
+        print(f"{label + ':':{width}s}{lines[0]}")
+        for line in lines[1:]:
+            print(f"{'':{width}s}{line}")
+    return 0

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The whole GPU suite (every test marked `gpu`) in one command, on one GPU:
+#
+#   bash tests/gpu/run.sh [extra pytest arguments]
+#
+# N pytest-xdist workers (default 4) share the GPU: no memory preallocation,
+# each worker's JAX memory pool capped at a share of the GPU, one JAX
+# compilation cache for all of them. Each test gets SCOREMOD_TEST_TIMEOUT
+# seconds (default 180; tests/conftest.py): past that its worker prints every
+# thread's stack to the log and exits, the test counts as failed and a new
+# worker goes on, so one hang cannot stall the run. The whole run is stopped
+# (cleanly, with its reports written) after LIMIT seconds (default 470).
+#
+# Writes $OUT/doctor.txt (`scoremod doctor`: versions, GPU, extension),
+# $OUT/gpu-suite.xml (JUnit) and $OUT/gpu-suite.log (-v output and any
+# stacks; OUT defaults to ./gpu-results), then prints the failures and one
+# summary line. Environment: N (0: one process, no xdist), PYTHON (default
+# python3), SCOREMOD_TEST_TIMEOUT, LIMIT, JAX_COMPILATION_CACHE_DIR, TESTS
+# (the paths to collect, default tests).
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+N=${N:-4}
+LIMIT=${LIMIT:-470}
+XML="$OUT/gpu-suite.xml"
+LOG="$OUT/gpu-suite.log"
+rm -f "$XML" "$LOG" "$OUT/doctor.txt"
+
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export SCOREMOD_TEST_TIMEOUT=${SCOREMOD_TEST_TIMEOUT:-180}
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR-${XDG_CACHE_HOME:-$HOME/.cache}/scoremod/jax-tests}
+PARALLEL=()
+if [ "$N" -gt 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
+    # 80% of the GPU split between the workers; the rest is for cuDNN's own
+    # allocations (handles, plans), which are outside JAX's pool.
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(awk "BEGIN {printf \"%.3f\", 0.8 / $N}")}
+    PARALLEL=(-n "$N" --dist load --max-worker-restart "$((2 * N))")
+elif [ "$N" -gt 0 ]; then
+    echo "pytest-xdist is not installed: running in one process" >&2
+    N=0
+fi
+
+# What the run ran on (versions, GPU, extension), for the record; one line here.
+"$PY" -m scoremod doctor > "$OUT/doctor.txt" 2>&1
+grep -E "^fused path:" "$OUT/doctor.txt" || tail -n 3 "$OUT/doctor.txt"
+
+start=$(date +%s)
+timeout -s INT -k 30 "$LIMIT" "$PY" -m pytest -m gpu -v -rfE -p no:cacheprovider \
+    --junitxml="$XML" "${PARALLEL[@]}" ${TESTS:-tests} "$@" > "$LOG" 2>&1
+rc=$?
+seconds=$(( $(date +%s) - start ))
+
+grep -E "^(FAILED|ERROR) " "$LOG" | head -n 40
+"$PY" - "$XML" "$LOG" "$rc" "$seconds" "$N" "$LIMIT" <<'PY'
+import re, sys, xml.etree.ElementTree as ET
+xml, log, rc, seconds, n, limit = sys.argv[1:]
+counts = None
+try:
+    suites = ET.parse(xml).getroot()
+    suites = [suites] if suites.tag == "testsuite" else list(suites.iter("testsuite"))
+    get = lambda k: sum(int(s.get(k, 0)) for s in suites)
+    total, failed, errors, skipped = get("tests"), get("failures"), get("errors"), get("skipped")
+    counts = (total - failed - errors - skipped, failed, skipped, errors)
+except (OSError, ET.ParseError):
+    text = open(log, errors="replace").read()
+    counts = tuple(len(re.findall(rf"\b{w}\b tests/", text))
+                   for w in ("PASSED", "FAILED", "SKIPPED", "ERROR"))
+    xml = "none (the run did not finish)"
+cut = {"124": f"; stopped at the {limit} s limit", "137": f"; killed at the {limit} s limit",
+       "130": f"; interrupted at the {limit} s limit"}.get(rc, "")
+print(f"gpu suite: {counts[0]} passed, {counts[1]} failed, {counts[2]} skipped, {counts[3]} errors "
+      f"in {seconds} s ({'serial' if n == '0' else n + ' workers'}; pytest exit {rc}{cut}; "
+      f"junit: {xml}; log: {log})")
+PY
+exit "$rc"
