@@ -23,6 +23,7 @@ import time
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node
 from scoremod.errors import ScoreModError, UnsupportedOpError
+from scoremod.lowering import frontend_release, plan_store
 from scoremod.lowering.cudnn_rules import DP, SCORE
 
 log = logging.getLogger("scoremod")
@@ -316,7 +317,10 @@ def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
     dims, strides = p.stats_layout()
     stats.set_dim(list(dims)).set_stride(list(strides))
     stats.set_uid(UID_STATS)
-    blob, gid, ws, plan, secs = _finalize(g, "forward", describe)
+    try:
+        blob, gid, ws, plan, secs = _finalize(g, "forward", describe)
+    finally:  # nothing of the frontend outlives the build (no leaks at exit)
+        frontend_release.release(g, em.env)
     return Built(blob, gid, (UID_Q, UID_K, UID_V) + tuple(s.uid for s in p.loads),
                  (UID_O, UID_STATS), tuple(UID_SCALARS + i for i in range(len(consts))),
                  tuple(_scalar_bits(c) for c in consts), ws, plan, secs)
@@ -350,7 +354,10 @@ def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describ
         t.set_output(True).set_dim(list(dims)).set_stride(list(strides))
         t.set_data_type(_dtype(p.dtype))
         t.set_uid(uid)
-    blob, gid, ws, plan, secs = _finalize(g, "backward", describe)
+    try:
+        blob, gid, ws, plan, secs = _finalize(g, "backward", describe)
+    finally:  # nothing of the frontend outlives the build (no leaks at exit)
+        frontend_release.release(g, em.env)
     ins = (UID_Q, UID_K, UID_V, UID_O, UID_DO, UID_STATS) + tuple(s.uid for s in p.loads)
     return Built(blob, gid, ins, (UID_DQ, UID_DK, UID_DV),
                  tuple(UID_SCALARS + i for i in range(len(consts))),
@@ -390,27 +397,35 @@ def cached(key, build):
             _stats["hits"] += 1
             return hit
         _stats["misses"] += 1
-    built = build()
+    built = plan_store.fetch(key, Built)  # a graph an earlier process built (warm start)
+    fresh = built is None
+    if fresh:
+        built = build()
+        plan_store.store(key, built)
     with _lock:
         _cache.setdefault(key, built)
-        _stats["builds"] += 1
-        _stats["build_seconds"] += built.seconds
-        log.info("built cuDNN %s graph in %.2f s (plan %s)", key[0], built.seconds, built.plan)
+        if fresh:
+            _stats["builds"] += 1
+            _stats["build_seconds"] += built.seconds
+            log.info("built cuDNN %s graph in %.2f s (plan %s)", key[0], built.seconds, built.plan)
         return _cache[key]
 
 
 def cache_info() -> dict:
-    """Graph cache counters: hits, misses, builds, build_seconds, size.
+    """Graph cache counters: hits, misses, builds, build_seconds, size, and the
+    on-disk plan cache's disk_hits, disk_misses, disk_writes, disk_rejected.
 
     Every distinct (mod, shapes, dtype, scale, GPU, cuDNN) builds a forward
-    and a backward graph once, at trace time; later calls are hits.
+    and a backward graph once, at trace time; later calls are hits. A graph
+    an earlier process built is loaded from disk instead (a disk hit, no build).
 
         >>> import scoremod
-        >>> sorted(scoremod.cache_info())
-        ['build_seconds', 'builds', 'hits', 'misses', 'size']
+        >>> sorted(scoremod.cache_info())  # doctest: +NORMALIZE_WHITESPACE
+        ['build_seconds', 'builds', 'disk_hits', 'disk_misses', 'disk_rejected',
+         'disk_writes', 'hits', 'misses', 'size']
     """
     with _lock:
-        return dict(_stats, size=len(_cache))
+        return dict(_stats, size=len(_cache), **plan_store.counters())
 
 
 def cache_clear() -> None:
@@ -418,3 +433,4 @@ def cache_clear() -> None:
         _cache.clear()
         for k in _stats:
             _stats[k] = 0 if k != "build_seconds" else 0.0
+        plan_store.reset_counters()
