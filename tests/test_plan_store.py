@@ -87,8 +87,8 @@ def test_real_graph_keys_encode_and_differ_in_every_field():
         "GPU family": graph_key(versions=(10, 91900, 13200)),
         "native mask band": graph_key("where(kv_idx <= q_idx, score, -inf)"),
         "band width": graph_key("where(kv_idx <= q_idx and kv_idx > q_idx - 64, score, -inf)"),
-        "load": graph_key("score + bias[h]; bias: f32[4]"),
-        "load layout": graph_key("score + bias[q_idx]; bias: f32[256]"),
+        "load": graph_key("bias: float32[4]; score + bias[h]"),
+        "load layout": graph_key("bias: float32[256]; score + bias[q_idx]"),
     }
     texts = {name: plan_store.encode(k) for name, k in variants.items()}
     assert plan_store.encode(base) == plan_store.encode(graph_key())
@@ -99,7 +99,7 @@ def test_real_graph_keys_encode_and_differ_in_every_field():
 
 def test_key_encoding_is_the_same_in_every_process():
     code = ("from tests.test_plan_store import graph_key; from scoremod.lowering import plan_store;"
-            "print(plan_store.encode(graph_key('score + bias[h] * q_idx; bias: f32[4]')))")
+            "print(plan_store.encode(graph_key('bias: float32[4]; score + bias[h] * q_idx')))")
     outs = set()
     for seed in ("1", "2"):
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -108,7 +108,7 @@ def test_key_encoding_is_the_same_in_every_process():
         assert run.returncode == 0, run.stderr
         outs.add(run.stdout)
     assert len(outs) == 1
-    assert outs.pop().strip() == plan_store.encode(graph_key("score + bias[h] * q_idx; bias: f32[4]"))
+    assert outs.pop().strip() == plan_store.encode(graph_key("bias: float32[4]; score + bias[h] * q_idx"))
 
 
 def test_any_key_or_environment_change_is_a_miss(tmp_path):

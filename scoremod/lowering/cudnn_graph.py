@@ -317,10 +317,8 @@ def build_forward(fwd: Node, p: Problem, consts, load_nodes, describe) -> Built:
     dims, strides = p.stats_layout()
     stats.set_dim(list(dims)).set_stride(list(strides))
     stats.set_uid(UID_STATS)
-    try:
+    with frontend_release.releasing(g, em.env):  # nothing of the frontend outlives the build
         blob, gid, ws, plan, secs = _finalize(g, "forward", describe)
-    finally:  # nothing of the frontend outlives the build (no leaks at exit)
-        frontend_release.release(g, em.env)
     return Built(blob, gid, (UID_Q, UID_K, UID_V) + tuple(s.uid for s in p.loads),
                  (UID_O, UID_STATS), tuple(UID_SCALARS + i for i in range(len(consts))),
                  tuple(_scalar_bits(c) for c in consts), ws, plan, secs)
@@ -354,10 +352,8 @@ def build_backward(fwd: Node, bwd: Node, p: Problem, consts, load_nodes, describ
         t.set_output(True).set_dim(list(dims)).set_stride(list(strides))
         t.set_data_type(_dtype(p.dtype))
         t.set_uid(uid)
-    try:
+    with frontend_release.releasing(g, em.env):  # nothing of the frontend outlives the build
         blob, gid, ws, plan, secs = _finalize(g, "backward", describe)
-    finally:  # nothing of the frontend outlives the build (no leaks at exit)
-        frontend_release.release(g, em.env)
     ins = (UID_Q, UID_K, UID_V, UID_O, UID_DO, UID_STATS) + tuple(s.uid for s in p.loads)
     return Built(blob, gid, ins, (UID_DQ, UID_DK, UID_DV),
                  tuple(UID_SCALARS + i for i in range(len(consts))),
