@@ -366,6 +366,18 @@ def test_where_the_cache_lives(monkeypatch, tmp_path):
     assert plan_store.fetch(graph_key(), Built) is None
 
 
+def test_describe_says_where_and_how_full(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCOREMOD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SCOREMOD_CACHE_MAX_MB", "64")
+    store_at(tmp_path / "cudnn-plans").put(graph_key(), record())
+    assert plan_store.describe() == (f"cuDNN plan cache: {tmp_path / 'cudnn-plans'} (1 graphs, "
+                                     "0.1 of 64 MB)")
+    monkeypatch.setenv("SCOREMOD_CACHE_DIR", "")
+    assert "off (SCOREMOD_CACHE_DIR is empty)" in plan_store.describe()
+    monkeypatch.setenv("SCOREMOD_PLAN_CACHE", "0")
+    assert "off (SCOREMOD_PLAN_CACHE=0)" in plan_store.describe()
+
+
 def test_bad_settings_say_what_is_expected(monkeypatch):
     monkeypatch.setenv("SCOREMOD_PLAN_CACHE", "yes")
     with pytest.raises(ScoreModError, match="SCOREMOD_PLAN_CACHE='yes': expected 0"):

@@ -534,6 +534,19 @@ def reset_counters() -> None:
             s.counters = dict.fromkeys(_COUNTERS, 0)
 
 
+def describe() -> str:
+    """One line on the on-disk plan cache, for diagnostics (``scoremod doctor``)."""
+    if not _flag("SCOREMOD_PLAN_CACHE", "1"):
+        return "cuDNN plan cache: off (SCOREMOD_PLAN_CACHE=0)"
+    root = cache_root()
+    if root is None:
+        return "cuDNN plan cache: off (SCOREMOD_CACHE_DIR is empty)"
+    entries = Store(os.path.join(root, SUBDIR)).entries()
+    size = sum(e[1] for e in entries)
+    return (f"cuDNN plan cache: {os.path.join(root, SUBDIR)} ({len(entries)} graphs, "
+            f"{size / (1 << 20):.1f} of {_max_bytes() / (1 << 20):.0f} MB)")
+
+
 def enable_jax_compilation_cache(directory: str) -> bool:
     """Turn on JAX's persistent compilation cache in ``directory`` for this process,
     writing every compile (not only those over a second); False when the user had
