@@ -42,8 +42,8 @@ mod = scoremod.trace(lambda score, b, h, q_idx, kv_idx:
 cudnn_imported = "cudnn" in sys.modules
 
 def first_call(fn, *args):
-    """Times of the first call of jit(fn): trace and lower (the cuDNN graphs are
-    fetched here), XLA compile, first execution (the FFI deserializes the graphs)."""
+    # Times of the first call of jit(fn): trace and lower (the cuDNN graphs are
+    # fetched here), XLA compile, first execution (the FFI deserializes the graphs).
     t0 = time.perf_counter()
     lowered = jax.jit(fn).lower(*args)
     t1 = time.perf_counter()
