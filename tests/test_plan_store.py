@@ -335,8 +335,8 @@ def test_a_corrupt_entry_is_rebuilt_and_rewritten(tmp_path):
 
 
 def test_a_failing_store_never_fails_the_call(tmp_path):
-    def broken_environment():
-        raise RuntimeError("no cuDNN here")
+    def broken_environment():  # e.g. the extension's versions cannot be read
+        raise scoremod.CudnnUnavailableError("no extension here")
 
     plan_store.configure(plan_store.Store(str(tmp_path), environment=broken_environment))
     assert cudnn_graph.cached(graph_key(), record) == record()

@@ -497,27 +497,30 @@ def reset() -> None:
 
 
 def fetch(key, record_type):
-    """The record for ``key`` from the process's store, or None. Never raises."""
+    """The record for ``key`` from the process's store, or None.
+
+    Raises only for a bad ``SCOREMOD_*`` setting (the user's to fix); any
+    other failure is logged and reads as a miss: the store never fails a call.
+    """
+    s = default_store()
+    if s is None:
+        return None
     try:
-        store = default_store()
-        return None if store is None else store.get(key, record_type)
-    except ScoreModError:
-        raise  # a bad SCOREMOD_* setting is the user's to fix
-    except Exception as e:  # the store must never make a call fail
+        return s.get(key, record_type)
+    except Exception as e:  # noqa: BLE001
         log.warning("scoremod: plan cache lookup failed (%s: %s); building the graph",
                     type(e).__name__, e)
         return None
 
 
 def store(key, record) -> None:
-    """Keep ``record`` under ``key`` in the process's store, if any. Never raises."""
+    """Keep ``record`` under ``key`` in the process's store, if any (never fails a call)."""
+    s = default_store()
+    if s is None:
+        return
     try:
-        s = default_store()
-        if s is not None:
-            s.put(key, record)
-    except ScoreModError:
-        raise
-    except Exception as e:
+        s.put(key, record)
+    except Exception as e:  # noqa: BLE001
         log.warning("scoremod: plan cache write failed (%s: %s)", type(e).__name__, e)
 
 
