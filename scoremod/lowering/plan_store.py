@@ -165,23 +165,38 @@ class _Encoder:
 def environment() -> tuple:
     """(name, value) pairs of what a serialized graph depends on besides its key.
 
-    Imports the cuDNN frontend (the caller is about to use it anyway).
+    Cheap, and without importing the cuDNN frontend (a warm process need not
+    import it): the cuDNN version comes from the library already loaded.
     """
-    import cudnn
     import jax
 
     from scoremod import kernels_ffi
 
     dev = jax.devices()[0]
     return (
-        ("cudnn_backend", int(cudnn.backend_version())),
-        ("cudnn_frontend", str(cudnn.__version__)),
+        ("cudnn", _loaded_cudnn_version()),
+        ("cudnn_frontend", kernels_ffi.installed_frontend_version()),
         ("ffi_frontend", kernels_ffi.compiled_frontend_version()),
         ("ffi_cudnn", kernels_ffi.compiled_cudnn_version()),
         ("ffi_cudart", kernels_ffi.compiled_cudart_version()),
         ("gpu", str(getattr(dev, "device_kind", dev.platform))),
         ("compute_capability", str(getattr(dev, "compute_capability", ""))),
     )
+
+
+def _loaded_cudnn_version() -> int:
+    """cudnnGetVersion() of the libcudnn in this process (JAX's, which the FFI
+    extension also uses); the frontend's answer when none is loaded by that name."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcudnn.so.9")
+        lib.cudnnGetVersion.restype = ctypes.c_size_t
+        return int(lib.cudnnGetVersion())
+    except (OSError, AttributeError):
+        import cudnn
+
+        return int(cudnn.backend_version())
 
 
 # --- records <-> files --------------------------------------------------------------

@@ -59,6 +59,7 @@ def first_call(fn, *args):
     lambda q, k, v: scoremod.attention(q, k, v, mod, implementation="cudnn", return_lse=True),
     q, k, v)
 after_forward = scoremod.cache_info()
+cudnn_imported_by_call = "cudnn" in sys.modules  # a warm process need not import the frontend
 
 def loss(q, k, v):
     o = scoremod.attention(q, k, v, mod, implementation="cudnn")
@@ -75,6 +76,7 @@ np.savez(out_path, **{n: np.asarray(a).view(np.uint16) if a.dtype == jnp.bfloat1
                       else np.asarray(a) for n, a in arrays.items()})
 print(json.dumps({
     "import_s": round(t_import, 3), "cudnn_imported_before_call": cudnn_imported,
+    "cudnn_imported_by_first_call": cudnn_imported_by_call,
     "first_forward": forward_times, "first_fwd_bwd": backward_times,
     "then_eager_forward_s": round(eager_forward, 4),
     "jax_cache_dir": jax.config.jax_compilation_cache_dir,
