@@ -68,3 +68,12 @@ def test_the_demo_ends_with_its_own_output():
                          text=True, env=_env(), timeout=600)
     _check_clean(run, "python -m scoremod demo")
     assert "nanobind" not in run.stderr
+
+
+def test_a_process_with_graphs_from_the_plan_cache_exits_cleanly(tmp_path):
+    env = {**os.environ, "SCOREMOD_CACHE_DIR": str(tmp_path)}
+    for what in ("cold plan cache", "warm plan cache"):
+        run = subprocess.run([sys.executable, "-c", _FUSED], capture_output=True, text=True,
+                             env=env, timeout=600)
+        _check_clean(run, what)
+    assert "builds: 0" in run.stdout  # the second process loaded every graph from disk
