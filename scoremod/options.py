@@ -136,3 +136,54 @@ def lowering_options(options: LoweringOptions | None = None, **changes):
         yield current()
     finally:
         _CURRENT.reset(token)
+
+
+# --- the on-disk cuDNN plan cache (process settings, not part of any key) ------------
+
+DEFAULT_PLAN_CACHE_MB = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCacheSettings:
+    """Where built cuDNN graphs persist between processes (see ``lowering.cudnn.plan_store``).
+
+    ``enabled``: ``SCOREMOD_PLAN_CACHE`` (default 1); ``root``: ``$SCOREMOD_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/scoremod``, else ``~/.cache/scoremod`` (None when off or when
+    ``SCOREMOD_CACHE_DIR`` is set empty); ``max_bytes``: ``SCOREMOD_CACHE_MAX_MB`` (default
+    256); ``jax_cache``: ``SCOREMOD_JAX_CACHE=1`` also turns on JAX's compilation cache there.
+    """
+
+    enabled: bool
+    root: str | None
+    max_bytes: int
+    jax_cache: bool
+
+
+def _flag(name, default) -> bool:
+    text = os.environ.get(name, default).strip()
+    if text not in ("0", "1"):
+        raise ScoreModError(f"environment variable {name}={text!r}: expected 0 (off) or 1 (on)")
+    return text == "1"
+
+
+def plan_cache_settings() -> PlanCacheSettings:
+    """The plan cache's settings from the environment (read when the cache is configured)."""
+    enabled = _flag("SCOREMOD_PLAN_CACHE", "1")
+    explicit = os.environ.get("SCOREMOD_CACHE_DIR")
+    if not enabled:
+        root = None
+    elif explicit is not None:
+        root = os.path.expanduser(explicit) if explicit.strip() else None
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+        root = os.path.join(xdg if xdg else os.path.join(os.path.expanduser("~"), ".cache"),
+                            "scoremod")
+    text = os.environ.get("SCOREMOD_CACHE_MAX_MB", str(DEFAULT_PLAN_CACHE_MB)).strip()
+    try:
+        mb = float(text)
+        if not mb > 0:
+            raise ValueError
+    except ValueError:
+        raise ScoreModError(f"environment variable SCOREMOD_CACHE_MAX_MB={text!r}: expected a "
+                            "positive number of megabytes") from None
+    return PlanCacheSettings(enabled, root, int(mb * (1 << 20)), _flag("SCOREMOD_JAX_CACHE", "0"))

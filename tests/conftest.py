@@ -17,8 +17,15 @@ import functools
 import os
 import sys
 
+import os
+
 import jax
 import pytest
+
+# Tests never read or write the user's cuDNN plan cache (a warm cache would
+# turn the build counts they check into disk hits); tests of the cache give
+# their own directory.
+os.environ["SCOREMOD_CACHE_DIR"] = ""
 
 # float32 comparisons in the tests mean float32 arithmetic: GPUs default to
 # TF32 matmuls, which differ from float32 by about 1e-3.
