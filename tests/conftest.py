@@ -17,8 +17,6 @@ import functools
 import os
 import sys
 
-import os
-
 import jax
 import pytest
 
