@@ -16,6 +16,7 @@ from scoremod.errors import (
     ScoreModError,
     ScoreModSyntaxError,
     ScoreModTypeError,
+    ScoreModValueError,
     UnsupportedOpError,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "ScoreModError",
     "ScoreModSyntaxError",
     "ScoreModTypeError",
+    "ScoreModValueError",
     "UnsupportedOpError",
     "CudnnUnavailableError",
 ]

@@ -10,7 +10,7 @@ import numpy as np
 
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
-from scoremod.errors import ScoreModTypeError
+from scoremod.errors import ScoreModTypeError, ScoreModValueError
 from scoremod.lowering.reference import scores_and_lse_reference
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
@@ -55,6 +55,7 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     shapes = check_inputs(query, key, value)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    check_scale(scale)
     if mod is not None:
         mod.require_bound()
         check_operand_ranges(mod, shapes)
@@ -135,12 +136,42 @@ def check_inputs(query, key, value) -> dict:
         raise ScoreModTypeError(f"query batch {b} != key batch {bk}")
     if dk != d:
         raise ScoreModTypeError(f"query head_dim {d} != key head_dim {dk}")
+    for name, n in (("query sequence length", sq), ("key/value sequence length", skv),
+                    ("key/value heads", hkv), ("head_dim", d)):
+        if n == 0:
+            raise ScoreModValueError(
+                f"{name} is 0 (query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                f"{tuple(value.shape)}): attention needs at least one query, one key, one "
+                "key/value head and head_dim >= 1; skip the call for empty inputs"
+            )
     if hq % hkv:
         raise ScoreModTypeError(
             f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) "
             "for grouped-query attention"
         )
     return {"b": b, "h": hq, "q_idx": sq, "kv_idx": skv}
+
+
+def check_scale(scale):
+    """``scale`` must be one real, finite number (a traced scalar is checked for shape only)."""
+    import jax
+
+    if isinstance(scale, (bool, np.bool_)) or not (
+            isinstance(scale, (int, float, np.integer, np.floating))
+            or (hasattr(scale, "shape") and hasattr(scale, "dtype"))):
+        raise ScoreModTypeError(f"scale must be a number, got {type(scale).__name__}")
+    if np.shape(scale) != ():
+        raise ScoreModTypeError(
+            f"scale must be a scalar, got shape {tuple(np.shape(scale))}; one scale multiplies "
+            "every score (fold per-head factors into the score_mod instead)"
+        )
+    dtype = np.dtype(getattr(scale, "dtype", type(scale)))
+    if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+        raise ScoreModTypeError(f"scale must be a real number, got dtype {dtype}")
+    if isinstance(scale, jax.core.Tracer):
+        return  # its value is unknown until the traced function runs
+    if not np.isfinite(float(np.asarray(scale, np.float64))):
+        raise ScoreModValueError(f"scale must be finite, got {float(np.asarray(scale))}")
 
 
 def check_operand_ranges(mod: ScoreMod, sizes: dict):
