@@ -62,6 +62,14 @@ def _attr_key(attr):
     return attr
 
 
+def _canonical_const(attr, dtype) -> bool:
+    if dtype == F32:
+        return type(attr) is float and (math.isnan(attr) or float(np.float32(attr)) == attr)
+    if dtype == I32:
+        return type(attr) is int and INT32_MIN <= attr <= INT32_MAX
+    return dtype == BOOL and type(attr) is bool
+
+
 class Node:
     """One interned IR node. Compare with ``is`` or ``==`` (the same thing)."""
 
@@ -74,6 +82,14 @@ class Node:
         with cls._lock:
             node = cls._interned.get(key)
             if node is None:
+                if op == "const" and not _canonical_const(attr, dtype):
+                    # Interned forever by its key: a non-canonical value
+                    # (0.1 unrounded, 2**40 as i32) would stand for const().
+                    from scoremod.errors import ScoreModValueError
+
+                    raise ScoreModValueError(
+                        f"{attr!r} is not a canonical {dtype} constant; build it with ir.const"
+                    )
                 node = object.__new__(cls)
                 node.op, node.args, node.attr, node.dtype = op, args, attr, dtype
                 node._hash = hash(key)
@@ -312,9 +328,8 @@ def _checked_node(op, args, attr, dtype) -> Node:
     from scoremod.errors import ScoreModError, ScoreModValueError
 
     if op == "const":
-        want = {F32: float, I32: int, BOOL: bool}.get(dtype)
-        if args or want is None or type(attr) is not want:
-            raise ScoreModValueError(f"a {dtype} constant cannot hold {attr!r}")
+        if args or not _canonical_const(attr, dtype):
+            raise ScoreModValueError(f"{attr!r} is not a canonical {dtype} constant")
         node = const(attr, dtype)
     elif op == "var":
         if args:
