@@ -26,6 +26,7 @@ import scoremod
 from scoremod import ScoreModError, ScoreModTypeError, ScoreModValueError, UnsupportedOpError
 from scoremod.dsl import ir
 from scoremod.dsl.ir import Node
+from tests.test_properties import SPECS, _as_fn
 
 SETTINGS = settings(max_examples=25, deadline=None)
 I = jnp.int32
@@ -666,3 +667,80 @@ def test_all_public_errors_derive_from_scoremod_error():
                 scoremod.ScoreModSyntaxError, scoremod.CudnnUnavailableError):
         assert issubclass(cls, ScoreModError)
     assert issubclass(ScoreModValueError, ValueError)
+
+
+# --- properties over random expressions ----------------------------------------
+
+NARROW_UNARY = {
+    "neg": lambda x: -x,
+    "abs": jnp.abs,
+    "square": lambda x: x * x,
+    "plus_lit": lambda x: x + 77,
+    "times_lit": lambda x: x * 3,
+    "sign": jnp.sign,
+    "to_uint8": lambda x: x.astype(jnp.uint8),
+    "to_int8": lambda x: x.astype(jnp.int8),
+    "to_int16": lambda x: x.astype(jnp.int16),
+    "to_uint16": lambda x: x.astype(jnp.uint16),
+}
+NARROW_BINARY = {
+    "add": lambda x, y: x + y.astype(x.dtype),
+    "sub": lambda x, y: x - y.astype(x.dtype),
+    "mul": lambda x, y: x * y.astype(x.dtype),
+    "floordiv": lambda x, y: x // y.astype(x.dtype),
+    "mod": lambda x, y: x % y.astype(x.dtype),
+    "rem": lambda x, y: jax.lax.rem(x, y.astype(x.dtype)),
+    "max": lambda x, y: jnp.maximum(x, y.astype(x.dtype)),
+    "where": lambda x, y: jnp.where(x > y.astype(x.dtype), x, y.astype(x.dtype)),
+    "promote": lambda x, y: x.astype(jnp.int32) * 40000 + y,
+}
+
+
+def _narrow_specs():
+    leaf = st.sampled_from(["q", "k"]).map(lambda v: ("leaf", v))
+
+    def extend(children):
+        return st.one_of(
+            st.tuples(st.just("un"), st.sampled_from(sorted(NARROW_UNARY)), children),
+            st.tuples(st.just("bin"), st.sampled_from(sorted(NARROW_BINARY)), children, children),
+        )
+
+    return st.tuples(st.sampled_from(NARROW), st.recursive(leaf, extend, max_leaves=6))
+
+
+def _render_narrow(spec, arrays):
+    if spec[0] == "leaf":
+        return lambda q, k: arrays[q] if spec[1] == "q" else arrays[k]
+    if spec[0] == "un":
+        f, a = NARROW_UNARY[spec[1]], _render_narrow(spec[2], arrays)
+        return lambda q, k: f(a(q, k))
+    f, a, c = NARROW_BINARY[spec[1]], _render_narrow(spec[2], arrays), _render_narrow(spec[3], arrays)
+    return lambda q, k: f(a(q, k), c(q, k))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_narrow_specs())
+def test_random_narrow_int_expressions_match_jnp(dtype_spec):
+    dtype, spec = dtype_spec
+    values = jnp.asarray(EDGE[dtype])
+    body = _render_narrow(spec, values)
+    fn = lambda s, b, h, q, k: s + body(q, k).astype(jnp.float32)  # noqa: E731
+    mod = scoremod.trace(fn)
+    n = len(EDGE[dtype])
+    q, k = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    q, k = jnp.asarray(q.ravel(), I), jnp.asarray(k.ravel(), I)
+    zero = jnp.zeros_like(q)
+    want = jax.vmap(fn)(jnp.zeros(q.shape), zero, zero, q, k)
+    got = jnp.broadcast_to(mod(0.0, zero, zero, q, k), want.shape)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@settings(max_examples=60, deadline=None)
+@given(SPECS)
+def test_random_mods_pickle_and_copy_to_equal_mods(spec):
+    mod = scoremod.trace(_as_fn(spec))
+    for again in (pickle.loads(pickle.dumps(mod)), copy.deepcopy(mod), copy.copy(mod)):
+        assert again == mod and again.key == mod.key and str(again) == str(mod)
+        assert again.sources == mod.sources
+    grad = pickle.loads(pickle.dumps(mod.grad))
+    assert grad == mod.grad
