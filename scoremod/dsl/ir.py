@@ -24,6 +24,8 @@ import weakref
 
 import numpy as np
 
+from scoremod.errors import ScoreModError, ScoreModValueError
+
 # Scalar types of the IR. Scores and float operands compute in float32.
 F32, I32, BOOL = "f32", "i32", "bool"
 DTYPES = (F32, I32, BOOL)
@@ -85,8 +87,6 @@ class Node:
                 if op == "const" and not _canonical_const(attr, dtype):
                     # Interned forever by its key: a non-canonical value
                     # (0.1 unrounded, 2**40 as i32) would stand for const().
-                    from scoremod.errors import ScoreModValueError
-
                     raise ScoreModValueError(
                         f"{attr!r} is not a canonical {dtype} constant; build it with ir.const"
                     )
@@ -161,8 +161,6 @@ def _binary(op, a, b):
 
 def const(value, dtype: str) -> Node:
     """A scalar literal of IR type ``dtype`` (floats rounded to float32, NaN canonical)."""
-    from scoremod.errors import ScoreModValueError
-
     if dtype == F32:
         if isinstance(value, int) and not -2**128 < value < 2**128:  # beyond float32: inf
             value = math.copysign(math.inf, value)
@@ -196,8 +194,6 @@ def lift(x, dtype: str) -> Node:
 
 def var(name: str) -> Node:
     if name not in VAR_NAMES:
-        from scoremod.errors import ScoreModValueError
-
         raise ScoreModValueError(f"unknown variable {name!r}; score_mod inputs are {VAR_NAMES}")
     return Node("var", (), name, F32 if name == SCORE else I32)
 
@@ -209,8 +205,6 @@ def cotangent() -> Node:
 
 def operand(name: str, shape, dtype) -> Node:
     """A captured array: its shape and dtype are part of the IR, its values are not."""
-    from scoremod.errors import ScoreModValueError
-
     dtype = np.dtype(dtype).name
     if dtype not in OPERAND_DTYPES:
         raise ScoreModValueError(
@@ -306,8 +300,6 @@ def from_table(table) -> Node:
 
 
 def nodes_from_table(table) -> list:
-    from scoremod.errors import ScoreModValueError
-
     nodes = []
     for entry in table:
         try:
@@ -325,7 +317,6 @@ def nodes_from_table(table) -> list:
 
 def _checked_node(op, args, attr, dtype) -> Node:
     from scoremod.dsl.ops import OPS, apply
-    from scoremod.errors import ScoreModError, ScoreModValueError
 
     if op == "const":
         if args or not _canonical_const(attr, dtype):

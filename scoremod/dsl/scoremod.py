@@ -306,6 +306,11 @@ def score_mod(fn) -> ScoreMod:
     return trace(fn)
 
 
+# Names the text form gives a meaning of its own: a value passed under one
+# would be ignored.
+_RESERVED = frozenset(ir.VAR_NAMES) | {"inf", "nan", "true", "false", "let", "not", "and", "or"}
+
+
 def parse(text: str, **names) -> ScoreMod:
     """Parse the text form; keyword arguments give constants and arrays.
 
@@ -318,7 +323,14 @@ def parse(text: str, **names) -> ScoreMod:
     the text stand for arrays not given; such a mod needs ``bind`` before use.
     """
     if not isinstance(text, str):
-        raise TypeError(f"parse takes a string, got {type(text).__name__}")
+        raise ScoreModTypeError(f"parse takes a string, got {type(text).__name__}")
+    taken = sorted(set(names) & _RESERVED)
+    if taken:
+        raise ScoreModValueError(
+            f"parse(..., {taken[0]}=...): {taken[0]!r} is a name of the text form itself "
+            f"(the inputs {', '.join(ir.VAR_NAMES)} and the words "
+            f"{', '.join(sorted(_RESERVED - set(ir.VAR_NAMES)))}); give the value another name"
+        )
     root, values = parse_expr(text, names)
     nodes = ir.operands_of(root)
     for node in nodes:
@@ -336,7 +348,7 @@ def as_score_mod(mod) -> ScoreMod | None:
         return parse(mod)
     if callable(mod):
         return trace(mod)
-    raise TypeError(
+    raise ScoreModTypeError(
         f"score_mod must be a ScoreMod, a function (score, b, h, q_idx, kv_idx) -> score, "
         f"or a text form; got {type(mod).__name__}"
     )
