@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -154,8 +155,6 @@ def check_inputs(query, key, value) -> dict:
 
 def check_scale(scale):
     """``scale`` must be one real, finite number (a traced scalar is checked for shape only)."""
-    import jax
-
     if isinstance(scale, (bool, np.bool_)) or not (
             isinstance(scale, (int, float, np.integer, np.floating))
             or (hasattr(scale, "shape") and hasattr(scale, "dtype"))):
