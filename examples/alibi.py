@@ -94,7 +94,7 @@ def main(argv=None):
     halved = slopes / 2
     retraced = alibi_mod(halved)
     rebound = mod.bind(c0=halved)  # traced operands are named c0, c1, ... in order of use
-    same_key = mod.key == retraced.key == rebound.key and mod == retraced
+    same_key = mod.key == retraced.key == rebound.key and mod.same_ir(retraced)
     print(f"slopes / 2, traced again: key {retraced.key[:16]}...; "
           f"with mod.bind(c0=...): key {rebound.key[:16]}...  same key: {same_key}")
     # A Python float is a constant instead: it is in the text, and in the key.

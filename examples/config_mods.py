@@ -95,7 +95,7 @@ def main(argv=None):
         print(f"  text: {mod}")
         print(f"  key:  {mod.key}")
         print(f"  grad: {mod.grad}")
-        roundtrip = scoremod.parse(str(mod)) == mod  # declarations keep operands' shapes
+        roundtrip = scoremod.parse(str(mod)).same_ir(mod)  # declarations keep operands' shapes
         path = args.implementation or scoremod.which_implementation(q, k, v, mod)[0]
         result = {"text": str(mod), "key": mod.key, "roundtrip": roundtrip, "path": path}
         try:
@@ -107,7 +107,7 @@ def main(argv=None):
             change = float(jnp.max(jnp.abs(out.astype(jnp.float32) - plain.astype(jnp.float32))))
             result["finite"] = bool(jnp.all(jnp.isfinite(out)))
             result["change_vs_plain"] = change
-            print(f"  parse(text) == mod: {roundtrip}; ran on the {path} path; output finite: "
+            print(f"  parse(text) has the same IR: {roundtrip}; ran on the {path} path; output finite: "
                   f"{result['finite']}; max |out - plain attention| {change:.3g}")
         results[name] = result
     return results

@@ -17,6 +17,7 @@ from scoremod.errors import (
     ScoreModError,
     ScoreModSyntaxError,
     ScoreModTypeError,
+    ScoreModValueError,
     UnsupportedOpError,
 )
 from scoremod.options import LoweringOptions, lowering_options
@@ -37,6 +38,7 @@ __all__ = [
     "ScoreModError",
     "ScoreModSyntaxError",
     "ScoreModTypeError",
+    "ScoreModValueError",
     "UnsupportedOpError",
     "CudnnUnavailableError",
 ]

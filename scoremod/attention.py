@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
-from scoremod.errors import ScoreModError, ScoreModTypeError
+from scoremod.errors import ScoreModError, ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import registry
 from scoremod.lowering.backend import run
 from scoremod.lowering.problem import Problem
@@ -70,16 +71,18 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     problem = check_inputs(query, key, value)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    check_scale(scale)
     if mod is not None:
         mod.require_bound()
         check_operand_ranges(mod, problem)
+    traced_scale = isinstance(scale, jax.core.Tracer)
     if asked is not None:
-        reason = asked.why_not(problem, mod, automatic=False)
+        reason = _why_not(asked, problem, mod, traced_scale, automatic=False)
         if reason is not None:
             raise asked.refused(reason)
         backend = asked
     else:
-        backend = _choose(problem, mod)
+        backend = _choose(problem, mod, traced_scale)
     plan = backend.plan(problem, mod, scale, options, return_lse)
     fallback = None
     if implementation is None and not backend.operand_gradients:
@@ -92,12 +95,19 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     return (o, lse) if return_lse else o
 
 
-def _choose(problem, mod):
+def _why_not(backend, problem, mod, traced_scale, automatic):
+    if traced_scale and not backend.traced_scale:
+        return ("the scale is a traced value, and this backend compiles the scale into its "
+                "kernels: pass a Python float (or fold a learned factor into the score_mod)")
+    return backend.why_not(problem, mod, automatic=automatic)
+
+
+def _choose(problem, mod, traced_scale=False):
     """The first backend without objection; warns once per reason when a backend
     whose hardware is here was passed over."""
     passed = []
     for backend in registry.backends():
-        reason = backend.why_not(problem, mod, automatic=True)
+        reason = _why_not(backend, problem, mod, traced_scale, automatic=True)
         if reason is None:
             present = [r for b, r in passed if b.present()]
             if present:
@@ -192,12 +202,40 @@ def check_inputs(query, key, value) -> Problem:
         raise ScoreModTypeError(f"query batch {b} != key batch {bk}")
     if dk != d:
         raise ScoreModTypeError(f"query head_dim {d} != key head_dim {dk}")
+    for name, n in (("query sequence length", sq), ("key/value sequence length", skv),
+                    ("key/value heads", hkv), ("head_dim", d)):
+        if n == 0:
+            raise ScoreModValueError(
+                f"{name} is 0 (query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                f"{tuple(value.shape)}): attention needs at least one query, one key, one "
+                "key/value head and head_dim >= 1; skip the call for empty inputs"
+            )
     if hq % hkv:
         raise ScoreModTypeError(
             f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) "
             "for grouped-query attention"
         )
     return Problem.of(query, key, value)
+
+
+def check_scale(scale):
+    """``scale`` must be one real, finite number (a traced scalar is checked for shape only)."""
+    if isinstance(scale, (bool, np.bool_)) or not (
+            isinstance(scale, (int, float, np.integer, np.floating))
+            or (hasattr(scale, "shape") and hasattr(scale, "dtype"))):
+        raise ScoreModTypeError(f"scale must be a number, got {type(scale).__name__}")
+    if np.shape(scale) != ():
+        raise ScoreModTypeError(
+            f"scale must be a scalar, got shape {tuple(np.shape(scale))}; one scale multiplies "
+            "every score (fold per-head factors into the score_mod instead)"
+        )
+    dtype = np.dtype(getattr(scale, "dtype", type(scale)))
+    if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+        raise ScoreModTypeError(f"scale must be a real number, got dtype {dtype}")
+    if isinstance(scale, jax.core.Tracer):
+        return  # its value is unknown until the traced function runs
+    if not np.isfinite(float(np.asarray(scale, np.float64))):
+        raise ScoreModValueError(f"scale must be finite, got {float(np.asarray(scale))}")
 
 
 def check_operand_ranges(mod: ScoreMod, problem: Problem):

@@ -12,10 +12,12 @@ a different device by replacing :func:`current`).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import os
 
-__all__ = ["Device", "current", "available_memory"]
+__all__ = ["Device", "current", "available_memory", "loaded_cudnn_version"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +80,49 @@ def _host_available() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _mapped_cudnn() -> list[str]:
+    """Paths of the libcudnn.so files mapped into this process."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            paths = {line.split()[-1] for line in f if "libcudnn.so" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths
+                  if p.startswith("/") and os.path.basename(p).startswith("libcudnn.so"))
+
+
+@functools.lru_cache(maxsize=1)
+def _version_of_loaded() -> tuple[int, str] | None:
+    for path in _mapped_cudnn():
+        try:
+            lib = ctypes.CDLL(path)
+            lib.cudnnGetVersion.restype = ctypes.c_size_t
+            return int(lib.cudnnGetVersion()), path
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def loaded_cudnn_version() -> tuple[int | None, str]:
+    """(``cudnnGetVersion()`` of the libcudnn this process uses, its path), or
+    (None, why not). JAX's CUDA plugin loads cuDNN with its GPU backend; if it
+    has not, the FFI extension loads the one the fused path would use. Cheap
+    after the first call (a process loads one cuDNN), and it never imports the
+    cuDNN frontend."""
+    found = _version_of_loaded()
+    if found is None:
+        from scoremod import kernels_ffi
+
+        if kernels_ffi.available():
+            try:
+                kernels_ffi.load_cuda_libraries()
+            except Exception as e:  # noqa: BLE001 - a diagnostic never fails the caller
+                return None, f"the FFI extension could not load cuDNN: {e}"
+            _version_of_loaded.cache_clear()
+            found = _version_of_loaded()
+    if found is None:
+        _version_of_loaded.cache_clear()  # maybe later, once a library is loaded
+        return None, "no libcudnn is loaded in this process"
+    return found

@@ -7,7 +7,6 @@ reported where it happens, with what fixes it.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.metadata
 import importlib.util
 import os
@@ -72,38 +71,11 @@ def gpus() -> tuple[list, str]:
     return [], "this machine has no NVIDIA GPU (no NVIDIA driver is installed)"
 
 
-def _mapped_cudnn() -> list[str]:
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
-            paths = {line.split()[-1] for line in f if "libcudnn.so" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths
-                  if p.startswith("/") and os.path.basename(p).startswith("libcudnn.so"))
-
-
 def loaded_cudnn_version() -> tuple[int | None, str]:
-    """(cudnnGetVersion() of the libcudnn this process uses, its path), or (None, why not).
+    """(cudnnGetVersion() of the libcudnn this process uses, its path), or (None, why not)."""
+    from scoremod import device
 
-    JAX's CUDA plugin loads cuDNN with its GPU backend; if it has not, the
-    extension loads the one the fused path would use. The library found in
-    the process's memory map is asked for its version.
-    """
-    paths = _mapped_cudnn()
-    if not paths:
-        from scoremod import kernels_ffi
-
-        if kernels_ffi.available():
-            kernels_ffi.load_cuda_libraries()
-            paths = _mapped_cudnn()
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-            lib.cudnnGetVersion.restype = ctypes.c_size_t
-            return int(lib.cudnnGetVersion()), path
-        except (OSError, AttributeError):
-            continue
-    return None, "no libcudnn is loaded in this process"
+    return device.loaded_cudnn_version()
 
 
 def frontend_line() -> str:

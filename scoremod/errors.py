@@ -40,6 +40,20 @@ class ScoreModTypeError(ScoreModError, TypeError):
     """
 
 
+class ScoreModValueError(ScoreModError, ValueError):
+    """An argument has the right type but a value scoremod cannot use: an
+    integer constant outside int32, an empty sequence or head dimension, a
+    non-finite ``scale``, an operand name the mod does not have.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> try:
+        ...     scoremod.trace(lambda s, b, h, q, k: s + 2 ** 31)
+        ... except scoremod.ScoreModValueError as e:
+        ...     print("int32" in str(e))
+        True
+    """
+
+
 class ScoreModSyntaxError(ScoreModError, SyntaxError):
     """The text form of a score_mod could not be parsed (has line and column).
 

@@ -290,10 +290,47 @@ def test_an_unvalidated_gpu_family_is_used_only_by_name(monkeypatch):
     monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "pretend", 10, 148))
     monkeypatch.setattr(kernels_ffi, "available", lambda: True)
     monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
+    monkeypatch.setattr(device, "loaded_cudnn_version", lambda: (91900, "pretend"))
     q, k, v = _inputs(jnp.bfloat16)
     choice = scoremod.which_implementation(q, k, v)
     assert choice[0] == "xla" and "not validated on this GPU family (sm_10x)" in choice[1]
     assert registry.get("cudnn").why_not(Problem.of(q, k, v), None, automatic=False) is None
+
+
+@pytest.mark.parametrize("version", [91800, 92000, 92800])
+def test_a_cudnn_outside_the_validated_range_runs_only_by_name_with_a_warning(monkeypatch, version):
+    import sys
+    import types
+    import warnings
+
+    from scoremod import kernels_ffi
+    from scoremod.lowering.problem import Problem
+
+    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "pretend", 9, 132))
+    monkeypatch.setattr(kernels_ffi, "available", lambda: True)
+    monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
+    monkeypatch.setattr(device, "loaded_cudnn_version", lambda: (version, "pretend"))
+    q, k, v = _inputs(jnp.bfloat16)
+    text = f"{version // 10000}.{version // 100 % 100}.0"
+    choice = scoremod.which_implementation(q, k, v)
+    assert choice[0] == "xla" and f"cuDNN {text} is loaded" in choice[1]
+    assert "validated with cuDNN 9.19.x" in choice[1] and 'implementation="cudnn"' in choice[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert registry.get("cudnn").why_not(Problem.of(q, k, v), None, automatic=False) is None
+    assert any(f"cuDNN {text} is loaded" in str(w.message) for w in caught)
+    monkeypatch.setattr(device, "loaded_cudnn_version", lambda: (91902, "pretend"))
+    assert registry.get("cudnn").why_not(Problem.of(q, k, v), None, automatic=True) is None
+
+
+def test_a_traced_scale_runs_on_the_reference_path_and_is_refused_by_name(monkeypatch):
+    q, k, v = _inputs(jnp.bfloat16)
+    want = scoremod.attention(q, k, v, scale=0.3, implementation="xla")
+    got = jax.jit(lambda s: scoremod.attention(q, k, v, scale=s))(0.3)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    with pytest.raises(scoremod.CudnnUnavailableError, match="scale is a traced value"):
+        jax.jit(lambda s: scoremod.attention(q, k, v, scale=s, implementation="cudnn"))(0.3)
 
 
 def test_reference_path_refuses_a_call_too_big_for_the_device(monkeypatch):

@@ -353,7 +353,7 @@ def test_combine_text_and_mod_forms():
         "where(mask[b, q_idx, kv_idx], score + c0[h] * f32(kv_idx - q_idx) + bias[h, q_idx, "
         "kv_idx], -inf)")
     assert not mod.has_computed_index  # direct reads: the fused path takes them as tensors
-    assert scoremod.parse(str(mod)) == mod
+    assert scoremod.parse(str(mod)).same_ir(mod)  # declarations stand in for the values
     assert scoremod.flax.combine(alibi, shape=(B, H, L, L)) is alibi
     # operand names of the user's mod are kept apart
     named = scoremod.parse("bias: float32[4]; score + bias[h]", bias=slopes)

@@ -155,9 +155,10 @@ def test_print_parse_roundtrip(spec):
     assert again == mod
     assert str(again) == str(mod)
     assert again.key == mod.key
-    assert scoremod.parse(str(mod)) == mod  # declarations stand in for the arrays
+    # Declarations stand in for the arrays: the same IR, without the values.
+    assert scoremod.parse(str(mod)).same_ir(mod)
     grad = mod.grad
-    assert scoremod.parse(str(grad)) == grad
+    assert scoremod.parse(str(grad)).same_ir(grad)
 
 
 @SETTINGS

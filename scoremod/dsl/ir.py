@@ -24,6 +24,8 @@ import weakref
 
 import numpy as np
 
+from scoremod.errors import ScoreModError, ScoreModValueError
+
 # Scalar types of the IR. Scores and float operands compute in float32.
 F32, I32, BOOL = "f32", "i32", "bool"
 DTYPES = (F32, I32, BOOL)
@@ -47,15 +49,27 @@ OPERAND_DTYPES = {
 }
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
 def _attr_key(attr):
-    """A key that tells apart values Python's == confuses (0.0/-0.0, nan, 1/True)."""
+    """A key that tells apart values Python's == confuses (0.0/-0.0, 1/True);
+    every NaN is one value (the text form cannot tell payloads apart)."""
     if isinstance(attr, float):
-        return ("f", struct.pack("<f", attr))
+        return ("f", struct.pack("<f", math.nan if math.isnan(attr) else attr))
     if isinstance(attr, bool):
         return ("b", attr)
     if isinstance(attr, int):
         return ("i", attr)
     return attr
+
+
+def _canonical_const(attr, dtype) -> bool:
+    if dtype == F32:
+        return type(attr) is float and (math.isnan(attr) or float(np.float32(attr)) == attr)
+    if dtype == I32:
+        return type(attr) is int and INT32_MIN <= attr <= INT32_MAX
+    return dtype == BOOL and type(attr) is bool
 
 
 class Node:
@@ -70,6 +84,12 @@ class Node:
         with cls._lock:
             node = cls._interned.get(key)
             if node is None:
+                if op == "const" and not _canonical_const(attr, dtype):
+                    # Interned forever by its key: a non-canonical value
+                    # (0.1 unrounded, 2**40 as i32) would stand for const().
+                    raise ScoreModValueError(
+                        f"{attr!r} is not a canonical {dtype} constant; build it with ir.const"
+                    )
                 node = object.__new__(cls)
                 node.op, node.args, node.attr, node.dtype = op, args, attr, dtype
                 node._hash = hash(key)
@@ -85,8 +105,11 @@ class Node:
     def __ne__(self, other):
         return self is not other
 
-    def __reduce__(self):  # pickling re-interns
-        return (Node, (self.op, self.args, self.attr, self.dtype))
+    def __reduce__(self):
+        # A flat table rebuilt through the validating constructors (never
+        # Node() itself): no recursion on deep expressions, and a crafted
+        # pickle cannot intern an ill-typed node or a non-canonical constant.
+        return (from_table, (to_table(self),))
 
     def __setattr__(self, name, value):
         if hasattr(self, "_hash"):
@@ -137,15 +160,30 @@ def _binary(op, a, b):
 
 
 def const(value, dtype: str) -> Node:
-    """A scalar literal of IR type ``dtype``."""
+    """A scalar literal of IR type ``dtype`` (floats rounded to float32, NaN canonical)."""
     if dtype == F32:
-        value = float(np.float32(value))
+        if isinstance(value, int) and not -2**128 < value < 2**128:  # beyond float32: inf
+            value = math.copysign(math.inf, value)
+        with np.errstate(over="ignore"):
+            value = float(np.float32(value))
+        if math.isnan(value):
+            value = math.nan
     elif dtype == I32:
-        value = int(np.int32(value))
+        if not isinstance(value, (int, np.integer, bool, np.bool_)):
+            # A float never becomes an int constant silently (1.5 is not 1).
+            if not (math.isfinite(float(value)) and float(value).is_integer()):
+                raise ScoreModValueError(f"{value!r} is not an integer; an int32 constant must be")
+        value = int(value)
+        if not INT32_MIN <= value <= INT32_MAX:
+            raise ScoreModValueError(
+                f"integer constant {value} does not fit in int32 "
+                f"[{INT32_MIN}, {INT32_MAX}], the type of indices in a score_mod; "
+                "use a float constant (e.g. 1e10) or a smaller number"
+            )
     elif dtype == BOOL:
         value = bool(value)
     else:
-        raise ValueError(f"unknown IR dtype {dtype!r}")
+        raise ScoreModValueError(f"unknown IR dtype {dtype!r}")
     return Node("const", (), value, dtype)
 
 
@@ -156,7 +194,7 @@ def lift(x, dtype: str) -> Node:
 
 def var(name: str) -> Node:
     if name not in VAR_NAMES:
-        raise ValueError(f"unknown variable {name!r}; score_mod inputs are {VAR_NAMES}")
+        raise ScoreModValueError(f"unknown variable {name!r}; score_mod inputs are {VAR_NAMES}")
     return Node("var", (), name, F32 if name == SCORE else I32)
 
 
@@ -169,10 +207,18 @@ def operand(name: str, shape, dtype) -> Node:
     """A captured array: its shape and dtype are part of the IR, its values are not."""
     dtype = np.dtype(dtype).name
     if dtype not in OPERAND_DTYPES:
-        raise ValueError(
+        raise ScoreModValueError(
             f"operand {name!r} has dtype {dtype}; supported: {', '.join(OPERAND_DTYPES)}"
         )
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ScoreModValueError(f"operand name {name!r} is not an identifier")
     shape = tuple(int(d) for d in shape)
+    if any(d <= 0 for d in shape):
+        # A load clamps its index into range; an empty axis has no element to read.
+        raise ScoreModValueError(
+            f"operand {name!r} has shape {shape}: an array with an empty axis cannot "
+            "be indexed; give it at least one entry per axis"
+        )
     return Node("operand", (), (name, shape, dtype), OPERAND_DTYPES[dtype])
 
 
@@ -236,3 +282,62 @@ def depends_on(root: Node, leaf: Node) -> set:
         if node is leaf or any(a in dep for a in node.args):
             dep.add(node)
     return dep
+
+
+# --- pickling: a flat table of nodes, rebuilt through the checked constructors
+
+
+def to_table(*roots: Node) -> tuple:
+    """``(op, argument positions, attr, dtype)`` per node, children first."""
+    order = toposort(*roots)
+    pos = {node: i for i, node in enumerate(order)}
+    return tuple((n.op, tuple(pos[a] for a in n.args), n.attr, n.dtype) for n in order)
+
+
+def from_table(table) -> Node:
+    """The last node of a ``to_table`` table (all of them: ``nodes_from_table``)."""
+    return nodes_from_table(table)[-1]
+
+
+def nodes_from_table(table) -> list:
+    nodes = []
+    for entry in table:
+        try:
+            op, arg_pos, attr, dtype = entry
+            if any(not 0 <= int(i) < len(nodes) for i in arg_pos):
+                raise ScoreModValueError("argument refers to a later node")
+            node = _checked_node(op, tuple(nodes[int(i)] for i in arg_pos), attr, dtype)
+        except ScoreModValueError as e:
+            raise ScoreModValueError(f"invalid IR node {entry!r} in a pickle: {e}") from None
+        except (TypeError, ValueError, KeyError) as e:  # a malformed entry
+            raise ScoreModValueError(f"invalid IR node {entry!r} in a pickle: {e}") from None
+        nodes.append(node)
+    return nodes
+
+
+def _checked_node(op, args, attr, dtype) -> Node:
+    from scoremod.dsl.ops import OPS, apply
+
+    if op == "const":
+        if args or not _canonical_const(attr, dtype):
+            raise ScoreModValueError(f"{attr!r} is not a canonical {dtype} constant")
+        node = const(attr, dtype)
+    elif op == "var":
+        if args:
+            raise ScoreModValueError("a variable has no arguments")
+        node = cotangent() if attr == "dP" else var(attr)
+    elif op == "operand":
+        name, shape, array_dtype = attr
+        if args:
+            raise ScoreModValueError("an operand has no arguments")
+        node = operand(name, shape, array_dtype)
+    elif op in OPS:
+        try:
+            node = apply(op, *args, attr=attr)
+        except ScoreModError as e:
+            raise ScoreModValueError(str(e)) from None
+    else:
+        raise ScoreModValueError(f"unknown op {op!r}")
+    if node.dtype != dtype:
+        raise ScoreModValueError(f"{op} yields {node.dtype}, the pickle says {dtype}")
+    return node

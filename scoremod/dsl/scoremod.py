@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import weakref
 
@@ -23,23 +24,29 @@ from scoremod.dsl.grad import vjp
 from scoremod.dsl.ir import F32, Node, const
 from scoremod.dsl.text import format_mod, parse_expr
 from scoremod.dsl.trace import trace_function
-from scoremod.errors import ScoreModTypeError
+from scoremod.errors import ScoreModTypeError, ScoreModValueError
 
 KEY_VERSION = "scoremod-ir-1"
 
 # Where each node was written, for error messages. Not part of equality.
-_SOURCES: "weakref.WeakKeyDictionary[Node, dict]" = weakref.WeakKeyDictionary()
+# Keyed by the root; the value names nodes by their position in
+# ir.toposort(root), never by the nodes themselves: a value holding its own
+# key would keep every traced expression interned forever.
+_SOURCES: "weakref.WeakKeyDictionary[Node, dict[int, str]]" = weakref.WeakKeyDictionary()
 
 
 class ScoreMod:
     """An immutable, hashable score modification.
 
-    ``==`` and ``hash`` compare the IR (never operand values); ``str`` is the
-    canonical text, ``key`` a stable digest of it; ``grad`` the derived
-    d(mod)/d(score); calling it evaluates with jax.numpy. A ScoreMod is a
-    pytree whose leaves are its operand values, so it can cross ``jax.jit``
-    and ``jax.grad`` boundaries (gradients flow to the operands on the
-    reference path).
+    ``str`` is the canonical text, ``key`` a stable digest of it (the IR:
+    constants, operand shapes and dtypes, never operand values);
+    ``same_ir`` compares that structure. ``==`` is stricter: equal mods have
+    the same IR *and* the same operand values, so a mod is safe as a
+    ``jax.jit`` static argument or a dict key. ``hash`` is structural (equal
+    mods hash alike). ``grad`` is the derived d(mod)/d(score); calling a mod
+    evaluates it with jax.numpy. A ScoreMod is a pytree whose leaves are its
+    operand values, so it can cross ``jax.jit`` and ``jax.grad`` boundaries
+    (gradients flow to the operands on the reference path).
 
         >>> import jax.numpy as jnp, scoremod
         >>> slopes = jnp.asarray([0.5, 0.25])
@@ -47,8 +54,8 @@ class ScoreMod:
         >>> alibi.operand_names, str(alibi)
         (('c0',), 'c0: float32[2]; score + c0[h] * f32(kv_idx - q_idx)')
         >>> steeper = alibi.bind(c0=slopes * 2)   # same IR and key, new values
-        >>> steeper == alibi and steeper.key == alibi.key
-        True
+        >>> steeper.same_ir(alibi), steeper.key == alibi.key, steeper == alibi
+        (True, True, False)
         >>> float(alibi(0.0, 0, 1, 3, 1))         # score 0, head 1, q 3, kv 1
         -0.5
     """
@@ -64,7 +71,7 @@ class ScoreMod:
             values = (None,) * len(nodes)
         values = tuple(values)
         if len(values) != len(nodes):
-            raise ValueError(f"{len(nodes)} operands, {len(values)} values")
+            raise ScoreModValueError(f"{len(nodes)} operands, {len(values)} values")
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_cache", {})
 
@@ -72,11 +79,36 @@ class ScoreMod:
         raise AttributeError("ScoreMod is immutable")
 
     # --- identity ---------------------------------------------------------
-    def __eq__(self, other):
+    def same_ir(self, other) -> bool:
+        """The same expression, constants, operand shapes and dtypes (and so the
+        same ``key``), whatever the operand values."""
         return isinstance(other, ScoreMod) and other.expr is self.expr
 
-    def __hash__(self):
+    def __eq__(self, other):
+        # Values count: jax.jit compares static arguments with ==, and a
+        # structural == would replay a function compiled for other values.
+        if not self.same_ir(other):
+            return False
+        return all(_same_value(a, b) for a, b in zip(self._values, other._values))
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):  # structural: mods equal by value are equal by IR
         return hash((ScoreMod, self.expr))
+
+    # --- pickle and copy: the IR as a flat table through checked constructors
+    def __reduce__(self):
+        return (_unpickle, (ir.to_table(self.expr), self._values, self._source_positions()))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return ScoreMod(self.expr, copy.deepcopy(self._values, memo))
+
+    def _source_positions(self) -> dict:
+        return dict(_SOURCES.get(self.expr, {}))
 
     def __str__(self):
         if "text" not in self._cache:
@@ -112,7 +144,10 @@ class ScoreMod:
         names = self.operand_names
         unknown = set(values) - set(names)
         if unknown:
-            raise ValueError(f"unknown operands {sorted(unknown)}; this mod has {list(names)}")
+            raise ScoreModValueError(
+                f"unknown operands {sorted(unknown)}; this mod has {list(names)}"
+                + ("" if names else " (none)")
+            )
         new = []
         for node, old in zip(self.operand_nodes, self._values):
             name, shape, dtype = node.attr
@@ -123,12 +158,23 @@ class ScoreMod:
         return ScoreMod(self.expr, tuple(new))
 
     def require_bound(self):
+        """Every operand has a value of its declared shape and dtype.
+
+        Checked here, at use, rather than when a mod is rebuilt from its
+        leaves: jax rebuilds pytrees with placeholders (``object()``, None,
+        float0 cotangents), and a ``tree_map`` may stack values for ``vmap``.
+        """
         missing = [n for n, v in zip(self.operand_names, self._values) if v is None]
         if missing:
             raise ScoreModTypeError(
                 f"operands {missing} of this score_mod have no values; "
                 f"give them with mod.bind({missing[0]}=array) or parse(text, {missing[0]}=array)"
             )
+        for node, value in zip(self.operand_nodes, self._values):
+            name, shape, dtype = node.attr
+            _check_operand(name, value, shape, dtype,
+                           hint=" (a jax.tree_util.tree_map over a mod must keep each "
+                                "operand's shape and dtype)")
 
     # --- derived mods -----------------------------------------------------
     @property
@@ -156,7 +202,11 @@ class ScoreMod:
     @property
     def sources(self) -> dict:
         """Where each node was written (``file:line``), when traced."""
-        return _SOURCES.get(self.expr, {})
+        positions = _SOURCES.get(self.expr)
+        if not positions:
+            return {}
+        order = ir.toposort(self.expr)
+        return {order[i]: where for i, where in positions.items()}
 
     # --- evaluation -------------------------------------------------------
     def __call__(self, score, b, h, q_idx, kv_idx):
@@ -174,13 +224,40 @@ def _direct_load(node: Node) -> bool:
     return all(i.op in ("var", "const") for i in idx) and len(set(vars_)) == len(vars_)
 
 
-def _check_operand(name, value, shape, dtype):
-    got_shape = tuple(np.shape(value))
-    got_dtype = np.dtype(value.dtype).name if hasattr(value, "dtype") else None
+def _check_operand(name, value, shape, dtype, hint=""):
+    try:
+        got_shape = tuple(np.shape(value))
+        got_dtype = np.dtype(value.dtype).name if hasattr(value, "dtype") else None
+    except Exception:  # not array-like at all
+        got_shape, got_dtype = "?", type(value).__name__
     if got_shape != shape or got_dtype != dtype:
-        raise ScoreModTypeError(
-            f"operand {name} must be {dtype}{list(shape)}, got {got_dtype}{list(got_shape)}"
-        )
+        shown = f"{got_dtype}{list(got_shape)}" if got_shape != "?" else got_dtype
+        raise ScoreModTypeError(f"operand {name} must be {dtype}{list(shape)}, got {shown}{hint}")
+
+
+def _same_value(a, b) -> bool:
+    """Operand values equal bit for bit, without ever reading a tracer."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        return False  # unknown until run: never equal (and never concretized)
+    try:
+        x, y = np.asarray(a), np.asarray(b)
+    except Exception:
+        return False
+    if x.dtype == object or y.dtype == object:
+        return False
+    return (x.shape == y.shape and x.dtype == y.dtype
+            and np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes())
+
+
+def _unpickle(table, values, source_positions):
+    expr = ir.from_table(table)
+    if source_positions:
+        _SOURCES.setdefault(expr, dict(source_positions))
+    return ScoreMod(expr, values)
 
 
 def _flatten(mod):
@@ -210,7 +287,9 @@ def trace(fn) -> ScoreMod:
     if isinstance(fn, ScoreMod):
         return fn
     root, values, sources = trace_function(fn)
-    _SOURCES.setdefault(root, sources)
+    if root not in _SOURCES:
+        order = {node: i for i, node in enumerate(ir.toposort(root))}
+        _SOURCES[root] = {order[n]: where for n, where in sources.items() if n in order}
     return ScoreMod(root, values)
 
 
@@ -227,6 +306,11 @@ def score_mod(fn) -> ScoreMod:
     return trace(fn)
 
 
+# Names the text form gives a meaning of its own: a value passed under one
+# would be ignored.
+_RESERVED = frozenset(ir.VAR_NAMES) | {"inf", "nan", "true", "false", "let", "not", "and", "or"}
+
+
 def parse(text: str, **names) -> ScoreMod:
     """Parse the text form; keyword arguments give constants and arrays.
 
@@ -239,7 +323,14 @@ def parse(text: str, **names) -> ScoreMod:
     the text stand for arrays not given; such a mod needs ``bind`` before use.
     """
     if not isinstance(text, str):
-        raise TypeError(f"parse takes a string, got {type(text).__name__}")
+        raise ScoreModTypeError(f"parse takes a string, got {type(text).__name__}")
+    taken = sorted(set(names) & _RESERVED)
+    if taken:
+        raise ScoreModValueError(
+            f"parse(..., {taken[0]}=...): {taken[0]!r} is a name of the text form itself "
+            f"(the inputs {', '.join(ir.VAR_NAMES)} and the words "
+            f"{', '.join(sorted(_RESERVED - set(ir.VAR_NAMES)))}); give the value another name"
+        )
     root, values = parse_expr(text, names)
     nodes = ir.operands_of(root)
     for node in nodes:
@@ -257,7 +348,7 @@ def as_score_mod(mod) -> ScoreMod | None:
         return parse(mod)
     if callable(mod):
         return trace(mod)
-    raise TypeError(
+    raise ScoreModTypeError(
         f"score_mod must be a ScoreMod, a function (score, b, h, q_idx, kv_idx) -> score, "
         f"or a text form; got {type(mod).__name__}"
     )

@@ -16,6 +16,13 @@ element) until indexing makes them scalar, so ``slopes[h]``,
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import io
+import linecache
+import os
+import re
+import tokenize
+import traceback
 from typing import Callable
 
 import jax
@@ -26,9 +33,29 @@ from jax.extend import core as jcore
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node, const
 from scoremod.dsl.ops import OPS, apply
-from scoremod.errors import ScoreModTypeError, UnsupportedOpError
+from scoremod.errors import (ScoreModError, ScoreModTypeError, ScoreModValueError,
+                             UnsupportedOpError)
 
 _PRIM_TO_OP = {p: op.name for op in OPS.values() for p in op.prims}
+
+# Narrow types. Loads widen them (an int8 to int32, a float16 to float32),
+# exactly; arithmetic must then give what jax.numpy gives in the narrow type.
+# Narrow ints wrap around as JAX's do (emulated: the int32 result reduced
+# modulo 2**bits); narrow floats round after every op, which float32 IR
+# cannot reproduce, so their arithmetic is refused.
+_INT_RANGE = {"int8": (-2**7, 2**7 - 1), "uint8": (0, 2**8 - 1),
+              "int16": (-2**15, 2**15 - 1), "uint16": (0, 2**16 - 1),
+              "int32": (ir.INT32_MIN, ir.INT32_MAX), "bool": (0, 1)}
+_NARROW_INTS = ("int8", "uint8", "int16", "uint16")
+_NARROW_FLOATS = ("float16", "bfloat16")
+_WIDENED = {**{n: I32 for n in _NARROW_INTS}, **{n: F32 for n in _NARROW_FLOATS}}
+_COMPARISONS = {"lt", "le", "gt", "ge", "eq", "ne"}
+_LAYOUT = {"copy", "copy_p", "dynamic_slice", "squeeze", "broadcast_in_dim", "reshape"}
+# Results that stay inside the narrow type's range for inputs inside it.
+_IN_RANGE = _LAYOUT | _COMPARISONS | {"select_n", "clamp", "max", "min", "sign", "rem"}
+# Exact on narrow floats: no rounding happens.
+_EXACT_ON_NARROW_FLOATS = _LAYOUT | _COMPARISONS | {
+    "select_n", "clamp", "max", "min", "sign", "neg", "abs", "convert_element_type"}
 
 # Primitives that call a sub-jaxpr we inline, and the param that holds it.
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -59,7 +86,11 @@ def _where_of(eqn, fallback):
 
 
 def _fn_location(fn):
-    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+    target = getattr(fn, "__wrapped__", fn)
+    target = getattr(target, "func", target)  # functools.partial
+    code = getattr(target, "__code__", None)
+    if code is None:  # a callable object
+        code = getattr(getattr(type(target), "__call__", None), "__code__", None)
     return f"{code.co_filename}:{code.co_firstlineno}" if code else "<unknown>"
 
 
@@ -72,12 +103,22 @@ class _Tracer:
 
     # --- values -----------------------------------------------------------
     def captured(self, value, aval_dtype, where):
-        """A constant or an operand for a value the function closed over."""
-        if isinstance(value, (np.ndarray, np.generic)) and np.ndim(value) == 0:
-            dtype = self.ir_dtype(np.dtype(value.dtype).name, "captured value", where)
-            return const(np.asarray(value).item(), dtype)
-        if not hasattr(value, "shape"):  # Python scalar
-            return const(value, self.ir_dtype(np.dtype(aval_dtype).name, "captured value", where))
+        """A constant or an operand for a value the function closed over.
+
+        A scalar of a narrow type (a literal of uint8 or float16 arithmetic)
+        is widened exactly; the equation using it decides if that is sound.
+        """
+        try:
+            if isinstance(value, (np.ndarray, np.generic)) and np.ndim(value) == 0:
+                name = np.dtype(value.dtype).name
+                dtype = _WIDENED.get(name) or self.ir_dtype(name, "captured value of dtype", where)
+                return const(np.asarray(value).item(), dtype)
+            if not hasattr(value, "shape"):  # Python scalar
+                name = np.dtype(aval_dtype).name
+                dtype = _WIDENED.get(name) or self.ir_dtype(name, "captured value of dtype", where)
+                return const(value, dtype)
+        except ScoreModValueError as e:
+            raise ScoreModValueError(f"captured value at {where}: {e}") from None
         key = id(value)
         if key not in self.operands:
             name = f"__operand{len(self.operands)}"
@@ -98,12 +139,12 @@ class _Tracer:
     def ir_dtype(self, name, what, where):
         if name in ("float16", "bfloat16", "float64"):
             raise UnsupportedOpError(
-                f"{what} of dtype {name} at {where}: a score_mod computes in float32; "
+                f"{what} {name} at {where}: a score_mod computes in float32; "
                 "remove the cast (the fused kernel keeps scores in float32 anyway)"
             )
         if name not in _IR_DTYPE:
             raise UnsupportedOpError(
-                f"{what} of dtype {name} at {where}: score_mods use float32, int32 and bool"
+                f"{what} {name} at {where}: score_mods use float32, int32 and bool"
             )
         return _IR_DTYPE[name]
 
@@ -141,11 +182,26 @@ class _Tracer:
                     return self.run(sub.jaxpr, sub.consts, ins, at)
                 return self.run(sub, (), ins, at)
         handler = _SPECIAL.get(prim)
+        dtypes = [np.dtype(v.aval.dtype).name for v in (*eqn.invars, *eqn.outvars)]
+        narrow_float = next((d for d in dtypes if d in _NARROW_FLOATS), None)
+        if narrow_float and prim not in _EXACT_ON_NARROW_FLOATS:
+            raise UnsupportedOpError(
+                f"{prim} in {narrow_float} at {at}: jax.numpy rounds its result to "
+                f"{narrow_float}, a score_mod computes in float32; convert to float32 "
+                "first, e.g. x.astype(jnp.float32) or array.astype(jnp.float32)[h]"
+            )
         try:
             if handler is not None:
-                return [handler(self, eqn, ins, at)]
-            if prim in _PRIM_TO_OP:
-                return [self.elementwise(_PRIM_TO_OP[prim], ins)]
+                out = handler(self, eqn, ins, at)
+            elif prim in _PRIM_TO_OP:
+                out = self.elementwise(_PRIM_TO_OP[prim], ins)
+            else:
+                out = None
+            if out is not None:
+                out_dtype = dtypes[-1]
+                if out_dtype in _NARROW_INTS and prim not in _IN_RANGE | {"convert_element_type"}:
+                    out = _wrap(self, out, out_dtype)
+                return [out]
         except ScoreModTypeError as e:
             raise ScoreModTypeError(f"{prim} at {at}: {e}") from None
         raise UnsupportedOpError(
@@ -205,8 +261,29 @@ def _clamp(t, eqn, ins, at):
 
 def _convert(t, eqn, ins, at):
     name = np.dtype(eqn.params["new_dtype"]).name
-    target = t.ir_dtype(name, "conversion to", at)
-    return t.elementwise(target, ins)
+    source = np.dtype(eqn.invars[0].aval.dtype).name
+    if name not in _NARROW_INTS:
+        return t.elementwise(t.ir_dtype(name, "conversion to", at), ins)
+    lo, hi = _INT_RANGE[name]
+    (x,) = ins
+    if source in _INT_RANGE:
+        x = t.elementwise("i32", [x])
+        s_lo, s_hi = _INT_RANGE[source]
+        return x if lo <= s_lo and s_hi <= hi else _wrap(t, x, name)
+    # A float saturates into the range (NaN gives 0), as XLA converts.
+    x = t.elementwise("max", [x, const(float(lo), F32)])
+    x = t.elementwise("min", [x, const(float(hi), F32)])
+    return t.elementwise("i32", [x])
+
+
+def _wrap(t, x, dtype):
+    """``x`` (an int32 computed exactly or modulo 2**32) reduced into ``dtype``."""
+    lo, hi = _INT_RANGE[dtype]
+    span = const(hi - lo + 1, I32)
+    if lo == 0:
+        return t.elementwise("mod", [x, span])
+    shifted = t.elementwise("add", [x, const(-lo, I32)])
+    return t.elementwise("add", [t.elementwise("mod", [shifted, span]), const(lo, I32)])
 
 
 def _identity(t, eqn, ins, at):
@@ -300,34 +377,24 @@ _SPECIAL = {
 }
 
 
-_HINTS = {
-    jax.errors.ConcretizationTypeError: "Python `if`/`while` on the score or an index cannot "
-    "be traced: use jnp.where(cond, a, b) instead.",
-    jax.errors.TracerBoolConversionError: "Python `if`/`and`/`or` on the score or an index "
-    "cannot be traced: use jnp.where(cond, a, b), `&`, `|` instead.",
-    jax.errors.TracerArrayConversionError: "Index only jax arrays with the mod's inputs: "
-    "convert NumPy arrays with jnp.asarray(...) before capturing them.",
-    jax.errors.TracerIntegerConversionError: "Index only jax arrays with the mod's inputs: "
-    "convert NumPy arrays and lists with jnp.asarray(...) before capturing them.",
-}
-
-
 def trace_function(fn):
     """Trace ``fn(score, b, h, q_idx, kv_idx)``: (root, operand values, sources)."""
     if not callable(fn):
-        raise TypeError(f"score_mod must be callable, got {type(fn).__name__}")
+        raise ScoreModTypeError(f"score_mod must be callable, got {type(fn).__name__}")
     t = _Tracer(fn)
+    _check_arity(fn, t.fn_where)
     avals = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((), jnp.int32)] * 4
     try:
-        closed = jax.make_jaxpr(fn)(*avals)
-    except tuple(_HINTS) as e:
-        hint = next(h for cls, h in _HINTS.items() if isinstance(e, cls))
-        raise ScoreModTypeError(f"cannot trace score_mod at {t.fn_where}: {hint}") from e
-    except TypeError as e:
-        raise ScoreModTypeError(
-            f"cannot trace score_mod at {t.fn_where}: {e}. A score_mod takes exactly "
-            "(score, b, h, q_idx, kv_idx)."
-        ) from e
+        # A fresh wrapper each time: make_jaxpr caches by function identity,
+        # and the same function may close over state that has changed since.
+        closed = jax.make_jaxpr(lambda *args: fn(*args))(*avals)
+    except ScoreModError:
+        raise
+    except Exception as e:
+        err = _explain(e, t.fn_where)
+        if err is None:
+            raise
+        raise err from e
     jaxpr = closed.jaxpr
     if len(jaxpr.outvars) != 1 or jaxpr.outvars[0].aval.shape != ():
         got = [tuple(v.aval.shape) for v in jaxpr.outvars]
@@ -368,3 +435,162 @@ def _carry_sources(old_root, new_root, sources):
         if old in sources:
             carried.setdefault(new, sources[old])
     return carried
+
+
+# --- errors raised while JAX traces the user's function ---------------------
+
+_SIGNATURE = "(score, b, h, q_idx, kv_idx)"
+
+
+def _check_arity(fn, where):
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: JAX will tell
+        return
+    try:
+        sig.bind(*range(5))
+    except TypeError as e:
+        raise ScoreModTypeError(
+            f"score_mod at {where} cannot be called as f{_SIGNATURE}: {e}. A score_mod "
+            f"takes exactly {_SIGNATURE}"
+        ) from None
+
+
+def _is_library(filename, _dirs=[]) -> bool:
+    if not _dirs:
+        import jaxlib
+
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # scoremod/
+        _dirs.append(tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, np))
+                     + (package + os.sep,))
+        _dirs.append(os.path.dirname(os.__file__) + os.sep)  # the standard library
+    path = os.path.abspath(filename)
+    if path.startswith(_dirs[0]) or filename.startswith("<frozen"):
+        return True
+    installed = "site-packages" in path or "dist-packages" in path
+    return path.startswith(_dirs[1]) and not installed
+
+
+def _user_frame(exc):
+    """(innermost frame of ``exc``'s traceback in the user's code, whether the
+    exception was raised right there rather than inside a library)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not _is_library(f.filename)]
+    if not user:
+        return None, False
+    return user[-1], frames[-1] is user[-1]
+
+
+def _statement(frame) -> str:
+    first = frame.lineno or 0
+    last = getattr(frame, "end_lineno", None) or first
+    lines = [linecache.getline(frame.filename, n) for n in range(first, last + 1)]
+    return " ".join(x.strip() for x in lines if x.strip()) or (frame.line or "")
+
+
+def _keywords(code: str) -> list:
+    """Python keywords that convert to bool (``if`` ``and`` ...) in ``code``, in order."""
+    found = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+            if tok.type == tokenize.NAME and tok.string in (
+                    "if", "elif", "while", "and", "or", "not", "assert"):
+                found.append(tok.string)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass  # a fragment of a longer statement: what was read is enough
+    return list(dict.fromkeys(found))
+
+
+def _explain(e, fn_where):
+    """A ScoreModError for an exception raised while tracing, or None to re-raise."""
+    frame, raised_by_user = _user_frame(e)
+    where = f"{frame.filename}:{frame.lineno}" if frame else fn_where
+    code = _statement(frame) if frame else ""
+    if len(code) > 120:
+        code = code[:117] + "..."
+    at = f"at {where}" + (f" (`{code}`)" if code else "")
+    if isinstance(e, jax.errors.TracerBoolConversionError):
+        return ScoreModTypeError(f"cannot trace score_mod {at}: {_bool_hint(_keywords(code))}")
+    if isinstance(e, jax.errors.ConcretizationTypeError):
+        return ScoreModTypeError(f"cannot trace score_mod {at}: {_concrete_hint(e, code)}")
+    if isinstance(e, jax.errors.TracerIntegerConversionError):
+        return ScoreModTypeError(f"cannot trace score_mod {at}: {_index_hint(code)}")
+    if isinstance(e, jax.errors.TracerArrayConversionError):
+        return ScoreModTypeError(
+            f"cannot trace score_mod {at}: a traced value reached NumPy. Use jax.numpy "
+            "functions (jnp.tanh, not np.tanh), and convert captured NumPy arrays with "
+            "jnp.asarray(...) before indexing them with the mod's inputs."
+        )
+    if isinstance(e, TypeError):
+        if frame is None:  # the call itself failed: the signature was not inspectable
+            return ScoreModTypeError(
+                f"cannot trace score_mod at {fn_where}: {e}. A score_mod takes exactly "
+                f"{_SIGNATURE}."
+            )
+        return ScoreModTypeError(f"cannot trace score_mod {at}: TypeError: {e}")
+    if raised_by_user:
+        return None  # the function's own error, not one of scoremod's
+    if isinstance(e, OverflowError):
+        return ScoreModValueError(
+            f"cannot trace score_mod {at}: an integer does not fit in int32, the type of "
+            f"the indices ({e}); use a float (1e10) or a smaller number"
+        )
+    if isinstance(e, (TypeError, ValueError, IndexError)):
+        hint = ""
+        if isinstance(e, IndexError):
+            hint = " An array the mod indexes needs at least one entry along every axis."
+        elif "axis" in str(e) or "dimension" in str(e):
+            hint = (" A score_mod is called on one score: its inputs are scalars (shape ()), "
+                    "so array functions that take an axis (sort, sum, cumsum, argmax) "
+                    "do not apply.")
+        return ScoreModTypeError(f"cannot trace score_mod {at}: {type(e).__name__}: {e}.{hint}")
+    return None
+
+
+def _bool_hint(words) -> str:
+    branch = [w for w in words if w in ("if", "elif", "while", "assert")]
+    logic = [w for w in words if w in ("and", "or", "not")]
+    said = " and ".join(
+        part for part in (
+            "Python " + "/".join(f"`{w}`" for w in branch) if branch else "",
+            "Python " + "/".join(f"`{w}`" for w in logic) if logic else "") if part)
+    fixes = []
+    if branch:
+        fixes.append("choose with jnp.where(cond, a, b)")
+    if logic:
+        fixes.append("combine conditions with `&`, `|`, `~` (each in parentheses: "
+                     "`(q_idx >= kv_idx) & (h == 0)`)")
+    if not said:
+        said = "converting a traced value to a Python bool (bool(), `if`, `and`, `or`, `not`)"
+        fixes = ["use jnp.where(cond, a, b) and `&`, `|`, `~` instead"]
+    return (f"{said} needs a concrete True or False, but the score and the indices are "
+            f"traced (they have no value yet): {'; '.join(fixes)}.")
+
+
+_MATH_CALL = re.compile(r"\bmath\.(\w+)\s*\(")
+
+
+def _concrete_hint(e, code) -> str:
+    math_fn = _MATH_CALL.search(code)
+    if math_fn:
+        name = math_fn.group(1)
+        return (f"`math.{name}` works on Python numbers, and the score and the indices "
+                f"are traced values: use jnp.{name} (jax.numpy) instead.")
+    kind = re.search(r"problem arose with the `(\w+)` function", str(e))
+    if kind:
+        fn = kind.group(1)
+        return (f"`{fn}(...)` needs a concrete Python number, and the score and the "
+                f"indices are traced values: keep them as jax values (use "
+                f"x.astype(jnp.float32) or jnp.int32 arithmetic to change type).")
+    return ("a concrete Python value was needed from the score or an index, which are "
+            "traced: write the mod with jax.numpy operations (jnp.where for choices).")
+
+
+def _index_hint(code) -> str:
+    if re.search(r"\brange\s*\(", code):
+        return ("`range()` needs a concrete int, and the indices are traced: a score_mod "
+                "describes one score, so write the loop's result in closed form with "
+                "jax.numpy operations.")
+    return ("a traced index was used where Python needs a concrete int (indexing a list "
+            "or a NumPy array, `int()`): index only jax arrays with the mod's inputs; "
+            "convert NumPy arrays and lists with jnp.asarray(...) before capturing them.")

@@ -41,6 +41,7 @@ class Backend:
     title: str = ""  # how messages name it, e.g. "the fused cuDNN path"
     differentiable: bool = False  # JAX differentiates forward() itself
     operand_gradients: bool = False  # its gradients reach the mod's captured operands
+    traced_scale: bool = False  # takes a scale that is a traced value (else it is compiled in)
     error: type = ScoreModError  # raised when asked by name for a call it refuses
     hint: str = ""  # what to do instead, appended to that error
 

@@ -82,6 +82,7 @@ class Reference(Backend):
     title = "the reference path"
     differentiable = True
     operand_gradients = True
+    traced_scale = True
 
     def why_not(self, problem, mod, automatic):
         need, have = memory_needed(problem), device.available_memory()
@@ -97,8 +98,9 @@ class Reference(Backend):
                 f"sequences of about {smaller} or less)")
 
     def plan(self, problem, mod, scale, options, return_lse):
-        return ReferencePlan(None if mod is None else ScoreMod(mod.expr), float(scale),
-                             bool(return_lse))
+        if not isinstance(scale, jax.core.Tracer):  # a traced scale stays traced
+            scale = float(scale)
+        return ReferencePlan(None if mod is None else ScoreMod(mod.expr), scale, bool(return_lse))
 
     def forward(self, plan, q, k, v, operands):
         mod = None if plan.mod is None else ScoreMod(plan.mod.expr, tuple(operands))

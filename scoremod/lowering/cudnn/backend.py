@@ -9,10 +9,14 @@ score_mod is the IR's derivative.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import warnings
+
 import jax
 import jax.numpy as jnp
 
-from scoremod import device, kernels_ffi
+from scoremod import device, kernels_ffi, support
 from scoremod.errors import CudnnUnavailableError, ScoreModError
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn import rules
@@ -54,14 +58,17 @@ class Cudnn(Backend):
             return f"score_mod graphs are not supported on compute capability family sm_{family}x"
         if not kernels_ffi.available():
             return kernels_ffi.unavailable_reason()
-        try:
-            import cudnn  # noqa: F401
-        except Exception as e:  # pragma: no cover - depends on the install
-            return (f"the cuDNN frontend Python package is not importable ({e}); "
-                    "pip install nvidia-cudnn-frontend")
+        if not _frontend_installed():
+            return ("the cuDNN frontend Python package is not installed; pip install --no-deps "
+                    f"nvidia-cudnn-frontend=={support.CUDNN_FRONTEND} (docs/install.md)")
         if automatic and family not in VALIDATED_FAMILIES:
             return (f"the fused path is not validated on this GPU family (sm_{family}x); "
                     "ask for it by name: implementation=\"cudnn\"")
+        unvalidated = _unvalidated_cudnn()
+        if unvalidated is not None:
+            if automatic:
+                return unvalidated + "; ask for it by name to run it anyway: implementation=\"cudnn\""
+            _warn_once(unvalidated + "; running it because implementation=\"cudnn\" asked for it")
         return None
 
     def plan(self, problem, mod, scale, options, return_lse):
@@ -112,6 +119,39 @@ class Cudnn(Backend):
             return total.astype(like.dtype)
 
         return carried[0], summed(dks, k), summed(dvs, v)
+
+
+def _frontend_installed() -> bool:
+    """Whether the cuDNN frontend is importable, found without importing it (a
+    warm start whose graphs come from the on-disk plan cache never needs it)."""
+    if "cudnn" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("cudnn") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _unvalidated_cudnn() -> str | None:
+    """Why the loaded cuDNN is outside the validated range (None: inside it).
+
+    The lowering's rules (what cuDNN accepts, and where it is silently wrong)
+    were measured on one cuDNN line; another version may differ in both.
+    """
+    version, _ = device.loaded_cudnn_version()
+    if version is None or support.cudnn_supported(version):
+        return None
+    return (f"cuDNN {support.cudnn_version_text(version)} is loaded, but scoremod's fused path is "
+            f"validated with cuDNN {support.cudnn_range_text()} only (docs/install.md)")
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(f"scoremod: {message}", stacklevel=5)
 
 
 def _forward_outputs(b, sq, hq, dv, dtype):

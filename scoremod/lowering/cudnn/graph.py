@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 
-from scoremod import kernels_ffi
+from scoremod import device, kernels_ffi
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node
 from scoremod.errors import ScoreModError, UnsupportedOpError
@@ -300,11 +300,15 @@ def _fresh(g, out, given):
 
 
 def frontend_version() -> int:
-    return kernels_ffi.encode_version(_cudnn().__version__)
+    """The cuDNN frontend Python package's version (from its metadata until imported)."""
+    installed = kernels_ffi.installed_frontend_version()
+    return installed if installed is not None else kernels_ffi.encode_version(_cudnn().__version__)
 
 
 def backend_version() -> int:
-    return int(_cudnn().backend_version())
+    """The cuDNN library of this process (the one the FFI handler runs graphs with)."""
+    version, _ = device.loaded_cudnn_version()
+    return version if version is not None else int(_cudnn().backend_version())
 
 
 # --- cache -------------------------------------------------------------------

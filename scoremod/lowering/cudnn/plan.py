@@ -188,6 +188,8 @@ class Part:
             self.describe))
 
     def _graph_key(self):
+        # Versions read without importing the frontend: a warm process whose
+        # graphs all come from the on-disk plan cache never imports it.
         return self.key + (device.current().family, cg.backend_version(), cg.frontend_version())
 
     # --- inputs

@@ -187,17 +187,15 @@ def environment() -> tuple:
 
 def _loaded_cudnn_version() -> int:
     """cudnnGetVersion() of the libcudnn in this process (JAX's, which the FFI
-    extension also uses); the frontend's answer when none is loaded by that name."""
-    import ctypes
+    extension also uses); the frontend's answer when none is loaded."""
+    from scoremod import device
 
-    try:
-        lib = ctypes.CDLL("libcudnn.so.9")
-        lib.cudnnGetVersion.restype = ctypes.c_size_t
-        return int(lib.cudnnGetVersion())
-    except (OSError, AttributeError):
+    version, _ = device.loaded_cudnn_version()
+    if version is None:
         import cudnn
 
-        return int(cudnn.backend_version())
+        version = int(cudnn.backend_version())
+    return version
 
 
 # --- records <-> files --------------------------------------------------------------
