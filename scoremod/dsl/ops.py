@@ -31,6 +31,7 @@ from scoremod.errors import ScoreModTypeError
 #   cmp   : T, T -> bool (T any) logic: bool.. -> bool
 #   int2  : i32, i32 -> i32      where: bool, T, T -> T
 #   cast:X: any -> X             load : operand, i32... -> operand's type
+#   with_grad: f32, (f32, f32)... -> f32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,8 @@ _RULES = {
     "mul": lambda y, g: (g * y.args[1], g * y.args[0]),
     "div": lambda y, g: (g / y.args[1], -(g * y) / y.args[1]),
     "neg": lambda y, g: (-g,),
-    "abs": lambda y, g: (_relu_grad(g, y.args[0]) - _relu_grad(g, -y.args[0]),),
+    # JAX: sign(x) with abs'(0) = 1 (select(x >= 0, 1, -1)); -x > 0 is x < 0.
+    "abs": lambda y, g: (g - _relu_grad(g + g, -y.args[0]),),
     "exp": lambda y, g: (g * y,),
     "exp2": lambda y, g: (g * y * math.log(2.0),),
     "log": lambda y, g: (g / y.args[0],),
@@ -110,20 +112,56 @@ _RULES = {
         g * (2.0 / math.sqrt(math.pi)) * apply("exp", -(y.args[0] * y.args[0])),
     ),
     "integer_pow": lambda y, g: (_integer_pow_grad(y, g),),
+    # As JAX: d/dy uses log(x) with x == 0 replaced by 1, so pow(0, y)' is 0.
     "pow": lambda y, g: (
-        g * y.args[1] * apply("pow", y.args[0], y.args[1] - 1.0),
-        g * apply("log", y.args[0]) * y,
+        g * (y.args[1] * apply("pow", y.args[0], y.args[1] - 1.0)),
+        g * (apply("log", _replace_zero(y.args[0])) * y),
     ),
     "max": lambda y, g: _max_grad(y.args[0], y.args[1], g),
     "min": lambda y, g: _max_grad(y.args[1], y.args[0], g),  # (d/da, d/db) of min(a, b)
     "relu": lambda y, g: (_relu_grad(g, y.args[0]),),
     "relu_grad": lambda y, g: (_relu_grad(g, y.args[1]), None),
+    "with_grad": lambda y, g: _with_grad_vjp(y, g),
     "where": lambda y, g: (
         None,
         apply("where", y.args[0], g, const(0.0, F32)),
         apply("where", y.args[0], const(0.0, F32), g),
     ),
 }
+
+
+def _replace_zero(x):
+    zero, one = const(0.0, F32), const(1.0, F32)
+    return apply("where", apply("eq", x, zero), one, x)
+
+
+def _with_grad_vjp(y, g):
+    # with_grad(value, x1, d1, x2, d2, ...): the cotangent of x_i is g * d_i;
+    # the value and the partials themselves are not differentiated.
+    cts = [None]
+    for d in y.args[2::2]:
+        cts += [g * d, None]
+    return tuple(cts)
+
+
+def _with_grad_ref(value, *pairs):
+    shape = jnp.broadcast_shapes(jnp.shape(value), *(jnp.shape(p) for p in pairs))
+    return _with_grad_fn(jnp.broadcast_to(value, shape), *pairs)
+
+
+@jax.custom_jvp
+def _with_grad_fn(value, *pairs):
+    return value
+
+
+@_with_grad_fn.defjvp
+def _with_grad_jvp(primals, tangents):
+    value, *pairs = primals
+    out = value
+    tangent = jnp.zeros_like(value)
+    for d, dx in zip(pairs[1::2], tangents[1::2]):
+        tangent = tangent + d * dx
+    return out, tangent
 
 
 def _integer_pow_grad(y, g):
@@ -202,8 +240,9 @@ _op("max", 2, "num2", jnp.maximum, _rule("max"), prims=("max",),
     doc="elementwise maximum (jnp.maximum, clip)")
 _op("min", 2, "num2", jnp.minimum, _rule("min"), prims=("min",),
     doc="elementwise minimum (jnp.minimum, clip)")
-_op("relu", 1, "float", lambda x: jnp.maximum(x, 0.0), _rule("relu"),
-    doc="max(x, 0) (jax.nn.relu)")
+_op("relu", 1, "float", jax.nn.relu, _rule("relu"),
+    doc="max(x, 0) with derivative 0 at 0 (jax.nn.relu; `max(x, 0.0)` is the max op, "
+        "derivative 0.5 at 0 as in jnp.maximum)")
 _op("relu_grad", 2, "float2", lambda g, x: jnp.where(x > 0, g, 0.0), _rule("relu_grad"),
     doc="g where x > 0 else 0: the step used by derivatives of piecewise ops")
 _op("lt", 2, "cmp", jnp.less, _zero, infix="<", prec=4, prims=("lt",), doc="a < b")
@@ -221,6 +260,10 @@ _op("or", 2, "logic", jnp.logical_or, _zero, infix="or", prec=1, prims=("or",),
     doc="logical or (`|` on booleans)")
 _op("not", 1, "logic", jnp.logical_not, _zero, prefix="not", prec=3, prims=("not",),
     doc="logical not (`~` on booleans)")
+_op("with_grad", -1, "with_grad", _with_grad_ref, _rule("with_grad"),
+    doc="with_grad(y, x1, d1, ...): the value y, whose derivative with respect to each "
+        "x_i is d_i (the rule of a jax.custom_jvp function such as jax.nn.softplus, "
+        "kept as JAX differentiates it)")
 _op("where", 3, "where", jnp.where, _rule("where"),
     doc="where(c, a, b): a if c else b (jnp.where, lax.select_n)")
 _op("f32", 1, "cast:f32", lambda x: x.astype(jnp.float32), _zero,
@@ -278,6 +321,10 @@ def result_dtype(op: Op, args: tuple) -> str:
         if any(t != BOOL for t in ts):
             raise _type_error(op.name, args, "booleans")
         return BOOL
+    if sig == "with_grad":
+        if len(ts) < 3 or len(ts) % 2 == 0 or any(t != F32 for t in ts):
+            raise _type_error(op.name, args, "(value, x1, d1, x2, d2, ...), all float32")
+        return F32
     if sig == "where":
         if ts[0] != BOOL or ts[1] != ts[2]:
             raise _type_error(op.name, args, "(bool, T, T)")
