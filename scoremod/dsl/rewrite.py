@@ -274,16 +274,15 @@ def _with_grad_known(args, attr):
     """with_grad with the derivative the IR computes anyway is its value, and
     jax.nn.relu's rule (derivative 0 at 0) is the relu op."""
     from scoremod.dsl.grad import vjp
-    from scoremod.dsl.ops import apply
+    from scoremod.dsl.ops import apply, tangent
 
     value, pairs = args[0], list(zip(args[1::2], args[2::2]))
-    zero, one = const(0.0, F32), const(1.0, F32)
+    zero, t = const(0.0, F32), tangent()
     if len(pairs) == 1:
-        (x, d), = pairs
-        step = apply("where", apply("gt", x, zero), one, zero)
-        if value is apply("max", x, zero) and d is step:
+        (x, lin), = pairs
+        if value is apply("max", x, zero) and lin is apply("where", apply("gt", x, zero), t, zero):
             return apply("relu", x)
-    if all(vjp(value, one, wrt=x) is d for x, d in pairs):
+    if all(vjp(value, t, wrt=x) is vjp(lin, t, wrt=t) for x, lin in pairs):
         return value
     return None
 

@@ -208,6 +208,7 @@ start: (stmt ";")* expr ";"?
      | INT                                      -> int
      | NAME                                     -> name
      | NAME "(" expr ("," expr)* ")"            -> call
+     | NAME "(" ")"                             -> call
      | NAME "[" expr ("," expr)* "]"            -> index
      | "(" expr ")"
 CMP: "<=" | ">=" | "==" | "!=" | "<" | ">"
@@ -229,6 +230,9 @@ _GRAMMAR_WORDS = ("let", "not", "and", "or")
 RESERVED = frozenset(ir.VAR_NAMES) | frozenset(_KEYWORDS) | frozenset(_GRAMMAR_WORDS)
 _ALIASES = {"maximum": "max", "minimum": "min", "logistic": "sigmoid", "square": None,
             "clip": None, "float32": "f32", "int32": "i32"}
+# Float functions that jax.numpy applies to an int without converting it.
+_INT_KEEPING = {"floor": lambda x: x, "ceil": lambda x: x,
+                "relu": lambda x: apply("max", x, const(0, I32))}
 _CMP = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
 _BINOP = {"+": "add", "-": "sub", "*": "mul", "/": "div", "//": "floordiv", "%": "mod"}
 _INT32 = (-(2**31), 2**31 - 1)
@@ -483,13 +487,17 @@ class _Builder:
             raise self.error(t.meta, f"unknown function {fn!r}; {hint}see docs/ops.md for the ops")
         if op.arity >= 0 and len(vals) != op.arity:
             raise self.error(t.meta, f"{fn} takes {op.arity} arguments, got {len(vals)}")
+        if name in _INT_KEEPING and vals[0].dtype == I32:  # as jnp.floor, jax.nn.relu on ints
+            return _V(_INT_KEEPING[name](_need(vals[0])))
+        if name == "pow":  # as jnp.power: an int literal exponent is integer_pow
+            return self.v_power(t, vals[0], None, vals[1])
         if op.sig in ("float", "float2"):
             vals = [_to(v, F32) for v in vals]
         elif op.sig == "where":
             c, a, b = vals
             a, b = _promote(a, b)
             vals = [_V(_need(c)), a, b]
-        elif op.sig.startswith("cast:") and vals[0].node is None:
+        elif op.sig.startswith("cast:") and vals and vals[0].node is None:
             vals = [_to(vals[0], op.sig[5:])]
         elif len(vals) == 2:
             vals = list(_promote(*vals))

@@ -25,7 +25,7 @@ from jax.extend import core as jcore
 
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node, const
-from scoremod.dsl.ops import OPS, apply
+from scoremod.dsl.ops import OPS, apply, tangent
 from scoremod.errors import ScoreModTypeError, UnsupportedOpError
 
 _PRIM_TO_OP = {p: op.name for op in OPS.values() for p in op.prims}
@@ -177,8 +177,8 @@ class _Tracer:
 def _custom_jvp_call(t, eqn, ins, at):
     """A jax.custom_jvp function (jax.nn.relu, softplus, logaddexp, ...) keeps
     its own derivative rule: the primal is inlined, and the rule is traced once
-    per float input, with a unit tangent for that input, into the partials of a
-    ``with_grad`` node (which the simplifier drops when they equal the IR's own
+    per float input, with ``tangent()`` for that input and 0 for the others,
+    into the derivatives of a ``with_grad`` node (which the simplifier drops when they equal the IR's own
     derivative of the primal)."""
     call = eqn.params["call_jaxpr"]
     (value,) = outs = t.run(call.jaxpr, call.consts, ins, at)
@@ -198,9 +198,9 @@ def _custom_jvp_call(t, eqn, ins, at):
     t.in_jvp_rule = True
     try:
         for i in wrt:
-            tangents = [const(1.0 if j == i else 0.0, F32) for j in nonzero]
-            _, tangent = t.run(jvp_jaxpr, jvp_consts, [*xs, *tangents], at)
-            pairs += [xs[i], tangent]
+            tangents = [tangent() if j == i else const(0.0, F32) for j in nonzero]
+            _, lin = t.run(jvp_jaxpr, jvp_consts, [*xs, *tangents], at)
+            pairs += [xs[i], lin]
     finally:
         t.in_jvp_rule = False
     return [apply("with_grad", value, *pairs)]
