@@ -241,9 +241,10 @@ _INT32 = (-(2**31), 2**31 - 1)
 class _V:
     """A parsed value: a node, and whether it is weakly typed (a literal, as in JAX).
 
-    An integer literal keeps its Python value (``lit``) until it meets a type,
-    as JAX keeps a Python int: ``3000000000 * score`` is a float, while the
-    same literal as an int32 is an error. ``node`` is None for such a literal.
+    An integer literal keeps its Python value (``lit``) so that ``-2147483648``
+    is the int32 minimum; a literal outside int32 is an error once used, as
+    JAX raises OverflowError for it (even in ``3000000000 * score``).
+    ``node`` is None for such a literal.
     """
 
     __slots__ = ("node", "weak", "lit")
@@ -266,7 +267,7 @@ def _need(v: _V) -> Node:
     if v.node is None:
         raise ScoreModTypeError(
             f"the integer {v.lit} does not fit int32 (the range is {_INT32[0]} to {_INT32[1]}); "
-            f"write it as a float ({v.lit}.0) if a float is meant"
+            f"as in JAX; write it as a float ({v.lit}.0) if a float is meant"
         )
     return v.node
 
@@ -275,8 +276,6 @@ def _to(v: _V, dtype: str) -> _V:
     """``v`` converted to ``dtype`` (weakness kept)."""
     if v.dtype == dtype:
         return _V(_need(v), v.weak)
-    if v.node is None and dtype == F32:
-        return _V(const(float(v.lit), F32), v.weak)
     return _V(apply(dtype, _need(v)), v.weak)
 
 
