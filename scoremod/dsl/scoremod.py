@@ -5,7 +5,7 @@
     >>> str(softcap)
     'tanh(score / 30.0) * 30.0'
     >>> str(softcap.grad)
-    'let x0 = tanh(score / 30.0); (1.0 - x0 * x0) * 30.0 / 30.0'
+    'let x0 = tanh(score / 30.0); (x0 + 1.0) * (1.0 - x0) * 30.0 / 30.0'
     >>> scoremod.parse(str(softcap)) == softcap
     True
 """
