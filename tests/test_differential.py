@@ -280,3 +280,39 @@ def test_text_and_trace_values_match_jax(chunk):
 def test_derivatives_match_jax(chunk):
     for js, _ in random_exprs(2000 + chunk, 100, traced_only=True):
         _check_grad(js)
+
+
+# --- non-finite values at masked keys (docs/guide.md, "Masked rows") -----------
+
+
+def _attention_inputs(seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(ks[0], (1, 8, 2, 16), jnp.float32)
+    k = jax.random.normal(ks[1], (1, 8, 2, 16), jnp.float32)
+    v = jax.random.normal(ks[2], (1, 8, 2, 16), jnp.float32)
+    return q, k, v
+
+
+CAUSAL = "where(q_idx >= kv_idx, score, -inf)"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_masked_keys_never_contribute(bad):
+    q, k, v = _attention_inputs()
+    clean = scoremod.attention(q, k, v, CAUSAL, implementation="xla")
+    poisoned = v.at[0, 5].set(bad)  # key 5: masked for query rows 0..4
+    out = scoremod.attention(q, k, poisoned, CAUSAL, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out[0, :5]), np.asarray(clean[0, :5]))
+    # Rows that attend to key 5 are NaN (every column), as documented.
+    assert np.isnan(np.asarray(out[0, 5:])).all()
+    # Gradients of the clean rows stay finite.
+    grads = jax.grad(lambda v: jnp.sum(scoremod.attention(q, k, v, CAUSAL, implementation="xla")[0, :5]))(poisoned)
+    assert np.isfinite(np.asarray(grads)).all()
+
+
+def test_finite_values_unchanged_by_the_masked_key_rule():
+    q, k, v = _attention_inputs(1)
+    out = scoremod.attention(q, k, v, CAUSAL, implementation="xla")
+    mask = jnp.tril(jnp.ones((8, 8), bool))[None, None]
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-6)
