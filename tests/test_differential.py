@@ -11,8 +11,9 @@ values whose products overflow, zero divisors):
 * jax.grad of ``fn`` against the mod's own derivative (``mod.grad``, what the
   fused path runs) and against jax.grad of the reference evaluation.
 
-Values must match to float32 rounding; derivatives too, with a tolerance for
-rules written in another order than JAX's (documented in docs/guide.md).
+Values must match exactly (NaN for NaN, the sign of zero included, up to
+float32 rounding); derivatives too, with the tolerance docs/guide.md
+documents for sums of nearly cancelling terms.
 """
 
 import random
@@ -76,6 +77,12 @@ NUM_BINARY = {
     "floordiv": ("({0} // {1})", "({0} // {1})"),
     "mod": ("({0} % {1})", "({0} % {1})"),
 }
+INT_BINARY = {
+    "tdiv": ("lax.div({0}, {1})", "trunc_div({0}, {1})"),
+    "rem": ("lax.rem({0}, {1})", "rem({0}, {1})"),
+}
+# An int table read at any index: jnp wraps a negative index once and clamps.
+TABLE = jnp.array([5, -3, 0, 7, 2147483647, -2147483648, 1, 9], jnp.int32)
 DIV = ("({0} / {1})", "({0} / {1})")
 POW = ("jnp.power({0}, {1})", "pow({0}, {1})")
 CMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
@@ -121,10 +128,22 @@ class Gen:
         roll = r.random()
         if want == "i":
             if roll < 0.55:
-                name = r.choice(["add", "sub", "mul", "max", "min", "floordiv", "mod"])
+                name = r.choice(["add", "sub", "mul", "max", "min", "floordiv", "mod",
+                                 "tdiv", "rem"])
                 (a, ta, _), (c, tc, _) = self.pair("ii", depth - 1)
-                js, ts = NUM_BINARY[name]
+                js, ts = {**NUM_BINARY, **INT_BINARY}[name]
                 return js.format(a, c), ts.format(ta, tc), False
+            if roll < 0.6:
+                idx, tidx, lit = self.expr("i", depth - 1)
+                if lit:
+                    return self.leaf("i")
+                if r.random() < 0.5:  # the query-block split's shift of an index
+                    n = r.choice([0, 37, -5])
+                    return f"({idx} + ({n}))", f"offset({tidx}, {n})", False
+                if self.traced_only:  # jnp wraps a negative index once, then clamps
+                    return f"TABLE[{idx}]", None, False
+                # the text form's name[i] clamps (docs/guide.md)
+                return f"TABLE[jnp.clip({idx}, 0, 7)]", f"table[{tidx}]", False
             if roll < 0.65:
                 a, ta, la = self.expr("i", depth - 1)
                 if la:
@@ -167,6 +186,17 @@ class Gen:
             if la:
                 return self.leaf("f")
             return f"({a}).astype(jnp.float32)", f"f32({ta})", False
+        if roll < 0.88:
+            (g, tg, _), (x, tx, lit) = self.pair("ff", depth - 1)
+            if lit:  # x > 0 of a literal is a Python bool: jnp.where of a constant
+                return self.leaf("f")
+            return f"jnp.where({x} > 0, {g}, 0.0)", f"relu_grad({tg}, {tx})", False
+        if roll < 0.9:
+            c, tc, lit = self.expr("i", depth - 1)
+            if lit:
+                return self.leaf("f")
+            return (f"jnp.where(({c}).astype(bool), 1.5, -0.5)",
+                    f"where(bool({tc}), 1.5, -0.5)", False)
         if roll < 0.95:
             c, tc, _ = self.expr("b", depth - 1)
             (a, ta, _), (e, te, _) = self.pair(r.choice(["ff", "fi", "if"]), depth - 1)
@@ -189,7 +219,7 @@ def random_exprs(seed, n, traced_only=False, depth=4):
     while len(out) < n:
         js, ts, lit = gen.expr("f", rng.randint(1, depth))
         if not lit:
-            out.append((js, ts))
+            out.append((js, None if traced_only else ts))
     return out
 
 
@@ -211,7 +241,7 @@ POINTS = _points()
 
 def _fn(js):
     return eval(f"lambda s, b, h, q, k: jnp.asarray({js}, jnp.float32)",
-                {"jnp": jnp, "jax": jax, "lax": lax})
+                {"jnp": jnp, "jax": jax, "lax": lax, "TABLE": TABLE})
 
 
 def _same(got, want, what, src, rtol=2e-6, atol=0.0, where=True):
@@ -244,7 +274,7 @@ def _check_value(js, ts):
         _same(mod(*POINTS), want, "traced value", js)
         assert scoremod.parse(str(mod)) == mod
     if ts is not None:
-        mod = scoremod.parse(ts)
+        mod = scoremod.parse(ts, table=TABLE) if "table[" in ts else scoremod.parse(ts)
         _same(mod(*POINTS), want, "text value", ts)
         assert scoremod.parse(str(mod)) == mod
 
@@ -270,16 +300,35 @@ def _check_grad(js):
     assert scoremod.parse(str(mod)) == mod
 
 
-@pytest.mark.parametrize("chunk", range(4))
+# Op by op, as JAX runs a function outside jit: every op rounds as IEEE
+# float32 says (XLA may fuse and reassociate inside a jit), and no compile
+# per expression, so CI runs thousands of expressions in about a minute.
+N_VALUE, N_GRAD, CHUNKS = 250, 150, 5
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_text_and_trace_values_match_jax(chunk):
-    for js, ts in random_exprs(1000 + chunk, 150):
-        _check_value(js, ts)
+    with jax.disable_jit():
+        for js, ts in random_exprs(1000 + chunk, N_VALUE):
+            _check_value(js, ts)
 
 
-@pytest.mark.parametrize("chunk", range(4))
+@pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_derivatives_match_jax(chunk):
-    for js, _ in random_exprs(2000 + chunk, 100, traced_only=True):
-        _check_grad(js)
+    with jax.disable_jit():
+        for js, _ in random_exprs(2000 + chunk, N_GRAD, traced_only=True):
+            _check_grad(js)
+
+
+def test_generator_reaches_every_op():
+    """The random expressions above reach every op of the table."""
+    seen = set()
+    with jax.disable_jit():
+        for js, ts in [*random_exprs(1000, N_VALUE), *random_exprs(2000, N_GRAD, True)]:
+            for mod in (_traced(_fn(js)), ts and scoremod.parse(ts, table=TABLE)):
+                if mod:
+                    seen |= {n.op for n in scoremod.dsl.ir.toposort(mod.expr)}
+    assert set(scoremod.OPS) - seen == set()
 
 
 # --- non-finite values at masked keys (docs/guide.md, "Masked rows") -----------

@@ -75,8 +75,9 @@ def _b(f):
 
 
 # --- derivative rules: (node, g) -> one cotangent per argument -------------
-# Each computes what JAX's own rule computes, in the same order (so float32
-# rounding, overflow and 0 * inf agree with jax.grad). They are written so the cuDNN backward can be lowered: piecewise ops of a
+# Each computes what jax.grad computes: JAX's jvp rule transposed, factors in
+# the same order (so float32 rounding, overflow and 0 * inf agree). They are
+# written so the cuDNN backward can be lowered: piecewise ops of a
 # float go through relu_grad (never a comparison on floats), and factors reuse
 # the primal node (``y``) the forward graph already computes.
 
@@ -93,14 +94,14 @@ _RULES = {
     "add": lambda y, g: (g, g),
     "sub": lambda y, g: (g, -g),
     "mul": lambda y, g: (g * y.args[1], g * y.args[0]),
-    # As JAX writes it (-g * a * b**-2), so 0 * inf cases give JAX's NaN.
+    # JAX's -g * a * b**-2, transposed: so overflow and 0 * inf agree.
     "div": lambda y, g: (g / y.args[1],
-                         (-g * y.args[0]) * apply("integer_pow", y.args[1], attr=-2)),
+                         -((g * apply("integer_pow", y.args[1], attr=-2)) * y.args[0])),
     "neg": lambda y, g: (-g,),
     # JAX: sign(x) with abs'(0) = 1 (select(x >= 0, 1, -1)); -x > 0 is x < 0.
     "abs": lambda y, g: (g - _relu_grad(g + g, -y.args[0]),),
     "exp": lambda y, g: (g * y,),
-    "exp2": lambda y, g: ((g * y) * math.log(2.0),),
+    "exp2": lambda y, g: ((g * math.log(2.0)) * y,),
     "log": lambda y, g: (g / y.args[0],),
     "log1p": lambda y, g: (g / (y.args[0] + 1.0),),
     "expm1": lambda y, g: (g * (y + 1.0),),
@@ -112,7 +113,7 @@ _RULES = {
     "sin": lambda y, g: (g * apply("cos", y.args[0]),),
     "cos": lambda y, g: (-(g * apply("sin", y.args[0])),),
     "erf": lambda y, g: (
-        (g * apply("exp", -(y.args[0] * y.args[0]))) * (2.0 / math.sqrt(math.pi)),
+        (g * (2.0 / math.sqrt(math.pi))) * apply("exp", -(y.args[0] * y.args[0])),
     ),
     "integer_pow": lambda y, g: (_integer_pow_grad(y, g),),
     # As JAX: d/dy uses log(x) with x == 0 replaced by 1, so pow(0, y)' is 0.

@@ -3,14 +3,15 @@
 Each pattern is a function ``(args, attr) -> Node | None`` registered for one
 op. They keep traced mods small (JAX's negative-index wrapping of ``x[h]``
 folds away because indices are never negative) and keep derivatives readable
-(``g * 1`` is ``g``). Every rewrite is exact in float32 arithmetic, except
-that ``x + 0.0`` drops the sign of a negative zero, and holds for every int32
+(``g * 1`` is ``g``). Every rewrite is exact in float32 arithmetic (``x + 0.0``
+stays: it turns -0.0 into 0.0), and holds for every int32
 value under XLA's semantics (wrap-around, ``x // 0``): facts about integers
 come from ``int_range``, which assumes nothing but that indices are >= 0.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
@@ -141,12 +142,21 @@ def nonneg(node: Node) -> bool:
     return node.dtype == I32 and int_range(node)[0] >= 0
 
 
+def _additive_identity(c):
+    # x + -0.0 is x for every float x; x + 0.0 turns -0.0 into 0.0.
+    if c.op != "const":
+        return False
+    if c.dtype == F32:
+        return c.attr == 0.0 and math.copysign(1.0, c.attr) < 0
+    return c.attr == 0
+
+
 @pattern("add")
 def _add_zero(args, attr):
     a, b = args
-    if is_const(b, 0) or is_const(b, 0.0):
+    if _additive_identity(b):
         return a
-    if is_const(a, 0) or is_const(a, 0.0):
+    if _additive_identity(a):
         return b
     return None
 
@@ -156,9 +166,9 @@ def _sub_const(args, attr):
     from scoremod.dsl.ops import apply
 
     a, b = args
-    if is_const(b, 0) or is_const(b, 0.0):
-        return a
-    if b.op == "const" and b.dtype == F32 and b.attr < 0:  # x - -c is x + c, exactly
+    if is_const(b, 0) and (b.dtype != F32 or math.copysign(1.0, b.attr) > 0):
+        return a  # x - 0.0 is x, also for x = -0.0
+    if b.op == "const" and b.dtype == F32 and math.copysign(1.0, b.attr) < 0:  # x - -c is x + c
         return apply("add", a, const(-b.attr, F32))
     return None
 
