@@ -278,5 +278,7 @@ def test_printing_is_linear():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert len(text) < 20 * 20000
-    assert elapsed < 2.0 and peak < 50 * len(text), (elapsed, peak)
+    # Quadratic printing took 21 s and 9.75 GB here; linear takes well under
+    # a second (with tracemalloc on) and a few hundred bytes per node.
+    assert elapsed < 5.0 and peak < 40e6, (elapsed, peak)
     assert len(format_expr(node)) < 5000  # messages are cut
