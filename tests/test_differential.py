@@ -365,3 +365,84 @@ def test_finite_values_unchanged_by_the_masked_key_rule():
     mask = jnp.tril(jnp.ones((8, 8), bool))[None, None]
     want = jax.nn.dot_product_attention(q, k, v, mask=mask)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+# --- the fused path's forms (cudnn_rules), evaluated on the CPU ------------------
+
+
+def _small_points():
+    """Positions below 2**24, where the fused path's float forms of // and % are exact."""
+    s, *idx = POINTS
+    return (s, *(jnp.minimum(i, 4095) for i in idx))
+
+
+def _check_fused_forms(js):
+    from scoremod.lowering import cudnn_rules
+    from scoremod.lowering.reference import evaluate
+
+    fn = _fn(js)
+    mod = _traced(fn)
+    if mod is None:
+        return 0
+    try:
+        cudnn_rules.check_supported(mod.expr, mod.sources)
+    except scoremod.UnsupportedOpError:
+        return 0
+    fwd, bwd = cudnn_rules.forward_and_backward(mod.expr)
+    assert not {"with_grad", "tangent"} & {n.op for n in scoremod.dsl.ir.toposort(fwd, bwd)}
+    pts = _small_points()
+    inputs = dict(zip(scoremod.dsl.ir.VAR_NAMES, pts), dP=jnp.float32(1.0))
+    want = fn(*pts)
+    # The fused path assumes finite values (NaN and inf tests fold to false).
+    finite = np.isfinite(np.asarray(want))
+    arrays = dict(zip(mod.operand_names, mod.operands))
+    # cuDNN has no log1p, expm1, exp2: log(x + 1), exp(x) - 1, exp(x * ln 2)
+    # round differently near 0.
+    _same(evaluate(fwd, inputs, arrays), want, "the fused forward form", js, where=finite,
+          rtol=1e-4, atol=1e-6)
+    grad = jax.grad(lambda s: jnp.sum(fn(s, *pts[1:])))(pts[0])
+    _same(evaluate(bwd, inputs, arrays), grad, "the fused backward form", js, where=finite,
+          rtol=1e-2, atol=1e-4)
+    return 1
+
+
+def test_fused_forms_match_jax():
+    checked = 0
+    with jax.disable_jit():
+        for js, _ in random_exprs(3000, 300, traced_only=True):
+            checked += _check_fused_forms(js)
+    assert checked > 60  # most mods with a float comparison are refused
+
+
+@pytest.mark.parametrize("fn, grad_at_0", [
+    (lambda s, b, h, q, k: jax.nn.softplus(s), 0.5),
+    (lambda s, b, h, q, k: jnp.logaddexp(s, 0.0), 0.5),
+    (lambda s, b, h, q, k: jax.nn.relu(s), 0.0),
+    (lambda s, b, h, q, k: jnp.maximum(s, 0.0), 0.5),
+    (lambda s, b, h, q, k: jnp.abs(s), 1.0),
+    (lambda s, b, h, q, k: jnp.clip(s, 0.0, 1.0), 0.5),
+])
+def test_ties_on_the_fused_path(fn, grad_at_0):
+    from scoremod.lowering import cudnn_rules
+    from scoremod.lowering.reference import evaluate
+
+    mod = scoremod.trace(fn)
+    cudnn_rules.check_supported(mod.expr, mod.sources)
+    _, bwd = cudnn_rules.forward_and_backward(mod.expr)
+    inputs = dict(score=jnp.float32(0.0), b=0, h=0, q_idx=0, kv_idx=0, dP=jnp.float32(1.0))
+    assert float(evaluate(bwd, inputs, {})) == grad_at_0
+    assert float(jax.grad(lambda s: fn(s, 0, 0, 0, 0))(jnp.float32(0.0))) == grad_at_0
+    assert float(mod.grad(jnp.float32(0.0), 0, 0, 0, 0)) == grad_at_0
+
+
+@pytest.mark.parametrize("fn, why", [
+    (lambda s, b, h, q, k: jax.nn.relu6(s), "compares float"),
+    (lambda s, b, h, q, k: jnp.where(q // k == 1, s, -jnp.inf), "divisor may be 0"),
+    (lambda s, b, h, q, k: s + ((q - k) % (h - 1)), "divisor may be 0"),
+])
+def test_fused_path_refuses_what_it_cannot_match(fn, why):
+    from scoremod.lowering import cudnn_rules
+
+    mod = scoremod.trace(fn)
+    with pytest.raises(scoremod.UnsupportedOpError, match=why):
+        cudnn_rules.check_supported(mod.expr, mod.sources)
