@@ -355,7 +355,10 @@ def test_masked_keys_never_contribute(bad):
     # Rows that attend to key 5 are NaN (every column), as documented.
     assert np.isnan(np.asarray(out[0, 5:])).all()
     # Gradients of the clean rows stay finite.
-    grads = jax.grad(lambda v: jnp.sum(scoremod.attention(q, k, v, CAUSAL, implementation="xla")[0, :5]))(poisoned)
+    def clean_rows(v):
+        return jnp.sum(scoremod.attention(q, k, v, CAUSAL, implementation="xla")[0, :5])
+
+    grads = jax.grad(clean_rows)(poisoned)
     assert np.isfinite(np.asarray(grads)).all()
 
 
@@ -446,3 +449,27 @@ def test_fused_path_refuses_what_it_cannot_match(fn, why):
     mod = scoremod.trace(fn)
     with pytest.raises(scoremod.UnsupportedOpError, match=why):
         cudnn_rules.check_supported(mod.expr, mod.sources)
+
+
+def test_int_ranges_bound_every_value():
+    """rewrite.int_range, which every integer simplification relies on, bounds
+    the value XLA computes, wrap-around and division by zero included."""
+    from scoremod.dsl.rewrite import int_range
+
+    rng = random.Random(7)
+    gen = Gen(rng, traced_only=False)
+    checked = 0
+    with jax.disable_jit():
+        while checked < 300:
+            js, ts, lit = gen.expr("i", rng.randint(1, 4))
+            if lit:
+                continue
+            node = scoremod.parse(ts, table=TABLE).expr.args[0]  # under the f32 cast
+            if node.dtype != "i32":
+                continue
+            lo, hi = int_range(node)
+            fn = eval(f"lambda s, b, h, q, k: {js}", {"jnp": jnp, "jax": jax, "lax": lax,
+                                                       "TABLE": TABLE})
+            got = np.asarray(fn(*POINTS)).astype(np.int64)
+            assert lo <= got.min() and got.max() <= hi, (ts, (lo, hi), got.min(), got.max())
+            checked += 1

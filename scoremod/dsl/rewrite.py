@@ -203,8 +203,12 @@ PATTERNS["not"] = [_double_negation("not")]
 def _decided_by_range(op):
     # JAX wraps negative indices: where(i < 0, i + n, i). An index is never
     # negative, so such tests fold, whenever the value range decides them.
-    decide = {"lt": lambda lo, hi, c: (hi < c, lo >= c), "ge": lambda lo, hi, c: (lo >= c, hi < c),
-              "le": lambda lo, hi, c: (hi <= c, lo > c), "gt": lambda lo, hi, c: (lo > c, hi <= c)}[op]
+    decide = {  # (always true, always false) for values in [lo, hi]
+        "lt": lambda lo, hi, c: (hi < c, lo >= c),
+        "ge": lambda lo, hi, c: (lo >= c, hi < c),
+        "le": lambda lo, hi, c: (hi <= c, lo > c),
+        "gt": lambda lo, hi, c: (lo > c, hi <= c),
+    }[op]
 
     def rule(args, attr):
         a, b = args

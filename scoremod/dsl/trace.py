@@ -178,8 +178,8 @@ def _custom_jvp_call(t, eqn, ins, at):
     """A jax.custom_jvp function (jax.nn.relu, softplus, logaddexp, ...) keeps
     its own derivative rule: the primal is inlined, and the rule is traced once
     per float input, with ``tangent()`` for that input and 0 for the others,
-    into the derivatives of a ``with_grad`` node (which the simplifier drops when they equal the IR's own
-    derivative of the primal)."""
+    into the derivatives of a ``with_grad`` node (which the simplifier drops
+    where they equal the IR's own derivative of the primal)."""
     call = eqn.params["call_jaxpr"]
     (value,) = outs = t.run(call.jaxpr, call.consts, ins, at)
     n_consts = eqn.params.get("num_consts", 0)
