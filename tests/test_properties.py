@@ -169,15 +169,20 @@ def test_grad_matches_jax_grad(spec, seed):
     pts = _points(seed)
     want = jax.vmap(jax.grad(fn))(*pts)
     got = jnp.broadcast_to(mod.grad(*pts), want.shape)
-    # Away from kinks (relu, abs, max, floor, clip, sign), where the two may
-    # legitimately pick different one-sided derivatives.
+    # Everywhere the value is finite, kinks included: the rules are JAX's
+    # (tests/test_differential.py hits exact ties on purpose), up to the
+    # rounding of nearly cancelling sums documented in docs/guide.md ...
+    value = np.asarray(jax.vmap(fn)(*pts))
+    finite = np.isfinite(value)
+    np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite],
+                               rtol=1e-2, atol=1e-4)
+    # ... and tightly where the function is smooth.
     eps = 1e-3
     shifted = [jax.vmap(fn)(pts[0] + d, *pts[1:]) for d in (-eps, eps)]
     smooth = np.abs(np.asarray(shifted[1] - shifted[0]) / (2 * eps) - np.asarray(want)) < 0.05 * (
         1 + np.abs(np.asarray(want))
     )
-    finite = np.isfinite(np.asarray(want))
-    ok = smooth & finite
+    ok = smooth & finite & np.isfinite(np.asarray(want))
     np.testing.assert_allclose(np.asarray(got)[ok], np.asarray(want)[ok], rtol=1e-4, atol=1e-5)
 
 

@@ -23,7 +23,7 @@ def text(fn):
         (lambda s, b, h, q, k: 30 * jnp.tanh(s / 30), "tanh(score / 30.0) * 30.0"),
         (lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf), "where(q_idx >= kv_idx, score, -inf)"),
         (lambda s, b, h, q, k: jax.nn.relu(s), "relu(score)"),
-        (lambda s, b, h, q, k: jnp.maximum(s, 0.0), "relu(score)"),
+        (lambda s, b, h, q, k: jnp.maximum(s, 0.0), "max(score, 0.0)"),
         (lambda s, b, h, q, k: jnp.clip(s, -1.0, 1.0), "min(max(score, -1.0), 1.0)"),
         (lambda s, b, h, q, k: jnp.square(s) + s**3, "score ** 2 + score ** 3"),
         (lambda s, b, h, q, k: jax.nn.sigmoid(s), "sigmoid(score)"),

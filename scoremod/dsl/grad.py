@@ -8,7 +8,7 @@ forward one, so a lowering can reuse what the forward computes.
     >>> from scoremod.dsl.ops import apply
     >>> s = ir.var("score")
     >>> vjp(apply("tanh", s / 30.0) * 30.0, ir.const(1.0, "f32"))
-    <f32 (1.0 - tanh(score / 30.0) * tanh(score / 30.0)) * 30.0 / 30.0>
+    <f32 (tanh(score / 30.0) + 1.0) * (1.0 - tanh(score / 30.0)) * 30.0 / 30.0>
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from scoremod.errors import ScoreModTypeError
 #   cmp   : T, T -> bool (T any) logic: bool.. -> bool
 #   int2  : i32, i32 -> i32      where: bool, T, T -> T
 #   cast:X: any -> X             load : operand, i32... -> operand's type
+#   with_grad: f32, (f32, f32)... -> f32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,9 @@ def _b(f):
 
 
 # --- derivative rules: (node, g) -> one cotangent per argument -------------
-# They are written so the cuDNN backward can be lowered: piecewise ops of a
+# Each computes what jax.grad computes: JAX's jvp rule transposed, factors in
+# the same order (so float32 rounding, overflow and 0 * inf agree). They are
+# written so the cuDNN backward can be lowered: piecewise ops of a
 # float go through relu_grad (never a comparison on floats), and factors reuse
 # the primal node (``y``) the forward graph already computes.
 
@@ -91,39 +94,106 @@ _RULES = {
     "add": lambda y, g: (g, g),
     "sub": lambda y, g: (g, -g),
     "mul": lambda y, g: (g * y.args[1], g * y.args[0]),
-    "div": lambda y, g: (g / y.args[1], -(g * y) / y.args[1]),
+    # JAX's -g * a * b**-2, transposed: so overflow and 0 * inf agree.
+    "div": lambda y, g: (g / y.args[1],
+                         -((g * apply("integer_pow", y.args[1], attr=-2)) * y.args[0])),
     "neg": lambda y, g: (-g,),
-    "abs": lambda y, g: (_relu_grad(g, y.args[0]) - _relu_grad(g, -y.args[0]),),
+    # JAX: sign(x) with abs'(0) = 1 (select(x >= 0, 1, -1)); -x > 0 is x < 0.
+    "abs": lambda y, g: (g - _relu_grad(g + g, -y.args[0]),),
     "exp": lambda y, g: (g * y,),
-    "exp2": lambda y, g: (g * y * math.log(2.0),),
+    "exp2": lambda y, g: ((g * math.log(2.0)) * y,),
     "log": lambda y, g: (g / y.args[0],),
     "log1p": lambda y, g: (g / (y.args[0] + 1.0),),
     "expm1": lambda y, g: (g * (y + 1.0),),
-    "tanh": lambda y, g: (g * (1.0 - y * y),),
-    "sigmoid": lambda y, g: (g * y * (1.0 - y),),
-    "sqrt": lambda y, g: (g * 0.5 / y,),
-    "rsqrt": lambda y, g: (g * -0.5 * y / y.args[0],),
-    "reciprocal": lambda y, g: (-(g * y * y),),
+    "tanh": lambda y, g: (g * ((y + 1.0) * (1.0 - y)),),  # JAX's one_minus_square
+    "sigmoid": lambda y, g: (g * (y * (1.0 - y)),),
+    "sqrt": lambda y, g: (g * (0.5 / y),),
+    "rsqrt": lambda y, g: (g * ((y / y.args[0]) * -0.5),),
+    "reciprocal": lambda y, g: (g * -apply("integer_pow", y.args[0], attr=-2),),
     "sin": lambda y, g: (g * apply("cos", y.args[0]),),
     "cos": lambda y, g: (-(g * apply("sin", y.args[0])),),
     "erf": lambda y, g: (
-        g * (2.0 / math.sqrt(math.pi)) * apply("exp", -(y.args[0] * y.args[0])),
+        (g * (2.0 / math.sqrt(math.pi))) * apply("exp", -(y.args[0] * y.args[0])),
     ),
     "integer_pow": lambda y, g: (_integer_pow_grad(y, g),),
+    # As JAX: d/dy uses log(x) with x == 0 replaced by 1, so pow(0, y)' is 0.
     "pow": lambda y, g: (
-        g * y.args[1] * apply("pow", y.args[0], y.args[1] - 1.0),
-        g * apply("log", y.args[0]) * y,
+        g * (y.args[1] * apply("pow", y.args[0], y.args[1] - 1.0)),
+        g * (apply("log", _replace_zero(y.args[0])) * y),
     ),
     "max": lambda y, g: _max_grad(y.args[0], y.args[1], g),
     "min": lambda y, g: _max_grad(y.args[1], y.args[0], g),  # (d/da, d/db) of min(a, b)
     "relu": lambda y, g: (_relu_grad(g, y.args[0]),),
     "relu_grad": lambda y, g: (_relu_grad(g, y.args[1]), None),
+    "with_grad": lambda y, g: _with_grad_vjp(y, g),
+    # Remainders of floats, as JAX: d/da is 1, d/db the truncated quotient
+    # (plus the divisor jnp.remainder adds back when the signs differ).
+    "rem": lambda y, g: (g, -(g * _trunc_quotient(*y.args))),
+    "mod": lambda y, g: (g, _mod_carry(y, g) - g * _trunc_quotient(*y.args)),
     "where": lambda y, g: (
         None,
         apply("where", y.args[0], g, const(0.0, F32)),
         apply("where", y.args[0], const(0.0, F32), g),
     ),
 }
+
+
+def _trunc_quotient(a, b):
+    q = a / b
+    return apply("sign", q) * apply("floor", apply("abs", q))
+
+
+def _mod_carry(y, g):
+    a, b = y.args
+    r, zero = apply("rem", a, b), const(0.0, F32)
+    carried = apply("and", apply("ne", apply("lt", r, zero), apply("lt", b, zero)),
+                    apply("ne", r, zero))
+    return apply("where", carried, g, zero)
+
+
+def _replace_zero(x):
+    zero, one = const(0.0, F32), const(1.0, F32)
+    return apply("where", apply("eq", x, zero), one, x)
+
+
+def tangent() -> Node:
+    """The tangent inside with_grad's derivatives (1.0 when evaluated)."""
+    return apply("tangent")
+
+
+def _with_grad_vjp(y, g):
+    # with_grad(value, x1, l1, x2, l2, ...): l_i is the value's tangent for a
+    # tangent of x_i, linear in tangent(). The cotangent of x_i is l_i
+    # transposed at g (as JAX transposes a custom_jvp rule: a term that does
+    # not depend on the tangent, such as c * 0.0, contributes nothing).
+    from scoremod.dsl.grad import vjp
+
+    cts = [None]
+    for lin in y.args[2::2]:
+        cts += [vjp(lin, g, wrt=tangent()), None]
+    return tuple(cts)
+
+
+def _with_grad_ref(value, *pairs):
+    shape = jnp.broadcast_shapes(jnp.shape(value), *(jnp.shape(p) for p in pairs))
+    return _with_grad_fn(jnp.broadcast_to(value, shape), *pairs)
+
+
+@jax.custom_jvp
+def _with_grad_fn(value, *pairs):
+    return value
+
+
+@_with_grad_fn.defjvp
+def _with_grad_jvp(primals, tangents):
+    value, *pairs = primals
+    out = value
+    tangent = jnp.zeros_like(value)
+    # The derivatives arrive evaluated at tangent() = 1. A zero one stays zero
+    # whatever flows in (as JAX transposes relu's select), not 0 * inf = nan.
+    for d, dx in zip(pairs[1::2], tangents[1::2]):
+        tangent = tangent + jnp.where(d == 0.0, 0.0, d * dx)
+    return out, tangent
 
 
 def _integer_pow_grad(y, g):
@@ -139,9 +209,11 @@ def _integer_pow_grad(y, g):
 def _max_grad(a, b, g):
     # d max(a, b) / da is the step of (a - b), built from relu_grad (no float
     # compare). Ties split evenly, as in JAX: (step(a > b) + step(a >= b)) / 2.
-    strict = _relu_grad(g, a - b)
-    da = (strict + (g - _relu_grad(g, b - a))) * 0.5
-    return (da, g - da)
+    # Each half separately, so an infinite g gives JAX's g * 1 or g * 0.5.
+    def half(x, y):
+        return _relu_grad(g, x - y) * 0.5 + (g - _relu_grad(g, y - x)) * 0.5
+
+    return (half(a, b), half(b, a))
 
 
 def _rule(name):
@@ -162,9 +234,9 @@ _op("trunc_div", 2, "int2", _b(lax.div), _zero,
     doc="integer division rounding toward zero (lax.div on ints)")
 _op("floordiv", 2, "num2", jnp.floor_divide, _zero, infix="//", prec=6,
     doc="floor division, Python semantics (`//`)")
-_op("mod", 2, "num2", jnp.remainder, _zero, infix="%", prec=6,
+_op("mod", 2, "num2", jnp.remainder, _rule("mod"), infix="%", prec=6,
     doc="remainder with the sign of the divisor, Python semantics (`%`)")
-_op("rem", 2, "num2", _b(lax.rem), _zero, prims=("rem",),
+_op("rem", 2, "num2", _b(lax.rem), _rule("rem"), prims=("rem",),
     doc="remainder with the sign of the dividend (lax.rem, C fmod)")
 _op("offset", 2, "int2", jnp.add, _zero,
     doc="an index plus a constant, never simplified (not even `+ 0`): the query-block "
@@ -202,8 +274,9 @@ _op("max", 2, "num2", jnp.maximum, _rule("max"), prims=("max",),
     doc="elementwise maximum (jnp.maximum, clip)")
 _op("min", 2, "num2", jnp.minimum, _rule("min"), prims=("min",),
     doc="elementwise minimum (jnp.minimum, clip)")
-_op("relu", 1, "float", lambda x: jnp.maximum(x, 0.0), _rule("relu"),
-    doc="max(x, 0) (jax.nn.relu)")
+_op("relu", 1, "float", jax.nn.relu, _rule("relu"),
+    doc="max(x, 0) with derivative 0 at 0 (jax.nn.relu; `max(x, 0.0)` is the max op, "
+        "derivative 0.5 at 0 as in jnp.maximum)")
 _op("relu_grad", 2, "float2", lambda g, x: jnp.where(x > 0, g, 0.0), _rule("relu_grad"),
     doc="g where x > 0 else 0: the step used by derivatives of piecewise ops")
 _op("lt", 2, "cmp", jnp.less, _zero, infix="<", prec=4, prims=("lt",), doc="a < b")
@@ -221,6 +294,13 @@ _op("or", 2, "logic", jnp.logical_or, _zero, infix="or", prec=1, prims=("or",),
     doc="logical or (`|` on booleans)")
 _op("not", 1, "logic", jnp.logical_not, _zero, prefix="not", prec=3, prims=("not",),
     doc="logical not (`~` on booleans)")
+_op("with_grad", -1, "with_grad", _with_grad_ref, _rule("with_grad"),
+    doc="with_grad(y, x1, d1, ...): the value y, whose tangent for a tangent() of x_i "
+        "is d_i: the rule of a jax.custom_jvp function (jax.nn.relu, jax.nn.softplus, "
+        "jnp.logaddexp, ...), differentiated as JAX does")
+_op("tangent", 0, "cast:f32", lambda: jnp.float32(1.0), _zero,
+    doc="tangent(): the tangent that with_grad's derivatives are linear in; "
+        "evaluates to 1.0")
 _op("where", 3, "where", jnp.where, _rule("where"),
     doc="where(c, a, b): a if c else b (jnp.where, lax.select_n)")
 _op("f32", 1, "cast:f32", lambda x: x.astype(jnp.float32), _zero,
@@ -278,6 +358,10 @@ def result_dtype(op: Op, args: tuple) -> str:
         if any(t != BOOL for t in ts):
             raise _type_error(op.name, args, "booleans")
         return BOOL
+    if sig == "with_grad":
+        if len(ts) < 3 or len(ts) % 2 == 0 or any(t != F32 for t in ts):
+            raise _type_error(op.name, args, "(value, x1, d1, x2, d2, ...), all float32")
+        return F32
     if sig == "where":
         if ts[0] != BOOL or ts[1] != ts[2]:
             raise _type_error(op.name, args, "(bool, T, T)")

@@ -3,16 +3,20 @@
 Each pattern is a function ``(args, attr) -> Node | None`` registered for one
 op. They keep traced mods small (JAX's negative-index wrapping of ``x[h]``
 folds away because indices are never negative) and keep derivatives readable
-(``g * 1`` is ``g``). Every rewrite is exact in float32 arithmetic, except
-that ``x + 0.0`` drops the sign of a negative zero.
+(``g * 1`` is ``g``). Every rewrite is exact in float32 arithmetic (``x + 0.0``
+stays: it turns -0.0 into 0.0), and holds for every int32
+value under XLA's semantics (wrap-around, ``x // 0``): facts about integers
+come from ``int_range``, which assumes nothing but that indices are >= 0.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
+from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node, const, is_const
 
 PATTERNS: dict[str, list] = {}
@@ -55,32 +59,104 @@ def _fold(name, args, attr, dtype):
     return const(out.item(), dtype)
 
 
-def nonneg(node: Node) -> bool:
-    """True when an int node is provably >= 0 (index variables are)."""
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+_FULL = (INT32_MIN, INT32_MAX)
+_LOAD_RANGE = {"int8": (-128, 127), "uint8": (0, 255), "int16": (-(2**15), 2**15 - 1),
+               "uint16": (0, 2**16 - 1)}
+_RANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fit(lo, hi):
+    """(lo, hi) when no int32 value in between wraps, else every int32."""
+    return (lo, hi) if INT32_MIN <= lo and hi <= INT32_MAX else _FULL
+
+
+def _range_of(node: Node, r) -> tuple:
+    op, args = node.op, node.args
+    if op == "var":  # sizes fit int32, so indices are in [0, INT32_MAX]
+        return (0, INT32_MAX)
+    if op == "const":
+        return (int(node.attr), int(node.attr))
+    if op == "load":
+        return _LOAD_RANGE.get(args[0].attr[2], _FULL)
+    if op in ("i32",) and args[0].dtype == BOOL:
+        return (0, 1)
+    if op in ("i32",) or not args or any(a.dtype != I32 for a in args if op != "where"):
+        return _FULL
+    if op == "where":
+        (alo, ahi), (blo, bhi) = r(args[1]), r(args[2])
+        return (min(alo, blo), max(ahi, bhi))
+    rs = [r(a) for a in args]
+    if op in ("add", "offset"):
+        return _fit(rs[0][0] + rs[1][0], rs[0][1] + rs[1][1])
+    if op == "sub":
+        return _fit(rs[0][0] - rs[1][1], rs[0][1] - rs[1][0])
+    if op == "mul":
+        corners = [x * y for x in rs[0] for y in rs[1]]
+        return _fit(min(corners), max(corners))
+    if op == "neg":
+        return _fit(-rs[0][1], -rs[0][0])
+    if op == "abs":
+        lo, hi = rs[0]
+        if lo == INT32_MIN:  # abs(INT32_MIN) wraps to INT32_MIN
+            return _FULL
+        return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+    if op in ("max", "min"):
+        f = max if op == "max" else min
+        return (f(rs[0][0], rs[1][0]), f(rs[0][1], rs[1][1]))
+    if op == "sign":
+        return (-1 if rs[0][0] < 0 else (0 if rs[0][0] == 0 else 1),
+                1 if rs[0][1] > 0 else (0 if rs[0][1] == 0 else -1))
+    # Division and remainder: XLA defines x / 0 (as -1) and x % 0 (as x), and
+    # INT32_MIN / -1; only a non-negative dividend over a positive divisor is
+    # bounded here.
+    (alo, ahi), (blo, bhi) = rs if len(rs) == 2 else (rs[0], (0, 0))
+    if op in ("floordiv", "trunc_div") and alo >= 0 and blo > 0:
+        return (alo // bhi, ahi // blo)
+    if op in ("mod", "rem") and alo >= 0 and blo > 0:
+        return (0, min(ahi, bhi - 1))
+    if op == "mod" and blo > 0:
+        return (0, bhi - 1)
+    if op == "integer_pow" and node.attr >= 0 and alo >= 0:
+        return _fit(alo**node.attr, ahi**node.attr)
+    return _FULL
+
+
+def int_range(node: Node) -> tuple:
+    """(lo, hi) bounding an int32 node's value for every value of its inputs,
+    computed with int32 wrap-around and XLA's division by zero: index variables
+    are in [0, 2**31 - 1], nothing else about them is assumed."""
     if node.dtype != I32:
+        return _FULL
+    cached = _RANGES.get(node)
+    if cached is not None:
+        return cached
+    for n in ir.toposort(node, stop=lambda m: m in _RANGES):
+        if n not in _RANGES and n.dtype == I32:
+            _RANGES[n] = _range_of(n, lambda a: _RANGES.get(a, _FULL))
+    return _RANGES[node]
+
+
+def nonneg(node: Node) -> bool:
+    """True when an int node is >= 0 for every value of its inputs."""
+    return node.dtype == I32 and int_range(node)[0] >= 0
+
+
+def _additive_identity(c):
+    # x + -0.0 is x for every float x; x + 0.0 turns -0.0 into 0.0.
+    if c.op != "const":
         return False
-    if node.op == "var":
-        return True
-    if node.op == "const":
-        return node.attr >= 0
-    if node.op in ("add", "offset", "mul", "max", "floordiv", "trunc_div", "rem", "mod",
-                   "integer_pow"):
-        if node.op == "max":
-            return any(nonneg(a) for a in node.args)
-        return all(nonneg(a) for a in node.args)
-    if node.op in ("min", "where"):
-        return all(nonneg(a) for a in node.args if a.dtype == I32)
-    if node.op == "abs":
-        return True
-    return False
+    if c.dtype == F32:
+        return c.attr == 0.0 and math.copysign(1.0, c.attr) < 0
+    return c.attr == 0
 
 
 @pattern("add")
 def _add_zero(args, attr):
     a, b = args
-    if is_const(b, 0) or is_const(b, 0.0):
+    if _additive_identity(b):
         return a
-    if is_const(a, 0) or is_const(a, 0.0):
+    if _additive_identity(a):
         return b
     return None
 
@@ -90,9 +166,9 @@ def _sub_const(args, attr):
     from scoremod.dsl.ops import apply
 
     a, b = args
-    if is_const(b, 0) or is_const(b, 0.0):
-        return a
-    if b.op == "const" and b.dtype == F32 and b.attr < 0:  # x - -c is x + c, exactly
+    if is_const(b, 0) and (b.dtype != F32 or math.copysign(1.0, b.attr) > 0):
+        return a  # x - 0.0 is x, also for x = -0.0
+    if b.op == "const" and b.dtype == F32 and math.copysign(1.0, b.attr) < 0:  # x - -c is x + c
         return apply("add", a, const(-b.attr, F32))
     return None
 
@@ -124,19 +200,28 @@ PATTERNS["neg"] = [_double_negation("neg")]
 PATTERNS["not"] = [_double_negation("not")]
 
 
-def _compare_nonneg_with_zero(result):
-    # JAX wraps negative indices: where(i < 0, i + n, i). Indices are >= 0.
+def _decided_by_range(op):
+    # JAX wraps negative indices: where(i < 0, i + n, i). An index is never
+    # negative, so such tests fold, whenever the value range decides them.
+    decide = {  # (always true, always false) for values in [lo, hi]
+        "lt": lambda lo, hi, c: (hi < c, lo >= c),
+        "ge": lambda lo, hi, c: (lo >= c, hi < c),
+        "le": lambda lo, hi, c: (hi <= c, lo > c),
+        "gt": lambda lo, hi, c: (lo > c, hi <= c),
+    }[op]
+
     def rule(args, attr):
         a, b = args
-        if is_const(b, 0) and nonneg(a):
-            return const(result, BOOL)
-        return None
+        if a.dtype != I32 or b.op != "const":
+            return None
+        true, false = decide(*int_range(a), b.attr)
+        return const(True, BOOL) if true else (const(False, BOOL) if false else None)
 
     return rule
 
 
-PATTERNS["lt"] = [_compare_nonneg_with_zero(False)]
-PATTERNS["ge"] = [_compare_nonneg_with_zero(True)]
+for _cmp in ("lt", "ge", "le", "gt"):
+    PATTERNS[_cmp] = [_decided_by_range(_cmp)]
 
 
 @pattern("where")
@@ -198,17 +283,21 @@ PATTERNS["ne"] = [_bool_const_compare(True)]  # x != False is x; x != True is no
 PATTERNS["eq"] = [_bool_const_compare(False)]  # x == True is x; x == False is not x
 
 
-@pattern("max")
-def _max_zero_is_relu(args, attr):
-    from scoremod.dsl.ops import apply
+@pattern("with_grad")
+def _with_grad_known(args, attr):
+    """with_grad with the derivative the IR computes anyway is its value, and
+    jax.nn.relu's rule (derivative 0 at 0) is the relu op."""
+    from scoremod.dsl.grad import vjp
+    from scoremod.dsl.ops import apply, tangent
 
-    a, b = args
-    if a.dtype != F32:
-        return None
-    if is_const(b, 0.0) and math.copysign(1.0, b.attr) > 0:
-        return apply("relu", a)
-    if is_const(a, 0.0) and math.copysign(1.0, a.attr) > 0:
-        return apply("relu", b)
+    value, pairs = args[0], list(zip(args[1::2], args[2::2]))
+    zero, t = const(0.0, F32), tangent()
+    if len(pairs) == 1:
+        (x, lin), = pairs
+        if value is apply("max", x, zero) and lin is apply("where", apply("gt", x, zero), t, zero):
+            return apply("relu", x)
+    if all(vjp(value, t, wrt=x) is vjp(lin, t, wrt=t) for x, lin in pairs):
+        return value
     return None
 
 

@@ -18,6 +18,7 @@ Syntax (Python-like; ``docs/guide.md`` has the full description):
 
 from __future__ import annotations
 
+import difflib
 import itertools
 
 import numpy as np
@@ -30,8 +31,16 @@ from scoremod.dsl.ops import OPS, apply
 from scoremod.errors import ScoreModSyntaxError, ScoreModTypeError
 
 # ---------------------------------------------------------------- printing
+# Text is built as pieces (strings and references to already formatted
+# children) and joined once at the end, so printing is linear in the output
+# size however deep the expression is.
 
 _ATOM = 10
+# The parser's nesting limit (brackets), and the depth at which the printer
+# names a subexpression with a let so its own output always re-parses.
+MAX_TEXT_CHARS = 1_000_000
+MAX_NESTING = 500
+_PRINT_NESTING = 64
 
 
 def _format_const(node: Node):
@@ -49,40 +58,85 @@ def _format_const(node: Node):
     return text, (OPS["neg"].prec if negative else _ATOM)
 
 
-def _format_node(node: Node, names: dict) -> tuple[str, int]:
-    """(text, precedence) of one node whose children are already named or inlined."""
+class _Text:
+    """A formatted node: its pieces, precedence and bracket nesting depth."""
 
-    def sub(child, need):
-        text, prec = names[child]
-        return f"({text})" if prec < need else text
+    __slots__ = ("pieces", "prec", "depth")
+
+    def __init__(self, pieces, prec, depth=0):
+        self.pieces, self.prec, self.depth = pieces, prec, depth
+
+
+def _format_node(node: Node, names: dict) -> _Text:
+    """One node whose children are already in ``names`` (named or inlined)."""
+    depth = 0
+
+    def sub(child, need, bracket=0):
+        nonlocal depth
+        t = names[child]
+        if t.prec < need:
+            depth = max(depth, t.depth + 1)
+            return ("(", t, ")")
+        depth = max(depth, t.depth + bracket)
+        return (t,)
+
+    def call(name, args):
+        parts = [f"{name}("]
+        for i, a in enumerate(args):
+            if i:
+                parts.append(", ")
+            parts.extend(sub(a, 0, 1))
+        parts.append(")")
+        return parts
 
     if node.op == "const":
-        return _format_const(node)
+        text, prec = _format_const(node)
+        return _Text((text,), prec)
     if node.op == "var":
-        return node.attr, _ATOM
+        return _Text((node.attr,), _ATOM)
     if node.op == "operand":
-        return node.attr[0], _ATOM
+        return _Text((node.attr[0],), _ATOM)
     if node.op == "load":
         array = node.args[0].attr[0]
         if len(node.args) == 1:
-            return array, _ATOM
-        return f"{array}[{', '.join(sub(a, 0) for a in node.args[1:])}]", _ATOM
+            return _Text((array,), _ATOM)
+        parts = call(array, node.args[1:])
+        parts[0], parts[-1] = f"{array}[", "]"
+        return _Text(parts, _ATOM, depth)
     op = OPS.get(node.op)
-    if op is None:  # lowering-internal nodes (e.g. materialize) print as calls
-        return f"{node.op}({', '.join(sub(a, 0) for a in node.args)})", _ATOM
-    if node.op == "integer_pow":
-        return f"{sub(node.args[0], _ATOM)} ** {node.attr}", op.prec
+    if op is None or not (op.infix or op.prefix) or node.op == "integer_pow":
+        if node.op == "integer_pow":
+            parts = (*sub(node.args[0], _ATOM), f" ** {node.attr}")
+            return _Text(parts, op.prec, depth)
+        # lowering-internal nodes (e.g. materialize) print as calls too
+        return _Text(call(node.op, node.args), _ATOM, depth)
     if op.infix:
         a, b = node.args
         left_need = op.prec + 1 if node.op in _NON_ASSOC else op.prec
-        return f"{sub(a, left_need)} {op.infix} {sub(b, op.prec + 1)}", op.prec
-    if op.prefix:
-        sep = " " if op.prefix.isalpha() else ""
-        return f"{op.prefix}{sep}{sub(node.args[0], op.prec)}", op.prec
-    return f"{node.op}({', '.join(sub(a, 0) for a in node.args)})", _ATOM
+        parts = (*sub(a, left_need), f" {op.infix} ", *sub(b, op.prec + 1))
+        return _Text(parts, op.prec, depth)
+    sep = " " if op.prefix.isalpha() else ""
+    return _Text((f"{op.prefix}{sep}", *sub(node.args[0], op.prec)), op.prec, depth)
 
 
 _NON_ASSOC = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+def _join(text: _Text, limit=None) -> str:
+    """The string of ``text``, expanding inlined children without recursion."""
+    out, size, stack = [], 0, [iter(text.pieces)]
+    while stack:
+        piece = next(stack[-1], None)
+        if piece is None:
+            stack.pop()
+        elif isinstance(piece, str):
+            out.append(piece)
+            size += len(piece)
+            if limit is not None and size > limit:
+                return "".join(out)[:limit] + " ..."
+        else:
+            stack.append(iter(piece.pieces))
+    return "".join(out)
 
 
 def _uses(order):
@@ -94,7 +148,11 @@ def _uses(order):
 
 
 def format_mod(root: Node) -> str:
-    """Canonical text: operand declarations, lets for shared nodes, expression."""
+    """Canonical text: operand declarations, lets for shared nodes, expression.
+
+    A node used more than once, or nested deeper than the parser's bracket
+    limit allows, is named with a let; the text always re-parses.
+    """
     order = ir.toposort(root)
     uses = _uses(order)
     taken = {n.attr[0] for n in order if n.op == "operand"}
@@ -105,20 +163,25 @@ def format_mod(root: Node) -> str:
             name, shape, dtype = node.attr
             stmts.append(f"{name}: {dtype}[{', '.join(map(str, shape))}]")
         text = _format_node(node, names)
-        if uses.get(node, 0) > 1 and not ops_is_leaf(node) and node is not root:
+        shared = uses.get(node, 0) > 1 and not ops_is_leaf(node)
+        if (shared or text.depth >= _PRINT_NESTING) and node is not root:
             let = next(let_names)
-            stmts.append(f"let {let} = {text[0]}")
-            text = (let, _ATOM)
+            stmts.append(f"let {let} = {_join(text)}")
+            text = _Text((let,), _ATOM)
         names[node] = text
-    return "; ".join(stmts + [names[root][0]])
+    return "; ".join(stmts + [_join(names[root])])
 
 
-def format_expr(root: Node) -> str:
-    """The expression alone, shared subexpressions written out in full."""
+def format_expr(root: Node, limit: int | None = 4000) -> str:
+    """The expression alone, shared subexpressions written out in full.
+
+    For messages and reprs: the text is cut after ``limit`` characters (a
+    shared subexpression written out in full can grow exponentially).
+    """
     names = {}
     for node in ir.toposort(root):
         names[node] = _format_node(node, names)
-    return names[root][0]
+    return _join(names[root], limit)
 
 
 def ops_is_leaf(node):
@@ -145,6 +208,7 @@ start: (stmt ";")* expr ";"?
      | INT                                      -> int
      | NAME                                     -> name
      | NAME "(" expr ("," expr)* ")"            -> call
+     | NAME "(" ")"                             -> call
      | NAME "[" expr ("," expr)* "]"            -> index
      | "(" expr ")"
 CMP: "<=" | ">=" | "==" | "!=" | "<" | ">"
@@ -161,19 +225,58 @@ _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placehol
 
 _KEYWORDS = {"inf": (float("inf"), F32), "nan": (float("nan"), F32), "true": (True, BOOL),
              "false": (False, BOOL)}
+_GRAMMAR_WORDS = ("let", "not", "and", "or")
+# Names a user cannot give a value to or declare: they already mean something.
+RESERVED = frozenset(ir.VAR_NAMES) | frozenset(_KEYWORDS) | frozenset(_GRAMMAR_WORDS)
 _ALIASES = {"maximum": "max", "minimum": "min", "logistic": "sigmoid", "square": None,
             "clip": None, "float32": "f32", "int32": "i32"}
+# Float functions that jax.numpy applies to an int without converting it.
+_INT_KEEPING = {"floor": lambda x: x, "ceil": lambda x: x,
+                "relu": lambda x: apply("max", x, const(0, I32))}
 _CMP = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
 _BINOP = {"+": "add", "-": "sub", "*": "mul", "/": "div", "//": "floordiv", "%": "mod"}
+_INT32 = (-(2**31), 2**31 - 1)
 
 
 class _V:
-    """A parsed value: a node, and whether it is a weakly typed literal."""
+    """A parsed value: a node, and whether it is weakly typed (a literal, as in JAX).
 
-    __slots__ = ("node", "weak")
+    An integer literal keeps its Python value (``lit``) so that ``-2147483648``
+    is the int32 minimum; a literal outside int32 is an error once used, as
+    JAX raises OverflowError for it (even in ``3000000000 * score``).
+    ``node`` is None for such a literal.
+    """
 
-    def __init__(self, node, weak=False):
-        self.node, self.weak = node, weak
+    __slots__ = ("node", "weak", "lit")
+
+    def __init__(self, node, weak=False, lit=None):
+        self.node, self.weak, self.lit = node, weak, lit
+
+    @property
+    def dtype(self):
+        return I32 if self.node is None else self.node.dtype
+
+
+def _int_literal(value: int) -> _V:
+    fits = _INT32[0] <= value <= _INT32[1]
+    return _V(const(value, I32) if fits else None, weak=True, lit=value)
+
+
+def _need(v: _V) -> Node:
+    """The node of ``v`` as it is (an int literal must fit int32)."""
+    if v.node is None:
+        raise ScoreModTypeError(
+            f"the integer {v.lit} does not fit int32 (the range is {_INT32[0]} to {_INT32[1]}); "
+            f"as in JAX; write it as a float ({v.lit}.0) if a float is meant"
+        )
+    return v.node
+
+
+def _to(v: _V, dtype: str) -> _V:
+    """``v`` converted to ``dtype`` (weakness kept)."""
+    if v.dtype == dtype:
+        return _V(_need(v), v.weak)
+    return _V(apply(dtype, _need(v)), v.weak)
 
 
 def _where(meta):
@@ -195,12 +298,15 @@ class _Builder:
                 self.check_free(name, st.meta)
                 self.lets[name] = self.value(st.children[1])
         out = self.value(expr)
-        if out.node.dtype == BOOL:
+        if out.dtype == BOOL:
             raise self.error(expr.meta, "a score_mod must return a number, not a boolean")
-        return apply("f32", out.node)
+        try:
+            return apply("f32", _to(out, F32).node)
+        except ScoreModTypeError as e:
+            raise self.error(expr.meta, str(e)) from None
 
     def check_free(self, name, meta):
-        if name in ir.VAR_NAMES or name in _KEYWORDS or name in self.lets or name in self.decls:
+        if name in RESERVED or name in self.lets or name in self.decls:
             raise self.error(meta, f"name {name!r} is already defined")
 
     def declare(self, st):
@@ -214,6 +320,12 @@ class _Builder:
             raise self.error(st.meta, str(e)) from None
         given = self.names.get(name)
         if given is not None:
+            if not _is_array(given) and not isinstance(given, np.ndarray):
+                raise self.error(
+                    st.meta,
+                    f"{name} is declared {node.attr[2]}{list(dims)} but a "
+                    f"{type(given).__name__} was passed; pass an array of that shape",
+                )
             shape, gdtype = tuple(np.shape(given)), _dtype_name(given)
             if shape != dims or gdtype != node.attr[2]:
                 raise self.error(
@@ -230,21 +342,31 @@ class _Builder:
         return _located(ScoreModSyntaxError(f"{_where(meta)}: {msg}\n  {line}\n  {caret}"),
                         meta.line, meta.column)
 
-    def value(self, t) -> _V:
-        if isinstance(t, Token):
-            raise AssertionError(t)
-        try:
-            return getattr(self, "v_" + t.data)(t, *t.children)
-        except ScoreModTypeError as e:
-            if isinstance(e, ScoreModSyntaxError):
-                raise
-            raise self.error(t.meta, str(e)) from None
+    def value(self, root: Tree) -> _V:
+        """The value of an expression tree, children first, without recursion
+        (a long chain of operators is a deep tree)."""
+        done = {}
+        stack = [(root, False)]
+        while stack:
+            t, expanded = stack.pop()
+            if not expanded:
+                stack.append((t, True))
+                stack.extend((c, False) for c in reversed(t.children) if isinstance(c, Tree))
+                continue
+            args = [done.pop(id(c)) if isinstance(c, Tree) else c for c in t.children]
+            try:
+                done[id(t)] = getattr(self, "v_" + t.data)(t, *args)
+            except ScoreModTypeError as e:
+                if isinstance(e, ScoreModSyntaxError):
+                    raise
+                raise self.error(t.meta, str(e)) from None
+        return done[id(root)]
 
     def v_float(self, t, tok):
         return _V(const(float(tok), F32), weak=True)
 
     def v_int(self, t, tok):
-        return _V(const(int(tok), I32), weak=True)
+        return _int_literal(int(tok))
 
     def v_name(self, t, tok):
         name = str(tok)
@@ -264,7 +386,16 @@ class _Builder:
             return _V(apply("load", array))
         if name in self.names:
             return _scalar_value(name, self.names[name], lambda m: self.error(t.meta, m))
+        close = self.closest(name, [*ir.VAR_NAMES, *_KEYWORDS, *self.lets, *self.decls,
+                                    *self.names])
+        if close:
+            raise self.error(t.meta, f"unknown name {name!r}; did you mean {close!r}?")
         raise self.error(t.meta, f"unknown name {name!r}; pass its value: parse(text, {name}=...)")
+
+    @staticmethod
+    def closest(name, known):
+        match = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        return match[0] if match else None
 
     def array(self, name, meta):
         if name in self.decls:
@@ -283,88 +414,106 @@ class _Builder:
         array = self.array(str(name), t.meta)
         if array is None:
             raise self.error(t.meta, f"{name} is not an array: pass it, parse(text, {name}=array)")
-        args = [self.value(i) for i in idx]
-        for a in args:
-            if a.node.dtype != I32:
-                raise self.error(t.meta, f"index of {name} must be an integer, got {a.node.dtype}")
-        return _V(apply("load", array, *[a.node for a in args]))
+        for a in idx:
+            if a.dtype != I32:
+                raise self.error(
+                    t.meta, f"index of {name} must be an integer, got {a.dtype}; as in "
+                    "jax.numpy an index computed with a float is a float: write i32(...) "
+                    "to convert it (rounding toward zero)")
+        return _V(apply("load", array, *[_need(a) for a in idx]))
 
     def v_neg(self, t, x):
-        v = self.value(x)
-        return _V(apply("neg", v.node), v.weak)
+        if x.lit is not None:  # -2147483648 is a literal that fits int32
+            return _int_literal(-x.lit)
+        return _V(apply("neg", x.node), x.weak)
 
     def v_not_(self, t, x):
-        return _V(apply("not", self.value(x).node))
+        return _V(apply("not", _need(x)))
 
     def v_and_(self, t, a, b):
-        return _V(apply("and", self.value(a).node, self.value(b).node))
+        return _V(apply("and", _need(a), _need(b)))
 
     def v_or_(self, t, a, b):
-        return _V(apply("or", self.value(a).node, self.value(b).node))
+        return _V(apply("or", _need(a), _need(b)))
 
     def v_cmp(self, t, a, op, b):
-        a, b = _promote(self.value(a), self.value(b))
+        a, b = _promote(a, b)
         return _V(apply(_CMP[str(op)], a.node, b.node))
 
     def v_binop(self, t, a, op, b):
         op = _BINOP[str(op)]
-        a, b = _promote(self.value(a), self.value(b))
-        if op == "div" and a.node.dtype == I32:
-            a, b = _V(apply("f32", a.node), a.weak), _V(apply("f32", b.node), b.weak)
+        a, b = _promote(a, b)
+        if op == "div" and a.dtype != F32:  # true division of ints gives a float, as in JAX
+            a, b = _to(a, F32), _to(b, F32)
         return _V(apply(op, a.node, b.node), a.weak and b.weak)
 
-    def v_power(self, t, base, _pow, exponent):
-        x, e = self.value(base), self.value(exponent)
-        if e.node.op == "const" and e.node.dtype == I32 and e.weak:
-            return _V(apply("integer_pow", x.node, attr=e.node.attr), x.weak)
+    def v_power(self, t, x, _pow, e):
+        if e.node is not None and e.node.op == "const" and e.dtype == I32 and e.weak:
+            n = e.node.attr
+            if n < 0 and x.dtype != F32:
+                raise ScoreModTypeError(
+                    f"an integer raised to a negative power ({n}) is an error in JAX "
+                    "(integer_pow); write the base as a float, e.g. 2.0 ** -3 or f32(x) ** -3")
+            return _V(apply("integer_pow", _need(x), attr=n), x.weak)
+        if e.lit is not None:
+            raise ScoreModTypeError(f"the exponent {e.lit} does not fit int32")
+        if x.dtype != F32 and e.dtype != F32:
+            raise ScoreModTypeError(
+                "an integer power with an exponent that is not an integer literal is not "
+                "supported; convert to float: f32(a) ** f32(n)")
         x, e = _promote(x, e)
-        if x.node.dtype != F32:
-            x, e = _V(apply("f32", x.node)), _V(apply("f32", e.node))
         return _V(apply("pow", x.node, e.node))
 
-    def v_call(self, t, fn, *args):
+    def v_call(self, t, fn, *vals):
         fn = str(fn)
-        vals = [self.value(a) for a in args]
         if fn in ("clip", "square"):
             want = 3 if fn == "clip" else 1
             if len(vals) != want:
                 raise self.error(t.meta, f"{fn} takes {want} arguments, got {len(vals)}")
             if fn == "square":
-                return _V(apply("integer_pow", vals[0].node, attr=2))
-            x, lo, hi = vals
+                return _V(apply("integer_pow", _need(vals[0]), attr=2), vals[0].weak)
+            x, lo, hi = vals  # as jnp.clip: minimum(maximum(x, lo), hi)
             x, lo = _promote(x, lo)
-            low = _V(apply("max", x.node, lo.node))
+            low = _V(apply("max", x.node, lo.node), x.weak and lo.weak)
             low, hi = _promote(low, hi)
-            return _V(apply("min", low.node, hi.node))
+            return _V(apply("min", low.node, hi.node), low.weak and hi.weak)
         name = _ALIASES.get(fn, fn)
         op = OPS.get(name)
         if op is None or name in ("load", "integer_pow"):
-            raise self.error(t.meta, f"unknown function {fn!r}; see docs/ops.md for the ops")
-        if len(vals) != op.arity:
+            close = self.closest(fn, [n for n in [*OPS, *_ALIASES]
+                                      if n not in ("load", "integer_pow")])
+            hint = f"did you mean {close!r}? " if close else ""
+            raise self.error(t.meta, f"unknown function {fn!r}; {hint}see docs/ops.md for the ops")
+        if op.arity >= 0 and len(vals) != op.arity:
             raise self.error(t.meta, f"{fn} takes {op.arity} arguments, got {len(vals)}")
+        if name in _INT_KEEPING and vals[0].dtype == I32:  # as jnp.floor, jax.nn.relu on ints
+            return _V(_INT_KEEPING[name](_need(vals[0])))
+        if name == "pow":  # as jnp.power: an int literal exponent is integer_pow
+            return self.v_power(t, vals[0], None, vals[1])
         if op.sig in ("float", "float2"):
-            vals = [_V(apply("f32", v.node), v.weak) for v in vals]
+            vals = [_to(v, F32) for v in vals]
         elif op.sig == "where":
             c, a, b = vals
             a, b = _promote(a, b)
-            vals = [c, a, b]
+            vals = [_V(_need(c)), a, b]
+        elif op.sig.startswith("cast:") and vals and vals[0].node is None:
+            vals = [_to(vals[0], op.sig[5:])]
         elif len(vals) == 2:
             vals = list(_promote(*vals))
-        return _V(apply(name, *[v.node for v in vals]))
+        return _V(apply(name, *[_need(v) for v in vals]))
 
 
 def _promote(a: _V, b: _V):
-    """JAX-style promotion: weak literals take the other side's type, int -> float."""
-    ta, tb = a.node.dtype, b.node.dtype
+    """JAX's promotion on two values (``jnp.promote_types`` with weak types):
+    ints meeting floats become floats, whatever side is weak; bools take the
+    other side's type; a weak literal takes the other side's type."""
+    ta, tb = a.dtype, b.dtype
     if ta == tb:
-        return a, b
-    if BOOL in (ta, tb) and not (a.weak or b.weak):
-        raise ScoreModTypeError(f"cannot combine {ta} with {tb}; cast explicitly, e.g. f32(x)")
-    if a.weak and not b.weak:
-        return _V(apply(tb, a.node), True), b
-    if b.weak and not a.weak:
-        return a, _V(apply(ta, b.node), True)
-    return (_V(apply("f32", a.node), a.weak), _V(apply("f32", b.node), b.weak))
+        return _V(_need(a), a.weak), _V(_need(b), b.weak)
+    if F32 in (ta, tb):
+        return _to(a, F32), _to(b, F32)
+    # one side is bool, the other an int
+    return _to(a, I32), _to(b, I32)
 
 
 def _is_array(value):
@@ -382,8 +531,12 @@ def _dtype_name(value):
 def _scalar_value(name, value, error):
     if isinstance(value, (bool, np.bool_)):
         return _V(const(bool(value), BOOL))
-    if isinstance(value, (int, np.integer)):
-        return _V(const(int(value), I32), weak=isinstance(value, int))
+    if isinstance(value, int):
+        return _int_literal(value)
+    if isinstance(value, np.integer):
+        if not _INT32[0] <= int(value) <= _INT32[1]:
+            raise error(f"{name}={value} does not fit int32")
+        return _V(const(int(value), I32))
     if isinstance(value, (float, np.floating)):
         return _V(const(float(value), F32), weak=isinstance(value, float))
     if isinstance(value, np.ndarray) and value.ndim == 0:
@@ -391,8 +544,37 @@ def _scalar_value(name, value, error):
     raise error(f"{name}={type(value).__name__}: pass a number or an array")
 
 
+def _check_limits(text: str):
+    """The documented size limits, checked before parsing."""
+    if len(text) > MAX_TEXT_CHARS:
+        raise ScoreModSyntaxError(
+            f"the text has {len(text)} characters; the limit is {MAX_TEXT_CHARS}. Name "
+            "repeated parts with let, or build large mods by tracing a function")
+    depth = 0
+    for line_no, line in enumerate(text.split("\n"), 1):
+        for col, ch in enumerate(line, 1):
+            if ch in "([":
+                depth += 1
+                if depth > MAX_NESTING:
+                    return _located(ScoreModSyntaxError(
+                        f"line {line_no}, column {col}: brackets nest deeper than "
+                        f"{MAX_NESTING}; name inner parts with let"), line_no, col)
+            elif ch in ")]":
+                depth -= 1
+    return None
+
+
 def parse_expr(text: str, names: dict) -> tuple[Node, dict]:
     """Parse ``text``; returns (root node, {operand name: value or None})."""
+    for name in names:
+        if name in RESERVED:
+            what = "an input of every score_mod" if name in ir.VAR_NAMES else "a keyword"
+            raise ScoreModSyntaxError(
+                f"cannot pass a value for {name!r}: it is {what} of the text form; "
+                "rename it in the text and pass that name")
+    too_big = _check_limits(text)
+    if too_big is not None:
+        raise too_big
     try:
         tree = _PARSER.parse(text)
     except UnexpectedInput as e:

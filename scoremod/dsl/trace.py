@@ -32,7 +32,7 @@ from jax.extend import core as jcore
 
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node, const
-from scoremod.dsl.ops import OPS, apply
+from scoremod.dsl.ops import OPS, apply, tangent
 from scoremod.errors import (ScoreModError, ScoreModTypeError, ScoreModValueError,
                              UnsupportedOpError)
 
@@ -100,6 +100,7 @@ class _Tracer:
         self.fn_where = _fn_location(fn)
         self.operands = {}  # id(value) -> (temporary operand node, value)
         self.sources = {}  # node -> "file:line" that created it
+        self.in_jvp_rule = False  # tracing a custom_jvp rule: nested calls inline their primal
 
     # --- values -----------------------------------------------------------
     def captured(self, value, aval_dtype, where):
@@ -175,6 +176,8 @@ class _Tracer:
 
     def equation(self, eqn, ins, at):
         prim = eqn.primitive.name
+        if prim == "custom_jvp_call" and not self.in_jvp_rule:
+            return _custom_jvp_call(self, eqn, ins, at)
         if prim in _CALLS:
             sub = next((eqn.params[p] for p in _CALL_PARAMS if p in eqn.params), None)
             if sub is not None:
@@ -225,6 +228,38 @@ class _Tracer:
 
 
 # --- primitives that need more than a table lookup --------------------------
+
+
+def _custom_jvp_call(t, eqn, ins, at):
+    """A jax.custom_jvp function (jax.nn.relu, softplus, logaddexp, ...) keeps
+    its own derivative rule: the primal is inlined, and the rule is traced once
+    per float input, with ``tangent()`` for that input and 0 for the others,
+    into the derivatives of a ``with_grad`` node (which the simplifier drops
+    where they equal the IR's own derivative of the primal)."""
+    call = eqn.params["call_jaxpr"]
+    (value,) = outs = t.run(call.jaxpr, call.consts, ins, at)
+    n_consts = eqn.params.get("num_consts", 0)
+    xs = ins[n_consts:]
+    wrt = [i for i, x in enumerate(xs) if isinstance(x, Node) and x.dtype == F32
+           and x.op != "const"]
+    if len(outs) != 1 or not isinstance(value, Node) or value.dtype != F32 or not wrt:
+        return outs
+    # A rule that takes symbolic zeros gets them for the constant inputs; any
+    # other rule sees an instantiated zero tangent, as under jax.grad.
+    symbolic = eqn.params.get("symbolic_zeros", False)
+    nonzero = wrt if symbolic else range(len(xs))
+    zeros = [j not in nonzero for j in range(len(xs))]
+    jvp_jaxpr, jvp_consts, _ = eqn.params["jvp_jaxpr_fun"].call_wrapped(*zeros)
+    pairs = []
+    t.in_jvp_rule = True
+    try:
+        for i in wrt:
+            tangents = [tangent() if j == i else const(0.0, F32) for j in nonzero]
+            _, lin = t.run(jvp_jaxpr, jvp_consts, [*xs, *tangents], at)
+            pairs += [xs[i], lin]
+    finally:
+        t.in_jvp_rule = False
+    return [apply("with_grad", value, *pairs)]
 
 
 def _div(t, eqn, ins, at):

@@ -44,7 +44,16 @@ def scores_and_lse_reference(query, key, value, mod, scale, return_lse):
     safe = jnp.where(empty, 1.0, denom)
     p = p / safe
     p = p.reshape(b, hkv, groups, sq, skv)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p, value.astype(f32), precision=precision)
+    # A key of weight 0 (masked, or underflowed) never contributes, even when
+    # its value is NaN or inf (0 * nan would make the row NaN); a row that
+    # gives weight to a key with a non-finite value is NaN. docs/guide.md,
+    # "Masked rows", defines this for every path.
+    v = value.astype(f32)
+    finite = jnp.isfinite(v)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p, jnp.where(finite, v, 0.0), precision=precision)
+    bad_key = jnp.any(~finite, axis=-1).astype(f32)  # [b, skv, hkv]
+    touched = jnp.einsum("bhgqk,bkh->bqhg", (p > 0).astype(f32), bad_key, precision=precision)
+    out = jnp.where(touched[..., None] > 0, jnp.nan, out)
     out = out.reshape(b, sq, hq, dv).astype(query.dtype)
     if not return_lse:
         return out, None

@@ -22,11 +22,10 @@ from scoremod.dsl import ir
 from scoremod.dsl.grad import vjp
 from scoremod.dsl.ir import BOOL, F32, I32, Node, const, is_const
 from scoremod.dsl.ops import apply
-from scoremod.dsl.rewrite import nonneg
 from scoremod.dsl.text import format_expr
 from scoremod.errors import UnsupportedOpError
 from scoremod.lowering.cudnn.table import (COMPARISONS, CONST, INPUT_TENSORS, LOAD, MATERIALIZE,
-                                           OPERAND, TABLE, VAR)
+                                           OPERAND, TABLE, VAR, WITH_GRAD)
 
 SCORE = ir.var(ir.SCORE)
 DP = ir.cotangent()
@@ -39,7 +38,19 @@ _FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "n
 
 
 def _nonneg_int_pair(node):
-    return node.dtype == I32 and all(nonneg(a) for a in node.args)
+    """A non-negative dividend over a positive divisor: where lax.div and lax.rem
+    equal // and % (a zero divisor has XLA's own results)."""
+    from scoremod.dsl.rewrite import int_range
+
+    a, b = node.args
+    return node.dtype == I32 and int_range(a)[0] >= 0 and int_range(b)[0] > 0
+
+
+def _may_divide_by_zero(node):
+    from scoremod.dsl.rewrite import int_range
+
+    lo, hi = int_range(node.args[1])
+    return node.dtype == I32 and lo <= 0 <= hi
 
 
 def refusal(node: Node) -> str | None:
@@ -50,6 +61,9 @@ def refusal(node: Node) -> str | None:
         return _REFUSED[node.op]
     if node.op in ("floordiv", "mod") and node.dtype == F32:
         return TABLE[node.op].refusal
+    if node.op in ("floordiv", "mod") and _may_divide_by_zero(node):
+        return ("its divisor may be 0, where XLA defines the result and cuDNN's float "
+                "division does not; divide by a positive constant or a value max(d, 1)")
     if node.op in _COMPARISONS and node.args[0].dtype == F32:
         a, b = node.args
         if a is b or (_int_cast(a) and _int_cast(b)):
@@ -71,8 +85,13 @@ def check_supported(expr: Node, sources: dict) -> None:
     score = ir.var(ir.SCORE)
     # An array's index expressions never reach cuDNN: XLA computes a computed
     # index ahead (materialize), so only an index that depends on the score,
-    # which XLA cannot know in advance, is refused there.
-    for node in ir.toposort(expr, stop=lambda n: n.op == LOAD):
+    # which XLA cannot know in advance, is refused there. The forward runs
+    # with_grad's value only; its partials are checked in the backward.
+    forward = ir.substitute(expr, {n: n.args[0] for n in ir.toposort(expr)
+                                   if n.op == WITH_GRAD})
+    backward = _fold_nan_tests(vjp(expr, DP))
+    nodes = ir.toposort(forward, backward, stop=lambda n: n.op == LOAD)
+    for node in nodes:
         why = refusal(node)
         if node.op == LOAD and any(score in ir.depends_on(i, score) for i in node.args[1:]):
             why = ("it indexes an array with a value computed from the score; the fused path "
@@ -189,9 +208,18 @@ def _depends_on_loads(root):
 
 
 def _fold_nan_tests(root: Node) -> Node:
-    """x != x (how jax.nn.softplus tests for NaN) is False: scores are never NaN."""
-    tests = {n: const(n.op in ("eq", "le", "ge"), BOOL) for n in ir.toposort(root)
-             if n.op in _COMPARISONS and n.args[0] is n.args[1] and n.args[0].dtype == F32}
+    """x != x (how jax.nn.softplus tests for NaN) is False, and x == inf (how
+    its derivative rule tests for inf) is False: the fused path assumes the
+    score and the values computed from it are finite."""
+    tests = {}
+    for n in ir.toposort(root):
+        if n.op not in _COMPARISONS or n.args[0].dtype != F32:
+            continue
+        a, b = n.args
+        if a is b:
+            tests[n] = const(n.op in ("eq", "le", "ge"), BOOL)
+        elif n.op in ("eq", "ne") and a.op != "const" and is_const(b) and math.isinf(b.attr):
+            tests[n] = const(n.op == "ne", BOOL)
     return ir.substitute(root, tests) if tests else root
 
 
@@ -236,6 +264,8 @@ def canonical(root: Node) -> Node:
     for node in ir.toposort(root, stop=lambda n: n.op in INPUT_TENSORS):
         if ir.is_const(node) or node.op in (VAR, OPERAND, MATERIALIZE):
             done[node] = node
+        elif node.op == WITH_GRAD:  # the forward computes the value alone
+            done[node] = done[node.args[0]]
         elif node.op == LOAD:
             done[node] = _rewrite(node, node.args)
         else:

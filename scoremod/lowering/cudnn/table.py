@@ -24,6 +24,7 @@ LOAD = "load"  # an operand read at index expressions
 MATERIALIZE = "materialize"  # a value XLA computes over the index grid ahead of the kernel
 INPUT_TENSORS = (LOAD, MATERIALIZE)  # read by the graph as tensors: their indices are not emitted
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+WITH_GRAD = "with_grad"  # a value with its own derivative rule: the forward emits the value only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,9 @@ TABLE = {
     "rem": Entry(rewrite="non-negative ints: mod", refusal="lax.rem has no cuDNN node"),
     "sign": Entry(refusal="sign has no cuDNN node"),
     "bool": Entry(refusal="converting to bool has no cuDNN node; compare instead (x != 0)"),
+    WITH_GRAD: Entry(rewrite="its value in the forward graph; its partials, with tangent() "
+                             "replaced by the incoming gradient, in the backward graph"),
+    "tangent": Entry(rewrite="only inside with_grad's partials, which the backward expands"),
     LOAD: Entry(tensor="an input tensor: the operand read directly when indexed by b, h, q_idx, "
                        "kv_idx or constants, else computed over the index grid by XLA"),
 }
