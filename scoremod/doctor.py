@@ -31,8 +31,25 @@ def driver_version() -> str | None:
     try:
         with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
             m = re.search(r"Kernel Module\s+([\d.]+)", f.read())
-        return m.group(1) if m else None
+        if m:
+            return m.group(1)
     except OSError:
+        pass
+    return _nvml_driver_version()  # some VMs have no /proc/driver/nvidia
+
+
+def _nvml_driver_version() -> str | None:
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        buf = ctypes.create_string_buffer(96)
+        ok = nvml.nvmlSystemGetDriverVersion(buf, ctypes.c_uint(len(buf))) == 0
+        nvml.nvmlShutdown()
+        return buf.value.decode() if ok and buf.value else None
+    except (OSError, AttributeError):
         return None
 
 
