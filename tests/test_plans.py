@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -122,3 +124,27 @@ def test_options_from_argument_context_and_defaults(monkeypatch):
         scoremod.LoweringOptions(split_blocks=-1)
     with pytest.raises(scoremod.ScoreModError, match="LoweringOptions"):
         scoremod.attention(q, q, q, implementation="xla", options={"fold_scale": False})
+
+
+@pytest.mark.parametrize("fn, at_zero", [
+    (lambda s, b, h, q, k: jax.nn.softplus(s), 0.5),
+    (lambda s, b, h, q, k: jnp.logaddexp(s, 0.0), 0.5),
+    (lambda s, b, h, q, k: jax.nn.softplus(s / 4.0), 0.125),  # foldable scale, custom rule
+    (lambda s, b, h, q, k: jnp.maximum(s, 0.0), 0.5),
+    (lambda s, b, h, q, k: jnp.abs(s), 1.0),
+])
+def test_planned_backward_keeps_derivatives_at_ties(fn, at_zero):
+    """The plan's backward expression (after scale folding and canonical rewrites)
+    is the derivative JAX gives at an exact tie: zero-padded query rows score 0."""
+    from scoremod.lowering.cudnn.plan import Part
+    from scoremod.options import LoweringOptions
+
+    mod = scoremod.trace(fn)
+    for options in (LoweringOptions(), LoweringOptions.plain()):
+        part = Part(mod, Problem(1, 128, 128, 2, 2, 64, 64, "bfloat16"), 0.125, options)
+        scale = part.spec.scale / 0.125  # what folding moved into attn_scale
+        inputs = {"score": jnp.float32(0.0), "dP": jnp.float32(1.0), "b": 0, "h": 0,
+                  "q_idx": 0, "kv_idx": 0}
+        got = float(evaluate(part.bwd, inputs, {})) * scale
+        assert got == pytest.approx(at_zero), (options, str(part.bwd))
+        assert float(jax.grad(lambda s: fn(s, 0, 0, 0, 0))(0.0)) == pytest.approx(at_zero)

@@ -104,7 +104,11 @@ class Part:
             self.consts, self.fwd_consts, self.loads, self.fwd_loads = (), (), (), ()
         else:
             expr = _guard_kv_padding(mod.expr, shape.skv)
-            if options.fold_scale:  # a constant factor on every use of the score joins attn_scale
+            # A constant factor on every use of the score joins attn_scale. Not
+            # for a mod with its own derivative rules: canonical() keeps values
+            # only, so folding would differentiate the bare values (softplus'(0)
+            # came out 0 instead of 0.5 on the H200).
+            if options.fold_scale and not rules.has_custom_derivatives(expr):
                 expr, factor = rules.fold_scale(rules.canonical(expr))
                 graph_scale = scale * factor
             self.fwd, self.bwd = rules.forward_and_backward(expr)

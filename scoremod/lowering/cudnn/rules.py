@@ -286,6 +286,13 @@ def forward_and_backward(expr: Node) -> tuple[Node, Node]:
     return fwd, canonical(bwd)
 
 
+def has_custom_derivatives(expr: Node) -> bool:
+    """Whether ``expr`` holds a value with its own derivative rule (``with_grad``,
+    from a ``jax.custom_jvp`` function): it must be differentiated before
+    :func:`canonical`, which keeps the value alone."""
+    return any(n.op == WITH_GRAD for n in ir.toposort(expr, stop=lambda n: n.op in INPUT_TENSORS))
+
+
 def fold_scale(expr: Node) -> tuple[Node, float]:
     """``(expr', c)`` with ``expr(score) == expr'(score * c)`` when every use of
     the score in ``expr`` (canonical form) is ``score * c`` or ``score / (1/c)``
