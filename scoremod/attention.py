@@ -88,7 +88,8 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         other = registry.operand_gradients()
         fallback = (other, other.plan(problem, mod, scale, options, True))
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
-    o, lse = run(backend, plan, query, key, value, operands, fallback=fallback)
+    o, lse = run(backend, plan, query, key, value, operands, problem=problem, options=options,
+                 return_lse=return_lse, fallback=fallback)
     return (o, lse) if return_lse else o
 
 

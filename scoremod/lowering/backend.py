@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from scoremod.errors import CudnnUnavailableError, ScoreModError
+from scoremod.lowering import sharding
 
 
 class Backend:
@@ -72,24 +73,40 @@ class Backend:
 class _Static:
     """The custom_vjp's static argument: a fused backend, its plan, and the
     (backend, plan) that computes operand gradients when the user allowed a
-    fallback (None: such gradients are refused)."""
+    fallback (None: such gradients are refused); with what it takes to plan
+    the same call on other shapes (a device's shard, a vmapped batch)."""
 
     backend: Backend
     plan: object
     fallback: tuple | None
+    problem: object  # the Problem ``plan`` was made for
+    options: object
+    return_lse: bool
+
+    def replanned(self, problem, mod) -> "_Static":
+        """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod)."""
+        plan = self.backend.plan(problem, mod, self.plan.scale, self.options, self.return_lse)
+        return dataclasses.replace(self, plan=plan, fallback=None, problem=problem)
 
 
-def run(backend: Backend, plan, q, k, v, operands, *, fallback=None):
+def run(backend: Backend, plan, q, k, v, operands, *, problem, options, return_lse,
+        fallback=None):
     """``(O, LSE)`` of ``plan`` on ``backend``, differentiable in q, k, v
-    (and in the operands where ``backend`` or the ``fallback`` computes them)."""
+    (and in the operands where ``backend`` or the ``fallback`` computes them).
+
+    A fused backend's calls go through ``lowering.sharding``, which partitions
+    them over the devices the arrays are sharded on and batches them under
+    ``jax.vmap``; ``problem``, ``options`` and ``return_lse`` (those the plan
+    was made with) let it plan the same call on other shapes."""
     if backend.differentiable:
         return backend.forward(plan, q, k, v, operands)
-    return _fused(_Static(backend, plan, fallback), q, k, v, operands)
+    static = _Static(backend, plan, fallback, problem, options, bool(return_lse))
+    return _fused(static, q, k, v, operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(static, q, k, v, operands):
-    return static.backend.forward(static.plan, q, k, v, operands)
+    return sharding.forward(static, q, k, v, operands)
 
 
 def _names(plan):
@@ -119,7 +136,7 @@ def _fused_fwd(static, q, k, v, operands):
             f"{static.backend.title} (it returns dQ, dK, dV only). Use implementation=\"xla\" to "
             "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
         )
-    o, lse = static.backend.forward(plan, q, k, v, operands)
+    o, lse = sharding.forward(static, q, k, v, operands)
     return (o, lse), (q, k, v, o, lse, operands)
 
 
@@ -138,7 +155,7 @@ def _fused_bwd(static, res, cts):
         )
     if isinstance(do, SymbolicZero):
         do = jnp.zeros(o.shape, o.dtype)
-    dq, dk, dv = static.backend.backward(static.plan, q, k, v, o, lse, do, operands)
+    dq, dk, dv = sharding.backward(static, q, k, v, o, lse, do, operands)
     return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
 
 
