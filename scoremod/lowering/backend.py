@@ -100,8 +100,35 @@ def run(backend: Backend, plan, q, k, v, operands, *, problem, options, return_l
     was made with) let it plan the same call on other shapes."""
     if backend.differentiable:
         return backend.forward(plan, q, k, v, operands)
+    if _forward_mode((q, k, v, operands)):
+        return _forward_mode_fallback(backend, fallback, q, k, v, operands)
     static = _Static(backend, plan, fallback, problem, options, bool(return_lse))
     return _fused(static, q, k, v, operands)
+
+
+def _forward_mode(arrays) -> bool:
+    """Whether ``arrays`` carry forward-mode tangents (``jax.jvp`` traces this call).
+
+    JAX has no public test for it; its JVP tracer type is the one that says so
+    (``jax.grad`` and ``jax.linearize`` trace with another)."""
+    from jax._src.interpreters import ad
+
+    return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(arrays))
+
+
+def _forward_mode_fallback(backend, fallback, q, k, v, operands):
+    """``jax.jvp`` of a fused call: a fused backward gives no tangents, so the
+    reference path runs the call where the user allowed it (implementation=None)."""
+    if fallback is None:
+        raise backend.error(
+            f"{backend.title} has no forward-mode derivative (jax.jvp): it computes "
+            "reverse-mode gradients only. Use implementation=None (falls back to the reference "
+            "path, with a warning) or implementation=\"xla\" for jax.jvp, or jax.grad / jax.vjp.")
+    other, other_plan = fallback
+    warnings.warn(f"scoremod: jax.jvp needs forward-mode derivatives, which {backend.title} does "
+                  f"not compute; implementation=None falls back to {other.title} for this call "
+                  "(O(S^2) memory).", stacklevel=4)
+    return other.forward(other_plan, q, k, v, operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
