@@ -330,11 +330,13 @@ def cached(key, build):
             _stats["misses"] += 1
         try:
             built = build()
-        finally:
+        except BaseException:
             with _lock:
                 _building.pop(key, None)
+            raise
         with _lock:
             _cache[key] = built
+            _building.pop(key, None)
             _stats["builds"] += 1
             _stats["build_seconds"] += built.seconds
             log.info("built cuDNN %s graph in %.2f s (plan %s)", key[0], built.seconds, built.plan)
