@@ -43,9 +43,6 @@ from scoremod.dsl.scoremod import ScoreMod
 from scoremod.errors import ScoreModError
 from scoremod.lowering.problem import AXES, Problem
 
-# The factor of the Shardy rule for each axis of q [b, s, h, d], k [b, t, k, d],
-# v [b, t, k, e]; query heads are the compound (k g) when grouped (GQA).
-_INDEX_FACTOR = {"b": "b", "h": "h", "q_idx": "s", "kv_idx": "t"}
 
 
 class ShardingError(ScoreModError):
@@ -169,9 +166,12 @@ def _layout(kind, problem: Problem):
 def _rule(kind, static, mesh, value_types, result_types):
     """The Shardy rule: einsum-like factors of every argument and result."""
     problem = static.problem
+    # Query heads and key/value heads are one factor without grouping; with it,
+    # two (a compound (k g) lets Shardy split one mesh axis across k and g, a
+    # sharding no PartitionSpec can name): the partition makes them agree.
     groups = problem.hq // problem.hkv
-    heads = "(k g)" if groups > 1 else "k"
-    letters = {"b": "b", "q_idx": "s", "kv_idx": "t", "h": heads, "hkv": "k"}
+    letters = {"b": "b", "q_idx": "s", "kv_idx": "t", "h": "h" if groups > 1 else "k",
+               "hkv": "k"}
     args, results = _layout(kind, problem)
     replicate = set()
 
@@ -208,8 +208,6 @@ def _rule(kind, static, mesh, value_types, result_types):
     order = list(dict.fromkeys(rule.replace("(", " ").replace(")", " ").replace(",", " ")
                                .replace("->", " ").split()))
     kw = {"need_replication_factors": tuple(f for f in order if f in replicate)}
-    if groups > 1:
-        kw["g"] = groups
     del mesh, value_types, result_types
     return rule, kw
 
