@@ -13,7 +13,7 @@ from scoremod import ScoreModError
 from scoremod.dsl.evaluate import evaluate
 from scoremod.lowering import registry
 from scoremod.lowering.sharding import fold_batch
-from tests.test_sharding import STANDIN, StandIn  # noqa: F401  (the stand-in kernel)
+from tests.test_sharding import STANDIN, StandIn  # the stand-in kernel
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -105,6 +105,34 @@ def test_fold_batch_means_the_same_mod():
         want = evaluate(mod.expr, dict(grids, b=jnp.arange(B)[:, None, None]), values)
         np.testing.assert_allclose(got[n * B:(n + 1) * B], np.broadcast_to(want, (B, 3, 4)),
                                    rtol=1e-6)
+
+
+class NoRemainder(StandIn):
+    """A stand-in that cannot compute an integer remainder (the folded b % B)."""
+
+    name = "standin-norem"
+
+    def why_not(self, problem, mod, automatic):
+        if mod is not None and "%" in str(mod):
+            return "it has no integer remainder"
+        return None
+
+
+def test_vmap_a_backend_cannot_fold_is_refused_clearly():
+    registry.register(NoRemainder())
+    try:
+        q, k, v = _arrays((N, B, S, H, D), 8)
+        uses_b = scoremod.trace(lambda s, b, h, qi, ki: s + 0.5 * b)
+        f = jax.vmap(lambda q, k, v: scoremod.attention(q, k, v, uses_b,
+                                                        implementation="standin-norem"))
+        with pytest.raises(ScoreModError, match=r"under jax.vmap.*no integer remainder"):
+            f(q, k, v)
+        # A mod without b folds without a remainder.
+        plain = scoremod.trace(lambda s, b, h, qi, ki: s * 0.5)
+        jax.vmap(lambda q: scoremod.attention(q, k[0], v[0], plain,
+                                              implementation="standin-norem"))(q)
+    finally:
+        registry.unregister("standin-norem")
 
 
 # --- forward mode ------------------------------------------------------------

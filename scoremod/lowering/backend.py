@@ -83,8 +83,14 @@ class _Static:
     options: object
     return_lse: bool
 
-    def replanned(self, problem, mod) -> "_Static":
-        """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod)."""
+    def replanned(self, problem, mod, why: str) -> "_Static":
+        """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod);
+        ``why`` (e.g. "under jax.vmap") explains a refusal of the new call."""
+        reason = self.backend.why_not(problem, mod, automatic=False)
+        if reason is not None:
+            raise self.backend.error(
+                f"{self.backend.title} cannot run this call {why}: {reason}. Use "
+                "implementation=\"xla\" for it.")
         plan = self.backend.plan(problem, mod, self.plan.scale, self.options, self.return_lse)
         return dataclasses.replace(self, plan=plan, fallback=None, problem=problem)
 

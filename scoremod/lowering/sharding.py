@@ -24,7 +24,7 @@ forward and backward calls
   still the index within one example (see :func:`fold_batch`).
 
 Both rules re-plan the call for the new shapes through the backend
-(``static.replanned(problem, mod)``), so they hold for any fused backend.
+(``static.replanned(problem, mod, why)``), so they hold for any fused backend.
 """
 
 from __future__ import annotations
@@ -40,13 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from scoremod.dsl import ir, ops
 from scoremod.dsl.ir import I32
 from scoremod.dsl.scoremod import ScoreMod
-from scoremod.errors import ScoreModError
 from scoremod.lowering.problem import AXES, Problem
-
-
-
-class ShardingError(ScoreModError):
-    """A sharded or vmapped call the sharding layer cannot run correctly."""
 
 
 # --------------------------------------------------------------------------- #
@@ -208,7 +202,7 @@ def _rule(kind, static, mesh, value_types, result_types):
     order = list(dict.fromkeys(rule.replace("(", " ").replace(")", " ").replace(",", " ")
                                .replace("->", " ").split()))
     kw = {"need_replication_factors": tuple(f for f in order if f in replicate)}
-    del mesh, value_types, result_types
+    del mesh, value_types, result_types  # the static call knows the shapes
     return rule, kw
 
 
@@ -231,8 +225,10 @@ def _decide(static, mesh, spec_q):
 
 
 def _partition(kind, static, mesh, arg_shapes, result_shape):
+    """custom_partitioning's callback: the shardings the call runs on (XLA
+    reshards the arguments to them) and the per-device computation."""
+    del result_shape  # the shardings follow from the arguments'
     p = static.problem
-    n = _operand_arrays(kind)
     flat = jax.tree.leaves(arg_shapes)
     bax, hax, sax = _decide(static, mesh, _spec(flat[0].sharding, 4))
     entry = {"b": bax, "h": hax, "hkv": hax, "q_idx": sax, "kv_idx": None, "d": None}
@@ -257,7 +253,6 @@ def _partition(kind, static, mesh, arg_shapes, result_shape):
     result_shardings = tuple(named(r) for r in results)
     lower = functools.partial(_lower, kind, static, keep, {"b": bax, "h": hax, "q_idx": sax},
                               mesh)
-    del n, result_shape
     return mesh, lower, result_shardings, tuple(arg_shardings)
 
 
@@ -265,9 +260,7 @@ def _lower(kind, static, keep, sharded, mesh, *arrays):
     """The per-device computation: the plan of this device's block, with the
     mod's indices shifted to this device's start (one branch per shard)."""
     n = _operand_arrays(kind)
-    q, k = arrays[0], arrays[1]
-    v = arrays[2]
-    local = Problem.of(q, k, v)
+    local = Problem.of(*arrays[:3])
     mod = static.plan.mod
     # Indices the mod uses as values on a sharded axis need the shard's start.
     used = _values_of(mod.expr, keep) if mod is not None else set()
@@ -281,9 +274,10 @@ def _lower(kind, static, keep, sharded, mesh, *arrays):
         for (name, _), i in zip(moving, position):
             starts[name] = i * extent[name]
         if mod is None or not moving:
-            sub = static.replanned(local, mod)
+            sub = static.replanned(local, mod, "on one device's shard")
         else:
-            sub = static.replanned(local, ScoreMod(shifted(mod.expr, starts, keep)))
+            sub = static.replanned(local, ScoreMod(shifted(mod.expr, starts, keep)),
+                                   "on one device's shard, with the mod's indices shifted")
         order = _order(mod, sub.plan.mod)
 
         def run(*arrays):
@@ -425,7 +419,8 @@ def _batched(kind, static):
         b = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
         mod, operands = fold_batch(static.plan.mod, arrays[m:], in_batched[m:], n, b)
         q, k, v = head[:3]
-        sub = static.replanned(Problem.of(q, k, v), mod)
+        sub = static.replanned(Problem.of(q, k, v), mod,
+                               "under jax.vmap (the mapped axes folded into the batch)")
         outs = _batched(kind, sub)(*head, *operands)
         outs = jax.tree.map(lambda x: _unfold(x, n), outs)
         return outs, jax.tree.map(lambda _: True, outs)
