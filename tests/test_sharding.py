@@ -218,7 +218,10 @@ def test_heads_that_do_not_divide_are_gathered():
 DOCS = jnp.asarray(np.repeat(np.array([[0, 0, 1, 1, 1, 2, 3, 3], [0, 1, 1, 1, 2, 2, 2, 2],
                                        [0, 0, 0, 0, 0, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7]]),
                              8, axis=1), jnp.int32)
+QPOS = jnp.linspace(-1.0, 1.0, 64)  # read at q_idx directly: sharded with the queries
+KPOS = jnp.linspace(0.5, -0.5, 64)  # read at kv_idx directly: gathered with the keys
 CONTEXT_MODS = {
+    "positions": lambda s, b, h, q, k: jnp.where(q >= k, s + QPOS[q] * KPOS[k], -jnp.inf),
     "causal": lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf),
     "sliding_window": lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 20), s, -jnp.inf),
     "document": lambda s, b, h, q, k: jnp.where((DOCS[b, q] == DOCS[b, k]) & (q >= k), s,
