@@ -192,3 +192,19 @@ def test_jvp_and_linearize_on_the_reference_path():
     _close((y2, lin(v)), (y, t))
     eps = 1e-3  # and the tangent is the derivative
     _close(t, (f(q + eps * v) - f(q - eps * v)) / (2 * eps), tol=1e-3)
+
+
+def test_per_example_gradients():
+    """vmap of grad (the custom_vjp traced under the batching trace)."""
+    q = jax.random.normal(jax.random.PRNGKey(9), (3, B, S, H, D))
+    tables = jax.random.normal(jax.random.PRNGKey(10), (3, H))
+
+    def loss(impl):
+        def f(q, table):
+            mod = lambda s, b, h, i, j: jnp.where(i >= j, s + table[h] + b, -jnp.inf)  # noqa: E731
+            return jnp.sum(jnp.sin(scoremod.attention(q, q, q, mod, implementation=impl)))
+        return f
+
+    got = jax.jit(jax.vmap(jax.grad(loss("standin"))))(q, tables)
+    want = jax.jit(jax.vmap(jax.grad(loss("xla"))))(q, tables)
+    _close(got, want)
