@@ -55,6 +55,12 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     A query row whose scores are all ``-inf`` (fully masked) yields an output
     of zeros, an LSE of ``-inf`` and zero gradients.
 
+    Under ``jax.jit`` with sharded inputs, a fused call runs per device on its
+    batch and head shards (queries sharded along the sequence attend to the
+    gathered keys), and the mod sees global indices; ``jax.vmap`` folds mapped
+    axes into the batch; ``jax.jvp`` of a fused call uses the reference path
+    when ``implementation=None`` (see ``lowering/sharding.py``).
+
         >>> import jax, jax.numpy as jnp, scoremod
         >>> q = k = v = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
         >>> causal = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf)
@@ -91,7 +97,8 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         other = registry.operand_gradients()
         fallback = (other, other.plan(problem, mod, scale, options, True))
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
-    o, lse = run(backend, plan, query, key, value, operands, fallback=fallback)
+    o, lse = run(backend, plan, query, key, value, operands, problem=problem, options=options,
+                 return_lse=return_lse, fallback=fallback)
     return (o, lse) if return_lse else o
 
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from scoremod.errors import CudnnUnavailableError, ScoreModError
+from scoremod.lowering import sharding
 
 
 class Backend:
@@ -73,24 +74,73 @@ class Backend:
 class _Static:
     """The custom_vjp's static argument: a fused backend, its plan, and the
     (backend, plan) that computes operand gradients when the user allowed a
-    fallback (None: such gradients are refused)."""
+    fallback (None: such gradients are refused); with what it takes to plan
+    the same call on other shapes (a device's shard, a vmapped batch)."""
 
     backend: Backend
     plan: object
     fallback: tuple | None
+    problem: object  # the Problem ``plan`` was made for
+    options: object
+    return_lse: bool
+
+    def replanned(self, problem, mod, why: str) -> "_Static":
+        """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod);
+        ``why`` (e.g. "under jax.vmap") explains a refusal of the new call."""
+        reason = self.backend.why_not(problem, mod, automatic=False)
+        if reason is not None:
+            raise self.backend.error(
+                f"{self.backend.title} cannot run this call {why}: {reason}. Use "
+                "implementation=\"xla\" for it.")
+        plan = self.backend.plan(problem, mod, self.plan.scale, self.options, self.return_lse)
+        return dataclasses.replace(self, plan=plan, fallback=None, problem=problem)
 
 
-def run(backend: Backend, plan, q, k, v, operands, *, fallback=None):
+def run(backend: Backend, plan, q, k, v, operands, *, problem, options, return_lse,
+        fallback=None):
     """``(O, LSE)`` of ``plan`` on ``backend``, differentiable in q, k, v
-    (and in the operands where ``backend`` or the ``fallback`` computes them)."""
+    (and in the operands where ``backend`` or the ``fallback`` computes them).
+
+    A fused backend's calls go through ``lowering.sharding``, which partitions
+    them over the devices the arrays are sharded on and batches them under
+    ``jax.vmap``; ``problem``, ``options`` and ``return_lse`` (those the plan
+    was made with) let it plan the same call on other shapes."""
     if backend.differentiable:
         return backend.forward(plan, q, k, v, operands)
-    return _fused(_Static(backend, plan, fallback), q, k, v, operands)
+    if _forward_mode((q, k, v, operands)):
+        return _forward_mode_fallback(backend, fallback, q, k, v, operands)
+    static = _Static(backend, plan, fallback, problem, options, bool(return_lse))
+    return _fused(static, q, k, v, operands)
+
+
+def _forward_mode(arrays) -> bool:
+    """Whether ``arrays`` carry forward-mode tangents (``jax.jvp`` traces this call).
+
+    JAX has no public test for it; its JVP tracer type is the one that says so
+    (``jax.grad`` and ``jax.linearize`` trace with another)."""
+    from jax._src.interpreters import ad
+
+    return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(arrays))
+
+
+def _forward_mode_fallback(backend, fallback, q, k, v, operands):
+    """``jax.jvp`` of a fused call: a fused backward gives no tangents, so the
+    reference path runs the call where the user allowed it (implementation=None)."""
+    if fallback is None:
+        raise backend.error(
+            f"{backend.title} has no forward-mode derivative (jax.jvp): it computes "
+            "reverse-mode gradients only. Use implementation=None (falls back to the reference "
+            "path, with a warning) or implementation=\"xla\" for jax.jvp, or jax.grad / jax.vjp.")
+    other, other_plan = fallback
+    warnings.warn(f"scoremod: jax.jvp needs forward-mode derivatives, which {backend.title} does "
+                  f"not compute; implementation=None falls back to {other.title} for this call "
+                  "(O(S^2) memory).", stacklevel=4)
+    return other.forward(other_plan, q, k, v, operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(static, q, k, v, operands):
-    return static.backend.forward(static.plan, q, k, v, operands)
+    return sharding.forward(static, q, k, v, operands)
 
 
 def _names(plan):
@@ -120,7 +170,7 @@ def _fused_fwd(static, q, k, v, operands):
             f"{static.backend.title} (it returns dQ, dK, dV only). Use implementation=\"xla\" to "
             "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
         )
-    o, lse = static.backend.forward(plan, q, k, v, operands)
+    o, lse = sharding.forward(static, q, k, v, operands)
     return (o, lse), (q, k, v, o, lse, operands)
 
 
@@ -139,7 +189,7 @@ def _fused_bwd(static, res, cts):
         )
     if isinstance(do, SymbolicZero):
         do = jnp.zeros(o.shape, o.dtype)
-    dq, dk, dv = static.backend.backward(static.plan, q, k, v, o, lse, do, operands)
+    dq, dk, dv = sharding.backward(static, q, k, v, o, lse, do, operands)
     return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
 
 

@@ -315,29 +315,45 @@ def backend_version() -> int:
 
 _lock = threading.Lock()
 _cache: dict = {}
+_building: dict = {}  # key -> the lock held while one thread builds that graph
 _stats = {"hits": 0, "misses": 0, "builds": 0, "build_seconds": 0.0}
 
 
 def cached(key, build):
-    """Return the cached graph for ``key``, building it once."""
+    """Return the cached graph for ``key``, building it once (threads tracing
+    the same call at once, one per device say, wait for one build)."""
     with _lock:
         hit = _cache.get(key)
         if hit is not None:
             _stats["hits"] += 1
             return hit
-        _stats["misses"] += 1
-    built = plan_store.fetch(key, Built)  # a graph an earlier process built (warm start)
-    fresh = built is None
-    if fresh:
-        built = build()
-        plan_store.store(key, built)
-    with _lock:
-        _cache.setdefault(key, built)
-        if fresh:
-            _stats["builds"] += 1
-            _stats["build_seconds"] += built.seconds
-            log.info("built cuDNN %s graph in %.2f s (plan %s)", key[0], built.seconds, built.plan)
-        return _cache[key]
+        gate = _building.setdefault(key, threading.Lock())
+    with gate:  # one build per key: threads tracing the same call wait for it
+        with _lock:
+            hit = _cache.get(key)
+            if hit is not None:
+                _stats["hits"] += 1
+                return hit
+            _stats["misses"] += 1
+        try:
+            built = plan_store.fetch(key, Built)  # a graph an earlier process built (warm start)
+            fresh = built is None
+            if fresh:
+                built = build()
+                plan_store.store(key, built)
+        except BaseException:
+            with _lock:
+                _building.pop(key, None)
+            raise
+        with _lock:
+            _cache[key] = built
+            _building.pop(key, None)
+            if fresh:
+                _stats["builds"] += 1
+                _stats["build_seconds"] += built.seconds
+                log.info("built cuDNN %s graph in %.2f s (plan %s)", key[0], built.seconds,
+                         built.plan)
+            return built
 
 
 def cache_info() -> dict:

@@ -1,0 +1,210 @@
+"""vmap and forward-mode differentiation of attention, on the reference path and
+on the fused path's route (a stand-in kernel behind the custom_vjp)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scoremod
+from scoremod import ScoreModError
+from scoremod.dsl.evaluate import evaluate
+from scoremod.lowering import registry
+from scoremod.lowering.sharding import fold_batch
+from tests.test_sharding import STANDIN, StandIn  # the stand-in kernel
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _registered():
+    registry.register(STANDIN)
+    yield
+    registry.unregister(STANDIN.name)
+
+
+N, M, B, S, H, D = 2, 3, 2, 16, 2, 8
+
+
+def _arrays(shape, seed):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return [jax.random.normal(key, shape) for key in ks]
+
+
+def _close(got, want, tol=1e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape
+        assert np.max(np.abs(g - w)) <= tol * (1 + np.max(np.abs(w))), np.max(np.abs(g - w))
+
+
+def _per_example_mod(bias, scale):
+    """A mod of arrays that may be vmapped: a [b, h] table and a scalar."""
+    return lambda s, b, h, q, k: jnp.where(q >= k, s * scale + bias[b, h] + 0.3 * b, -jnp.inf)
+
+
+@pytest.mark.parametrize("impl", ["xla", "standin"])
+def test_nested_vmap_with_per_example_operands(impl):
+    """Two vmapped axes fold into the batch; arrays captured per example (vmapped
+    along the outer axis) and shared ones, read at b directly or not, all keep
+    their meaning, and b stays the index within one example."""
+    q, k, v = _arrays((N, M, B, S, H, D), 0)
+    bias = jax.random.normal(jax.random.PRNGKey(1), (N, B, H))
+    scale = jnp.asarray([1.0, 0.5])
+    shared = jnp.asarray([0.0, 2.0])
+
+    def one(q, k, v, bias, scale, impl=impl):
+        mod = lambda s, b, h, qi, ki: _per_example_mod(bias, scale)(s, b, h, qi, ki) + shared[b]  # noqa: E731,E501
+        return scoremod.attention(q, k, v, mod, implementation=impl)
+
+    def loss(q, k, v, impl=impl):
+        inner = jax.vmap(lambda *a: one(*a, impl=impl), in_axes=(0, 0, 0, None, None))
+        out = jax.vmap(inner)(q, k, v, bias, scale)
+        return jnp.sum(jnp.sin(out))
+
+    # The definition: a Python loop over the examples on the reference path.
+    ref = jax.jit(lambda *a: one(*a, impl="xla"))
+    want_out = jnp.stack([jnp.stack([ref(q[i, j], k[i, j], v[i, j], bias[i], scale[i])
+                                     for j in range(M)]) for i in range(N)])
+    got_out = jax.jit(lambda *a: jax.vmap(jax.vmap(lambda *b: one(*b), in_axes=(0, 0, 0, None, None)))(
+        *a, bias, scale))(q, k, v)
+    _close(got_out, want_out)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(*a, impl="xla"), argnums=(0, 1, 2)))(q, k, v)
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    _close(got, want)
+
+
+def test_vmap_of_unbatched_keys_and_lse():
+    """Only the queries vmapped: keys and values broadcast; the LSE unfolds too."""
+    q, _, _ = _arrays((N, B, S, H, D), 2)
+    _, k, v = _arrays((B, S, H, D), 3)
+    mod = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf))
+    f = lambda impl: jax.vmap(lambda q: scoremod.attention(  # noqa: E731
+        q, k, v, mod, implementation=impl, return_lse=True))
+    _close(jax.jit(f("standin"))(q), jax.jit(f("xla"))(q))
+
+
+def test_fold_batch_means_the_same_mod():
+    """The folded mod at the folded batch index equals the mod of each example."""
+    tables = jax.random.normal(jax.random.PRNGKey(4), (N, B, 3))  # vmapped, read at [b, h]
+    scalars = jnp.asarray([3.0, -1.0])  # vmapped, a scalar per example
+    rows = jnp.asarray([5.0, 7.0])  # shared, read at b
+    table0, scalar0 = tables[0], scalars[0]
+    mod = scoremod.trace(lambda s, b, h, q, k: s * scalar0 + table0[b, h] + rows[b] + b * q)
+    by_shape = {(B, 3): (tables, True), (): (scalars, True), (B,): (rows, False)}
+    kinds = [by_shape[node.attr[1]] for node in mod.operand_nodes]
+    folded, folded_operands = fold_batch(mod, [x for x, _ in kinds], [m for _, m in kinds], N, B)
+    grids = {"score": jnp.float32(1.5), "h": jnp.arange(3)[None, :, None],
+             "q_idx": jnp.arange(4)[None, None, :]}
+    got = evaluate(folded.expr, dict(grids, b=jnp.arange(N * B)[:, None, None]),
+                   dict(zip(folded.operand_names, folded_operands)))
+    got = np.broadcast_to(got, (N * B, 3, 4))
+    for n in range(N):
+        values = {name: x[n] if mapped else x
+                  for name, (x, mapped) in zip(mod.operand_names, kinds)}
+        want = evaluate(mod.expr, dict(grids, b=jnp.arange(B)[:, None, None]), values)
+        np.testing.assert_allclose(got[n * B:(n + 1) * B], np.broadcast_to(want, (B, 3, 4)),
+                                   rtol=1e-6)
+
+
+class NoRemainder(StandIn):
+    """A stand-in that cannot compute an integer remainder (the folded b % B)."""
+
+    name = "standin-norem"
+
+    def why_not(self, problem, mod, automatic):
+        if mod is not None and "%" in str(mod):
+            return "it has no integer remainder"
+        return None
+
+
+def test_vmap_a_backend_cannot_fold_is_refused_clearly():
+    registry.register(NoRemainder())
+    try:
+        q, k, v = _arrays((N, B, S, H, D), 8)
+        uses_b = scoremod.trace(lambda s, b, h, qi, ki: s + 0.5 * b)
+        f = jax.vmap(lambda q, k, v: scoremod.attention(q, k, v, uses_b,
+                                                        implementation="standin-norem"))
+        with pytest.raises(ScoreModError, match=r"under jax.vmap.*no integer remainder"):
+            f(q, k, v)
+        # A mod without b folds without a remainder.
+        plain = scoremod.trace(lambda s, b, h, qi, ki: s * 0.5)
+        jax.vmap(lambda q: scoremod.attention(q, k[0], v[0], plain,
+                                              implementation="standin-norem"))(q)
+    finally:
+        registry.unregister("standin-norem")
+
+
+# --- forward mode ------------------------------------------------------------
+
+def _mod():
+    return scoremod.trace(lambda s, b, h, qi, ki: jnp.where(qi >= ki, 5 * jnp.tanh(s / 5),
+                                                            -jnp.inf))
+
+
+class Automatic(StandIn):
+    """The stand-in as implementation=None's first choice (as cuDNN on a GPU)."""
+
+    name = "standin-auto"
+
+    def why_not(self, problem, mod, automatic):
+        return None
+
+
+def test_jvp_with_automatic_choice_falls_back_with_a_warning():
+    registry.register(Automatic(), before="xla")
+    try:
+        q, k, v = _arrays((B, S, H, D), 5)
+        mod = _mod()
+        f = lambda impl: lambda q, k, v: scoremod.attention(q, k, v, mod, implementation=impl)  # noqa: E731,E501
+        assert scoremod.which_implementation(q, k, v, mod)[0] == "standin-auto"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = jax.jvp(f(None), (q, k, v), (v, q, k))
+            got_jit = jax.jit(lambda *a: jax.jvp(f(None), a[:3], a[3:]))(q, k, v, v, q, k)
+        assert any("jax.jvp" in str(w.message) and "falls back" in str(w.message)
+                   for w in caught), [str(w.message) for w in caught]
+        want = jax.jvp(f("xla"), (q, k, v), (v, q, k))
+        _close(got, want)
+        _close(got_jit, want)
+        # Reverse mode still takes the fused route, without a warning.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _close(jax.grad(lambda q: jnp.sum(f(None)(q, k, v)))(q),
+                   jax.grad(lambda q: jnp.sum(f("xla")(q, k, v)))(q))
+    finally:
+        registry.unregister("standin-auto")
+
+
+def test_jvp_of_a_fused_backend_asked_by_name_is_refused():
+    q, k, v = _arrays((B, S, H, D), 6)
+    mod = _mod()
+    with pytest.raises(ScoreModError, match=r"forward-mode.*implementation=None.*\"xla\""):
+        jax.jvp(lambda q: scoremod.attention(q, k, v, mod, implementation="standin"), (q,), (q,))
+
+
+def test_jvp_and_linearize_on_the_reference_path():
+    q, k, v = _arrays((B, S, H, D), 7)
+    mod = _mod()
+    f = lambda q: scoremod.attention(q, k, v, mod, implementation="xla")  # noqa: E731
+    y, t = jax.jvp(f, (q,), (v,))
+    y2, lin = jax.linearize(f, q)
+    _close((y2, lin(v)), (y, t))
+    eps = 1e-3  # and the tangent is the derivative
+    _close(t, (f(q + eps * v) - f(q - eps * v)) / (2 * eps), tol=1e-3)
+
+
+def test_per_example_gradients():
+    """vmap of grad (the custom_vjp traced under the batching trace)."""
+    q = jax.random.normal(jax.random.PRNGKey(9), (3, B, S, H, D))
+    tables = jax.random.normal(jax.random.PRNGKey(10), (3, H))
+
+    def loss(impl):
+        def f(q, table):
+            mod = lambda s, b, h, i, j: jnp.where(i >= j, s + table[h] + b, -jnp.inf)  # noqa: E731
+            return jnp.sum(jnp.sin(scoremod.attention(q, q, q, mod, implementation=impl)))
+        return f
+
+    got = jax.jit(jax.vmap(jax.grad(loss("standin"))))(q, tables)
+    want = jax.jit(jax.vmap(jax.grad(loss("xla"))))(q, tables)
+    _close(got, want)
