@@ -142,10 +142,11 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
         >>> q = jnp.ones((1, 8, 2, 64), jnp.float32)
         >>> choice = scoremod.which_implementation(q, q, q)
         >>> choice[0], list(choice.verdicts)
-        ('xla', ['cudnn', 'xla'])
+        ('xla', ['cudnn-varlen', 'cudnn', 'xla'])
 
-    ``reason`` says why the first backend in the registry's order (the fused
-    path) is not taken (None when it is); ``verdicts`` maps every registered
+    ``reason`` says why the backend tried just before the chosen one is not
+    taken (for an ``"xla"`` choice, why the fused cuDNN path is not; None
+    when the first backend is taken); ``verdicts`` maps every registered
     backend to its reason for refusing this call, or None when it could run
     it. Only the IR and the shapes are looked at; nothing is compiled or run.
     """
@@ -153,9 +154,11 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     problem = check_inputs(query, key, value)
     verdicts = {b.name: b.why_not(problem, mod, automatic=True) for b in registry.backends()}
+    names = list(verdicts)
     chosen = next((name for name, reason in verdicts.items() if reason is None), None)
-    first = next(iter(verdicts))
-    return Choice(chosen, verdicts[first] if chosen != first else None, verdicts)
+    # The reason names the backend tried just before the chosen one (the last refusal).
+    at = names.index(chosen) if chosen is not None else len(names)
+    return Choice(chosen, verdicts[names[at - 1]] if at else None, verdicts)
 
 
 def check_implementation(implementation) -> None:

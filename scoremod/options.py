@@ -45,6 +45,10 @@ class LoweringOptions:
         (batch 4, 16 heads): 8 blocks beat 4 by 6-9% forward.
       fold_scale: a constant factor of the score on every use (softcap's
         ``score / 30``) joins cuDNN's attn_scale, where it costs nothing.
+      max_segments: segment (packed-document) masks run as ragged sequences,
+        at most this many per row (the slots every call pays for); a row with
+        more runs, or ids that are not increasing runs, takes the dense
+        route at run time (docs/guide.md, "Packed documents").
       sms: streaming multiprocessors the split's wave model assumes; None
         asks the device (132 where it cannot tell). Small values make small
         shapes split, as the tests do.
@@ -53,12 +57,13 @@ class LoweringOptions:
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, sms=None)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, max_segments=8, sms=None)
     """
 
     native_masks: bool = True
     split_blocks: int = 8
     fold_scale: bool = True
+    max_segments: int = 8
     sms: int | None = None
 
     def __post_init__(self):
@@ -69,6 +74,9 @@ class LoweringOptions:
         if not isinstance(self.split_blocks, int) or self.split_blocks < 0:
             raise ScoreModError("LoweringOptions.split_blocks must be a number of query blocks "
                                 f"(0: no split), got {self.split_blocks!r}")
+        if not isinstance(self.max_segments, int) or self.max_segments < 1:
+            raise ScoreModError("LoweringOptions.max_segments must be a positive number of "
+                                f"segments per row, got {self.max_segments!r}")
         if self.sms is not None and (not isinstance(self.sms, int) or self.sms < 1):
             raise ScoreModError(f"LoweringOptions.sms must be a positive int or None, got {self.sms!r}")
 
