@@ -101,7 +101,7 @@ def _choose(problem, mod):
         if reason is None:
             present = [r for b, r in passed if b.present()]
             if present:
-                _warn_once(backend, present[0])
+                _warn_once(backend, present[-1])  # the last refusal: the most general route
             return backend
         passed.append((backend, reason))
     raise ScoreModError("no implementation can run this call: "

@@ -52,7 +52,7 @@ def runs(seg: jax.Array, n: int):
     ``starts``, ``lengths`` and ``ids`` are ``[B, n]`` (slots past the row's
     run count start at S with length 0); ``count`` is the runs per row,
     ``rank[b, i]`` the run of token i (runs past ``n`` are dropped, which
-    ``count > n`` reveals).
+    ``count > n`` reveals; the first ``n`` are exact).
     """
     b, s = seg.shape
     start = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
@@ -60,10 +60,11 @@ def runs(seg: jax.Array, n: int):
     count = rank[:, -1] + 1
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
-    slot = jnp.where(start, rank, n)  # n: out of range, dropped
-    starts = jnp.full((b, n), s, jnp.int32).at[rows, slot].set(pos, mode="drop")
-    ends = jnp.concatenate([starts[:, 1:], jnp.full((b, 1), s, jnp.int32)], axis=1)
-    lengths = ends - starts
+    slot = jnp.where(start, rank, n + 1)  # n + 1: out of range, dropped
+    # One slot more than kept: the start of run n ends run n - 1.
+    bounds = jnp.full((b, n + 1), s, jnp.int32).at[rows, slot].set(pos, mode="drop")
+    starts = bounds[:, :n]
+    lengths = bounds[:, 1:] - starts
     run_ids = jnp.take_along_axis(seg, jnp.minimum(starts, s - 1), axis=1)
     return starts, lengths, run_ids, count, rank
 
@@ -115,6 +116,9 @@ def compute(segments, operands: dict, b: int, sq: int, skv: int, n: int) -> Layo
     q_len = jnp.where(kv_len == 0, 0, q_len)
     if segments.window is not None:  # causal window over truncated keys: a suffix sees none
         q_len = jnp.minimum(q_len, kv_len + segments.window - 1)
+    # A sequence without query rows has no keys either: its keys' gradients
+    # are zero, written by nobody (the backward starts dK, dV at zero).
+    kv_len = jnp.where(q_len == 0, 0, kv_len)
     covered = None
     if segments.pads_tokens:
         r = jnp.minimum(q_rank, n - 1)
@@ -147,10 +151,10 @@ class Ragged(NamedTuple):
 
 def ragged(layout: Layout, b, sq, skv, hq, hkv, d, dv) -> Ragged:
     rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    # Empty slots point at their row's end, so the offsets never decrease.
-    q_tok = (rows * sq + jnp.where(layout.q_len > 0, layout.q_start, sq)).reshape(-1)
+    # An empty slot starts where the sequence before it does: offsets never decrease.
+    q_tok = jnp.where(layout.q_len > 0, rows * sq + layout.q_start, rows * sq).reshape(-1)
     kv_tok = jnp.where(layout.kv_len > 0, rows * skv + layout.kv_start, rows * skv).reshape(-1)
-    kv_tok = jax.lax.cummax(kv_tok, axis=0)
+    q_tok, kv_tok = jax.lax.cummax(q_tok, axis=0), jax.lax.cummax(kv_tok, axis=0)
     q_tok = jnp.concatenate([q_tok, jnp.array([b * sq], jnp.int32)])
     kv_tok = jnp.concatenate([kv_tok, jnp.array([b * skv], jnp.int32)])
     return Ragged(q_tok * (hq * d), kv_tok * (hkv * d), kv_tok * (hkv * dv), q_tok * (hq * dv),
