@@ -62,6 +62,18 @@ class VarlenPlan:
         return (f"score_mod `{self.mod}` as ragged sequences (at most {self.max_segments} "
                 "per row) on cuDNN's variable-length attention")
 
+    def layout(self, operands) -> lay.Layout:
+        """The call's sequences and the run-time check, from the mod's operand values."""
+        s = self.shape
+        named = dict(zip(self.mod.operand_names, operands))
+        return lay.compute(self.segments, named, s.b, s.sq, s.skv, self.max_segments)
+
+    def ragged_inputs(self, layout: lay.Layout) -> list:
+        """What the ragged graphs read besides q, k, v (O, dO, stats), in their uid order
+        (``graph.RAGGED_UIDS``): the ragged offsets per layout, then the lengths."""
+        s = self.shape
+        return list(lay.ragged(layout, s.b, s.sq, s.skv, s.hq, s.hkv, s.d, s.dv))
+
     def forward_graph(self):
         return cg.cached(("varlen-forward", self.spec), lambda: build_forward(self.spec, self.describe))
 
@@ -111,15 +123,11 @@ class CudnnVarlen(Backend):
 
 
 def _layout(plan, operands):
-    s = plan.shape
-    named = dict(zip(plan.mod.operand_names, operands))
-    return lay.compute(plan.segments, named, s.b, s.sq, s.skv, plan.max_segments)
+    return plan.layout(operands)
 
 
 def _ragged(plan, layout):
-    s = plan.shape
-    r = lay.ragged(layout, s.b, s.sq, s.skv, s.hq, s.hkv, s.d, s.dv)
-    return [r.q, r.k, r.v, r.o, r.stats, r.seq_q, r.seq_kv]
+    return plan.ragged_inputs(layout)
 
 
 def _forward(plan, q, k, v, layout):
