@@ -353,7 +353,8 @@ def make_direct_varlen(plan, operands, shape, direction):
     layout = jax.jit(plan.layout)(tuple(operands))
     if not bool(layout.ok):
         raise NotApplicable("these ids take the dense route")
-    ragged = [_torch_view(x) for x in jax.jit(plan.ragged_inputs)(layout)]
+    arrays = jax.jit(plan.ragged_inputs)(layout)
+    ragged = [_torch_view(x) for x in arrays]
     b, s, h, d = shape.b, shape.s, shape.h, shape.d
     q, k, v, do = shape.torch_inputs()
     bufs = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
@@ -361,10 +362,11 @@ def make_direct_varlen(plan, operands, shape, direction):
             cg.UID_DQ: torch.empty_like(q), cg.UID_DK: torch.empty_like(k),
             cg.UID_DV: torch.empty_like(v), **dict(zip(RAGGED_UIDS, ragged))}
     fwd = _direct_runner(plan.forward_graph(), (), (), [], bufs, {})
+    keep = (bufs, arrays)  # the buffers the graphs' pointers name stay alive
     if direction == "fwd":
-        return (lambda: fwd()), "ragged sequences"
+        return (lambda keep=keep: fwd()), "ragged sequences"
     bwd = _direct_runner(plan.backward_graph(), (), (), [], bufs, {})
-    return (lambda: (fwd(), bwd())), "ragged sequences"
+    return (lambda keep=keep: (fwd(), bwd())), "ragged sequences"
 
 
 def make_direct(name, shape, direction):

@@ -16,7 +16,8 @@ two calls with different options never share a plan or a graph. A call takes
 ``attention(..., options=...)`` when given, else the innermost
 ``with lowering_options(...)``, else the defaults, which the environment
 variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS`` and
-``SCOREMOD_FOLD_SCALE`` set (read once, here and nowhere else).
+``SCOREMOD_FOLD_SCALE`` and ``SCOREMOD_MAX_SEGMENTS`` set (read once, here and
+nowhere else).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ _ENVIRONMENT = {
     "SCOREMOD_NATIVE_MASKS": ("native_masks", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_SPLIT_BLOCKS": ("split_blocks", int, "a number of query blocks (0: off)"),
     "SCOREMOD_FOLD_SCALE": ("fold_scale", bool, "0 (off) or 1 (on)"),
+    "SCOREMOD_MAX_SEGMENTS": ("max_segments", int, "a positive number of segments per row"),
 }
 
 
@@ -107,7 +109,7 @@ def defaults() -> LoweringOptions:
             continue
         try:
             value = int(text)
-            if value < 0 or (kind is bool and value > 1):
+            if value < (1 if field == "max_segments" else 0) or (kind is bool and value > 1):
                 raise ValueError
         except ValueError:
             raise ScoreModError(f"environment variable {name}={text!r}: expected {wanted}") from None

@@ -11,6 +11,7 @@
   semantics and leaves unwritten rows NaN (so a missing zero shows).
 """
 
+import dataclasses
 import sys
 import types
 
@@ -178,6 +179,27 @@ def numpy_ok(row, pads):
     """Every non-pad id one run, increasing along the row."""
     seen = [i for i, _, _ in [(r[2], 0, 0) for r in numpy_runs(list(row))] if i not in pads]
     return len(seen) == len(set(seen)) and seen == sorted(seen)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_runs_are_documents_matches_numpy(seed):
+    rng = np.random.default_rng(seed)
+    ids = random_ids(rng, 3, 30, int(rng.integers(1, 7)), pad=-1 if seed % 2 else None,
+                     shuffle=True)
+    if seed % 3 == 0:
+        ids[1, -4:] = ids[1, 0]  # the first document again
+    found = _rec(lambda s, b, h, q, k: jnp.where((SEG[b, q] == SEG[b, k]) & (SEG[b, k] != -1), s, NEG))
+    pads = {-1} if seed % 2 else set()
+    found = dataclasses.replace(found, pad_kv=-1 if pads else None)
+    for n in (3, 8):
+        got = bool(lay.runs_are_documents(found, {"c0": jnp.asarray(ids)}, 3, 30, n))
+        want = all(len(numpy_runs(list(r))) <= n and _one_run_each(r, pads) for r in ids)
+        assert got == want, (ids, n)
+
+
+def _one_run_each(row, pads):
+    seen = [r[2] for r in numpy_runs(list(row)) if r[2] not in pads]
+    return len(seen) == len(set(seen))
 
 
 def numpy_sequences(segments, ids_q, ids_kv, length, n):
@@ -477,9 +499,13 @@ BACKEND_CASES = {  # name: (ids [B, S] maker, mod maker, route)
     "reappearing_ids": (lambda rng: np.array([[0] * 10 + [1] * 10 + [0] * 28] * 2),
                         lambda ids: lambda s, b, h, q, k: jnp.where((ids[b, q] == ids[b, k]) & (q >= k), s, NEG),
                         "dense"),
-    "decreasing_ids": (lambda rng: np.array([[5] * 20 + [2] * 28] * 2),
+    "decreasing_ids": (lambda rng: np.array([[5] * 20 + [2] * 28] * 2),  # runs: the second check
                        lambda ids: lambda s, b, h, q, k: jnp.where(ids[b, q] == ids[b, k], s, NEG),
-                       "dense"),
+                       "varlen"),
+    "undeclared_zero_padding": (lambda rng: np.array([[1] * 20 + [2] * 20 + [0] * 8] * 2),
+                                lambda ids: lambda s, b, h, q, k: jnp.where(
+                                    (ids[b, q] == ids[b, k]) & (q >= k), s, NEG),
+                                "varlen"),
     "too_many_segments": (lambda rng: np.arange(48)[None].repeat(2, 0) // 4,
                           lambda ids: lambda s, b, h, q, k: jnp.where((ids[b, q] == ids[b, k]) & (q >= k), s, NEG),
                           "dense"),
@@ -507,6 +533,13 @@ def test_cross_attention_with_other_lengths(emulated, pad):
     mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(
         (ids_q[b, q] == ids_kv[b, k]) & (ids_kv[b, k] != -1), s, NEG))
     _check(mod, *_qkv(2, 40, 24, 4, 4, seed=2), emulated, "varlen")
+
+
+def test_cross_attention_with_decreasing_ids_takes_the_dense_route(emulated):
+    ids_q = jnp.asarray(np.array([[4] * 20 + [1] * 20] * 2), jnp.int32)
+    ids_kv = jnp.asarray(np.array([[4] * 10 + [1] * 14] * 2), jnp.int32)
+    mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(ids_q[b, q] == ids_kv[b, k], s, NEG))
+    _check(mod, *_qkv(2, 40, 24, 4, 4, seed=2), emulated, "dense")
 
 
 def test_bf16_and_jit(emulated):

@@ -46,7 +46,7 @@ def _ragged_only(mod, q, k, v, do, options):
     """The ragged graphs alone, whatever the run-time check would say."""
     plan = vb.CUDNN_VARLEN.plan(Problem.of(q, k, v), mod, 1 / np.sqrt(q.shape[-1]), options, True)
     assert plan.segments is not None, plan.describe()
-    layout = vb._layout(plan, mod.operands)
+    layout = plan.layout(mod.operands)
     o, lse = vb._forward(plan, q, k, v, layout)
     return (o, lse) + tuple(vb._backward(plan, q, k, v, o, lse, do, layout)), layout.ok
 
@@ -66,9 +66,13 @@ def _errors(got, want):
     return errs
 
 
-def check(mod, ids_ok, dtype=jnp.bfloat16, b=2, sq=512, skv=None, hq=4, hkv=2, d=64, seed=0,
+RAGGED, REORDERED, DENSE = "ragged", "reordered", "dense"
+
+
+def check(mod, route, dtype=jnp.bfloat16, b=2, sq=512, skv=None, hq=4, hkv=2, d=64, seed=0,
           options=None):
-    """Both ways against the reference; ``ids_ok``: whether the ids take the ragged route."""
+    """Both ways against the reference. ``route``: what the ids should take: RAGGED
+    (increasing runs), REORDERED (runs in another order: the second check) or DENSE."""
     options = options or scoremod.LoweringOptions()
     skv = skv or sq
     mod = scoremod.trace(mod) if not isinstance(mod, scoremod.ScoreMod) else mod
@@ -77,12 +81,12 @@ def check(mod, ids_ok, dtype=jnp.bfloat16, b=2, sq=512, skv=None, hq=4, hkv=2, d
     want = jax.jit(lambda *a: _through_attention("xla", mod, *a))(q, k, v, do)
     got = jax.jit(lambda *a: _through_attention("cudnn-varlen", mod, *a, options=options))(q, k, v, do)
     errs = _errors(got, want)
-    print(f"attention ({'ragged' if ids_ok else 'dense'} route): {errs}")
+    print(f"attention ({route} route): {errs}")
     bad = {n: e for n, e in errs.items() if not e < TOL[dtype]}
     assert not bad, f"through attention: {bad} (all: {errs})"
     ragged, ok = jax.jit(lambda *a: _ragged_only(mod, *a, options))(q, k, v, do)
-    assert bool(ok) == ids_ok, f"the run-time check says ok={bool(ok)}, expected {ids_ok}"
-    if ids_ok:
+    assert bool(ok) == (route == RAGGED), f"the first run-time check says {bool(ok)} for {route} ids"
+    if route != DENSE:
         errs = _errors(ragged, want)
         print(f"ragged route alone: {errs}")
         bad = {n: e for n, e in errs.items() if not e < TOL[dtype]}
@@ -124,27 +128,27 @@ dtype_ids = lambda d: d.__name__  # noqa: E731
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 def test_equal_documents(dtype, causal, d):
-    check(same_doc(docs_ids(2, 512, [[128] * 4] * 2), causal), True, dtype, d=d)
+    check(same_doc(docs_ids(2, 512, [[128] * 4] * 2), causal), RAGGED, dtype, d=d)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 def test_random_lengths(dtype, causal, seed):
-    check(same_doc(random_ids(seed, 3, 640, 6), causal), True, dtype, b=3, sq=640, seed=seed)
+    check(same_doc(random_ids(seed, 3, 640, 6), causal), RAGGED, dtype, b=3, sq=640, seed=seed)
 
 
 def test_length_one_segments_and_one_longer_than_many_tiles():
     ids = docs_ids(2, 1024, [[1, 1, 1, 900, 1, 120], [1000, 1, 23]])
-    check(same_doc(ids, True), True)
-    check(same_doc(ids, False), True, jnp.float16)
+    check(same_doc(ids, True), RAGGED)
+    check(same_doc(ids, False), RAGGED, jnp.float16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 def test_sliding_window_inside_documents(dtype):
     ids = random_ids(5, 2, 512, 4)
     check(lambda s, b, h, q, k: jnp.where((ids[b, q] == ids[b, k]) & (q >= k) & (q - k < 64), s, NEG),
-          True, dtype)
+          RAGGED, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
@@ -155,9 +159,9 @@ def test_pad_id_and_key_length_and_a_row_of_padding(dtype):
     ids = jnp.asarray(ids)
     length = jnp.array([250, 384, 70], jnp.int32)
     check(lambda s, b, h, q, k: jnp.where((ids[b, q] == ids[b, k]) & (ids[b, k] != -1) & (k < length[b]),
-                                          s, NEG), True, dtype, b=3, sq=384)
+                                          s, NEG), RAGGED, dtype, b=3, sq=384)
     check(lambda s, b, h, q, k: jnp.where((ids[b, q] == ids[b, k]) & (ids[b, q] != -1) & (q >= k), s, NEG),
-          True, dtype, b=3, sq=384)
+          RAGGED, dtype, b=3, sq=384)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
@@ -168,30 +172,39 @@ def test_cross_attention_with_other_lengths(dtype):
     ids_kv[:, -20:] = -1  # padding keys
     ids_kv = jnp.asarray(ids_kv)
     check(lambda s, b, h, q, k: jnp.where((ids_q[b, q] == ids_kv[b, k]) & (ids_kv[b, k] != -1), s, NEG),
-          True, dtype, sq=384, skv=256)
+          RAGGED, dtype, sq=384, skv=256)
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 1), (8, 8)])
 def test_gqa_and_mha(hq, hkv):
-    check(same_doc(random_ids(7, 2, 512, 5), True), True, hq=hq, hkv=hkv)
+    check(same_doc(random_ids(7, 2, 512, 5), True), RAGGED, hq=hq, hkv=hkv)
 
 
-def test_ids_that_are_not_increasing_runs_take_the_dense_route():
+def test_ids_that_reappear_take_the_dense_route_and_runs_in_any_order_the_ragged_one():
     reappearing = docs_ids(2, 512, [[128] * 4] * 2)
     reappearing = reappearing.at[1, 400:].set(0)  # document 0 again at the end of row 1
-    check(same_doc(reappearing, True), False)
+    check(same_doc(reappearing, True), DENSE)
     decreasing = 10 - docs_ids(2, 512, [[200, 312]] * 2)
-    check(same_doc(decreasing, False), False, jnp.float16)
+    check(same_doc(decreasing, False), REORDERED, jnp.float16)
+    padding_first = docs_ids(2, 512, [[100, 412], [300, 212]]) + 1
+    padding_first = padding_first.at[:, 480:].set(0)  # a tail of 0s, not declared a pad id
+    check(same_doc(padding_first, True), REORDERED)
+
+
+def test_cross_attention_ids_not_increasing_take_the_dense_route():
+    ids_q = 5 - docs_ids(2, 256, [[100, 156]] * 2)
+    ids_kv = 5 - docs_ids(2, 128, [[64, 64]] * 2)
+    check(lambda s, b, h, q, k: jnp.where(ids_q[b, q] == ids_kv[b, k], s, NEG), DENSE, sq=256, skv=128)
 
 
 def test_more_segments_than_the_bound_take_the_dense_route():
     ids = jnp.asarray(np.arange(512)[None].repeat(2, 0) // 32, jnp.int32)  # 16 per row
-    check(same_doc(ids, True), False, options=scoremod.LoweringOptions(max_segments=8))
-    check(same_doc(ids, True), True, options=scoremod.LoweringOptions(max_segments=16))
+    check(same_doc(ids, True), DENSE, options=scoremod.LoweringOptions(max_segments=8))
+    check(same_doc(ids, True), RAGGED, options=scoremod.LoweringOptions(max_segments=16))
 
 
 def test_many_slots():
-    check(same_doc(random_ids(9, 2, 1024, 40), True), True,
+    check(same_doc(random_ids(9, 2, 1024, 40), True), RAGGED,
           options=scoremod.LoweringOptions(max_segments=64), sq=1024)
 
 

@@ -6,13 +6,15 @@ XLA inside the program, runs every run as one ragged sequence of cuDNN's
 SDPA (which computes only each document's own tiles), and decides at run
 time, inside the program, whether that is exact for the ids it was given:
 
-- ``ok`` (every non-pad id forms one run, ids increase along the row, at
-  most ``LoweringOptions.max_segments`` runs per row): the ragged graphs;
+- every non-pad id forms one run and no row has more than
+  ``LoweringOptions.max_segments`` runs: the ragged graphs (checked cheaply
+  for ids that increase along the row; for self-attention, runs in another
+  order are recognized by a second, sort-based check);
 - otherwise: the same mod on the fused cuDNN path's dense route (the mask
   computed per tile), so no input gives a wrong result.
 
-The choice is one ``lax.cond`` in the forward and the same one (recomputed
-from the ids) in the backward.
+The choice is a ``lax.cond`` in the forward (two nested ones when the first
+check says no) and the same one, recomputed from the ids, in the backward.
 """
 
 from __future__ import annotations
@@ -110,20 +112,30 @@ class CudnnVarlen(Backend):
     def forward(self, plan, q, k, v, operands):
         if plan.segments is None:
             return CUDNN.forward(plan.dense, q, k, v, operands)
-        layout = _layout(plan, operands)
-        return jax.lax.cond(layout.ok, lambda: _forward(plan, q, k, v, layout),
-                            lambda: CUDNN.forward(plan.dense, q, k, v, operands))
+        layout = plan.layout(operands)
+        return _choose(plan, layout, operands, lambda: _forward(plan, q, k, v, layout),
+                       lambda: CUDNN.forward(plan.dense, q, k, v, operands))
 
     def backward(self, plan, q, k, v, o, lse, do, operands):
         if plan.segments is None:
             return CUDNN.backward(plan.dense, q, k, v, o, lse, do, operands)
-        layout = _layout(plan, operands)
-        return jax.lax.cond(layout.ok, lambda: _backward(plan, q, k, v, o, lse, do, layout),
-                            lambda: CUDNN.backward(plan.dense, q, k, v, o, lse, do, operands))
+        layout = plan.layout(operands)
+        return _choose(plan, layout, operands, lambda: _backward(plan, q, k, v, o, lse, do, layout),
+                       lambda: CUDNN.backward(plan.dense, q, k, v, o, lse, do, operands))
 
 
-def _layout(plan, operands):
-    return plan.layout(operands)
+def _choose(plan, layout, operands, ragged, dense):
+    """The ragged route where it is exact for these ids, else the dense one (decided
+    in the program: increasing runs first, a sort-based check only when they are not)."""
+    other = dense
+    if plan.segments.self_attention:
+        s = plan.shape
+
+        def other():
+            named = dict(zip(plan.mod.operand_names, operands))
+            runs = lay.runs_are_documents(plan.segments, named, s.b, s.sq, plan.max_segments)
+            return jax.lax.cond(runs, ragged, dense)
+    return jax.lax.cond(layout.ok, ragged, other)
 
 
 def _ragged(plan, layout):

@@ -6,7 +6,8 @@ length 0. Everything here is jax.numpy on ``[B, S]`` id arrays (no host
 round trip), and ``ok`` says whether the varlen route computes the mask
 exactly for these ids: every id (other than a pad id) forms one run, the
 ids increase along the row, and no row has more than ``n`` runs. Where
-``ok`` is False the backend takes the dense route instead.
+``ok`` is False the backend asks :func:`runs_are_documents` (self-attention:
+runs in any order), and takes the dense route where that says no too.
 
     >>> import numpy as np, jax.numpy as jnp
     >>> starts, lens, ids, count, rank = runs(jnp.array([[7, 7, 9, 9, 9, 4]]), 4)
@@ -82,6 +83,23 @@ def increasing(seg: jax.Array, pads=()) -> jax.Array:
     before = jnp.concatenate([jnp.full((b, 1), lowest, seg.dtype), seen[:, :-1]], axis=1)
     same = jnp.concatenate([jnp.zeros((b, 1), bool), seg[:, 1:] == seg[:, :-1]], axis=1)
     return jnp.all(~valid | same | (seg > before))
+
+
+def runs_are_documents(segments, operands: dict, b: int, sq: int, n: int) -> jax.Array:
+    """Self-attention only: whether every non-pad id forms one run (in any order) and
+    no row has more than ``n`` runs: the ragged route is exact for such ids too. A
+    sort per row, so it is asked only where :func:`increasing` said no."""
+    seg = ids(segments.q_array, operands, b, sq)
+    valid = jnp.ones(seg.shape, bool)
+    for p in (segments.pad_q, segments.pad_kv):
+        if p is not None:
+            valid &= seg != p
+    start = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    highest = np.iinfo(np.dtype(seg.dtype)).max
+    ordered = jnp.sort(jnp.where(valid, seg, highest), axis=1)  # pads last
+    first = jnp.concatenate([jnp.ones((b, 1), bool), ordered[:, 1:] != ordered[:, :-1]], axis=1)
+    distinct = jnp.sum(first & (jnp.arange(sq)[None, :] < jnp.sum(valid, 1, keepdims=True)), 1)
+    return jnp.all(distinct == jnp.sum(start & valid, 1)) & jnp.all(jnp.sum(start, 1) <= n)
 
 
 def compute(segments, operands: dict, b: int, sq: int, skv: int, n: int) -> Layout:
