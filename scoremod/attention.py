@@ -42,9 +42,10 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
       scale: multiplies ``q . k`` before the mod; default ``1/sqrt(head_dim)``.
       implementation: the name of a registered backend: ``"xla"`` (alias
         ``"reference"``: float32 scores and softmax, any device), ``"cudnn"``
-        (one fused cuDNN kernel); or None: the first backend that can run
-        this call (cudnn, else xla), with a warning when a GPU is here but
-        the fused path cannot take the call.
+        (one fused cuDNN kernel), ``"cudnn-varlen"`` (segment masks as
+        cuDNN's variable-length attention); or None: the first backend that
+        can run this call (cudnn-varlen, cudnn, else xla), with a warning
+        when a GPU is here but the fused path cannot take the call.
       return_lse: also return the log-sum-exp of the modified scores,
         float32 [batch, q_heads, q_len].
       options: a :class:`~scoremod.LoweringOptions` (native masks, query-block
