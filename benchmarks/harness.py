@@ -13,6 +13,9 @@ Same shapes, same run, side by side (``--impls``):
              "cudnn-varlen" for the document mods (ragged sequences), else "cudnn"
   scoremod-plain  the same with LoweringOptions.plain(): the mod lowered as written, no
              native mask, no query-block split, no scale folding (what those lowerings gain)
+  scoremod-ids  scoremod with the mod's arrays passed as arguments of the jitted
+             function, as in training (document ids change per batch): the document
+             mods' route is then chosen per call inside the program (a lax.cond)
   direct     the same serialized cuDNN graphs run by the cuDNN frontend's Python API
              (torch buffers, CUDA events), as in benchmarks/ffi_overhead.py; for the
              document mods, the ragged graphs on offsets computed once beforehand
@@ -48,6 +51,7 @@ import numpy as np
 IMPLS = {
     "scoremod": "scoremod fused",
     "scoremod-plain": "scoremod fused, plain score_mod",
+    "scoremod-ids": "scoremod fused, operands as jit arguments",
     "direct": "same graph, cuDNN frontend Python",
     "xla": "scoremod XLA reference",
     "jax-cudnn": "jax.nn cuDNN",
@@ -267,7 +271,15 @@ def make_call(impl, name, shape, direction):
     import scoremod
 
     variant, extra = "", ()
-    if impl in ("scoremod", "scoremod-plain", "xla"):
+    if impl == "scoremod-ids":
+        mod = shape.mod(name)
+        if not mod.operands:
+            raise NotApplicable(f"{name} has no arrays")
+        how, extra = fused_backend(name, shape).name, tuple(mod.operands)
+
+        def fn(q, k, v, *ops):
+            return scoremod.attention(q, k, v, scoremod.ScoreMod(mod.expr, ops), implementation=how)
+    elif impl in ("scoremod", "scoremod-plain", "xla"):
         mod, how = shape.mod(name), "xla" if impl == "xla" else fused_backend(name, shape).name
 
         options = scoremod.LoweringOptions.plain() if impl == "scoremod-plain" else None
@@ -643,6 +655,8 @@ def progress(r):
 # result shows on the row of the implementation compared with scoremod fused.
 TARGETS = [
     ("FFI / direct", None, ("fwd", "fwdbwd"), ("scoremod", None), "direct", 1.03, False),
+    ("ids traced / direct", DOC_MODS, ("fwd", "fwdbwd"), ("scoremod-ids", None), "direct", 1.03,
+     False),
     ("vs plain cuDNN", ("softcap",), ("fwd",), ("jax-cudnn", None), "scoremod", 0.80, True),
     ("vs plain cuDNN", ("softcap",), ("bwd",), ("jax-cudnn", None), "scoremod", 0.92, True),
     ("vs plain cuDNN", ("alibi",), ("fwd",), ("jax-cudnn", None), "scoremod", 0.80, True),
@@ -794,7 +808,7 @@ def markdown(records, metas, image=None):
                 first = " / ".join(f"{r['first_call_s']:.2f}" if r and "first_call_s" in r else "-"
                                    for r in (f, fb))
                 builds = " / ".join(str(r["graph_builds"]) if r else "-" for r in (f, fb)) \
-                    if impl in ("scoremod", "scoremod-plain", "direct") else ""
+                    if impl in ("scoremod", "scoremod-plain", "scoremod-ids", "direct") else ""
                 mine = [t for t in rows if (t["seq"], t["head_dim"], t["mod"], t["impl"]) == (seq, d, mod, impl)]
                 verdicts = "; ".join(f"{name}{'' if needed == 'runs' else f' ({needed})'}: " + ", ".join(
                     _verdict(t) for t in mine if (t["target"], t["needed"]) == (name, needed))

@@ -444,18 +444,27 @@ def _reference(mod, operands, scale):
 
 
 def _check(mod, q, k, v, routes, route):
+    """The backend against the reference, with the ids closed over (route chosen
+    when traced) and as arguments of a jitted function (chosen by lax.cond)."""
     out = {}
-    for impl in ("cudnn-varlen", "xla"):
-        def f(q, k, v, impl=impl):
-            o, lse = scoremod.attention(q, k, v, mod, implementation=impl, return_lse=True)
+    for way in ("closed", "traced", "xla"):
+        def f(q, k, v, ops, impl="xla" if way == "xla" else "cudnn-varlen"):
+            m = scoremod.ScoreMod(mod.expr, ops) if way == "traced" else mod
+            o, lse = scoremod.attention(q, k, v, m, implementation=impl, return_lse=True)
             return o, jax.lax.stop_gradient(lse)
 
-        (o, lse), vjp = jax.vjp(f, q, k, v)
-        do = jax.random.normal(jax.random.PRNGKey(7), o.shape, o.dtype)
-        out[impl] = (o, lse) + vjp((do, jnp.zeros_like(lse)))
-    jax.effects_barrier()
-    assert routes and set(routes) == {route}, routes
-    for name, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), out["cudnn-varlen"], out["xla"]):
+        def run(q, k, v, ops):
+            (o, lse), vjp = jax.vjp(lambda q, k, v: f(q, k, v, ops), q, k, v)
+            do = jax.random.normal(jax.random.PRNGKey(7), o.shape, o.dtype)
+            return (o, lse) + vjp((do, jnp.zeros_like(lse)))
+
+        del routes[:]
+        out[way] = (jax.jit(run) if way == "traced" else run)(q, k, v, tuple(mod.operands))
+        jax.effects_barrier()
+        if way != "xla":
+            assert routes and set(routes) == {route}, (way, routes)
+    for name, a, b in [(n, x, y) for way in ("closed", "traced")
+                       for n, x, y in zip(("O", "LSE", "dQ", "dK", "dV"), out[way], out["xla"])]:
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.array_equal(np.isneginf(a), np.isneginf(b)), name
         fin = np.isfinite(b)

@@ -1,9 +1,10 @@
 """Segment masks on cuDNN's variable-length attention, on a GPU, against the reference path.
 
-Each case checks O, LSE, dQ, dK and dV twice: through ``scoremod.attention``
-(the run-time choice between the ragged and the dense route), and through
-the ragged route alone (so a choice that always fell back could not hide a
-wrong ragged graph). Which route the ids take is asserted from NumPy's
+Each case checks O, LSE, dQ, dK and dV three times: through
+``scoremod.attention`` with the ids closed over (the route decided when the
+call is traced), with the ids as arguments of the jitted function (decided
+per call by a ``lax.cond``), and through the ragged route alone (so a
+choice that always fell back could not hide a wrong ragged graph). Which route the ids take is asserted from NumPy's
 reading of them. Errors are printed (``pytest -s``) and named on failure.
 """
 
@@ -84,6 +85,13 @@ def check(mod, route, dtype=jnp.bfloat16, b=2, sq=512, skv=None, hq=4, hkv=2, d=
     print(f"attention ({route} route): {errs}")
     bad = {n: e for n, e in errs.items() if not e < TOL[dtype]}
     assert not bad, f"through attention: {bad} (all: {errs})"
+    traced = jax.jit(lambda q, k, v, do, ops: _through_attention(
+        "cudnn-varlen", scoremod.ScoreMod(mod.expr, ops), q, k, v, do, options=options))(
+        q, k, v, do, tuple(mod.operands))
+    errs = _errors(traced, want)
+    print(f"attention, ids traced (lax.cond): {errs}")
+    bad = {n: e for n, e in errs.items() if not e < TOL[dtype]}
+    assert not bad, f"through attention with traced ids: {bad} (all: {errs})"
     ragged, ok = jax.jit(lambda *a: _ragged_only(mod, *a, options))(q, k, v, do)
     assert bool(ok) == (route == RAGGED), f"the first run-time check says {bool(ok)} for {route} ids"
     if route != DENSE:

@@ -14,7 +14,10 @@ time, inside the program, whether that is exact for the ids it was given:
   computed per tile), so no input gives a wrong result.
 
 The choice is a ``lax.cond`` in the forward (two nested ones when the first
-check says no) and the same one, recomputed from the ids, in the backward.
+check says no) and the same one, recomputed from the ids, in the backward;
+where the ids are constants of the traced program (arrays the mod closes
+over, outside any transformation that traces them) it is made once, when
+the call is traced, and the program holds one route only.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class VarlenPlan:
     segments: seg.Segments | None
     max_segments: int
     dense: object  # the fused cuDNN path's plan of the same call
+    # "ragged" or "dense" when the ids were known when the call was traced (arrays
+    # the mod closes over): decided then, no cond; None: decided per call.
+    route: str | None = None
 
     @property
     def spec(self) -> RaggedSpec:
@@ -59,7 +65,7 @@ class VarlenPlan:
                           s.window)
 
     def describe(self):
-        if self.segments is None:
+        if self.segments is None or self.route == "dense":
             return self.dense.describe()
         return (f"score_mod `{self.mod}` as ragged sequences (at most {self.max_segments} "
                 "per row) on cuDNN's variable-length attention")
@@ -107,7 +113,17 @@ class CudnnVarlen(Backend):
         return CUDNN.why_not(problem, mod, automatic)
 
     def plan(self, problem, mod, scale, options, return_lse):
-        return plan_for(mod, problem, scale, options)
+        plan = plan_for(mod, problem, scale, options)
+        values = mod.operands
+        if plan.segments is None or any(v is None or isinstance(v, jax.core.Tracer) for v in values):
+            return plan
+        # The ids are constants of the program being traced: decide the route now.
+        with jax.ensure_compile_time_eval():  # computed now, even inside a jit trace
+            known = tuple(jnp.asarray(v) for v in values)
+            ragged = bool(plan.layout(known).ok) or (plan.segments.self_attention and bool(
+                lay.runs_are_documents(plan.segments, dict(zip(plan.mod.operand_names, known)),
+                                       problem.b, problem.sq, plan.max_segments)))
+        return dataclasses.replace(plan, route="ragged" if ragged else "dense")
 
     def forward(self, plan, q, k, v, operands):
         if plan.segments is None:
@@ -127,6 +143,8 @@ class CudnnVarlen(Backend):
 def _choose(plan, layout, operands, ragged, dense):
     """The ragged route where it is exact for these ids, else the dense one (decided
     in the program: increasing runs first, a sort-based check only when they are not)."""
+    if plan.route is not None:
+        return ragged() if plan.route == "ragged" else dense()
     other = dense
     if plan.segments.self_attention:
         s = plan.shape
