@@ -9,11 +9,16 @@ nothing), and writes a page (and its plot) only when given --doc.
 
 Same shapes, same run, side by side (``--impls``):
 
-  scoremod   scoremod.attention(implementation="cudnn"): the fused path, through XLA FFI
+  scoremod   scoremod.attention with the fused path, through XLA FFI: implementation=
+             "cudnn-varlen" for the document mods (ragged sequences), else "cudnn"
   scoremod-plain  the same with LoweringOptions.plain(): the mod lowered as written, no
              native mask, no query-block split, no scale folding (what those lowerings gain)
+  scoremod-ids  scoremod with the mod's arrays passed as arguments of the jitted
+             function, as in training (document ids change per batch): the document
+             mods' route is then chosen per call inside the program (a lax.cond)
   direct     the same serialized cuDNN graphs run by the cuDNN frontend's Python API
-             (torch buffers, CUDA events), as in benchmarks/ffi_overhead.py
+             (torch buffers, CUDA events), as in benchmarks/ffi_overhead.py; for the
+             document mods, the ragged graphs on offsets computed once beforehand
   xla        scoremod.attention(implementation="xla"): the reference path
   jax-cudnn  jax.nn.dot_product_attention(implementation="cudnn") without the mod (upper
              bound), with is_causal / local_window_size (/ a mask) for the mask mods
@@ -46,6 +51,7 @@ import numpy as np
 IMPLS = {
     "scoremod": "scoremod fused",
     "scoremod-plain": "scoremod fused, plain score_mod",
+    "scoremod-ids": "scoremod fused, operands as jit arguments",
     "direct": "same graph, cuDNN frontend Python",
     "xla": "scoremod XLA reference",
     "jax-cudnn": "jax.nn cuDNN",
@@ -53,8 +59,11 @@ IMPLS = {
     "flex": "FlexAttention",
 }
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
-        "document")
-MASK_MODS = ("causal", "window", "document")  # pure masks: jax.nn has them natively
+        "document", "document_random", "document_noncausal")
+# Packed documents: 4 equal ones per row, causal inside; random lengths (1 to S, seeded),
+# causal inside; 4 equal ones without causal.
+DOC_MODS = ("document", "document_random", "document_noncausal")
+MASK_MODS = ("causal", "window") + DOC_MODS  # pure masks: jax.nn has them natively
 DIRECTIONS = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}  # backward counted as 2.5x the forward
 SOFTCAP, DOCS = 30.0, 4
@@ -76,9 +85,24 @@ def aux_arrays(b, h, s, window):
     return {
         "slopes": (2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32),
         "doc": np.repeat((np.arange(s) * DOCS // s)[None], b, 0).astype(np.int32),
+        "doc_random": random_documents(b, s),
         "table": (0.1 * np.random.default_rng(0).standard_normal((h, 2 * s - 1))).astype(np.float32),
         "window": window, "seq": s,
     }
+
+
+def random_documents(b, s, seed=0):
+    """[b, s] ids: each row packed with documents of lengths drawn uniformly from 1..s
+    (the last one cut at the row's end)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(b):
+        lengths = []
+        while sum(lengths) < s:
+            lengths.append(int(rng.integers(1, s + 1)))
+        lengths[-1] -= sum(lengths) - s
+        rows.append(np.repeat(np.arange(len(lengths)), lengths))
+    return np.stack(rows).astype(np.int32)
 
 
 def jax_mod(name, a):
@@ -87,6 +111,7 @@ def jax_mod(name, a):
     import scoremod
 
     slopes, doc, table = (jnp.asarray(a[n]) for n in ("slopes", "doc", "table"))
+    rdoc = jnp.asarray(a["doc_random"])
     w, s, inf = a["window"], a["seq"], -jnp.inf
     fns = {
         "identity": lambda sc, b, h, q, k: sc,
@@ -97,6 +122,8 @@ def jax_mod(name, a):
         "window": lambda sc, b, h, q, k: jnp.where((q >= k) & (q - k < w), sc, inf),
         "softcap_causal": lambda sc, b, h, q, k: jnp.where(q >= k, SOFTCAP * jnp.tanh(sc / SOFTCAP), inf),
         "document": lambda sc, b, h, q, k: jnp.where((doc[b, q] == doc[b, k]) & (q >= k), sc, inf),
+        "document_random": lambda sc, b, h, q, k: jnp.where((rdoc[b, q] == rdoc[b, k]) & (q >= k), sc, inf),
+        "document_noncausal": lambda sc, b, h, q, k: jnp.where(doc[b, q] == doc[b, k], sc, inf),
     }
     return scoremod.trace(fns[name])
 
@@ -108,13 +135,14 @@ def jax_native(name, a):
     if name == "window":
         w = a["window"]
         return f"local_window_size=({w - 1}, 0)", {"is_causal": True, "local_window_size": (w - 1, 0)}, None
-    if name == "document":
+    if name in DOC_MODS:
         import jax
         import jax.numpy as jnp
 
-        doc = jnp.asarray(a["doc"])
+        doc = jnp.asarray(a["doc_random" if name == "document_random" else "doc"])
         mask = jax.jit(lambda d: d[:, None, :, None] == d[:, None, None, :])(doc)
-        return "is_causal + [B, 1, S, S] mask", {"is_causal": True}, mask
+        causal = name != "document_noncausal"
+        return (f"{'is_causal + ' if causal else ''}[B, 1, S, S] mask", {"is_causal": causal}, mask)
     return "no mod", {}, None
 
 
@@ -139,7 +167,8 @@ def flex_mods(name, a):
     """(score_mod, mask_mod) for FlexAttention."""
     import torch
 
-    slopes, doc, table = (torch.as_tensor(a[n], device="cuda") for n in ("slopes", "doc", "table"))
+    slopes, doc, table, rdoc = (torch.as_tensor(a[n], device="cuda")
+                                for n in ("slopes", "doc", "table", "doc_random"))
     w, s = a["window"], a["seq"]
 
     def softcap(sc, b, h, q, k):
@@ -154,6 +183,8 @@ def flex_mods(name, a):
         "causal": lambda b, h, q, k: q >= k, "softcap_causal": lambda b, h, q, k: q >= k,
         "window": lambda b, h, q, k: (q >= k) & (q - k < w),
         "document": lambda b, h, q, k: (doc[b, q] == doc[b, k]) & (q >= k),
+        "document_random": lambda b, h, q, k: (rdoc[b, q] == rdoc[b, k]) & (q >= k),
+        "document_noncausal": lambda b, h, q, k: doc[b, q] == doc[b, k],
     }
     return score_mods.get(name), mask_mods.get(name)
 
@@ -216,7 +247,7 @@ class Shape:
         if name not in self._masks:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            b = self.b if name == "document" else None
+            b = self.b if name in DOC_MODS else None
             kw = {"_compile": True} if self.s <= 8192 else {}  # compiled at seq 16384 (torch
             # 2.11), the mask builder sat in ptxas for over 150 s; built eagerly it is a vmap
             try:
@@ -240,8 +271,16 @@ def make_call(impl, name, shape, direction):
     import scoremod
 
     variant, extra = "", ()
-    if impl in ("scoremod", "scoremod-plain", "xla"):
-        mod, how = shape.mod(name), "xla" if impl == "xla" else "cudnn"
+    if impl == "scoremod-ids":
+        mod = shape.mod(name)
+        if not mod.operands:
+            raise NotApplicable(f"{name} has no arrays")
+        how, extra = fused_backend(name, shape).name, tuple(mod.operands)
+
+        def fn(q, k, v, *ops):
+            return scoremod.attention(q, k, v, scoremod.ScoreMod(mod.expr, ops), implementation=how)
+    elif impl in ("scoremod", "scoremod-plain", "xla"):
+        mod, how = shape.mod(name), "xla" if impl == "xla" else fused_backend(name, shape).name
 
         options = scoremod.LoweringOptions.plain() if impl == "scoremod-plain" else None
 
@@ -274,16 +313,72 @@ def make_call(impl, name, shape, direction):
     return (lambda: f(*args)), wall_clock, variant
 
 
+def _problem(shape):
+    from scoremod.lowering.problem import Problem
+
+    return Problem(shape.b, shape.s, shape.s, shape.h, shape.h, shape.d, shape.d, shape.dtype)
+
+
+def fused_backend(name, shape):
+    """The fused backend the benchmark's ``scoremod`` runs for mod ``name``: cuDNN's
+    variable-length attention where it takes the mod (the document mods), else cudnn."""
+    from scoremod.lowering import registry
+
+    varlen = registry.get("cudnn-varlen")
+    if varlen.why_not(_problem(shape), shape.mod(name), automatic=False) is None:
+        return varlen
+    return registry.get("cudnn")
+
+
 def plan_of(name, shape, options=None):
     """scoremod's plan for the benchmark's mod ``name`` at ``shape`` (public hooks only:
     the cudnn backend's ``plan``, whose blocks and parts hold the graphs it runs)."""
     import scoremod
     from scoremod.lowering import registry
-    from scoremod.lowering.problem import Problem
 
-    problem = Problem(shape.b, shape.s, shape.s, shape.h, shape.h, shape.d, shape.d, shape.dtype)
-    return registry.get("cudnn").plan(problem, shape.mod(name), 1.0 / math.sqrt(shape.d),
+    return registry.get("cudnn").plan(_problem(shape), shape.mod(name), 1.0 / math.sqrt(shape.d),
                                       options or scoremod.options.current(), False)
+
+
+def varlen_plan_of(name, shape):
+    """The cudnn-varlen plan of a document mod (its ragged graphs, offsets and check), or None."""
+    import scoremod
+
+    backend = fused_backend(name, shape)
+    if backend.name != "cudnn-varlen":
+        return None
+    plan = backend.plan(_problem(shape), shape.mod(name), 1.0 / math.sqrt(shape.d),
+                        scoremod.options.current(), False)
+    return plan if plan.segments is not None else None
+
+
+def make_direct_varlen(plan, operands, shape, direction):
+    """The ragged graphs run by the frontend's Python API, on offsets and lengths
+    computed once (what scoremod adds around them: that computation, the run-time
+    check and its cond, the LSE transpose)."""
+    import jax
+    import torch
+
+    from scoremod.lowering.cudnn import graph as cg
+    from scoremod.lowering.cudnn_varlen.graph import RAGGED_UIDS
+
+    layout = jax.jit(plan.layout)(tuple(operands))
+    if not bool(layout.ok):
+        raise NotApplicable("these ids take the dense route")
+    arrays = jax.jit(plan.ragged_inputs)(layout)
+    ragged = [_torch_view(x) for x in arrays]
+    b, s, h, d = shape.b, shape.s, shape.h, shape.d
+    q, k, v, do = shape.torch_inputs()
+    bufs = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
+            cg.UID_STATS: torch.empty(b, s, h, dtype=torch.float32, device="cuda"),
+            cg.UID_DQ: torch.empty_like(q), cg.UID_DK: torch.empty_like(k),
+            cg.UID_DV: torch.empty_like(v), **dict(zip(RAGGED_UIDS, ragged))}
+    fwd = _direct_runner(plan.forward_graph(), (), (), [], bufs, {})
+    keep = (bufs, arrays)  # the buffers the graphs' pointers name stay alive
+    if direction == "fwd":
+        return (lambda keep=keep: fwd()), "ragged sequences"
+    bwd = _direct_runner(plan.backward_graph(), (), (), [], bufs, {})
+    return (lambda keep=keep: (fwd(), bwd())), "ragged sequences"
 
 
 def make_direct(name, shape, direction):
@@ -294,6 +389,9 @@ def make_direct(name, shape, direction):
 
     from scoremod.lowering.cudnn import graph as cg
 
+    varlen = varlen_plan_of(name, shape)
+    if varlen is not None:
+        return make_direct_varlen(varlen, shape.mod(name).operands, shape, direction)
     b, s, h, d = shape.b, shape.s, shape.h, shape.d
     mod = shape.mod(name)
     plan = plan_of(name, shape)
@@ -557,6 +655,8 @@ def progress(r):
 # result shows on the row of the implementation compared with scoremod fused.
 TARGETS = [
     ("FFI / direct", None, ("fwd", "fwdbwd"), ("scoremod", None), "direct", 1.03, False),
+    ("ids traced / direct", DOC_MODS, ("fwd", "fwdbwd"), ("scoremod-ids", None), "direct", 1.03,
+     False),
     ("vs plain cuDNN", ("softcap",), ("fwd",), ("jax-cudnn", None), "scoremod", 0.80, True),
     ("vs plain cuDNN", ("softcap",), ("bwd",), ("jax-cudnn", None), "scoremod", 0.92, True),
     ("vs plain cuDNN", ("alibi",), ("fwd",), ("jax-cudnn", None), "scoremod", 0.80, True),
@@ -708,7 +808,7 @@ def markdown(records, metas, image=None):
                 first = " / ".join(f"{r['first_call_s']:.2f}" if r and "first_call_s" in r else "-"
                                    for r in (f, fb))
                 builds = " / ".join(str(r["graph_builds"]) if r else "-" for r in (f, fb)) \
-                    if impl in ("scoremod", "scoremod-plain", "direct") else ""
+                    if impl in ("scoremod", "scoremod-plain", "scoremod-ids", "direct") else ""
                 mine = [t for t in rows if (t["seq"], t["head_dim"], t["mod"], t["impl"]) == (seq, d, mod, impl)]
                 verdicts = "; ".join(f"{name}{'' if needed == 'runs' else f' ({needed})'}: " + ", ".join(
                     _verdict(t) for t in mine if (t["target"], t["needed"]) == (name, needed))
@@ -815,7 +915,7 @@ def switches():
 
     o = scoremod.options.defaults()
     return {"native_masks": o.native_masks, "split_blocks": o.split_blocks,
-            "fold_scale": o.fold_scale}
+            "fold_scale": o.fold_scale, "max_segments": o.max_segments}
 
 
 def load(paths):
@@ -850,7 +950,8 @@ def load(paths):
 # Which of the benchmark's mods each lowering switch changes (run metadata key, test).
 SWITCHES = {
     "native mask": ("native_masks", lambda v: bool(v), ("causal", "window")),
-    "query blocks": ("split_blocks", lambda v: (v or 0) > 1, ("softcap_causal", "document")),
+    "ragged sequences": ("native_masks", lambda v: bool(v), DOC_MODS),
+    "query blocks": ("split_blocks", lambda v: (v or 0) > 1, ("softcap_causal",)),
     "scale folded": ("fold_scale", lambda v: bool(v), ("softcap", "softcap_causal")),
 }
 

@@ -43,9 +43,10 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
       scale: multiplies ``q . k`` before the mod; default ``1/sqrt(head_dim)``.
       implementation: the name of a registered backend: ``"xla"`` (alias
         ``"reference"``: float32 scores and softmax, any device), ``"cudnn"``
-        (one fused cuDNN kernel); or None: the first backend that can run
-        this call (cudnn, else xla), with a warning when a GPU is here but
-        the fused path cannot take the call.
+        (one fused cuDNN kernel), ``"cudnn-varlen"`` (segment masks as
+        cuDNN's variable-length attention); or None: the first backend that
+        can run this call (cudnn-varlen, cudnn, else xla), with a warning
+        when a GPU is here but the fused path cannot take the call.
       return_lse: also return the log-sum-exp of the modified scores,
         float32 [batch, q_heads, q_len].
       options: a :class:`~scoremod.LoweringOptions` (native masks, query-block
@@ -118,7 +119,7 @@ def _choose(problem, mod, traced_scale=False):
         if reason is None:
             present = [r for b, r in passed if b.present()]
             if present:
-                _warn_once(backend, present[0])
+                _warn_once(backend, present[-1])  # the last refusal: the most general route
             return backend
         passed.append((backend, reason))
     raise ScoreModError("no implementation can run this call: "
@@ -159,10 +160,11 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
         >>> q = jnp.ones((1, 8, 2, 64), jnp.float32)
         >>> choice = scoremod.which_implementation(q, q, q)
         >>> choice[0], list(choice.verdicts)
-        ('xla', ['cudnn', 'xla'])
+        ('xla', ['cudnn-varlen', 'cudnn', 'xla'])
 
-    ``reason`` says why the first backend in the registry's order (the fused
-    path) is not taken (None when it is); ``verdicts`` maps every registered
+    ``reason`` says why the backend tried just before the chosen one is not
+    taken (for an ``"xla"`` choice, why the fused cuDNN path is not; None
+    when the first backend is taken); ``verdicts`` maps every registered
     backend to its reason for refusing this call, or None when it could run
     it. Only the IR and the shapes are looked at; nothing is compiled or run.
     """
@@ -170,9 +172,11 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     problem = check_inputs(query, key, value)
     verdicts = {b.name: b.why_not(problem, mod, automatic=True) for b in registry.backends()}
+    names = list(verdicts)
     chosen = next((name for name, reason in verdicts.items() if reason is None), None)
-    first = next(iter(verdicts))
-    return Choice(chosen, verdicts[first] if chosen != first else None, verdicts)
+    # The reason names the backend tried just before the chosen one (the last refusal).
+    at = names.index(chosen) if chosen is not None else len(names)
+    return Choice(chosen, verdicts[names[at - 1]] if at else None, verdicts)
 
 
 def check_implementation(implementation) -> None:

@@ -16,7 +16,8 @@ two calls with different options never share a plan or a graph. A call takes
 ``attention(..., options=...)`` when given, else the innermost
 ``with lowering_options(...)``, else the defaults, which the environment
 variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS`` and
-``SCOREMOD_FOLD_SCALE`` set (read once, here and nowhere else).
+``SCOREMOD_FOLD_SCALE`` and ``SCOREMOD_MAX_SEGMENTS`` set (read once, here and
+nowhere else).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class LoweringOptions:
         (batch 4, 16 heads): 8 blocks beat 4 by 6-9% forward.
       fold_scale: a constant factor of the score on every use (softcap's
         ``score / 30``) joins cuDNN's attn_scale, where it costs nothing.
+      max_segments: segment (packed-document) masks run as ragged sequences,
+        at most this many per row (the slots every call pays for); a row with
+        more runs, or ids that are not increasing runs, takes the dense
+        route at run time (docs/guide.md, "Packed documents").
       sms: streaming multiprocessors the split's wave model assumes; None
         asks the device (132 where it cannot tell). Small values make small
         shapes split, as the tests do.
@@ -53,12 +58,13 @@ class LoweringOptions:
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, sms=None)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, max_segments=8, sms=None)
     """
 
     native_masks: bool = True
     split_blocks: int = 8
     fold_scale: bool = True
+    max_segments: int = 8
     sms: int | None = None
 
     def __post_init__(self):
@@ -69,6 +75,9 @@ class LoweringOptions:
         if not isinstance(self.split_blocks, int) or self.split_blocks < 0:
             raise ScoreModError("LoweringOptions.split_blocks must be a number of query blocks "
                                 f"(0: no split), got {self.split_blocks!r}")
+        if not isinstance(self.max_segments, int) or self.max_segments < 1:
+            raise ScoreModError("LoweringOptions.max_segments must be a positive number of "
+                                f"segments per row, got {self.max_segments!r}")
         if self.sms is not None and (not isinstance(self.sms, int) or self.sms < 1):
             raise ScoreModError(f"LoweringOptions.sms must be a positive int or None, got {self.sms!r}")
 
@@ -86,6 +95,7 @@ _ENVIRONMENT = {
     "SCOREMOD_NATIVE_MASKS": ("native_masks", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_SPLIT_BLOCKS": ("split_blocks", int, "a number of query blocks (0: off)"),
     "SCOREMOD_FOLD_SCALE": ("fold_scale", bool, "0 (off) or 1 (on)"),
+    "SCOREMOD_MAX_SEGMENTS": ("max_segments", int, "a positive number of segments per row"),
 }
 
 
@@ -99,7 +109,7 @@ def defaults() -> LoweringOptions:
             continue
         try:
             value = int(text)
-            if value < 0 or (kind is bool and value > 1):
+            if value < (1 if field == "max_segments" else 0) or (kind is bool and value > 1):
                 raise ValueError
         except ValueError:
             raise ScoreModError(f"environment variable {name}={text!r}: expected {wanted}") from None

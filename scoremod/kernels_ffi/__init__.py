@@ -470,7 +470,9 @@ def call(
     the XLA computation with a message naming the problem otherwise. Each list
     may be empty. Dtype, size and buffer-vs-scalar are also checked for the
     tensors the serialized graph describes, i.e. those on SDPA's own ports
-    (q, k, v, o, stats, dO, dQ, ...). Tensors created inside a score_mod
+    (q, k, v, o, stats, dO, dQ, ...), except the size of a ragged tensor
+    (one with a ragged offset), whose extent its offsets set at run time:
+    the caller guarantees that every offset plus its sequence fits. Tensors created inside a score_mod
     callback (its pass-by-value constants, bias/slope tensors) are known to
     the blob only by UID: for those, a buffer passed as a scalar or a scalar
     passed as a buffer is undefined behaviour that the handler cannot detect.

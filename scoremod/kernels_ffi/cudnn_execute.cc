@@ -311,7 +311,10 @@ ffi::Error Deserialize(GraphEntry* entry, cudnnHandle_t handle, ffi::Span<const 
       spec.dtype = Describe(attrs.get_data_type());
       const auto& dims = attrs.get_dim();
       const auto& strides = attrs.get_stride();
-      if (spec.dtype.bytes > 0 && !dims.empty() && dims.size() == strides.size()) {
+      // A ragged tensor's extent is set at run time by its offsets (its dims
+      // bound each sequence, not the buffer): no size check for it.
+      const bool ragged = attrs.get_ragged_offset() != nullptr;
+      if (!ragged && spec.dtype.bytes > 0 && !dims.empty() && dims.size() == strides.size()) {
         int64_t last = 0;
         bool empty = false;
         for (size_t i = 0; i < dims.size(); ++i) {

@@ -43,6 +43,7 @@ class Backend:
     differentiable: bool = False  # JAX differentiates forward() itself
     operand_gradients: bool = False  # its gradients reach the mod's captured operands
     traced_scale: bool = False  # takes a scale that is a traced value (else it is compiled in)
+    partitioned: bool = True  # its calls take lowering.sharding's partitioning rule
     error: type = ScoreModError  # raised when asked by name for a call it refuses
     hint: str = ""  # what to do instead, appended to that error
 

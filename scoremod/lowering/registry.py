@@ -2,7 +2,7 @@
 
     >>> from scoremod.lowering import registry
     >>> registry.names()
-    ('cudnn', 'xla')
+    ('cudnn-varlen', 'cudnn', 'xla')
     >>> registry.get("reference").name
     'xla'
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 from scoremod.errors import ScoreModError
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn.backend import CUDNN
+from scoremod.lowering.cudnn_varlen.backend import CUDNN_VARLEN
 from scoremod.lowering.reference import REFERENCE
 
 
@@ -23,7 +24,7 @@ class UnknownImplementationError(ScoreModError, ValueError):
     """``implementation=`` names no registered backend."""
 
 
-_BACKENDS: list = [CUDNN, REFERENCE]  # tried in this order; the reference path runs anywhere
+_BACKENDS: list = [CUDNN_VARLEN, CUDNN, REFERENCE]  # tried in this order; the reference path runs anywhere
 _ALIASES = {"reference": "xla"}
 
 

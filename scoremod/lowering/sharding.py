@@ -424,6 +424,8 @@ def _batched(kind, static):
 
     @jax.custom_batching.custom_vmap
     def call(*arrays):
+        if not static.backend.partitioned:  # one call on whole arrays: XLA gathers shards
+            return _call(kind, static, arrays[:m], arrays[m:], {"q_idx": None}, None)
         return _FORWARD(static, *arrays) if kind == "forward" else _BACKWARD(static, *arrays)
 
     @call.def_vmap

@@ -386,3 +386,14 @@ def cache_clear() -> None:
         for k in _stats:
             _stats[k] = 0 if k != "build_seconds" else 0.0
         plan_store.reset_counters()
+
+
+# --- for the graphs of other backends (cudnn_varlen builds ragged SDPA graphs) ---
+new_graph = _graph  # a pygraph with float32 intermediates and compute
+dtype = _dtype  # numpy dtype name -> cuDNN data type
+finalize = _finalize  # plan, build, refuse python engines, serialize
+
+
+def alignment(name: str):
+    """cuDNN's diagonal alignment named ``name`` ("TOP_LEFT" or "BOTTOM_RIGHT")."""
+    return getattr(_cudnn().diagonal_alignment, name)

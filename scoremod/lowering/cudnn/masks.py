@@ -142,6 +142,12 @@ def _linear(node):
     return None
 
 
+def difference_bound(atom):
+    """(lo, hi) with lo <= kv_idx - q_idx <= hi equivalent to the comparison
+    ``atom`` (infinite where unbounded), or None when it is not such a bound."""
+    return _d_bound(atom)
+
+
 def _d_bound(atom):
     """(lo, hi) with lo <= kv_idx - q_idx <= hi equivalent to ``atom``, or None."""
     if atom.op not in ("lt", "le", "gt", "ge", "eq"):
