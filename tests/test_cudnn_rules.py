@@ -18,7 +18,8 @@ from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.lowering.cudnn.graph import emission_order
 from scoremod.lowering.cudnn.rules import DP, check_supported, forward_and_backward
-from scoremod.lowering.cudnn.table import CONST, INPUT_TENSORS, TABLE, VAR
+from scoremod.dsl.ir import CONST, VAR
+from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE
 from tests.test_properties import SPECS, _as_fn, _points
 
 _BINARY_FIRST_TENSOR = {"add", "sub", "mul", "div", "pow", "max", "min", "relu_grad", "and", "or",
