@@ -263,6 +263,10 @@ _op("exp2", 1, "float", jnp.exp2, prims=("exp2",),
 _op("log", 1, "float", jnp.log, prims=("log",),
     vjp=lambda y, g: (g / y.args[0],), derivative="g / a",
     spelling="`jnp.log`", doc="natural logarithm")
+_op("log2", 1, "float", jnp.log2, prims=("log2",),
+    vjp=lambda y, g: (g / (y.args[0] * math.log(2.0)),), derivative="g / (a * ln(2))",
+    spelling="`jnp.log2` (before jax 0.11 it traces to `log(x) / 0.6931472`)",
+    doc="base-2 logarithm")
 _op("log1p", 1, "float", jnp.log1p, prims=("log1p",),
     vjp=lambda y, g: (g / (y.args[0] + 1.0),), derivative="g / (a + 1)",
     spelling="`jnp.log1p`", doc="log(1 + x)")
@@ -290,6 +294,12 @@ _op("sin", 1, "float", jnp.sin, prims=("sin",),
 _op("cos", 1, "float", jnp.cos, prims=("cos",),
     vjp=lambda y, g: (-(g * apply("sin", y.args[0])),), derivative="-(g * sin(a))",
     spelling="`jnp.cos`", doc="cosine")
+_op("tan", 1, "float", jnp.tan, prims=("tan",),
+    vjp=lambda y, g: (g * (apply("integer_pow", y, attr=2) + 1.0),),
+    derivative="g * (y ** 2 + 1)", spelling="`jnp.tan`", doc="tangent")
+_op("atan", 1, "float", jnp.arctan, prims=("atan",), aliases=("arctan",),
+    vjp=lambda y, g: (g / (apply("integer_pow", y.args[0], attr=2) + 1.0),),
+    derivative="g / (a ** 2 + 1)", spelling="`jnp.arctan`, `lax.atan`", doc="arctangent")
 _op("erf", 1, "float", lax.erf, prims=("erf",),
     vjp=lambda y, g: (
         (g * (2.0 / math.sqrt(math.pi))) * apply("exp", -(y.args[0] * y.args[0])),),
@@ -457,11 +467,6 @@ def apply(name: str, *args: Node, attr=None) -> Node:
     if simpler is not None:
         return simpler
     return Node(name, tuple(args), attr, dtype)
-
-
-def evaluate_op(name: str, args: list, attr=None):
-    """Run one op's reference implementation on arrays."""
-    return OPS[name].evaluate(args, attr)
 
 
 ir.install(apply=apply)

@@ -398,7 +398,9 @@ class _Builder:
 
     @staticmethod
     def closest(name, known):
-        match = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        # Two letters swapped (tahn) is the likeliest typo; then the closest spelling.
+        swapped = [k for k in known if sorted(k) == sorted(name) and k != name]
+        match = swapped or difflib.get_close_matches(name, known, n=1, cutoff=0.75)
         return match[0] if match else None
 
     def array(self, name, meta):
