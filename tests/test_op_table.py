@@ -1,7 +1,5 @@
 """The op table: one complete entry per op, and a derivative rule or an error."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -20,8 +20,9 @@ Node kinds (``op``), named by the constants below:
 The IR sits below the op table: building an op node (type check, simplify,
 intern) is the table's ``ops.apply`` and a node's repr is the text form's
 printer. Rather than import the modules written in terms of it, the IR is
-handed those two functions when they are imported (``install``); the
-arithmetic sugar, ``substitute``, unpickling and ``repr`` use them.
+handed those two functions when they are imported (``install``): ``build``
+(used by the arithmetic sugar, ``substitute``, unpickling, and the modules
+below the table: ``grad``, ``rewrite``) and ``repr``.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 # The op table: name -> entry (``scoremod.dsl.ops.Op``), filled by ops.py.
 # It lives here, below everything written in terms of nodes, so that the
-# derivative, the simplifier and the printer read one table without
-# importing the module that defines its entries.
+# derivative and the simplifier read the one table without importing the
+# module that defines its entries (and builds nodes with them).
 OPS: dict = {}
 
 # Installed by ops.py and text.py when imported (see the module docstring).
