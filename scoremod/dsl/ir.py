@@ -119,16 +119,18 @@ class Node:
     _lock = threading.Lock()
 
     def __new__(cls, op: str, args: tuple = (), attr=None, dtype: str = F32):
+        if op == CONST and not _canonical_const(attr, dtype):
+            # Interned by its key, a non-canonical value (0.1 unrounded, 2**40
+            # as i32) would stand for const(); refused whether or not the
+            # canonical node already exists, so the outcome never depends on
+            # what was built before.
+            raise ScoreModValueError(
+                f"{attr!r} is not a canonical {dtype} constant; build it with ir.const"
+            )
         key = (op, args, _attr_key(attr), dtype)
         with cls._lock:
             node = cls._interned.get(key)
             if node is None:
-                if op == CONST and not _canonical_const(attr, dtype):
-                    # Interned forever by its key: a non-canonical value
-                    # (0.1 unrounded, 2**40 as i32) would stand for const().
-                    raise ScoreModValueError(
-                        f"{attr!r} is not a canonical {dtype} constant; build it with ir.const"
-                    )
                 node = object.__new__(cls)
                 node.op, node.args, node.attr, node.dtype = op, args, attr, dtype
                 node._hash = hash(key)

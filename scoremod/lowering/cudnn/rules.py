@@ -20,8 +20,8 @@ import math
 
 from scoremod.dsl import ir
 from scoremod.dsl.grad import vjp
-from scoremod.dsl.ir import BOOL, F32, I32, Node, const, is_const
-from scoremod.dsl.ir import CONST, LOAD, MATERIALIZE, OPERAND, VAR
+from scoremod.dsl.ir import (BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, VAR, Node, const,
+                             is_const)
 from scoremod.dsl.ops import COMPARISONS, WITH_GRAD, apply
 from scoremod.dsl.rewrite import int_range
 from scoremod.dsl.text import format_expr
