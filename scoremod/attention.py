@@ -256,11 +256,11 @@ def check_operand_ranges(mod: ScoreMod, problem: Problem):
     last one; this turns that into an error.
     """
     for node in ir.toposort(mod.expr):
-        if node.op != "load":
+        if node.op != ir.LOAD:
             continue
         name, shape, _ = node.args[0].attr
         for axis, (idx, n) in enumerate(zip(node.args[1:], shape)):
-            if idx.op == "var" and n != 1 and n < problem.extent(idx.attr):
+            if idx.op == ir.VAR and n != 1 and n < problem.extent(idx.attr):
                 size = problem.extent(idx.attr)
                 raise ScoreModTypeError(
                     f"operand {name} has {n} entries along axis {axis}, indexed by "

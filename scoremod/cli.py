@@ -137,7 +137,8 @@ def show_lowering(mod) -> None:
     from scoremod.errors import ScoreModError
     from scoremod.lowering.cudnn import graph as cudnn_graph
     from scoremod.lowering.cudnn import rules as cudnn_rules
-    from scoremod.lowering.cudnn.table import TABLE
+    from scoremod.dsl import ir
+    from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE
 
     try:
         cudnn_rules.check_supported(mod.expr, mod.sources)
@@ -159,11 +160,11 @@ def show_lowering(mod) -> None:
         # bprop reuses what score_mod emitted; count only what it adds
         nodes = [n for n in cudnn_graph.emission_order(expr) if expr is fwd or n not in in_fwd]
         counts = Counter(
-            "gen_index" if n.op == "var" and n.attr != "score" and n.attr != "dP"
-            else "scalar" if n.op == "const"
-            else "tensor input" if n.op in ("load", "materialize")
+            "gen_index" if n.op == ir.VAR and n.attr not in (ir.SCORE, ir.COTANGENT)
+            else "scalar" if n.op == ir.CONST
+            else "tensor input" if n.op in INPUT_TENSORS
             else TABLE[n.op].emit.node
-            for n in nodes if not (n.op == "var" and n.attr in ("score", "dP")))
+            for n in nodes if not (n.op == ir.VAR and n.attr in (ir.SCORE, ir.COTANGENT)))
         print(f"{label + ':':20s}{format_mod(expr)}")
         print(f"{'':20s}cuDNN nodes: {', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))}")
 

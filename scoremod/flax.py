@@ -292,4 +292,4 @@ def _read(name, array, shape, what):
     kept = [axis for axis, n in enumerate(full) if n != 1]
     array = array.reshape(tuple(full[a] for a in kept))
     node = ir.operand(name, array.shape, np.dtype(array.dtype))
-    return apply("load", node, *(ir.var(_AXES[a]) for a in kept)), array
+    return apply(ir.LOAD, node, *(ir.var(_AXES[a]) for a in kept)), array

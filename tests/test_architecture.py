@@ -88,12 +88,32 @@ def test_module_level_imports_have_no_cycle():
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
-def test_no_cycle_outside_the_dsl_even_counting_imports_inside_functions():
-    # (imports inside dsl/ functions are the DSL's own business: its op table
-    # and rewrite rules are being untangled separately)
-    graph = {m: {t for t in targets if not (m.startswith("scoremod.dsl.") and t.startswith("scoremod.dsl."))}
-             for m, targets in _graph(top_level_only=False).items()}
+def test_no_cycle_even_counting_imports_inside_functions():
+    graph = _graph(top_level_only=False)
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def _function_level_imports(name):
+    """scoremod modules imported inside functions or classes of module ``name``."""
+    top = {target for target, _, _ in _imports(name, top_level_only=True)}
+    return sorted({target for target, _, _ in _imports(name, top_level_only=False)} - top)
+
+
+def test_the_dsl_imports_its_own_modules_at_module_level_only():
+    # An import inside a function is how an import cycle hides: the DSL's
+    # modules are layered (ir < grad < rewrite < ops < text, trace, ...).
+    bad = {m: _function_level_imports(m) for m in FILES if m.startswith("scoremod.dsl")}
+    assert not {m: t for m, t in bad.items() if t}, bad
+
+
+def test_the_function_level_import_check_can_fail(tmp_path, monkeypatch):
+    fake = tmp_path / "scoremod" / "dsl" / "fake.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("from scoremod.dsl import ir\n\ndef f():\n    from scoremod.dsl.ops import apply\n")
+    monkeypatch.setitem(FILES, "scoremod.dsl.fake", fake)
+    assert _function_level_imports("scoremod.dsl.fake") == ["scoremod.dsl.ops"]
+    graph = {"scoremod.dsl.ir": {"scoremod.dsl.fake"}, "scoremod.dsl.fake": {"scoremod.dsl.ir"}}
+    assert _cycle(graph) == ["scoremod.dsl.fake", "scoremod.dsl.ir", "scoremod.dsl.fake"]
 
 
 def test_the_dsl_never_imports_lowering_or_the_front_door():

@@ -18,7 +18,8 @@ from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.lowering.cudnn.graph import emission_order
 from scoremod.lowering.cudnn.rules import DP, check_supported, forward_and_backward
-from scoremod.lowering.cudnn.table import CONST, INPUT_TENSORS, TABLE, VAR
+from scoremod.dsl.ir import CONST, VAR
+from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE
 from tests.test_properties import SPECS, _as_fn, _points
 
 _BINARY_FIRST_TENSOR = {"add", "sub", "mul", "div", "pow", "max", "min", "relu_grad", "and", "or",
@@ -93,6 +94,7 @@ REFUSED = [
     (lambda s, b, h, q, k: s + jnp.sign(s), "sign"),
     (lambda s, b, h, q, k: s + jax.lax.rem(q - k, 3), "rem"),
     (lambda s, b, h, q, k: s + (s * 4).astype(jnp.int32), "i32"),
+    (lambda s, b, h, q, k: jnp.arctan(s), "atan"),
 ]
 
 
@@ -156,3 +158,33 @@ def test_an_op_without_an_entry_fails_the_coverage_check(monkeypatch):
     monkeypatch.delitem(TABLE, "tanh")
     with pytest.raises(AssertionError, match="tanh"):
         test_every_op_of_the_op_table_is_lowered_or_refused_with_a_reason()
+
+
+@pytest.mark.parametrize("fn, ops", [
+    (lambda s, b, h, q, k: jnp.tan(jnp.tanh(s)) * 2.0, {"tan"}),
+    (lambda s, b, h, q, k: jnp.log2(s * s + 1.0), {"log"}),
+])
+def test_new_ops_lower_to_cudnn_nodes(fn, ops):
+    """tan is cuDNN's TAN pointwise mode; log2 has no node: log(x) * (1 / ln 2)."""
+    mod = scoremod.trace(fn)
+    check_supported(mod.expr, mod.sources)
+    fwd, bwd = forward_and_backward(mod.expr)
+    _assert_cudnn_shaped(fwd)
+    _assert_cudnn_shaped(bwd)
+    assert ops <= {n.op for n in ir.toposort(fwd)} and "log2" not in {n.op for n in ir.toposort(fwd)}
+    pts = _points(3)
+    np.testing.assert_allclose(_eval(fwd, pts, mod), np.asarray(jnp.broadcast_to(mod(*pts), pts[0].shape)),
+                               rtol=1e-6, atol=1e-6)
+    dp = jnp.asarray(np.random.default_rng(3).normal(size=pts[0].shape), jnp.float32)
+    want = np.asarray(jnp.broadcast_to(mod.grad(*pts), pts[0].shape)) * np.asarray(dp)
+    np.testing.assert_allclose(_eval(bwd, pts, mod, dp), want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_op_with_only_a_refusal_is_always_refused(monkeypatch):
+    from scoremod.lowering.cudnn.rules import refusal
+    from scoremod.lowering.cudnn.table import Entry
+
+    monkeypatch.setitem(TABLE, "tanh", Entry(refusal="tanh withdrawn for this test"))
+    mod = scoremod.trace(lambda s, b, h, q, k: jnp.tanh(s))
+    tanh = next(n for n in ir.toposort(mod.expr) if n.op == "tanh")
+    assert refusal(tanh) == "tanh withdrawn for this test"

@@ -751,3 +751,10 @@ def test_wrong_argument_types_are_scoremod_type_errors():
                  lambda: scoremod.attention(Q, K, V, 3.0, implementation="xla")):
         with pytest.raises(ScoreModTypeError):
             call()
+
+
+def test_non_canonical_constants_are_refused_even_when_the_canonical_node_exists():
+    canonical = ir.const(0.1, ir.F32)  # alive: Node("const", ...) with 0.1 finds its key
+    with pytest.raises(ScoreModValueError):
+        Node("const", (), 0.1, "f32")
+    assert canonical.attr == float(np.float32(0.1))

@@ -9,8 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from scoremod.dsl import ir
-from scoremod.dsl.ir import BOOL, F32, I32
-from scoremod.dsl.ops import evaluate_op
+from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, OPS, VAR
 
 _JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
 
@@ -19,18 +18,18 @@ def evaluate(expr: ir.Node, inputs: dict, operands: dict):
     """Value of ``expr`` given arrays for the variables and the operands."""
     vals = {}
     for node in ir.toposort(expr):
-        if node.op == "const":
+        if node.op == CONST:
             vals[node] = jnp.asarray(node.attr, _JNP_DTYPE[node.dtype])
-        elif node.op == "var":
+        elif node.op == VAR:
             vals[node] = jnp.asarray(inputs[node.attr], _JNP_DTYPE[node.dtype])
-        elif node.op == "operand":
+        elif node.op == OPERAND:
             continue
-        elif node.op == "materialize":  # lowering-internal: a value computed ahead
+        elif node.op == MATERIALIZE:  # lowering-internal: a value computed ahead
             vals[node] = vals[node.args[0]]
-        elif node.op == "load":
+        elif node.op == LOAD:
             vals[node] = _load(node, operands[node.args[0].attr[0]], [vals[a] for a in node.args[1:]])
         else:
-            vals[node] = evaluate_op(node.op, [vals[a] for a in node.args], node.attr)
+            vals[node] = OPS[node.op].evaluate([vals[a] for a in node.args], node.attr)
     return vals[expr]
 
 

@@ -1,8 +1,10 @@
 """Reverse-mode differentiation of the IR with respect to the score.
 
 One pass over the DAG in reverse topological order, calling each op's rule
-from the op table. The result is an IR expression in the same nodes as the
-forward one, so a lowering can reuse what the forward computes.
+(its op-table entry's ``vjp``). The result is an IR expression in the same
+nodes as the forward one, so a lowering can reuse what the forward computes.
+An op without a rule is an error, never a zero gradient: ops through which no
+gradient flows (comparisons, rounding, casts, integer ops) declare ``ZERO``.
 
     >>> from scoremod.dsl import ir
     >>> from scoremod.dsl.ops import apply
@@ -14,8 +16,23 @@ forward one, so a lowering can reuse what the forward computes.
 from __future__ import annotations
 
 from scoremod.dsl import ir
-from scoremod.dsl.ir import F32, Node, const
-from scoremod.dsl.ops import OPS
+from scoremod.dsl.ir import F32, OPS, Node, const
+from scoremod.errors import ScoreModError
+
+
+def ZERO(node: Node, g: Node) -> tuple:
+    """The rule of an op that passes no gradient to any argument."""
+    return (None,) * len(node.args)
+
+
+def rule(op: str):
+    """The derivative rule of ``op``; a ScoreModError names an op without one."""
+    entry = OPS.get(op)
+    if entry is None or entry.vjp is None:
+        raise ScoreModError(
+            f"no derivative rule for op {op!r}: its op-table entry (scoremod/dsl/ops.py) "
+            "needs vjp=..., or vjp=ZERO if no gradient flows through it")
+    return entry.vjp
 
 
 def vjp(root: Node, cotangent: Node, wrt: Node | None = None) -> Node:
@@ -31,7 +48,7 @@ def vjp(root: Node, cotangent: Node, wrt: Node | None = None) -> Node:
             return g if g is not None else const(0.0, F32)
         if g is None or node not in live:
             continue
-        for arg, ct in zip(node.args, OPS[node.op].vjp(node, g)):
+        for arg, ct in zip(node.args, rule(node.op)(node, g)):
             if ct is None or arg not in live or arg.dtype != F32:
                 continue
             cts[arg] = ct if arg not in cts else cts[arg] + ct

@@ -7,12 +7,22 @@ object, so structural equality is identity and a node is its own cache key.
     >>> ir.var("score") is ir.var("score")
     True
 
-Node kinds (``op``):
-  ``var``      an input: ``score`` (f32) or an index ``b h q_idx kv_idx`` (i32)
-  ``const``    a scalar literal, ``attr`` is its value
-  ``operand``  a captured array, ``attr`` is ``(name, shape, dtype)``; only
-               ever the first argument of a ``load``
-  anything else is an operation from the op table (``scoremod.dsl.ops``).
+Node kinds (``op``), named by the constants below:
+  ``VAR``          an input: ``score`` (f32) or an index ``b h q_idx kv_idx`` (i32)
+  ``CONST``        a scalar literal, ``attr`` is its value
+  ``OPERAND``      a captured array, ``attr`` is ``(name, shape, dtype)``; only
+                   ever the first argument of a ``LOAD``
+  ``MATERIALIZE``  made by lowerings only: its argument computed ahead of the
+                   kernel (by XLA) and read as a tensor; its value is its argument's
+  anything else is an operation of the op table ``OPS`` (``LOAD`` among them),
+  whose entries ``scoremod.dsl.ops`` defines.
+
+The IR sits below the op table: building an op node (type check, simplify,
+intern) is the table's ``ops.apply`` and a node's repr is the text form's
+printer. Rather than import the modules written in terms of it, the IR is
+handed those two functions when they are imported (``install``): ``build``
+(used by the arithmetic sugar, ``substitute``, unpickling, and the modules
+below the table: ``grad``, ``rewrite``) and ``repr``.
 """
 
 from __future__ import annotations
@@ -26,6 +36,10 @@ import numpy as np
 
 from scoremod.errors import ScoreModError, ScoreModValueError
 
+# Node kinds the IR itself gives meaning to.
+CONST, VAR, OPERAND, LOAD, MATERIALIZE = "const", "var", "operand", "load", "materialize"
+LEAVES = (CONST, VAR, OPERAND)
+
 # Scalar types of the IR. Scores and float operands compute in float32.
 F32, I32, BOOL = "f32", "i32", "bool"
 DTYPES = (F32, I32, BOOL)
@@ -34,6 +48,7 @@ DTYPES = (F32, I32, BOOL)
 SCORE = "score"
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
 VAR_NAMES = (SCORE,) + INDEX_VARS
+COTANGENT = "dP"  # the incoming gradient of a backward expression (lowering only)
 
 # Array dtypes a captured operand may have, and the IR type a load yields.
 OPERAND_DTYPES = {
@@ -50,6 +65,30 @@ OPERAND_DTYPES = {
 
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+# The op table: name -> entry (``scoremod.dsl.ops.Op``), filled by ops.py.
+# It lives here, below everything written in terms of nodes, so that the
+# derivative and the simplifier read the one table without importing the
+# module that defines its entries (and builds nodes with them).
+OPS: dict = {}
+
+# Installed by ops.py and text.py when imported (see the module docstring).
+_apply = None  # apply(op, *args, attr=None) -> Node
+_format = None  # format_expr(node) -> str
+
+
+def install(apply=None, format_expr=None):
+    """Hand the IR the op table's node constructor or the printer."""
+    global _apply, _format
+    _apply = apply if apply is not None else _apply
+    _format = format_expr if format_expr is not None else _format
+
+
+def build(op: str, *args, attr=None) -> "Node":
+    """``op(*args)`` through the op table's constructor (``ops.apply``)."""
+    if _apply is None:
+        raise ScoreModError("internal: scoremod.dsl.ops is not imported; import scoremod")
+    return _apply(op, *args, attr=attr)
 
 
 def _attr_key(attr):
@@ -80,10 +119,11 @@ class Node:
     _lock = threading.Lock()
 
     def __new__(cls, op: str, args: tuple = (), attr=None, dtype: str = F32):
-        if op == "const" and not _canonical_const(attr, dtype):
-            # Checked before the lookup too, so the answer never depends on what
-            # is interned already: a non-canonical value (0.1 unrounded, 2**40
-            # as i32) would otherwise stand for const()'s node.
+        if op == CONST and not _canonical_const(attr, dtype):
+            # Interned by its key, a non-canonical value (0.1 unrounded, 2**40
+            # as i32) would stand for const(); refused whether or not the
+            # canonical node already exists, so the outcome never depends on
+            # what was built before.
             raise ScoreModValueError(
                 f"{attr!r} is not a canonical {dtype} constant; build it with ir.const"
             )
@@ -118,9 +158,8 @@ class Node:
         object.__setattr__(self, name, value)
 
     def __repr__(self):
-        from scoremod.dsl.text import format_expr
-
-        return f"<{self.dtype} {format_expr(self)}>"
+        text = _format(self) if _format is not None else f"{self.op}{self.args or ''}"
+        return f"<{self.dtype} {text}>"
 
     # Arithmetic sugar, used by derivative rules and rewrites.
     def __add__(self, o):
@@ -148,16 +187,12 @@ class Node:
         return _binary("div", o, self)
 
     def __neg__(self):
-        from scoremod.dsl.ops import apply
-
-        return apply("neg", self)
+        return build("neg", self)
 
 
 def _binary(op, a, b):
-    from scoremod.dsl.ops import apply
-
     dtype = a.dtype if isinstance(a, Node) else b.dtype
-    return apply(op, lift(a, dtype), lift(b, dtype))
+    return build(op, lift(a, dtype), lift(b, dtype))
 
 
 def const(value, dtype: str) -> Node:
@@ -185,7 +220,7 @@ def const(value, dtype: str) -> Node:
         value = bool(value)
     else:
         raise ScoreModValueError(f"unknown IR dtype {dtype!r}")
-    return Node("const", (), value, dtype)
+    return Node(CONST, (), value, dtype)
 
 
 def lift(x, dtype: str) -> Node:
@@ -196,12 +231,12 @@ def lift(x, dtype: str) -> Node:
 def var(name: str) -> Node:
     if name not in VAR_NAMES:
         raise ScoreModValueError(f"unknown variable {name!r}; score_mod inputs are {VAR_NAMES}")
-    return Node("var", (), name, F32 if name == SCORE else I32)
+    return Node(VAR, (), name, F32 if name == SCORE else I32)
 
 
 def cotangent() -> Node:
     """``dP``: the incoming gradient of a backward expression (lowering only)."""
-    return Node("var", (), "dP", F32)
+    return Node(VAR, (), COTANGENT, F32)
 
 
 def operand(name: str, shape, dtype) -> Node:
@@ -220,11 +255,11 @@ def operand(name: str, shape, dtype) -> Node:
             f"operand {name!r} has shape {shape}: an array with an empty axis cannot "
             "be indexed; give it at least one entry per axis"
         )
-    return Node("operand", (), (name, shape, dtype), OPERAND_DTYPES[dtype])
+    return Node(OPERAND, (), (name, shape, dtype), OPERAND_DTYPES[dtype])
 
 
 def is_const(node: Node, value=None) -> bool:
-    if node.op != "const":
+    if node.op != CONST:
         return False
     if value is None:
         return True
@@ -260,20 +295,18 @@ def toposort(*roots: Node, stop=None) -> list[Node]:
 
 def substitute(root: Node, mapping: dict) -> Node:
     """Rebuild ``root`` with nodes replaced per ``mapping`` (through the simplifier)."""
-    from scoremod.dsl.ops import rebuild
-
     done = dict(mapping)
     for node in toposort(root):
         if node in done:
             continue
         new_args = tuple(done[a] for a in node.args)
-        done[node] = node if new_args == node.args else rebuild(node, new_args)
+        done[node] = node if new_args == node.args else build(node.op, *new_args, attr=node.attr)
     return done[root]
 
 
 def operands_of(root: Node) -> list[Node]:
     """The operand leaves of ``root`` in canonical (first use) order."""
-    return [n for n in toposort(root) if n.op == "operand"]
+    return [n for n in toposort(root) if n.op == OPERAND]
 
 
 def depends_on(root: Node, leaf: Node) -> set:
@@ -317,24 +350,22 @@ def nodes_from_table(table) -> list:
 
 
 def _checked_node(op, args, attr, dtype) -> Node:
-    from scoremod.dsl.ops import OPS, apply
-
-    if op == "const":
+    if op == CONST:
         if args or not _canonical_const(attr, dtype):
             raise ScoreModValueError(f"{attr!r} is not a canonical {dtype} constant")
         node = const(attr, dtype)
-    elif op == "var":
+    elif op == VAR:
         if args:
             raise ScoreModValueError("a variable has no arguments")
-        node = cotangent() if attr == "dP" else var(attr)
-    elif op == "operand":
+        node = cotangent() if attr == COTANGENT else var(attr)
+    elif op == OPERAND:
         name, shape, array_dtype = attr
         if args:
             raise ScoreModValueError("an operand has no arguments")
         node = operand(name, shape, array_dtype)
     elif op in OPS:
         try:
-            node = apply(op, *args, attr=attr)
+            node = build(op, *args, attr=attr)
         except ScoreModError as e:
             raise ScoreModValueError(str(e)) from None
     else:

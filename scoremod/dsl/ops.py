@@ -1,10 +1,11 @@
 """The op table: every IR operation defined once.
 
 One ``Op`` entry holds what each layer needs to know about an operation:
-its typing, its text syntax, its jax.numpy reference implementation, its
-reverse-mode derivative rule and the JAX primitives that trace to it. The
-tracer, the printer and parser, the reference evaluator, the derivative and
-the cuDNN lowering all read this table; ``docs/ops.md`` is generated from it.
+its typing, its text syntax (and the jax.numpy names and primitives that
+reach it), its jax.numpy reference implementation, its reverse-mode
+derivative rule and its documentation (``docs/ops.md`` is generated from the
+entries). The tracer, the printer and parser, the reference evaluator, the
+derivative and the cuDNN lowering all read this table (``ir.OPS``).
 
     >>> from scoremod.dsl import ir, ops
     >>> s = ir.var("score")
@@ -22,37 +23,60 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scoremod.dsl.ir import BOOL, F32, I32, Node, const
+from scoremod.dsl import ir
+from scoremod.dsl.grad import ZERO, vjp
+from scoremod.dsl.ir import BOOL, F32, I32, LOAD, OPERAND, Node, const
+from scoremod.dsl.rewrite import simplify
 from scoremod.errors import ScoreModTypeError
 
-# Typing signatures.
-#   float : f32 -> f32           num  : T -> T (T in f32, i32)
-#   float2: f32, f32 -> f32      num2 : T, T -> T
-#   cmp   : T, T -> bool (T any) logic: bool.. -> bool
-#   int2  : i32, i32 -> i32      where: bool, T, T -> T
-#   cast:X: any -> X             load : operand, i32... -> operand's type
-#   with_grad: f32, (f32, f32)... -> f32
+# Ops other modules name.
+WITH_GRAD, TANGENT = "with_grad", "tangent"
+
+# Typing signatures, in words (``result_dtype`` checks them).
+SIGNATURES = {
+    "float": "float32 → float32",
+    "float2": "float32, float32 → float32",
+    "num": "T → T, T float32 or int32",
+    "num2": "T, T → T, T float32 or int32",
+    "int2": "int32, int32 → int32",
+    "cmp": "T, T → bool, T any type",
+    "where": "bool, T, T → T",
+    "load": "array, one int32 per dim → the array's element type",
+    "with_grad": "float32, then pairs of float32 → float32",
+    "cast:f32": "any → float32",
+    "cast:i32": "any → int32",
+    "cast:bool": "any → bool",
+    "logic": "bool... → bool",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
+    """Everything about one operation; ``_op`` below registers one per op."""
+
     name: str
-    arity: int
-    sig: str
-    ref: Callable  # jax.numpy implementation on broadcastable arrays
-    vjp: Optional[Callable] = None  # (node, g) -> tuple of cotangents, None = zero
+    arity: int  # -1: any number of arguments
+    sig: str  # typing signature, a key of SIGNATURES
+    ref: Optional[Callable]  # jax.numpy implementation on broadcastable arrays
+    # Reverse-mode rule (node, g) -> one cotangent (or None) per argument;
+    # ZERO declares that no gradient flows. None (no rule) makes grad raise.
+    vjp: Optional[Callable] = None
+    derivative: str = ""  # the rule in words for docs/ops.md ("0" for ZERO)
     infix: Optional[str] = None  # text operator, else written as name(args)
     prec: int = 10  # binding strength of the infix/prefix form
     prefix: Optional[str] = None
+    written: Optional[str] = None  # the text form's spelling, where not derived
+    aliases: tuple = ()  # other names the text form accepts (jax.numpy's)
+    # For a float op jax.numpy applies to an int and returns an int: that result.
+    on_int: Optional[Callable] = None
     prims: tuple = ()  # JAX primitives that trace straight to this op
+    spelling: str = ""  # what a user writes in jax.numpy/lax to get it
     doc: str = ""
 
     @property
     def text(self):
-        if self.name == "integer_pow":
-            return "a ** n"
-        if self.name == "load":
-            return "name[i, ...]"
+        if self.written:
+            return self.written
         if self.infix:
             return f"a {self.infix} b"
         if self.prefix:
@@ -61,12 +85,27 @@ class Op:
         args = ", ".join("abc"[: self.arity]) if self.arity > 0 else "..."
         return f"{self.name}({args})"
 
+    @property
+    def typing(self):
+        """The typing signature in words."""
+        if self.sig == "logic":
+            return ", ".join(["bool"] * self.arity) + " → bool"
+        if self.arity == 0:
+            return "→ float32"
+        return SIGNATURES[self.sig]
 
-OPS: dict[str, Op] = {}
+    def evaluate(self, args: list, attr=None):
+        """The reference implementation on arrays."""
+        return self.ref(*args, attr) if self.name == "integer_pow" else self.ref(*args)
 
 
-def _op(name, arity, sig, ref, vjp=None, **kw):
-    OPS[name] = Op(name, arity, sig, ref, vjp, **kw)
+OPS = ir.OPS  # name -> Op, in table order
+
+
+def _op(name, arity, sig, ref, **fields):
+    if fields.get("vjp") is ZERO:
+        fields.setdefault("derivative", "0")
+    OPS[name] = Op(name, arity, sig, ref, **fields)
 
 
 def _b(f):
@@ -74,68 +113,16 @@ def _b(f):
     return lambda a, b: f(*jnp.broadcast_arrays(a, b))
 
 
-# --- derivative rules: (node, g) -> one cotangent per argument -------------
-# Each computes what jax.grad computes: JAX's jvp rule transposed, factors in
-# the same order (so float32 rounding, overflow and 0 * inf agree). They are
-# written so the cuDNN backward can be lowered: piecewise ops of a
-# float go through relu_grad (never a comparison on floats), and factors reuse
-# the primal node (``y``) the forward graph already computes.
-
-
-def _zero(node, g):
-    return (None,) * len(node.args)
+# --- helpers of the derivative rules ----------------------------------------
+# Each rule computes what jax.grad computes: JAX's jvp rule transposed, factors
+# in the same order (so float32 rounding, overflow and 0 * inf agree). They are
+# written so the cuDNN backward can be lowered: piecewise ops of a float go
+# through relu_grad (never a comparison on floats), and factors reuse the
+# primal node (``y``) the forward graph already computes.
 
 
 def _relu_grad(g, x):
     return apply("relu_grad", g, x)
-
-
-_RULES = {
-    "add": lambda y, g: (g, g),
-    "sub": lambda y, g: (g, -g),
-    "mul": lambda y, g: (g * y.args[1], g * y.args[0]),
-    # JAX's -g * a * b**-2, transposed: so overflow and 0 * inf agree.
-    "div": lambda y, g: (g / y.args[1],
-                         -((g * apply("integer_pow", y.args[1], attr=-2)) * y.args[0])),
-    "neg": lambda y, g: (-g,),
-    # JAX: sign(x) with abs'(0) = 1 (select(x >= 0, 1, -1)); -x > 0 is x < 0.
-    "abs": lambda y, g: (g - _relu_grad(g + g, -y.args[0]),),
-    "exp": lambda y, g: (g * y,),
-    "exp2": lambda y, g: ((g * math.log(2.0)) * y,),
-    "log": lambda y, g: (g / y.args[0],),
-    "log1p": lambda y, g: (g / (y.args[0] + 1.0),),
-    "expm1": lambda y, g: (g * (y + 1.0),),
-    "tanh": lambda y, g: (g * ((y + 1.0) * (1.0 - y)),),  # JAX's one_minus_square
-    "sigmoid": lambda y, g: (g * (y * (1.0 - y)),),
-    "sqrt": lambda y, g: (g * (0.5 / y),),
-    "rsqrt": lambda y, g: (g * ((y / y.args[0]) * -0.5),),
-    "reciprocal": lambda y, g: (g * -apply("integer_pow", y.args[0], attr=-2),),
-    "sin": lambda y, g: (g * apply("cos", y.args[0]),),
-    "cos": lambda y, g: (-(g * apply("sin", y.args[0])),),
-    "erf": lambda y, g: (
-        (g * (2.0 / math.sqrt(math.pi))) * apply("exp", -(y.args[0] * y.args[0])),
-    ),
-    "integer_pow": lambda y, g: (_integer_pow_grad(y, g),),
-    # As JAX: d/dy uses log(x) with x == 0 replaced by 1, so pow(0, y)' is 0.
-    "pow": lambda y, g: (
-        g * (y.args[1] * apply("pow", y.args[0], y.args[1] - 1.0)),
-        g * (apply("log", _replace_zero(y.args[0])) * y),
-    ),
-    "max": lambda y, g: _max_grad(y.args[0], y.args[1], g),
-    "min": lambda y, g: _max_grad(y.args[1], y.args[0], g),  # (d/da, d/db) of min(a, b)
-    "relu": lambda y, g: (_relu_grad(g, y.args[0]),),
-    "relu_grad": lambda y, g: (_relu_grad(g, y.args[1]), None),
-    "with_grad": lambda y, g: _with_grad_vjp(y, g),
-    # Remainders of floats, as JAX: d/da is 1, d/db the truncated quotient
-    # (plus the divisor jnp.remainder adds back when the signs differ).
-    "rem": lambda y, g: (g, -(g * _trunc_quotient(*y.args))),
-    "mod": lambda y, g: (g, _mod_carry(y, g) - g * _trunc_quotient(*y.args)),
-    "where": lambda y, g: (
-        None,
-        apply("where", y.args[0], g, const(0.0, F32)),
-        apply("where", y.args[0], const(0.0, F32), g),
-    ),
-}
 
 
 def _trunc_quotient(a, b):
@@ -166,8 +153,6 @@ def _with_grad_vjp(y, g):
     # tangent of x_i, linear in tangent(). The cotangent of x_i is l_i
     # transposed at g (as JAX transposes a custom_jvp rule: a term that does
     # not depend on the tangent, such as c * 0.0, contributes nothing).
-    from scoremod.dsl.grad import vjp
-
     cts = [None]
     for lin in y.args[2::2]:
         cts += [vjp(lin, g, wrt=tangent()), None]
@@ -216,101 +201,200 @@ def _max_grad(a, b, g):
     return (half(a, b), half(b, a))
 
 
-def _rule(name):
-    return (lambda node, g: _RULES[name](node, g)) if name in _RULES else _zero
+# --- the table --------------------------------------------------------------
+# In ``derivative``, ``g`` is the incoming cotangent, ``y`` the op's result,
+# ``a b c`` its arguments; "to a" names the argument a term flows to.
 
-
-# --- the table ------------------------------------------------------------
-
-_op("add", 2, "num2", jnp.add, _rule("add"), infix="+", prec=5, prims=("add",),
-    doc="addition")
-_op("sub", 2, "num2", jnp.subtract, _rule("sub"), infix="-", prec=5, prims=("sub",),
-    doc="subtraction")
-_op("mul", 2, "num2", jnp.multiply, _rule("mul"), infix="*", prec=6, prims=("mul",),
-    doc="multiplication")
-_op("div", 2, "float2", jnp.divide, _rule("div"), infix="/", prec=6,
-    doc="true division of floats (`/`)")
-_op("trunc_div", 2, "int2", _b(lax.div), _zero,
+_op("add", 2, "num2", jnp.add, infix="+", prec=5, prims=("add",),
+    vjp=lambda y, g: (g, g), derivative="g to a, g to b",
+    spelling="`x + y`, `jnp.add`", doc="addition")
+_op("sub", 2, "num2", jnp.subtract, infix="-", prec=5, prims=("sub",),
+    vjp=lambda y, g: (g, -g), derivative="g to a, -g to b",
+    spelling="`x - y`, `jnp.subtract`", doc="subtraction")
+_op("mul", 2, "num2", jnp.multiply, infix="*", prec=6, prims=("mul",),
+    vjp=lambda y, g: (g * y.args[1], g * y.args[0]), derivative="g * b to a, g * a to b",
+    spelling="`x * y`, `jnp.multiply`", doc="multiplication")
+_op("div", 2, "float2", jnp.divide, infix="/", prec=6,
+    # JAX's -g * a * b**-2, transposed: so overflow and 0 * inf agree.
+    vjp=lambda y, g: (g / y.args[1],
+                      -((g * apply("integer_pow", y.args[1], attr=-2)) * y.args[0])),
+    derivative="g / b to a, -((g * b ** -2) * a) to b",
+    spelling="`x / y` on floats, `jnp.divide`", doc="true division of floats (`/`)")
+_op("trunc_div", 2, "int2", _b(lax.div), vjp=ZERO,
+    spelling="`lax.div(i, j)` on ints",
     doc="integer division rounding toward zero (lax.div on ints)")
-_op("floordiv", 2, "num2", jnp.floor_divide, _zero, infix="//", prec=6,
+_op("floordiv", 2, "num2", jnp.floor_divide, infix="//", prec=6, vjp=ZERO,
+    spelling="`//` in the text form; jnp `//` traces to trunc_div, rem and where",
     doc="floor division, Python semantics (`//`)")
-_op("mod", 2, "num2", jnp.remainder, _rule("mod"), infix="%", prec=6,
+# Remainders of floats, as JAX: d/da is 1, d/db the truncated quotient (plus
+# the divisor jnp.remainder adds back when the signs differ).
+_op("mod", 2, "num2", jnp.remainder, infix="%", prec=6,
+    vjp=lambda y, g: (g, _mod_carry(y, g) - g * _trunc_quotient(*y.args)),
+    derivative="floats: g to a, where(a % b was corrected, g, 0) - g * trunc(a / b) to b; "
+               "ints: 0",
+    spelling="`%` in the text form; jnp `%` traces to rem (and where for signed values)",
     doc="remainder with the sign of the divisor, Python semantics (`%`)")
-_op("rem", 2, "num2", _b(lax.rem), _rule("rem"), prims=("rem",),
+_op("rem", 2, "num2", _b(lax.rem), prims=("rem",),
+    vjp=lambda y, g: (g, -(g * _trunc_quotient(*y.args))),
+    derivative="floats: g to a, -(g * trunc(a / b)) to b; ints: 0",
+    spelling="`lax.rem`, `jnp.fmod`",
     doc="remainder with the sign of the dividend (lax.rem, C fmod)")
-_op("offset", 2, "int2", jnp.add, _zero,
+_op("offset", 2, "int2", jnp.add, vjp=ZERO,
+    spelling="none: written by the query-block split, or as `offset(q_idx, 512)` in the "
+             "text form",
     doc="an index plus a constant, never simplified (not even `+ 0`): the query-block "
         "split shifts every block's indices with it, so all blocks share one cuDNN graph "
         "structure and cuDNN compiles their kernel once")
-_op("neg", 1, "num", jnp.negative, _rule("neg"), prefix="-", prec=7, prims=("neg",),
-    doc="negation")
-_op("abs", 1, "num", jnp.abs, _rule("abs"), prims=("abs",), doc="absolute value")
-_op("sign", 1, "num", jnp.sign, _zero, prims=("sign",), doc="sign (-1, 0, 1)")
-_op("exp", 1, "float", jnp.exp, _rule("exp"), prims=("exp",), doc="e**x")
-_op("exp2", 1, "float", jnp.exp2, _rule("exp2"), prims=("exp2",), doc="2**x")
-_op("log", 1, "float", jnp.log, _rule("log"), prims=("log",), doc="natural logarithm")
-_op("log1p", 1, "float", jnp.log1p, _rule("log1p"), prims=("log1p",), doc="log(1 + x)")
-_op("expm1", 1, "float", jnp.expm1, _rule("expm1"), prims=("expm1",), doc="exp(x) - 1")
-_op("tanh", 1, "float", jnp.tanh, _rule("tanh"), prims=("tanh",),
-    doc="hyperbolic tangent")
-_op("sigmoid", 1, "float", lax.logistic, _rule("sigmoid"), prims=("logistic",),
-    doc="logistic sigmoid (jax.nn.sigmoid)")
-_op("sqrt", 1, "float", jnp.sqrt, _rule("sqrt"), prims=("sqrt",), doc="square root")
-_op("rsqrt", 1, "float", lax.rsqrt, _rule("rsqrt"), prims=("rsqrt",),
-    doc="1 / sqrt(x)")
-_op("reciprocal", 1, "float", jnp.reciprocal, _rule("reciprocal"), doc="1 / x")
-_op("sin", 1, "float", jnp.sin, _rule("sin"), prims=("sin",), doc="sine")
-_op("cos", 1, "float", jnp.cos, _rule("cos"), prims=("cos",), doc="cosine")
-_op("erf", 1, "float", lax.erf, _rule("erf"), prims=("erf",), doc="error function")
-_op("floor", 1, "float", jnp.floor, _zero, prims=("floor",),
-    doc="round down (zero gradient)")
-_op("ceil", 1, "float", jnp.ceil, _zero, prims=("ceil",), doc="round up (zero gradient)")
-_op("integer_pow", 1, "num", lambda x, n: lax.integer_pow(x, n), _rule("integer_pow"),
-    infix="**", prec=8, prims=("integer_pow",),
+_op("neg", 1, "num", jnp.negative, prefix="-", prec=7, prims=("neg",),
+    vjp=lambda y, g: (-g,), derivative="-g",
+    spelling="`-x`, `jnp.negative`", doc="negation")
+_op("abs", 1, "num", jnp.abs, prims=("abs",),
+    # JAX: sign(x) with abs'(0) = 1 (select(x >= 0, 1, -1)); -x > 0 is x < 0.
+    vjp=lambda y, g: (g - _relu_grad(g + g, -y.args[0]),),
+    derivative="g - relu_grad(2 * g, -a) (abs'(0) = 1, as in JAX)",
+    spelling="`abs(x)`, `jnp.abs`", doc="absolute value")
+_op("sign", 1, "num", jnp.sign, prims=("sign",), vjp=ZERO,
+    spelling="`jnp.sign`", doc="sign (-1, 0, 1)")
+_op("exp", 1, "float", jnp.exp, prims=("exp",),
+    vjp=lambda y, g: (g * y,), derivative="g * y", spelling="`jnp.exp`", doc="e**x")
+_op("exp2", 1, "float", jnp.exp2, prims=("exp2",),
+    vjp=lambda y, g: ((g * math.log(2.0)) * y,), derivative="(g * ln(2)) * y",
+    spelling="`jnp.exp2`", doc="2**x")
+_op("log", 1, "float", jnp.log, prims=("log",),
+    vjp=lambda y, g: (g / y.args[0],), derivative="g / a",
+    spelling="`jnp.log`", doc="natural logarithm")
+_op("log2", 1, "float", jnp.log2, prims=("log2",),
+    vjp=lambda y, g: (g / (y.args[0] * math.log(2.0)),), derivative="g / (a * ln(2))",
+    spelling="`jnp.log2` (before jax 0.11 it traces to `log(x) / 0.6931472`)",
+    doc="base-2 logarithm")
+_op("log1p", 1, "float", jnp.log1p, prims=("log1p",),
+    vjp=lambda y, g: (g / (y.args[0] + 1.0),), derivative="g / (a + 1)",
+    spelling="`jnp.log1p`", doc="log(1 + x)")
+_op("expm1", 1, "float", jnp.expm1, prims=("expm1",),
+    vjp=lambda y, g: (g * (y + 1.0),), derivative="g * (y + 1)",
+    spelling="`jnp.expm1`", doc="exp(x) - 1")
+_op("tanh", 1, "float", jnp.tanh, prims=("tanh",),
+    vjp=lambda y, g: (g * ((y + 1.0) * (1.0 - y)),),  # JAX's one_minus_square
+    derivative="g * ((y + 1) * (1 - y))", spelling="`jnp.tanh`", doc="hyperbolic tangent")
+_op("sigmoid", 1, "float", lax.logistic, prims=("logistic",), aliases=("logistic",),
+    vjp=lambda y, g: (g * (y * (1.0 - y)),), derivative="g * (y * (1 - y))",
+    spelling="`jax.nn.sigmoid`, `lax.logistic`", doc="logistic sigmoid (jax.nn.sigmoid)")
+_op("sqrt", 1, "float", jnp.sqrt, prims=("sqrt",),
+    vjp=lambda y, g: (g * (0.5 / y),), derivative="g * (0.5 / y)",
+    spelling="`jnp.sqrt`", doc="square root")
+_op("rsqrt", 1, "float", lax.rsqrt, prims=("rsqrt",),
+    vjp=lambda y, g: (g * ((y / y.args[0]) * -0.5),), derivative="g * ((y / a) * -0.5)",
+    spelling="`lax.rsqrt`", doc="1 / sqrt(x)")
+_op("reciprocal", 1, "float", jnp.reciprocal,
+    vjp=lambda y, g: (g * -apply("integer_pow", y.args[0], attr=-2),),
+    derivative="g * -(a ** -2)", doc="1 / x")
+_op("sin", 1, "float", jnp.sin, prims=("sin",),
+    vjp=lambda y, g: (g * apply("cos", y.args[0]),), derivative="g * cos(a)",
+    spelling="`jnp.sin`", doc="sine")
+_op("cos", 1, "float", jnp.cos, prims=("cos",),
+    vjp=lambda y, g: (-(g * apply("sin", y.args[0])),), derivative="-(g * sin(a))",
+    spelling="`jnp.cos`", doc="cosine")
+_op("tan", 1, "float", jnp.tan, prims=("tan",),
+    vjp=lambda y, g: (g * (apply("integer_pow", y, attr=2) + 1.0),),
+    derivative="g * (y ** 2 + 1)", spelling="`jnp.tan`", doc="tangent")
+_op("atan", 1, "float", jnp.arctan, prims=("atan",), aliases=("arctan",),
+    vjp=lambda y, g: (g / (apply("integer_pow", y.args[0], attr=2) + 1.0),),
+    derivative="g / (a ** 2 + 1)", spelling="`jnp.arctan`, `lax.atan`", doc="arctangent")
+_op("erf", 1, "float", lax.erf, prims=("erf",),
+    vjp=lambda y, g: (
+        (g * (2.0 / math.sqrt(math.pi))) * apply("exp", -(y.args[0] * y.args[0])),),
+    derivative="(g * 2/sqrt(pi)) * exp(-a*a)",
+    spelling="`jax.scipy.special.erf`, `lax.erf`", doc="error function")
+_op("floor", 1, "float", jnp.floor, prims=("floor",), vjp=ZERO, on_int=lambda x: x,
+    spelling="`jnp.floor`", doc="round down (zero gradient)")
+_op("ceil", 1, "float", jnp.ceil, prims=("ceil",), vjp=ZERO, on_int=lambda x: x,
+    spelling="`jnp.ceil`", doc="round up (zero gradient)")
+_op("integer_pow", 1, "num", lambda x, n: lax.integer_pow(x, n),
+    infix="**", prec=8, written="a ** n", prims=("integer_pow",),  # n an integer literal
+    vjp=lambda y, g: (_integer_pow_grad(y, g),), derivative="g * n * a ** (n-1)",
+    spelling="`x ** n`, `jnp.square`, `lax.integer_pow`",
     doc="x ** n for an integer literal n (jnp.square, x**2)")
-_op("pow", 2, "float2", _b(lax.pow), _rule("pow"), prims=("pow",),
-    doc="x ** y for a float exponent")
-_op("max", 2, "num2", jnp.maximum, _rule("max"), prims=("max",),
-    doc="elementwise maximum (jnp.maximum, clip)")
-_op("min", 2, "num2", jnp.minimum, _rule("min"), prims=("min",),
-    doc="elementwise minimum (jnp.minimum, clip)")
-_op("relu", 1, "float", jax.nn.relu, _rule("relu"),
+# As JAX: d/db uses log(a) with a == 0 replaced by 1, so pow(0, b)' is 0.
+_op("pow", 2, "float2", _b(lax.pow), prims=("pow",),
+    vjp=lambda y, g: (
+        g * (y.args[1] * apply("pow", y.args[0], y.args[1] - 1.0)),
+        g * (apply("log", _replace_zero(y.args[0])) * y),
+    ),
+    derivative="g * (b * pow(a, b - 1)) to a, g * (log(where(a == 0, 1, a)) * y) to b "
+               "(pow(0, b)' = 0, as in JAX)",
+    spelling="`x ** y` with a float y, `jnp.power`", doc="x ** y for a float exponent")
+_op("max", 2, "num2", jnp.maximum, prims=("max",), aliases=("maximum",),
+    vjp=lambda y, g: _max_grad(y.args[0], y.args[1], g),
+    derivative="relu_grad(g, a - b) / 2 + (g - relu_grad(g, b - a)) / 2 to a, the same "
+               "with a, b swapped to b (ties split evenly, as in JAX)",
+    spelling="`jnp.maximum`, `jnp.clip`", doc="elementwise maximum (jnp.maximum, clip)")
+_op("min", 2, "num2", jnp.minimum, prims=("min",), aliases=("minimum",),
+    vjp=lambda y, g: _max_grad(y.args[1], y.args[0], g),  # (d/da, d/db) of min(a, b)
+    derivative="relu_grad(g, b - a) / 2 + (g - relu_grad(g, a - b)) / 2 to a, the same "
+               "with a, b swapped to b (ties split evenly, as in JAX)",
+    spelling="`jnp.minimum`, `jnp.clip`", doc="elementwise minimum (jnp.minimum, clip)")
+_op("relu", 1, "float", jax.nn.relu,
+    on_int=lambda x: apply("max", x, const(0, I32)),
+    vjp=lambda y, g: (_relu_grad(g, y.args[0]),),
+    derivative="relu_grad(g, a) (0 at 0, as jax.nn.relu)",
+    spelling="`jax.nn.relu` (`jnp.maximum(x, 0.0)` is max)",
     doc="max(x, 0) with derivative 0 at 0 (jax.nn.relu; `max(x, 0.0)` is the max op, "
         "derivative 0.5 at 0 as in jnp.maximum)")
-_op("relu_grad", 2, "float2", lambda g, x: jnp.where(x > 0, g, 0.0), _rule("relu_grad"),
+_op("relu_grad", 2, "float2", lambda g, x: jnp.where(x > 0, g, 0.0),
+    vjp=lambda y, g: (_relu_grad(g, y.args[1]), None),
+    derivative="relu_grad(g, b) to a, none to b", spelling="(made by derivatives)",
     doc="g where x > 0 else 0: the step used by derivatives of piecewise ops")
-_op("lt", 2, "cmp", jnp.less, _zero, infix="<", prec=4, prims=("lt",), doc="a < b")
-_op("le", 2, "cmp", jnp.less_equal, _zero, infix="<=", prec=4, prims=("le",),
-    doc="a <= b")
-_op("gt", 2, "cmp", jnp.greater, _zero, infix=">", prec=4, prims=("gt",), doc="a > b")
-_op("ge", 2, "cmp", jnp.greater_equal, _zero, infix=">=", prec=4, prims=("ge",),
-    doc="a >= b")
-_op("eq", 2, "cmp", jnp.equal, _zero, infix="==", prec=4, prims=("eq",), doc="a == b")
-_op("ne", 2, "cmp", jnp.not_equal, _zero, infix="!=", prec=4, prims=("ne",),
-    doc="a != b")
-_op("and", 2, "logic", jnp.logical_and, _zero, infix="and", prec=2, prims=("and",),
-    doc="logical and (`&` on booleans)")
-_op("or", 2, "logic", jnp.logical_or, _zero, infix="or", prec=1, prims=("or",),
-    doc="logical or (`|` on booleans)")
-_op("not", 1, "logic", jnp.logical_not, _zero, prefix="not", prec=3, prims=("not",),
-    doc="logical not (`~` on booleans)")
-_op("with_grad", -1, "with_grad", _with_grad_ref, _rule("with_grad"),
+_op("lt", 2, "cmp", jnp.less, infix="<", prec=4, prims=("lt",), vjp=ZERO,
+    spelling="`x < y`", doc="a < b")
+_op("le", 2, "cmp", jnp.less_equal, infix="<=", prec=4, prims=("le",), vjp=ZERO,
+    spelling="`x <= y`", doc="a <= b")
+_op("gt", 2, "cmp", jnp.greater, infix=">", prec=4, prims=("gt",), vjp=ZERO,
+    spelling="`x > y`", doc="a > b")
+_op("ge", 2, "cmp", jnp.greater_equal, infix=">=", prec=4, prims=("ge",), vjp=ZERO,
+    spelling="`x >= y`", doc="a >= b")
+_op("eq", 2, "cmp", jnp.equal, infix="==", prec=4, prims=("eq",), vjp=ZERO,
+    spelling="`x == y`", doc="a == b")
+_op("ne", 2, "cmp", jnp.not_equal, infix="!=", prec=4, prims=("ne",), vjp=ZERO,
+    spelling="`x != y`", doc="a != b")
+_op("and", 2, "logic", jnp.logical_and, infix="and", prec=2, prims=("and",), vjp=ZERO,
+    spelling="`m & n`, `jnp.logical_and`", doc="logical and (`&` on booleans)")
+_op("or", 2, "logic", jnp.logical_or, infix="or", prec=1, prims=("or",), vjp=ZERO,
+    spelling="`m | n`, `jnp.logical_or`", doc="logical or (`|` on booleans)")
+_op("not", 1, "logic", jnp.logical_not, prefix="not", prec=3, prims=("not",), vjp=ZERO,
+    spelling="`~m`, `jnp.logical_not`", doc="logical not (`~` on booleans)")
+_op(WITH_GRAD, -1, "with_grad", _with_grad_ref, vjp=_with_grad_vjp,
+    derivative="d_i transposed at g (d_i with tangent() replaced by g, its terms without "
+               "tangent() dropped) to x_i",
+    spelling="a `jax.custom_jvp` function: `jax.nn.softplus`, `jnp.logaddexp`, "
+             "`jax.nn.relu6`, ... (`jax.nn.relu` becomes relu)",
     doc="with_grad(y, x1, d1, ...): the value y, whose tangent for a tangent() of x_i "
         "is d_i: the rule of a jax.custom_jvp function (jax.nn.relu, jax.nn.softplus, "
         "jnp.logaddexp, ...), differentiated as JAX does")
-_op("tangent", 0, "cast:f32", lambda: jnp.float32(1.0), _zero,
+_op(TANGENT, 0, "cast:f32", lambda: jnp.float32(1.0), vjp=ZERO,
+    spelling="none: inside with_grad's derivatives",
     doc="tangent(): the tangent that with_grad's derivatives are linear in; "
         "evaluates to 1.0")
-_op("where", 3, "where", jnp.where, _rule("where"),
+_op("where", 3, "where", jnp.where,
+    vjp=lambda y, g: (
+        None,
+        apply("where", y.args[0], g, const(0.0, F32)),
+        apply("where", y.args[0], const(0.0, F32), g),
+    ),
+    derivative="where(a, g, 0) to b, where(a, 0, g) to c, none to a",
+    spelling="`jnp.where(cond, x, y)`, `lax.select`",
     doc="where(c, a, b): a if c else b (jnp.where, lax.select_n)")
-_op("f32", 1, "cast:f32", lambda x: x.astype(jnp.float32), _zero,
+_op("f32", 1, "cast:f32", lambda x: x.astype(jnp.float32), vjp=ZERO, aliases=("float32",),
+    spelling="`x.astype(jnp.float32)`",
     doc="convert to float32 (from an int: exact below 2**24; from bool: 0/1)")
-_op("i32", 1, "cast:i32", lambda x: x.astype(jnp.int32), _zero,
-    doc="convert to int32 (from a float: round toward zero)")
-_op("bool", 1, "cast:bool", lambda x: x.astype(jnp.bool_), _zero,
-    doc="convert to bool (x != 0)")
-_op("load", -1, "load", None, _zero,
+_op("i32", 1, "cast:i32", lambda x: x.astype(jnp.int32), vjp=ZERO, aliases=("int32",),
+    spelling="`x.astype(jnp.int32)`", doc="convert to int32 (from a float: round toward zero)")
+_op("bool", 1, "cast:bool", lambda x: x.astype(jnp.bool_), vjp=ZERO,
+    spelling="`x.astype(bool)`", doc="convert to bool (x != 0)")
+_op(LOAD, -1, "load", None, vjp=ZERO, written="name[i, ...]",  # not callable by name
+    spelling="`arr[i, ...]`, `arr[h]`, `lax.dynamic_slice`",
     doc="name[i, ...]: read a captured array; indices are clamped into range")
+
+COMPARISONS = tuple(name for name, op in OPS.items() if op.sig == "cmp")
 
 
 # --- typing and the smart constructor ---------------------------------------
@@ -327,7 +411,7 @@ def result_dtype(op: Op, args: tuple) -> str:
     if sig.startswith("cast:"):
         return sig[5:]
     if sig == "load":
-        if not args or args[0].op != "operand":
+        if not args or args[0].op != OPERAND:
             raise ScoreModTypeError("load needs a captured array as first argument")
         shape = args[0].attr[1]
         if len(args) - 1 != len(shape):
@@ -379,26 +463,10 @@ def apply(name: str, *args: Node, attr=None) -> Node:
     if name == "integer_pow" and not isinstance(attr, int):
         raise ScoreModTypeError("integer_pow needs an integer exponent")
     dtype = result_dtype(op, args)
-    from scoremod.dsl.rewrite import simplify
-
-    simpler = simplify(name, args, attr, dtype)
+    simpler = simplify(op, args, attr, dtype)
     if simpler is not None:
         return simpler
     return Node(name, tuple(args), attr, dtype)
 
 
-def rebuild(node: Node, args: tuple) -> Node:
-    """``node``'s operation applied to new arguments."""
-    return apply(node.op, *args, attr=node.attr)
-
-
-def evaluate_op(name: str, args: list, attr=None):
-    """Run one op's reference implementation on arrays."""
-    op = OPS[name]
-    if name == "integer_pow":
-        return op.ref(args[0], attr)
-    return op.ref(*args)
-
-
-def compile_time_eval():
-    return jax.ensure_compile_time_eval()
+ir.install(apply=apply)

@@ -1,7 +1,8 @@
 """Simplifications applied whenever a node is built: a pattern table.
 
 Each pattern is a function ``(args, attr) -> Node | None`` registered for one
-op. They keep traced mods small (JAX's negative-index wrapping of ``x[h]``
+op; ``simplify`` is called by the op table's constructor (``ops.apply``) and
+patterns build nodes through it (``ir.build``). They keep traced mods small (JAX's negative-index wrapping of ``x[h]``
 folds away because indices are never negative) and keep derivatives readable
 (``g * 1`` is ``g``). Every rewrite is exact in float32 arithmetic (``x + 0.0``
 stays: it turns -0.0 into 0.0), and holds for every int32
@@ -14,10 +15,12 @@ from __future__ import annotations
 import math
 import weakref
 
+import jax
 import numpy as np
 
 from scoremod.dsl import ir
-from scoremod.dsl.ir import BOOL, F32, I32, Node, const, is_const
+from scoremod.dsl.grad import vjp
+from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, VAR, Node, build, const, is_const
 
 PATTERNS: dict[str, list] = {}
 
@@ -34,14 +37,14 @@ def pattern(*ops):
 COMMUTATIVE = ("add", "mul", "max", "min", "eq", "ne", "and", "or")
 
 
-def simplify(name, args, attr, dtype):
-    if name != "load" and args and all(a.op == "const" for a in args):
-        return _fold(name, args, attr, dtype)
-    if name in COMMUTATIVE and args[0].op == "const" and args[1].op != "const":
+def simplify(op, args, attr, dtype):
+    """A simpler node for ``op`` (an op-table entry) applied to ``args``, or None."""
+    name = op.name
+    if name != LOAD and args and all(a.op == CONST for a in args):
+        return _fold(op, args, attr, dtype)
+    if name in COMMUTATIVE and args[0].op == CONST and args[1].op != CONST:
         # One spelling per value (30 * x is x * 30), and cuDNN wants scalars second.
-        from scoremod.dsl.ops import apply
-
-        return apply(name, args[1], args[0], attr=attr)
+        return build(name, args[1], args[0], attr=attr)
     for fn in PATTERNS.get(name, ()):
         out = fn(args, attr)
         if out is not None:
@@ -49,13 +52,11 @@ def simplify(name, args, attr, dtype):
     return None
 
 
-def _fold(name, args, attr, dtype):
-    from scoremod.dsl.ops import compile_time_eval, evaluate_op
-
+def _fold(op, args, attr, dtype):
     np_types = {F32: np.float32, I32: np.int32, BOOL: np.bool_}
-    with compile_time_eval(), np.errstate(all="ignore"):
+    with jax.ensure_compile_time_eval(), np.errstate(all="ignore"):
         vals = [np.asarray(a.attr, np_types[a.dtype]) for a in args]
-        out = np.asarray(evaluate_op(name, vals, attr))
+        out = np.asarray(op.evaluate(vals, attr))
     return const(out.item(), dtype)
 
 
@@ -73,11 +74,11 @@ def _fit(lo, hi):
 
 def _range_of(node: Node, r) -> tuple:
     op, args = node.op, node.args
-    if op == "var":  # sizes fit int32, so indices are in [0, INT32_MAX]
+    if op == VAR:  # sizes fit int32, so indices are in [0, INT32_MAX]
         return (0, INT32_MAX)
-    if op == "const":
+    if op == CONST:
         return (int(node.attr), int(node.attr))
-    if op == "load":
+    if op == LOAD:
         return _LOAD_RANGE.get(args[0].attr[2], _FULL)
     if op in ("i32",) and args[0].dtype == BOOL:
         return (0, 1)
@@ -144,7 +145,7 @@ def nonneg(node: Node) -> bool:
 
 def _additive_identity(c):
     # x + -0.0 is x for every float x; x + 0.0 turns -0.0 into 0.0.
-    if c.op != "const":
+    if c.op != CONST:
         return False
     if c.dtype == F32:
         return c.attr == 0.0 and math.copysign(1.0, c.attr) < 0
@@ -163,13 +164,11 @@ def _add_zero(args, attr):
 
 @pattern("sub")
 def _sub_const(args, attr):
-    from scoremod.dsl.ops import apply
-
     a, b = args
     if is_const(b, 0) and (b.dtype != F32 or math.copysign(1.0, b.attr) > 0):
         return a  # x - 0.0 is x, also for x = -0.0
-    if b.op == "const" and b.dtype == F32 and math.copysign(1.0, b.attr) < 0:  # x - -c is x + c
-        return apply("add", a, const(-b.attr, F32))
+    if b.op == CONST and b.dtype == F32 and math.copysign(1.0, b.attr) < 0:  # x - -c is x + c
+        return build("add", a, const(-b.attr, F32))
     return None
 
 
@@ -212,7 +211,7 @@ def _decided_by_range(op):
 
     def rule(args, attr):
         a, b = args
-        if a.dtype != I32 or b.op != "const":
+        if a.dtype != I32 or b.op != CONST:
             return None
         true, false = decide(*int_range(a), b.attr)
         return const(True, BOOL) if true else (const(False, BOOL) if false else None)
@@ -227,7 +226,7 @@ for _cmp in ("lt", "ge", "le", "gt"):
 @pattern("where")
 def _where_known(args, attr):
     c, a, b = args
-    if c.op == "const":
+    if c.op == CONST:
         return a if c.attr else b
     if a is b:
         return a
@@ -237,44 +236,38 @@ def _where_known(args, attr):
 @pattern("where")
 def _floor_divide(args, attr):
     # jnp.floor_divide on ints traces to this correction of lax.div; name it.
-    from scoremod.dsl.ops import apply
-
     c, t, f = args
     if f.op != "trunc_div" or t.op != "sub" or f.dtype != I32:
         return None
     a, b = f.args
-    want = apply("and", apply("ne", apply("sign", a), apply("sign", b)),
-                 apply("ne", apply("rem", a, b), const(0, I32)))
-    if c is want and t is apply("sub", f, const(1, I32)):
-        return apply("floordiv", a, b)
+    want = build("and", build("ne", build("sign", a), build("sign", b)),
+                 build("ne", build("rem", a, b), const(0, I32)))
+    if c is want and t is build("sub", f, const(1, I32)):
+        return build("floordiv", a, b)
     return None
 
 
 @pattern("where")
 def _remainder(args, attr):
     # jnp.remainder on ints traces to this correction of lax.rem; name it.
-    from scoremod.dsl.ops import apply
-
     c, t, f = args
     if f.op != "rem" or t.op != "add" or f.dtype != I32:
         return None
     a, b = f.args
     zero = const(0, I32)
-    want = apply("and", apply("ne", apply("lt", f, zero), apply("lt", b, zero)),
-                 apply("ne", f, zero))
-    if c is want and t is apply("add", f, b):
-        return apply("mod", a, b)
+    want = build("and", build("ne", build("lt", f, zero), build("lt", b, zero)),
+                 build("ne", f, zero))
+    if c is want and t is build("add", f, b):
+        return build("mod", a, b)
     return None
 
 
 def _bool_const_compare(negate_on_true):
     def rule(args, attr):
-        from scoremod.dsl.ops import apply
-
         a, b = args
-        if a.dtype != BOOL or b.op != "const":
+        if a.dtype != BOOL or b.op != CONST:
             return None
-        return a if b.attr != negate_on_true else apply("not", a)
+        return a if b.attr != negate_on_true else build("not", a)
 
     return rule
 
@@ -283,19 +276,16 @@ PATTERNS["ne"] = [_bool_const_compare(True)]  # x != False is x; x != True is no
 PATTERNS["eq"] = [_bool_const_compare(False)]  # x == True is x; x == False is not x
 
 
-@pattern("with_grad")
+@pattern("with_grad")  # ops.WITH_GRAD (ops sits above rewrite)
 def _with_grad_known(args, attr):
     """with_grad with the derivative the IR computes anyway is its value, and
     jax.nn.relu's rule (derivative 0 at 0) is the relu op."""
-    from scoremod.dsl.grad import vjp
-    from scoremod.dsl.ops import apply, tangent
-
     value, pairs = args[0], list(zip(args[1::2], args[2::2]))
-    zero, t = const(0.0, F32), tangent()
+    zero, t = const(0.0, F32), build("tangent")
     if len(pairs) == 1:
         (x, lin), = pairs
-        if value is apply("max", x, zero) and lin is apply("where", apply("gt", x, zero), t, zero):
-            return apply("relu", x)
+        if value is build("max", x, zero) and lin is build("where", build("gt", x, zero), t, zero):
+            return build("relu", x)
     if all(vjp(value, t, wrt=x) is vjp(lin, t, wrt=t) for x, lin in pairs):
         return value
     return None
@@ -305,7 +295,7 @@ def _with_grad_known(args, attr):
 def _and_const(args, attr):
     a, b = args
     for x, y in ((a, b), (b, a)):
-        if x.op == "const":
+        if x.op == CONST:
             return y if x.attr else x
     return a if a is b else None
 
@@ -314,7 +304,7 @@ def _and_const(args, attr):
 def _or_const(args, attr):
     a, b = args
     for x, y in ((a, b), (b, a)):
-        if x.op == "const":
+        if x.op == CONST:
             return x if x.attr else y
     return a if a is b else None
 
@@ -332,20 +322,18 @@ PATTERNS["i32"] = [_cast_to(I32)]
 PATTERNS["bool"] = [_cast_to(BOOL)]
 
 
-@pattern("load")
+@pattern(LOAD)
 def _drop_redundant_clamp(args, attr):
     # A load clamps its indices, so clamping them first is a no-op. (The
     # reference evaluator clamps explicitly; tracing a call of one mod inside
     # another must give the same IR back.)
-    from scoremod.dsl.ops import apply
-
     array, idx = args[0], args[1:]
     new = list(idx)
     for i, (x, n) in enumerate(zip(idx, array.attr[1])):
         inner = _clamp_arg(x, n)
         if inner is not None:
             new[i] = inner
-    return apply("load", array, *new) if new != list(idx) else None
+    return build(LOAD, array, *new) if new != list(idx) else None
 
 
 def _clamp_arg(x, n):

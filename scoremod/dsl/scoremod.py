@@ -20,8 +20,9 @@ import jax
 import numpy as np
 
 from scoremod.dsl import ir
+from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.grad import vjp
-from scoremod.dsl.ir import F32, Node, const
+from scoremod.dsl.ir import CONST, F32, LOAD, VAR, Node, const
 from scoremod.dsl.text import format_mod, parse_expr
 from scoremod.dsl.trace import trace_function
 from scoremod.errors import ScoreModTypeError, ScoreModValueError
@@ -197,7 +198,7 @@ class ScoreMod:
         The reference path handles these; the fused path must refuse or
         materialize them.
         """
-        return any(n.op == "load" and not _direct_load(n) for n in ir.toposort(self.expr))
+        return any(n.op == LOAD and not _direct_load(n) for n in ir.toposort(self.expr))
 
     @property
     def sources(self) -> dict:
@@ -211,8 +212,6 @@ class ScoreMod:
     # --- evaluation -------------------------------------------------------
     def __call__(self, score, b, h, q_idx, kv_idx):
         """Evaluate on broadcastable arrays with jax.numpy (float32 result)."""
-        from scoremod.dsl.evaluate import evaluate
-
         self.require_bound()
         inputs = dict(zip(ir.VAR_NAMES, (score, b, h, q_idx, kv_idx)))
         return evaluate(self.expr, inputs, dict(zip(self.operand_names, self._values)))
@@ -220,8 +219,8 @@ class ScoreMod:
 
 def _direct_load(node: Node) -> bool:
     idx = node.args[1:]
-    vars_ = [i for i in idx if i.op == "var"]
-    return all(i.op in ("var", "const") for i in idx) and len(set(vars_)) == len(vars_)
+    vars_ = [i for i in idx if i.op == VAR]
+    return all(i.op in (VAR, CONST) for i in idx) and len(set(vars_)) == len(vars_)
 
 
 def _check_operand(name, value, shape, dtype, hint=""):

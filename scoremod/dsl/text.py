@@ -26,8 +26,8 @@ from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from scoremod.dsl import ir
-from scoremod.dsl.ir import BOOL, F32, I32, Node, const
-from scoremod.dsl.ops import OPS, apply
+from scoremod.dsl.ir import BOOL, CONST, F32, I32, LEAVES, LOAD, OPERAND, VAR, Node, const
+from scoremod.dsl.ops import COMPARISONS, OPS, apply
 from scoremod.errors import ScoreModSyntaxError, ScoreModTypeError
 
 # ---------------------------------------------------------------- printing
@@ -89,14 +89,14 @@ def _format_node(node: Node, names: dict) -> _Text:
         parts.append(")")
         return parts
 
-    if node.op == "const":
+    if node.op == CONST:
         text, prec = _format_const(node)
         return _Text((text,), prec)
-    if node.op == "var":
+    if node.op == VAR:
         return _Text((node.attr,), _ATOM)
-    if node.op == "operand":
+    if node.op == OPERAND:
         return _Text((node.attr[0],), _ATOM)
-    if node.op == "load":
+    if node.op == LOAD:
         array = node.args[0].attr[0]
         if len(node.args) == 1:
             return _Text((array,), _ATOM)
@@ -119,7 +119,7 @@ def _format_node(node: Node, names: dict) -> _Text:
     return _Text((f"{op.prefix}{sep}", *sub(node.args[0], op.prec)), op.prec, depth)
 
 
-_NON_ASSOC = ("lt", "le", "gt", "ge", "eq", "ne")
+_NON_ASSOC = COMPARISONS
 
 
 def _join(text: _Text, limit=None) -> str:
@@ -155,11 +155,11 @@ def format_mod(root: Node) -> str:
     """
     order = ir.toposort(root)
     uses = _uses(order)
-    taken = {n.attr[0] for n in order if n.op == "operand"}
+    taken = {n.attr[0] for n in order if n.op == OPERAND}
     let_names = (f"x{i}" for i in itertools.count() if f"x{i}" not in taken)
     names, stmts = {}, []
     for node in order:
-        if node.op == "operand":
+        if node.op == OPERAND:
             name, shape, dtype = node.attr
             stmts.append(f"{name}: {dtype}[{', '.join(map(str, shape))}]")
         text = _format_node(node, names)
@@ -185,7 +185,10 @@ def format_expr(root: Node, limit: int | None = 4000) -> str:
 
 
 def ops_is_leaf(node):
-    return node.op in ("var", "const", "operand") or (node.op == "load" and len(node.args) == 1)
+    return node.op in LEAVES or (node.op == LOAD and len(node.args) == 1)
+
+
+ir.install(format_expr=format_expr)
 
 
 # ---------------------------------------------------------------- parsing
@@ -228,11 +231,12 @@ _KEYWORDS = {"inf": (float("inf"), F32), "nan": (float("nan"), F32), "true": (Tr
 _GRAMMAR_WORDS = ("let", "not", "and", "or")
 # Names a user cannot give a value to or declare: they already mean something.
 RESERVED = frozenset(ir.VAR_NAMES) | frozenset(_KEYWORDS) | frozenset(_GRAMMAR_WORDS)
-_ALIASES = {"maximum": "max", "minimum": "min", "logistic": "sigmoid", "square": None,
-            "clip": None, "float32": "f32", "int32": "i32"}
-# Float functions that jax.numpy applies to an int without converting it.
-_INT_KEEPING = {"floor": lambda x: x, "ceil": lambda x: x,
-                "relu": lambda x: apply("max", x, const(0, I32))}
+# Other names of ops (jax.numpy's), from the op table; square and clip are
+# functions of the text form written with ops (integer_pow, max and min).
+_ALIASES = {alias: op.name for op in OPS.values() for alias in op.aliases}
+_COMPOSED = ("square", "clip")
+# Ops written with their own syntax only (x ** n, name[i, ...]).
+_NOT_CALLABLE = (LOAD, "integer_pow")
 _CMP = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
 _BINOP = {"+": "add", "-": "sub", "*": "mul", "/": "div", "//": "floordiv", "%": "mod"}
 _INT32 = (-(2**31), 2**31 - 1)
@@ -383,7 +387,7 @@ class _Builder:
                 raise self.error(
                     t.meta, f"{name} has shape {array.attr[1]}; index it, e.g. {name}[h]"
                 )
-            return _V(apply("load", array))
+            return _V(apply(LOAD, array))
         if name in self.names:
             return _scalar_value(name, self.names[name], lambda m: self.error(t.meta, m))
         close = self.closest(name, [*ir.VAR_NAMES, *_KEYWORDS, *self.lets, *self.decls,
@@ -394,7 +398,9 @@ class _Builder:
 
     @staticmethod
     def closest(name, known):
-        match = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        # Two letters swapped (tahn) is the likeliest typo; then the closest spelling.
+        swapped = [k for k in known if sorted(k) == sorted(name) and k != name]
+        match = swapped or difflib.get_close_matches(name, known, n=1, cutoff=0.75)
         return match[0] if match else None
 
     def array(self, name, meta):
@@ -420,7 +426,7 @@ class _Builder:
                     t.meta, f"index of {name} must be an integer, got {a.dtype}; as in "
                     "jax.numpy an index computed with a float is a float: write i32(...) "
                     "to convert it (rounding toward zero)")
-        return _V(apply("load", array, *[_need(a) for a in idx]))
+        return _V(apply(LOAD, array, *[_need(a) for a in idx]))
 
     def v_neg(self, t, x):
         if x.lit is not None:  # -2147483648 is a literal that fits int32
@@ -448,7 +454,7 @@ class _Builder:
         return _V(apply(op, a.node, b.node), a.weak and b.weak)
 
     def v_power(self, t, x, _pow, e):
-        if e.node is not None and e.node.op == "const" and e.dtype == I32 and e.weak:
+        if e.node is not None and e.node.op == CONST and e.dtype == I32 and e.weak:
             n = e.node.attr
             if n < 0 and x.dtype != F32:
                 raise ScoreModTypeError(
@@ -466,7 +472,7 @@ class _Builder:
 
     def v_call(self, t, fn, *vals):
         fn = str(fn)
-        if fn in ("clip", "square"):
+        if fn in _COMPOSED:
             want = 3 if fn == "clip" else 1
             if len(vals) != want:
                 raise self.error(t.meta, f"{fn} takes {want} arguments, got {len(vals)}")
@@ -479,15 +485,15 @@ class _Builder:
             return _V(apply("min", low.node, hi.node), low.weak and hi.weak)
         name = _ALIASES.get(fn, fn)
         op = OPS.get(name)
-        if op is None or name in ("load", "integer_pow"):
-            close = self.closest(fn, [n for n in [*OPS, *_ALIASES]
-                                      if n not in ("load", "integer_pow")])
+        if op is None or name in _NOT_CALLABLE:
+            close = self.closest(fn, [n for n in [*OPS, *_ALIASES, *_COMPOSED]
+                                      if n not in _NOT_CALLABLE])
             hint = f"did you mean {close!r}? " if close else ""
             raise self.error(t.meta, f"unknown function {fn!r}; {hint}see docs/ops.md for the ops")
         if op.arity >= 0 and len(vals) != op.arity:
             raise self.error(t.meta, f"{fn} takes {op.arity} arguments, got {len(vals)}")
-        if name in _INT_KEEPING and vals[0].dtype == I32:  # as jnp.floor, jax.nn.relu on ints
-            return _V(_INT_KEEPING[name](_need(vals[0])))
+        if op.on_int is not None and vals[0].dtype == I32:  # as jnp.floor, jax.nn.relu on ints
+            return _V(op.on_int(_need(vals[0])))
         if name == "pow":  # as jnp.power: an int literal exponent is integer_pow
             return self.v_power(t, vals[0], None, vals[1])
         if op.sig in ("float", "float2"):

@@ -31,8 +31,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from scoremod.dsl import ir
-from scoremod.dsl.ir import BOOL, F32, I32, Node, const
-from scoremod.dsl.ops import OPS, apply, tangent
+from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, Node, const
+from scoremod.dsl.ops import COMPARISONS, OPS, WITH_GRAD, apply, tangent
 from scoremod.errors import (ScoreModError, ScoreModTypeError, ScoreModValueError,
                              UnsupportedOpError)
 
@@ -49,7 +49,7 @@ _INT_RANGE = {"int8": (-2**7, 2**7 - 1), "uint8": (0, 2**8 - 1),
 _NARROW_INTS = ("int8", "uint8", "int16", "uint16")
 _NARROW_FLOATS = ("float16", "bfloat16")
 _WIDENED = {**{n: I32 for n in _NARROW_INTS}, **{n: F32 for n in _NARROW_FLOATS}}
-_COMPARISONS = {"lt", "le", "gt", "ge", "eq", "ne"}
+_COMPARISONS = set(COMPARISONS)  # op names, and the primitives of the same names
 _LAYOUT = {"copy", "copy_p", "dynamic_slice", "squeeze", "broadcast_in_dim", "reshape"}
 # Results that stay inside the narrow type's range for inputs inside it.
 _IN_RANGE = _LAYOUT | _COMPARISONS | {"select_n", "clamp", "max", "min", "sign", "rem"}
@@ -134,8 +134,8 @@ class _Tracer:
     def lazy_load(self, node):
         shape = node.attr[1]
         if shape == ():
-            return apply("load", node)
-        return _Lazy(shape, lambda idx, node=node: apply("load", node, *idx))
+            return apply(LOAD, node)
+        return _Lazy(shape, lambda idx, node=node: apply(LOAD, node, *idx))
 
     def ir_dtype(self, name, what, where):
         if name in ("float16", "bfloat16", "float64"):
@@ -241,7 +241,7 @@ def _custom_jvp_call(t, eqn, ins, at):
     n_consts = eqn.params.get("num_consts", 0)
     xs = ins[n_consts:]
     wrt = [i for i, x in enumerate(xs) if isinstance(x, Node) and x.dtype == F32
-           and x.op != "const"]
+           and x.op != CONST]
     if len(outs) != 1 or not isinstance(value, Node) or value.dtype != F32 or not wrt:
         return outs
     # A rule that takes symbolic zeros gets them for the constant inputs; any
@@ -259,7 +259,7 @@ def _custom_jvp_call(t, eqn, ins, at):
             pairs += [xs[i], lin]
     finally:
         t.in_jvp_rule = False
-    return [apply("with_grad", value, *pairs)]
+    return [apply(WITH_GRAD, value, *pairs)]
 
 
 def _div(t, eqn, ins, at):

@@ -178,11 +178,11 @@ def _zero_or_neg_inf(node):
 
 
 def _is_const(node, value):
-    return node.op == "const" and node.attr == value
+    return node.op == ir.CONST and node.attr == value
 
 
 def _neg_inf(node):
-    return node.op == "const" and node.attr == -math.inf
+    return node.op == ir.CONST and node.attr == -math.inf
 
 
 def _negate(cond):
@@ -203,7 +203,7 @@ def _conjuncts(cond):
 
 def _side(node, axis):
     """The Side of ``node`` when it reads an integer id array at ``axis`` (q_idx or kv_idx)."""
-    if node.op != "load":
+    if node.op != ir.LOAD:
         return None
     name, shape, dtype = node.args[0].attr
     idx = node.args[1:]
@@ -216,7 +216,7 @@ def _side(node, axis):
     first = idx[0]
     if first is ir.var("b"):
         return Side(name, shape[0] != 1)
-    if first.op == "const" and first.dtype == I32 and 0 <= first.attr < shape[0]:
+    if first.op == ir.CONST and first.dtype == I32 and 0 <= first.attr < shape[0]:
         return Side(name, False, int(first.attr))
     return None
 
@@ -239,14 +239,14 @@ def _length(atom):
     a, b = atom.args if atom.op == "lt" else atom.args[::-1]
     if a is not ir.var("kv_idx"):
         return None
-    if b.op == "const" and b.dtype == I32:
+    if b.op == ir.CONST and b.dtype == I32:
         return Length(None, int(b.attr))
-    if b.op == "load" and b.args[0].attr[2] in _INTS:
+    if b.op == ir.LOAD and b.args[0].attr[2] in _INTS:
         name, shape, _ = b.args[0].attr
         idx = b.args[1:]
         if len(idx) == 1 and idx[0] is ir.var("b"):
             return Length(name, None, shape[0] != 1)
-        if len(idx) == 1 and idx[0].op == "const" and idx[0].attr == 0 and shape[0] == 1:
+        if len(idx) == 1 and idx[0].op == ir.CONST and idx[0].attr == 0 and shape[0] == 1:
             return Length(name, None, False)
     return None
 
@@ -257,7 +257,7 @@ def _pad(atom):
         return None
     a, b = atom.args
     for x, c in ((a, b), (b, a)):
-        if c.op != "const" or c.dtype != I32:
+        if c.op != ir.CONST or c.dtype != I32:
             continue
         for side, axis in (("q", "q_idx"), ("kv", "kv_idx")):
             s = _side(x, axis)

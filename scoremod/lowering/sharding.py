@@ -54,7 +54,7 @@ def direct_axes(expr, problem: Problem) -> dict:
     that index and read with the local index."""
     uses: dict = {}
     for node in ir.toposort(expr):
-        if node.op != "load":
+        if node.op != ir.LOAD:
             continue
         name, shape, _ = node.args[0].attr
         per = uses.setdefault((name, shape), [set() for _ in shape])
@@ -64,7 +64,7 @@ def direct_axes(expr, problem: Problem) -> dict:
     for (name, shape), per in uses.items():
         for axis, idxs in enumerate(per):
             (idx,) = idxs if len(idxs) == 1 else (None,)
-            if (idx is not None and idx.op == "var" and idx.attr in AXES
+            if (idx is not None and idx.op == ir.VAR and idx.attr in AXES
                     and shape[axis] == problem.extent(idx.attr) and shape[axis] > 1):
                 out[(name, axis)] = idx.attr
     return out
@@ -79,13 +79,13 @@ def _rebuild(expr, mapping, keep):
         if node in mapping:
             done[node] = mapping[node]
             continue
-        if node.op == "load":
+        if node.op == ir.LOAD:
             name = node.args[0].attr[0]
             args = (node.args[0],) + tuple(
                 a if (name, i) in keep else done[a] for i, a in enumerate(node.args[1:]))
         else:
             args = tuple(done[a] for a in node.args)
-        done[node] = node if args == node.args else ops.rebuild(node, args)
+        done[node] = node if args == node.args else ops.apply(node.op, *args, attr=node.attr)
     return done[expr]
 
 
@@ -98,9 +98,9 @@ def _values_of(expr, keep) -> set:
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "var":
+        if node.op == ir.VAR:
             found.add(node.attr)
-        elif node.op == "load":
+        elif node.op == ir.LOAD:
             name = node.args[0].attr[0]
             stack.extend(a for i, a in enumerate(node.args[1:]) if (name, i) not in keep)
         else:
@@ -378,9 +378,9 @@ def fold_batch(mod: ScoreMod | None, operands, batched, n: int, b: int):
     for node in ir.toposort(mod.expr):
         if node in done:
             continue
-        if node.op != "load":
+        if node.op != ir.LOAD:
             args = tuple(done[a] for a in node.args)
-            done[node] = node if args == node.args else ops.rebuild(node, args)
+            done[node] = node if args == node.args else ops.apply(node.op, *args, attr=node.attr)
             continue
         name, shape, dtype = node.args[0].attr
         x, mapped = values[name], is_batched[name]
@@ -401,7 +401,7 @@ def fold_batch(mod: ScoreMod | None, operands, batched, n: int, b: int):
         new_shape = tuple(x.shape) if (axis is not None or mapped) else shape
         leaf = ir.operand(tag, new_shape, dtype) if tag != name else node.args[0]
         new_values[tag] = x if tag != name else values[name]
-        done[node] = ops.apply("load", leaf, *args)
+        done[node] = ops.apply(ir.LOAD, leaf, *args)
     new = ScoreMod(done[mod.expr])
     return new, tuple(new_values[name] for name in new.operand_names)
 

@@ -24,7 +24,8 @@ from scoremod.dsl.ir import BOOL, F32, I32, Node
 from scoremod.errors import ScoreModError, UnsupportedOpError
 from scoremod.lowering.cudnn import frontend_release, plan_store
 from scoremod.lowering.cudnn.rules import DP, SCORE
-from scoremod.lowering.cudnn.table import CONST, INPUT_TENSORS, TABLE, VAR
+from scoremod.dsl.ir import CONST, VAR
+from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE
 from scoremod.lowering.problem import AXIS, Problem
 
 log = logging.getLogger("scoremod")

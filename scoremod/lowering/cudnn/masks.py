@@ -19,8 +19,7 @@ import dataclasses
 import math
 from fractions import Fraction
 
-from scoremod.dsl.ir import SCORE, Node
-from scoremod.lowering.cudnn.table import MATERIALIZE
+from scoremod.dsl.ir import CONST, MATERIALIZE, SCORE, VAR, Node
 
 # A linear integer form: {"q_idx": a, "kv_idx": b, 1: c} means a*q + b*kv + c.
 _ONE = 1
@@ -76,7 +75,7 @@ def native_band(expr: Node, sq: int, skv: int) -> Band | None:
     if band is None:
         return None
     lo, hi, body, others = band
-    if others or body.op != "var" or body.attr != SCORE:
+    if others or body.op != VAR or body.attr != SCORE:
         return None
     lo = lo if lo > 1 - sq else -math.inf  # binds no row
     # Every row sees a key: row 0 needs hi >= 0, the last row needs lo <= skv - sq.
@@ -100,14 +99,14 @@ def _materialized_mask(expr):
     for m, x in ((expr.args[1], expr.args[0]), (expr.args[0], expr.args[1])):
         if m.op == MATERIALIZE:
             w = m.args[0]
-            if (w.op == "where" and _is_neg_inf(w.args[2]) and w.args[1].op == "const"
+            if (w.op == "where" and _is_neg_inf(w.args[2]) and w.args[1].op == CONST
                     and w.args[1].attr == 0.0):
                 return w.args[0], x
     return None
 
 
 def _is_neg_inf(node):
-    return node.op == "const" and node.attr == -math.inf
+    return node.op == CONST and node.attr == -math.inf
 
 
 def _conjuncts(cond):
@@ -118,9 +117,9 @@ def _conjuncts(cond):
 
 def _linear(node):
     """``node`` as a linear form in q_idx and kv_idx, or None."""
-    if node.op == "var" and node.attr in ("q_idx", "kv_idx"):
+    if node.op == VAR and node.attr in ("q_idx", "kv_idx"):
         return {node.attr: 1}
-    if node.op == "const" and isinstance(node.attr, int) and not isinstance(node.attr, bool):
+    if node.op == CONST and isinstance(node.attr, int) and not isinstance(node.attr, bool):
         return {_ONE: node.attr}
     if node.op in ("add", "offset", "sub"):
         a, b = (_linear(x) for x in node.args)

@@ -32,7 +32,8 @@ from scoremod.dsl.ir import F32, Node
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.lowering.cudnn import graph as cg
 from scoremod.lowering.cudnn import masks, rules, split
-from scoremod.lowering.cudnn.table import CONST, INPUT_TENSORS, MATERIALIZE, VAR
+from scoremod.dsl.ir import CONST, MATERIALIZE, VAR
+from scoremod.lowering.cudnn.table import INPUT_TENSORS
 from scoremod.lowering.problem import AXES, AXIS, Problem
 from scoremod.options import LoweringOptions
 

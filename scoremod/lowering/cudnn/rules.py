@@ -20,47 +20,32 @@ import math
 
 from scoremod.dsl import ir
 from scoremod.dsl.grad import vjp
-from scoremod.dsl.ir import BOOL, F32, I32, Node, const, is_const
-from scoremod.dsl.ops import apply
+from scoremod.dsl.ir import (BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, VAR, Node, const,
+                             is_const)
+from scoremod.dsl.ops import COMPARISONS, WITH_GRAD, apply
+from scoremod.dsl.rewrite import int_range
 from scoremod.dsl.text import format_expr
 from scoremod.errors import UnsupportedOpError
-from scoremod.lowering.cudnn.table import (COMPARISONS, CONST, INPUT_TENSORS, LOAD, MATERIALIZE,
-                                           OPERAND, TABLE, VAR, WITH_GRAD)
+from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE, nonneg_int_pair
 
 SCORE = ir.var(ir.SCORE)
 DP = ir.cotangent()
 
 _COMPARISONS = COMPARISONS
-# Refused always, except in the cases refusal() lets through (the rest of the
-# table's refusals apply only to float arguments, also in refusal()).
-_REFUSED = {op: TABLE[op].refusal for op in ("trunc_div", "rem", "sign", "i32", "bool")}
 _FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 
 
-def _nonneg_int_pair(node):
-    """A non-negative dividend over a positive divisor: where lax.div and lax.rem
-    equal // and % (a zero divisor has XLA's own results)."""
-    from scoremod.dsl.rewrite import int_range
-
-    a, b = node.args
-    return node.dtype == I32 and int_range(a)[0] >= 0 and int_range(b)[0] > 0
-
-
 def _may_divide_by_zero(node):
-    from scoremod.dsl.rewrite import int_range
-
     lo, hi = int_range(node.args[1])
     return node.dtype == I32 and lo <= 0 <= hi
 
 
 def refusal(node: Node) -> str | None:
     """Why the fused path cannot run ``node``, or None."""
-    if node.op in ("trunc_div", "rem") and _nonneg_int_pair(node):
-        return None  # on non-negative ints they equal // and %
-    if node.op in _REFUSED and not (node.op in ("i32", "bool") and node.args[0].dtype != F32):
-        return _REFUSED[node.op]
-    if node.op in ("floordiv", "mod") and node.dtype == F32:
-        return TABLE[node.op].refusal
+    entry = TABLE.get(node.op)
+    if entry is not None and entry.refusal and (entry.refused_if is None
+                                                or entry.refused_if(node)):
+        return entry.refusal
     if node.op in ("floordiv", "mod") and _may_divide_by_zero(node):
         return ("its divisor may be 0, where XLA defines the result and cuDNN's float "
                 "division does not; divide by a positive constant or a value max(d, 1)")
@@ -157,13 +142,10 @@ def _rewrite(node: Node, args: tuple) -> Node:
             return const(1.0, F32) if node.dtype == F32 else const(1, I32)
         chain = _pow_chain(args[0], abs(n))
         return apply("reciprocal", chain) if n < 0 else chain
-    if op == "log1p":
-        return apply("log", args[0] + 1.0)
-    if op == "expm1":
-        return apply("exp", args[0]) - 1.0
-    if op == "exp2":
-        return apply("exp", args[0] * math.log(2.0))
-    if op in ("trunc_div", "rem") and _nonneg_int_pair(node):
+    spell = TABLE[op].spell if op in TABLE else None
+    if spell is not None:
+        return spell(*args)
+    if op in ("trunc_div", "rem") and nonneg_int_pair(node):
         op = "floordiv" if op == "trunc_div" else "mod"
     if op == "floordiv":  # ints only (refused for floats): exact below 2**24
         a, b = (apply("f32", x) for x in args)
@@ -218,7 +200,7 @@ def _fold_nan_tests(root: Node) -> Node:
         a, b = n.args
         if a is b:
             tests[n] = const(n.op in ("eq", "le", "ge"), BOOL)
-        elif n.op in ("eq", "ne") and a.op != "const" and is_const(b) and math.isinf(b.attr):
+        elif n.op in ("eq", "ne") and a.op != CONST and is_const(b) and math.isinf(b.attr):
             tests[n] = const(n.op == "ne", BOOL)
     return ir.substitute(root, tests) if tests else root
 

@@ -1,11 +1,12 @@
 """What the cuDNN lowering does with each op of the op table: one entry per op.
 
 An entry says how the op reaches a cuDNN graph: ``emit`` (the frontend node
-it becomes), ``rewrite`` (``rules.canonical`` spells it with other ops first),
-``tensor`` (it becomes an input tensor of the graph), and ``refusal`` (why it
-is refused, always or in the cases ``rules.refusal`` names). Every op of
-``scoremod.dsl.ops.OPS`` has an entry (a test checks it), so a new op is
-lowered, rewritten or refused with a reason, never silently missing.
+it becomes), ``rewrite`` (``rules.canonical`` spells it with other ops first:
+with the entry's ``spell`` where that is all it takes, else in
+``rules._rewrite``), ``tensor`` (it becomes an input tensor of the graph), and
+``refusal`` (why it is refused: whenever ``refused_if`` holds, or always).
+Every op of ``scoremod.dsl.ops.OPS`` has an entry (a test checks it), so a new
+op is lowered, rewritten or refused with a reason, never silently missing.
 
     >>> from scoremod.lowering.cudnn.table import TABLE
     >>> TABLE["tanh"].emit.node, TABLE["log1p"].rewrite, TABLE["sign"].refusal
@@ -15,24 +16,37 @@ lowered, rewritten or refused with a reason, never silently missing.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
-# Op kinds the lowering treats apart from the table's pointwise ops: leaves,
-# and the two that become input tensors of the graph.
-CONST, VAR, OPERAND = "const", "var", "operand"
-LOAD = "load"  # an operand read at index expressions
-MATERIALIZE = "materialize"  # a value XLA computes over the index grid ahead of the kernel
-INPUT_TENSORS = (LOAD, MATERIALIZE)  # read by the graph as tensors: their indices are not emitted
-COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
-WITH_GRAD = "with_grad"  # a value with its own derivative rule: the forward emits the value only
+from scoremod.dsl.ir import F32, I32, LOAD, MATERIALIZE, Node
+from scoremod.dsl.ops import WITH_GRAD, apply
+from scoremod.dsl.rewrite import int_range
+
+# Read by the graph as tensors (a LOAD, or a MATERIALIZE computed by XLA over
+# the index grid ahead of the kernel): their index expressions are not emitted.
+INPUT_TENSORS = (LOAD, MATERIALIZE)
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
     emit: Callable | None = None  # (graph, input tensors) -> tensor; .node names the cuDNN node
     rewrite: str | None = None  # how canonical() spells it before emission
+    spell: Callable | None = None  # (*canonical args) -> Node: that rewrite, where it is all
     tensor: str | None = None  # how it becomes an input tensor
-    refusal: str | None = None  # why it is refused (see rules.refusal for when)
+    refusal: str | None = None  # why it is refused
+    refused_if: Callable | None = None  # (node) -> bool: when; None: always
+
+
+def nonneg_int_pair(node: Node) -> bool:
+    """A non-negative dividend over a positive divisor: where lax.div and lax.rem
+    equal // and % (a zero divisor has XLA's own results)."""
+    a, b = node.args
+    return node.dtype == I32 and int_range(a)[0] >= 0 and int_range(b)[0] > 0
+
+
+def _of_float(node: Node) -> bool:
+    return node.args[0].dtype == F32
 
 
 def _cudnn():
@@ -81,6 +95,8 @@ TABLE = {
     "reciprocal": _pointwise("reciprocal"),
     "sin": _pointwise("sin"),
     "cos": _pointwise("cos"),
+    "tan": _pointwise("tan"),
+    "atan": Entry(refusal="atan has no cuDNN node (its pointwise modes have tan, no arctangent)"),
     "erf": _pointwise("erf"),
     "floor": _pointwise("floor"),
     "ceil": _pointwise("ceil"),
@@ -102,19 +118,26 @@ TABLE = {
                    lambda g, a: g.binary_select(input0=a[1], input1=a[2], mask=a[0])),
     "f32": _pointwise("identity"),
     "i32": dataclasses.replace(
-        _pointwise("identity"),
+        _pointwise("identity"), refused_if=_of_float,
         refusal="converting a float to an integer has no exact cuDNN node"),
     "integer_pow": Entry(rewrite="a chain of multiplications (its reciprocal when negative)"),
-    "log1p": Entry(rewrite="log(x + 1)"),
-    "expm1": Entry(rewrite="exp(x) - 1"),
-    "exp2": Entry(rewrite="exp(x * log(2))"),
+    "log1p": Entry(rewrite="log(x + 1)", spell=lambda x: apply("log", x + 1.0)),
+    "expm1": Entry(rewrite="exp(x) - 1", spell=lambda x: apply("exp", x) - 1.0),
+    "log2": Entry(rewrite="log(x) * (1 / ln(2))",
+                  spell=lambda x: apply("log", x) * (1.0 / math.log(2.0))),
+    "exp2": Entry(rewrite="exp(x * log(2))", spell=lambda x: apply("exp", x * math.log(2.0))),
     "floordiv": Entry(rewrite="ints: i32(floor(f32(a) / f32(b))), exact below 2**24",
-                      refusal="floordiv of floats has no cuDNN node"),
-    "mod": Entry(rewrite="ints: a - (a // b) * b", refusal="mod of floats has no cuDNN node"),
-    "trunc_div": Entry(rewrite="non-negative ints: floordiv", refusal=_INTEGER_DIVISION),
-    "rem": Entry(rewrite="non-negative ints: mod", refusal="lax.rem has no cuDNN node"),
+                      refusal="floordiv of floats has no cuDNN node",
+                      refused_if=lambda n: n.dtype == F32),
+    "mod": Entry(rewrite="ints: a - (a // b) * b", refusal="mod of floats has no cuDNN node",
+                 refused_if=lambda n: n.dtype == F32),
+    "trunc_div": Entry(rewrite="non-negative ints: floordiv", refusal=_INTEGER_DIVISION,
+                       refused_if=lambda n: not nonneg_int_pair(n)),
+    "rem": Entry(rewrite="non-negative ints: mod", refusal="lax.rem has no cuDNN node",
+                 refused_if=lambda n: not nonneg_int_pair(n)),
     "sign": Entry(refusal="sign has no cuDNN node"),
-    "bool": Entry(refusal="converting to bool has no cuDNN node; compare instead (x != 0)"),
+    "bool": Entry(refusal="converting to bool has no cuDNN node; compare instead (x != 0)",
+                  refused_if=_of_float),
     WITH_GRAD: Entry(rewrite="its value in the forward graph; its partials, with tangent() "
                              "replaced by the incoming gradient, in the backward graph"),
     "tangent": Entry(rewrite="only inside with_grad's partials, which the backward expands"),
