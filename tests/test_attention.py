@@ -251,7 +251,7 @@ def test_which_implementation_explains_the_choice():
     if _fused_runs_here(q, k, v):
         pytest.skip("float32 inputs: the reason differs on a GPU")
     assert impl == "xla" and isinstance(reason, str) and reason
-    assert list(choice.verdicts) == list(registry.names())
+    assert list(choice.verdicts) == [b.name for b in registry.backends()]
     assert choice.verdicts["cudnn"] == reason and choice.verdicts["xla"] is None
     with pytest.raises(ScoreModTypeError):
         scoremod.which_implementation(q[0], k, v)
@@ -345,3 +345,15 @@ def test_reference_path_refuses_a_call_too_big_for_the_device(monkeypatch):
     q = jnp.ones((1, 512, 2, 8))  # 2 * 512 * 512 * 4 B * 2 = 4 MiB: does not
     with pytest.raises(scoremod.ScoreModError, match="more than the 0.0 GiB"):
         scoremod.attention(q, q, q, implementation="xla")
+
+
+def test_a_backend_not_validated_on_a_gpu_runs_by_name_only_with_a_warning():
+    import warnings
+
+    assert "cudnn-varlen" in registry.names()
+    assert "cudnn-varlen" not in [b.name for b in registry.backends()]
+    registry._WARNED.discard("cudnn-varlen")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert registry.get("cudnn-varlen").name == "cudnn-varlen"
+    assert any("not validated on a GPU" in str(w.message) for w in caught)

@@ -146,6 +146,11 @@ class CudnnVarlen(Backend):
 def _choose(plan, layout, operands, ragged, dense):
     """The ragged route where it is exact for these ids, else the dense one (decided
     in the program: increasing runs first, a sort-based check only when they are not)."""
+    # Both routes as tuples: lax.cond wants branches of one structure, and the
+    # dense backend returns a list (on the H200 every cond-routed call failed).
+    ragged_route, dense_route = ragged, dense
+    ragged = lambda: tuple(ragged_route())  # noqa: E731
+    dense = lambda: tuple(dense_route())  # noqa: E731
     if plan.route is not None:
         return ragged() if plan.route == "ragged" else dense()
     other = dense
