@@ -110,9 +110,13 @@ def _build_in_subprocess(mode):
 def test_refused_builds_with_the_real_frontend_leak_nothing():
     pytest.importorskip("cudnn")
     control = _build_in_subprocess("without")
-    if "nanobind: leaked" not in control.stderr:
-        pytest.skip("this machine cannot lower a cuDNN graph without a GPU (no libcudnn), or "
-                    f"this frontend has no such cycle: {control.stderr[-400:]}")
+    # The cycle forms when the frontend lowers the graph (with the score_mod
+    # callbacks) and validation refuses it. Where the cuDNN library it finds
+    # cannot lower at all (CI's header-only wheel: "could not build this
+    # graph, treating as a decline"), that path is never reached.
+    if "nanobind: leaked" not in control.stderr or "could not build this graph" in control.stderr:
+        pytest.skip("this machine cannot lower a cuDNN graph without a GPU (no usable libcudnn), "
+                    f"or this frontend has no such cycle: {control.stderr[-400:]}")
     run = _build_in_subprocess("with")
     assert run.returncode == 0, run.stderr
     assert "nanobind: leaked" not in run.stderr, run.stderr
