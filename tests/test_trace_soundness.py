@@ -247,16 +247,8 @@ NARROW_BODIES = {
 }
 
 
-@pytest.mark.parametrize("dtype", NARROW)
-@pytest.mark.parametrize("body", sorted(NARROW_BODIES))
-def test_narrow_int_arithmetic_matches_jnp(dtype, body):
-    values = jnp.asarray(EDGE[dtype])
-    n = len(EDGE[dtype])
-    op = NARROW_BODIES[body]
-
-    def fn(s, b, h, q, k):
-        return s + op(values[q], values[k]).astype(jnp.float32)
-
+def _assert_traced_equals_jnp_on_all_pairs(fn, n):
+    """The traced mod of ``fn`` against ``fn`` itself at every (q_idx, kv_idx) < n."""
     mod = scoremod.trace(fn)
     q, k = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
     q, k = jnp.asarray(q.ravel(), I), jnp.asarray(k.ravel(), I)
@@ -264,6 +256,18 @@ def test_narrow_int_arithmetic_matches_jnp(dtype, body):
     want = jax.vmap(fn)(jnp.zeros(q.shape), zero, zero, q, k)
     got = jnp.broadcast_to(mod(0.0, zero, zero, q, k), want.shape)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("body", sorted(NARROW_BODIES))
+def test_narrow_int_arithmetic_matches_jnp(dtype, body):
+    values = jnp.asarray(EDGE[dtype])
+    op = NARROW_BODIES[body]
+
+    def fn(s, b, h, q, k):
+        return s + op(values[q], values[k]).astype(jnp.float32)
+
+    _assert_traced_equals_jnp_on_all_pairs(fn, len(EDGE[dtype]))
 
 
 def test_uint8_200_plus_200_wraps_as_in_jax():
@@ -725,14 +729,7 @@ def test_random_narrow_int_expressions_match_jnp(dtype_spec):
     values = jnp.asarray(EDGE[dtype])
     body = _render_narrow(spec, values)
     fn = lambda s, b, h, q, k: s + body(q, k).astype(jnp.float32)  # noqa: E731
-    mod = scoremod.trace(fn)
-    n = len(EDGE[dtype])
-    q, k = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
-    q, k = jnp.asarray(q.ravel(), I), jnp.asarray(k.ravel(), I)
-    zero = jnp.zeros_like(q)
-    want = jax.vmap(fn)(jnp.zeros(q.shape), zero, zero, q, k)
-    got = jnp.broadcast_to(mod(0.0, zero, zero, q, k), want.shape)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    _assert_traced_equals_jnp_on_all_pairs(fn, len(EDGE[dtype]))
 
 
 @settings(max_examples=60, deadline=None)

@@ -12,8 +12,6 @@
 """
 
 import dataclasses
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +26,7 @@ from scoremod.lowering.cudnn_varlen import backend as vb
 from scoremod.lowering.cudnn_varlen import graph as vg
 from scoremod.lowering.cudnn_varlen import layout as lay
 from scoremod.lowering.problem import Problem
-from tests.test_graph_emission import FakeGraph, Names, Recorder
+from tests.test_graph_emission import recorder  # noqa: F401 (the recording cuDNN stand-in)
 
 NEG = -jnp.inf
 B, S = 2, 64
@@ -303,16 +301,6 @@ def test_too_many_segments_or_reappearing_ids_are_not_ok():
 
 
 # --- the ragged graphs --------------------------------------------------------
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    rec = Recorder()
-    fake = types.ModuleType("cudnn")
-    fake.pygraph = lambda **kw: FakeGraph(rec)
-    fake.data_type = fake.heur_mode = fake.build_plan_policy = fake.diagonal_alignment = Names()
-    monkeypatch.setitem(sys.modules, "cudnn", fake)
-    return rec
 
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 16)])

@@ -17,20 +17,11 @@ import scoremod
 from scoremod.lowering.cudnn import graph as cudnn_graph
 from scoremod.lowering.cudnn_varlen import backend as vb
 from scoremod.lowering.problem import Problem
+from tests.gpu.test_fused import TOL, _inputs
 
 pytestmark = pytest.mark.gpu
 
 NEG = -jnp.inf
-TOL = {jnp.bfloat16: 3e-2, jnp.float16: 1e-2}
-
-
-def _inputs(b, sq, skv, hq, hkv, d, dtype, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, skv, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, skv, hkv, d), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (b, sq, hq, d), jnp.float32).astype(dtype)
-    return q, k, v, do
 
 
 def _through_attention(impl, mod, q, k, v, do, options=None):

@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 
-from scoremod import device, kernels_ffi
+from scoremod import kernels_ffi
 from scoremod.dsl import ir
 from scoremod.dsl.ir import BOOL, F32, I32, Node
 from scoremod.errors import ScoreModError, UnsupportedOpError
@@ -308,8 +308,7 @@ def frontend_version() -> int:
 
 def backend_version() -> int:
     """The cuDNN library of this process (the one the FFI handler runs graphs with)."""
-    version, _ = device.loaded_cudnn_version()
-    return version if version is not None else int(_cudnn().backend_version())
+    return plan_store.loaded_cudnn_version()
 
 
 # --- cache -------------------------------------------------------------------

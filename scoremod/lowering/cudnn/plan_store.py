@@ -175,7 +175,7 @@ def environment() -> tuple:
 
     dev = jax.devices()[0]
     return (
-        ("cudnn", _loaded_cudnn_version()),
+        ("cudnn", loaded_cudnn_version()),
         ("cudnn_frontend", kernels_ffi.installed_frontend_version()),
         ("ffi_frontend", kernels_ffi.compiled_frontend_version()),
         ("ffi_cudnn", kernels_ffi.compiled_cudnn_version()),
@@ -185,9 +185,10 @@ def environment() -> tuple:
     )
 
 
-def _loaded_cudnn_version() -> int:
+def loaded_cudnn_version() -> int:
     """cudnnGetVersion() of the libcudnn in this process (JAX's, which the FFI
-    extension also uses); the frontend's answer when none is loaded."""
+    extension also uses); the frontend's answer when none is loaded. Read
+    without importing the frontend where a library is loaded (a warm start)."""
     from scoremod import device
 
     version, _ = device.loaded_cudnn_version()
