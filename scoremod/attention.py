@@ -44,10 +44,10 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
       implementation: the name of a registered backend: ``"xla"`` (alias
         ``"reference"``: float32 scores and softmax, any device), ``"cudnn"``
         (one fused cuDNN kernel), ``"cudnn-varlen"`` (segment masks as
-        cuDNN's variable-length attention; not validated on a GPU yet, so by
-        name only, with a warning); or None: the first backend that can run
-        this call (cudnn, else xla), with a warning when a GPU is here but
-        the fused path cannot take the call.
+        cuDNN's variable-length attention); or None: the first backend that
+        can run this call (cudnn-varlen for segment masks, else cudnn, else
+        xla), with a warning when a GPU is here but the fused path cannot
+        take the call.
       return_lse: also return the log-sum-exp of the modified scores,
         float32 [batch, q_heads, q_len].
       options: a :class:`~scoremod.LoweringOptions` (native masks, query-block
@@ -161,7 +161,7 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
         >>> q = jnp.ones((1, 8, 2, 64), jnp.float32)
         >>> choice = scoremod.which_implementation(q, q, q)
         >>> choice[0], list(choice.verdicts)
-        ('xla', ['cudnn', 'xla'])
+        ('xla', ['cudnn-varlen', 'cudnn', 'xla'])
 
     ``reason`` says why the backend tried just before the chosen one is not
     taken (for an ``"xla"`` choice, why the fused cuDNN path is not; None

@@ -188,3 +188,18 @@ def test_an_op_with_only_a_refusal_is_always_refused(monkeypatch):
     mod = scoremod.trace(lambda s, b, h, q, k: jnp.tanh(s))
     tanh = next(n for n in ir.toposort(mod.expr) if n.op == "tanh")
     assert refusal(tanh) == "tanh withdrawn for this test"
+
+
+def test_tanh_derivative_is_one_node_shorter_in_the_backward():
+    """(1 + t)(1 - t), JAX's spelling of tanh's derivative, becomes 1 - t*t in the
+    fused backward (it ran 6% slower with softcap + causal on the H200), with
+    values equal to float32 rounding."""
+    mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, 30.0 * jnp.tanh(s / 30.0), -jnp.inf))
+    _, bwd = forward_and_backward(mod.expr)
+    text = str(bwd)
+    assert "+ 1.0) * (-" not in text and "* tanh(score / 30.0)) + 1.0" in text, text
+    s = jnp.linspace(-200.0, 200.0, 4001, dtype=jnp.float32)
+    q, k = jnp.ones_like(s, jnp.int32), jnp.zeros_like(s, jnp.int32)
+    inputs = {"score": s, "b": 0, "h": 0, "q_idx": q, "kv_idx": k, "dP": jnp.ones_like(s)}
+    want = jax.vmap(jax.grad(lambda x: 30.0 * jnp.tanh(x / 30.0)))(s)
+    np.testing.assert_allclose(evaluate(bwd, inputs, {}), want, rtol=0, atol=1e-6)

@@ -36,20 +36,6 @@ P = Problem(B, S, S, 4, 4, 64, 64, "bfloat16")
 
 
 
-@pytest.fixture(autouse=True)
-def _varlen_tried_automatically():
-    """These tests check the route as it will be once validated on a GPU: the
-    backend promoted to the automatic order (by default it runs by name only)."""
-    backend = registry.get("cudnn-varlen")
-    promoted = backend not in registry.backends()
-    if promoted:
-        registry.register(backend, before="cudnn")
-    yield
-    if promoted:
-        registry._BACKENDS.remove(backend)
-        registry._BY_NAME_ONLY.insert(0, backend)
-
-
 def _rec(fn, problem=P, *arrays):
     return segs.recognize(scoremod.trace(fn).expr, problem)
 

@@ -2,9 +2,9 @@
 
     >>> from scoremod.lowering import registry
     >>> registry.names()
-    ('cudnn', 'xla', 'cudnn-varlen')
+    ('cudnn-varlen', 'cudnn', 'xla')
     >>> [b.name for b in registry.backends()]
-    ['cudnn', 'xla']
+    ['cudnn-varlen', 'cudnn', 'xla']
     >>> registry.get("reference").name
     'xla'
 
@@ -30,11 +30,11 @@ class UnknownImplementationError(ScoreModError, ValueError):
     """``implementation=`` names no registered backend."""
 
 
-_BACKENDS: list = [CUDNN, REFERENCE]  # tried in this order; the reference path runs anywhere
-# Not yet validated on a GPU: by name only. cudnn-varlen's GPU tests have not
-# passed (on the H200 every call routed by lax.cond failed; fixed since, not
-# re-run); promote it with register(get("cudnn-varlen"), before="cudnn").
-_BY_NAME_ONLY: list = [CUDNN_VARLEN]
+# Tried in this order; the reference path runs anywhere. cudnn-varlen declines
+# every mod that is not a segment mask, so it goes before the dense cuDNN path.
+_BACKENDS: list = [CUDNN_VARLEN, CUDNN, REFERENCE]
+# Not yet validated on a GPU: by name only (none at the moment).
+_BY_NAME_ONLY: list = []
 _ALIASES = {"reference": "xla"}
 _WARNED: set = set()
 
