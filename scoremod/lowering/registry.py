@@ -2,7 +2,7 @@
 
     >>> from scoremod.lowering import registry
     >>> registry.names()
-    ('cudnn', 'xla', 'cudnn-varlen')
+    ('cudnn', 'xla', 'cudnn-varlen', 'pallas')
     >>> [b.name for b in registry.backends()]
     ['cudnn', 'xla']
     >>> registry.get("reference").name
@@ -22,6 +22,7 @@ from scoremod.errors import ScoreModError
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn.backend import CUDNN
 from scoremod.lowering.cudnn_varlen.backend import CUDNN_VARLEN
+from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.reference import REFERENCE
 
 
@@ -34,7 +35,8 @@ _BACKENDS: list = [CUDNN, REFERENCE]  # tried in this order; the reference path 
 # Not yet validated on a GPU: by name only. cudnn-varlen's GPU tests have not
 # passed (on the H200 every call routed by lax.cond failed; fixed since, not
 # re-run); promote it with register(get("cudnn-varlen"), before="cudnn").
-_BY_NAME_ONLY: list = [CUDNN_VARLEN]
+# The Pallas kernels likewise, until their GPU tests (tests/gpu/test_pallas_gpu.py) pass.
+_BY_NAME_ONLY: list = [CUDNN_VARLEN, PALLAS]
 _ALIASES = {"reference": "xla"}
 _WARNED: set = set()
 
