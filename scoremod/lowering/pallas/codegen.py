@@ -21,6 +21,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from scoremod.dsl import ir
 from scoremod.dsl.grad import vjp
@@ -35,6 +36,28 @@ _JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
 NOT_LOWERABLE = {
     "erf": "Pallas's Triton lowering has no rule for erf (lax.erf_p)",
 }
+
+
+def _round_half_away(x):
+    """lax.round (halves away from zero) without its primitive: the fraction
+    ``x - trunc(x)`` of a float is exact, so the comparison decides exactly."""
+    t = jnp.sign(x) * jnp.floor(jnp.abs(x))
+    return t + jnp.where(jnp.abs(x - t) >= 0.5, jnp.sign(x), 0.0)
+
+
+def _floordiv(a, b):
+    """jnp.floor_divide, written with ops the Triton lowering has: on floats
+    jax.numpy ends in lax.round, which it lacks (the same steps, round spelled out)."""
+    if jnp.issubdtype(jnp.result_type(a), jnp.integer):
+        return jnp.floor_divide(a, b)
+    mod = lax.rem(*jnp.broadcast_arrays(a, b))
+    div = jnp.where(b == 0, a, a - mod) / b
+    fix = jnp.logical_and(mod != 0, jnp.sign(b) != jnp.sign(mod))
+    return _round_half_away(jnp.where(fix, div - 1.0, div))
+
+
+# Ops evaluated on tiles by another jax.numpy spelling of the same function.
+TILE_RULES = {"floordiv": _floordiv}
 
 # The layout every captured array has in a kernel: one flat array of one of
 # these dtypes (the IR computes floats in float32 and indices in int32).
@@ -119,6 +142,8 @@ def evaluate_tile(roots, inputs: dict, refs: dict):
         elif node.op == LOAD:
             flat = flat_index(node, [vals[a] for a in node.args[1:]])
             vals[node] = gather(refs[node.args[0].attr[0]], flat, node.dtype)
+        elif node.op in TILE_RULES:
+            vals[node] = TILE_RULES[node.op](*[vals[a] for a in node.args])
         else:
             vals[node] = OPS[node.op].evaluate([vals[a] for a in node.args], node.attr)
     return [vals[r] for r in roots]

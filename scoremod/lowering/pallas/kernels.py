@@ -261,12 +261,12 @@ def _add_operand_gradients(loads, inputs, refs, parts, shape):
         idx = jnp.broadcast_to(flat, shape)
         ct = jnp.broadcast_to(ct.astype(jnp.float32), shape)
 
-        def add(e, _, idx=idx, ct=ct, part=part):
+        def add(e, carry, idx=idx, ct=ct, part=part):
             total = jnp.sum(jnp.where(idx == e, ct, 0.0))
             part[pl.ds(e, 1)] = part[pl.ds(e, 1)] + jnp.broadcast_to(total, (1,))
-            return 0
+            return carry
 
-        lax.fori_loop(jnp.min(idx), jnp.max(idx) + 1, add, 0)
+        lax.fori_loop(jnp.min(idx), jnp.max(idx) + 1, add, None)
 
 
 def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, grad_sizes: dict):
