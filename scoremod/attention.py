@@ -44,8 +44,10 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
       implementation: the name of a registered backend: ``"xla"`` (alias
         ``"reference"``: float32 scores and softmax, any device), ``"cudnn"``
         (one fused cuDNN kernel), ``"cudnn-varlen"`` (segment masks as
-        cuDNN's variable-length attention; not validated on a GPU yet, so by
-        name only, with a warning); or None: the first backend that can run
+        cuDNN's variable-length attention), ``"pallas"`` (block-sparse Pallas
+        kernels generated from the mod, with gradients of captured arrays;
+        interpret mode off a GPU); these two are not validated on a GPU yet,
+        so by name only, with a warning; or None: the first backend that can run
         this call (cudnn, else xla), with a warning when a GPU is here but
         the fused path cannot take the call.
       return_lse: also return the log-sum-exp of the modified scores,
