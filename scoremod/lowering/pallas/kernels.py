@@ -80,6 +80,14 @@ def _full():
     return pl.BlockSpec()
 
 
+def _last_first(axis):
+    """The block of a grid axis that runs over blocks in reverse: under a causal
+    mask the last query blocks have the most tiles, and starting them first
+    shortens the tail. Grid axis 0 is the one the GPU launches fastest, so
+    consecutive programs share a (batch, head) and its keys in L2."""
+    return pl.num_programs(axis) - 1 - pl.program_id(axis)
+
+
 def _map_index(counts_ref, b, h):
     """(batch, head) into a BlockMap whose leading axes may be 1 (shared)."""
     bm, hm = counts_ref.shape[0], counts_ref.shape[1]
@@ -132,7 +140,7 @@ def _forward_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, *rest, spec):
     n_ops = len(spec.operand_names)
     refs = dict(zip(spec.operand_names, rest[:n_ops]))
     o_ref, lse_ref = rest[n_ops:]
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, b, h = _last_first(0), pl.program_id(1), pl.program_id(2)
     mb, mh = _map_index(counts_ref, b, h)
     bq, bk = spec.block_q, spec.block_kv
     q = q_ref[...]
@@ -168,21 +176,22 @@ def forward(spec: KernelSpec, bmap, q, k, v, operands):
     skv, dv = k.shape[1], v.shape[-1]
     bq, bk, g = spec.block_q, spec.block_kv, spec.groups
     nq = sq // bq
+    last = nq - 1  # the grid's first axis runs over query blocks, last first
     in_specs = [
         _full(), _full(),
-        pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-        pl.BlockSpec((None, skv, None, d), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
-        pl.BlockSpec((None, skv, None, dv), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+        pl.BlockSpec((None, bq, None, d), lambda x, bi, hi: (bi, last - x, hi, 0)),
+        pl.BlockSpec((None, skv, None, d), lambda x, bi, hi: (bi, 0, hi // g, 0)),
+        pl.BlockSpec((None, skv, None, dv), lambda x, bi, hi: (bi, 0, hi // g, 0)),
     ] + [_full() for _ in operands]
     out_specs = [
-        pl.BlockSpec((None, bq, None, dv), lambda bi, hi, qi: (bi, qi, hi, 0)),
-        pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+        pl.BlockSpec((None, bq, None, dv), lambda x, bi, hi: (bi, last - x, hi, 0)),
+        pl.BlockSpec((None, None, bq), lambda x, bi, hi: (bi, hi, last - x)),
     ]
     out_shape = [jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)]
     return pl.pallas_call(
         functools.partial(_forward_kernel, spec=spec),
-        grid=(b, hq, nq), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        grid=(nq, b, hq), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=_compiler_params(spec), interpret=spec.interpret,
         name="scoremod_pallas_forward",
     )(bmap.q_counts, bmap.q_blocks, q, k, v, *operands)
@@ -220,7 +229,7 @@ def _dkdv_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
     dk_ref, dv_ref = rest[n_ops + n_parts:n_ops + n_parts + 2]
     parts = dict(zip(grad_operands, rest[n_ops + n_parts + 2:]))
     del parts_in  # aliased to the outputs ``parts``: zeros to add into
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     mb, mh = _map_index(counts_ref, b, h)
     bq, bk = spec.block_q, spec.block_kv
     k, v = k_ref[...], v_ref[...]
@@ -277,23 +286,23 @@ def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, grad_sizes: 
     bq, bk, g = spec.block_q, spec.block_kv, spec.groups
     nk = skv // bk
     names = tuple(grad_sizes)
-    row = lambda bi, hi, ki: (bi, 0, hi, 0)  # noqa: E731
+    row = lambda ki, bi, hi: (bi, 0, hi, 0)  # noqa: E731
     in_specs = [
         _full(), _full(),
         pl.BlockSpec((None, sq, None, d), row),
-        pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi // g, 0)),
-        pl.BlockSpec((None, bk, None, dv_), lambda bi, hi, ki: (bi, ki, hi // g, 0)),
+        pl.BlockSpec((None, bk, None, d), lambda ki, bi, hi: (bi, ki, hi // g, 0)),
+        pl.BlockSpec((None, bk, None, dv_), lambda ki, bi, hi: (bi, ki, hi // g, 0)),
         pl.BlockSpec((None, sq, None, dv_), row),
-        pl.BlockSpec((None, None, sq), lambda bi, hi, ki: (bi, hi, 0)),
-        pl.BlockSpec((None, None, sq), lambda bi, hi, ki: (bi, hi, 0)),
+        pl.BlockSpec((None, None, sq), lambda ki, bi, hi: (bi, hi, 0)),
+        pl.BlockSpec((None, None, sq), lambda ki, bi, hi: (bi, hi, 0)),
     ] + [_full() for _ in operands]
     part_shapes = [jax.ShapeDtypeStruct((b, hq, nk, grad_sizes[n]), jnp.float32) for n in names]
     part_spec = lambda n: pl.BlockSpec((None, None, None, grad_sizes[n]),  # noqa: E731
-                                       lambda bi, hi, ki: (bi, hi, ki, 0))
+                                       lambda ki, bi, hi: (bi, hi, ki, 0))
     in_specs += [part_spec(n) for n in names]
     out_specs = [
-        pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
-        pl.BlockSpec((None, bk, None, dv_), lambda bi, hi, ki: (bi, ki, hi, 0)),
+        pl.BlockSpec((None, bk, None, d), lambda ki, bi, hi: (bi, ki, hi, 0)),
+        pl.BlockSpec((None, bk, None, dv_), lambda ki, bi, hi: (bi, ki, hi, 0)),
     ] + [part_spec(n) for n in names]
     out_shape = [jax.ShapeDtypeStruct((b, skv, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, skv, hq, dv_), jnp.float32)] + part_shapes
@@ -301,7 +310,7 @@ def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, grad_sizes: 
     zeros = [jnp.zeros(s.shape, s.dtype) for s in part_shapes]
     outs = pl.pallas_call(
         functools.partial(_dkdv_kernel, spec=spec, grad_operands=names),
-        grid=(b, hq, nk), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        grid=(nk, b, hq), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={first_part + i: 2 + i for i in range(len(names))},
         compiler_params=_compiler_params(spec), interpret=spec.interpret,
         name="scoremod_pallas_dkdv",
@@ -314,7 +323,7 @@ def _dq_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
     n_ops = len(spec.operand_names)
     refs = dict(zip(spec.operand_names, rest[:n_ops]))
     (dq_ref,) = rest[n_ops:]
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, b, h = _last_first(0), pl.program_id(1), pl.program_id(2)
     mb, mh = _map_index(counts_ref, b, h)
     bq, bk = spec.block_q, spec.block_kv
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -337,19 +346,20 @@ def dq(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands):
     skv, dv_ = k.shape[1], v.shape[-1]
     bq, g = spec.block_q, spec.groups
     nq = sq // bq
-    rows = lambda bi, hi, qi: (bi, qi, hi, 0)  # noqa: E731
+    last = nq - 1  # the grid's first axis runs over query blocks, last first
+    rows = lambda x, bi, hi: (bi, last - x, hi, 0)  # noqa: E731
     in_specs = [
         _full(), _full(),
         pl.BlockSpec((None, bq, None, d), rows),
-        pl.BlockSpec((None, skv, None, d), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
-        pl.BlockSpec((None, skv, None, dv_), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+        pl.BlockSpec((None, skv, None, d), lambda x, bi, hi: (bi, 0, hi // g, 0)),
+        pl.BlockSpec((None, skv, None, dv_), lambda x, bi, hi: (bi, 0, hi // g, 0)),
         pl.BlockSpec((None, bq, None, dv_), rows),
-        pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
-        pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+        pl.BlockSpec((None, None, bq), lambda x, bi, hi: (bi, hi, last - x)),
+        pl.BlockSpec((None, None, bq), lambda x, bi, hi: (bi, hi, last - x)),
     ] + [_full() for _ in operands]
     return pl.pallas_call(
         functools.partial(_dq_kernel, spec=spec),
-        grid=(b, hq, nq), in_specs=in_specs,
+        grid=(nq, b, hq), in_specs=in_specs,
         out_specs=pl.BlockSpec((None, bq, None, d), rows),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_compiler_params(spec), interpret=spec.interpret,
