@@ -44,10 +44,12 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
       implementation: the name of a registered backend: ``"xla"`` (alias
         ``"reference"``: float32 scores and softmax, any device), ``"cudnn"``
         (one fused cuDNN kernel), ``"cudnn-varlen"`` (segment masks as
-        cuDNN's variable-length attention); or None: the first backend that
-        can run this call (cudnn-varlen for segment masks, else cudnn, else
-        xla), with a warning when a GPU is here but the fused path cannot
-        take the call.
+        cuDNN's variable-length attention), ``"pallas"`` (block-sparse Pallas
+        kernels generated from the mod, with gradients of captured arrays;
+        interpret mode off a GPU; not validated on a GPU yet, so by name
+        only, with a warning); or None: the first backend that can run this
+        call (cudnn-varlen for segment masks, else cudnn, else xla), with a
+        warning when a GPU is here but the fused path cannot take the call.
       return_lse: also return the log-sum-exp of the modified scores,
         float32 [batch, q_heads, q_len].
       options: a :class:`~scoremod.LoweringOptions` (native masks, query-block

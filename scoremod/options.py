@@ -53,12 +53,17 @@ class LoweringOptions:
       sms: streaming multiprocessors the split's wave model assumes; None
         asks the device (132 where it cannot tell). Small values make small
         shapes split, as the tests do.
+      pallas_block_q, pallas_block_kv: the Pallas backend's forward tile
+        (query rows x keys); powers of two, at least 16.
+      pallas_backward_block_q, pallas_backward_block_kv: its backward tile.
+      pallas_num_warps: warps per Pallas program (None: 4 for head dim 64,
+        8 for 128); pallas_num_stages: Triton's software-pipelining depth.
 
     Example: softcap + causal as one score_mod call, for comparison::
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, max_segments=8, sms=None)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2)
     """
 
     native_masks: bool = True
@@ -66,6 +71,12 @@ class LoweringOptions:
     fold_scale: bool = True
     max_segments: int = 8
     sms: int | None = None
+    pallas_block_q: int = 128
+    pallas_block_kv: int = 64
+    pallas_backward_block_q: int = 64
+    pallas_backward_block_kv: int = 64
+    pallas_num_warps: int | None = None
+    pallas_num_stages: int = 2
 
     def __post_init__(self):
         for name in ("native_masks", "fold_scale"):
@@ -80,6 +91,18 @@ class LoweringOptions:
                                 f"segments per row, got {self.max_segments!r}")
         if self.sms is not None and (not isinstance(self.sms, int) or self.sms < 1):
             raise ScoreModError(f"LoweringOptions.sms must be a positive int or None, got {self.sms!r}")
+        for name in ("pallas_block_q", "pallas_block_kv", "pallas_backward_block_q",
+                     "pallas_backward_block_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ScoreModError(f"LoweringOptions.{name} must be a power of two of at least "
+                                    f"16 (a Triton tile), got {value!r}")
+        if self.pallas_num_warps is not None and self.pallas_num_warps not in (1, 2, 4, 8, 16):
+            raise ScoreModError("LoweringOptions.pallas_num_warps must be 1, 2, 4, 8, 16 or None, "
+                                f"got {self.pallas_num_warps!r}")
+        if not isinstance(self.pallas_num_stages, int) or self.pallas_num_stages < 1:
+            raise ScoreModError("LoweringOptions.pallas_num_stages must be a positive int, "
+                                f"got {self.pallas_num_stages!r}")
 
     @classmethod
     def plain(cls) -> "LoweringOptions":

@@ -2,7 +2,7 @@
 
     >>> from scoremod.lowering import registry
     >>> registry.names()
-    ('cudnn-varlen', 'cudnn', 'xla')
+    ('cudnn-varlen', 'cudnn', 'xla', 'pallas')
     >>> [b.name for b in registry.backends()]
     ['cudnn-varlen', 'cudnn', 'xla']
     >>> registry.get("reference").name
@@ -22,6 +22,7 @@ from scoremod.errors import ScoreModError
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn.backend import CUDNN
 from scoremod.lowering.cudnn_varlen.backend import CUDNN_VARLEN
+from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.reference import REFERENCE
 
 
@@ -33,8 +34,8 @@ class UnknownImplementationError(ScoreModError, ValueError):
 # Tried in this order; the reference path runs anywhere. cudnn-varlen declines
 # every mod that is not a segment mask, so it goes before the dense cuDNN path.
 _BACKENDS: list = [CUDNN_VARLEN, CUDNN, REFERENCE]
-# Not yet validated on a GPU: by name only (none at the moment).
-_BY_NAME_ONLY: list = []
+# Not yet validated on a GPU: by name only, until tests/gpu/test_pallas_gpu.py passes.
+_BY_NAME_ONLY: list = [PALLAS]
 _ALIASES = {"reference": "xla"}
 _WARNED: set = set()
 
