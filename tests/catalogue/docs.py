@@ -79,9 +79,12 @@ def _anchor(name: str) -> str:
 
 def _verdict_cell(entry: Entry) -> str:
     text = entry.verdict
-    if text.startswith("native "):
-        band = re.search(r"left_bound=(\w+), right_bound=(\w+)", text)
-        text = f"native band (left {band.group(1)}, right {band.group(2)})"
+    band = re.search(r"alignment='(\w+)', left_bound=(\w+), right_bound=(\w+)", text)
+    if band:  # row q sees kv in [q - (left - 1), q + right] (shifted by Skv - Sq bottom-right)
+        align, left, right = band.groups()
+        lo = "" if left == "None" else f"q - {int(left) - 1} <= "
+        hi = "q" if right == "0" else ("any" if right == "None" else f"q + {right}")
+        text = f"native band: {lo}k <= {hi}" + (" (bottom-right)" if align != "TOP_LEFT" else "")
     if entry.needs:
         text = f"not yet: needs {entry.needs} (then: {text})"
     return text
@@ -118,7 +121,8 @@ def entry_section(entry: Entry) -> str:
     code = textwrap.dedent(entry.code).strip()
     used = [n for n in env if re.search(rf"\b{re.escape(n)}\b", code)]
     values = "".join(f"- `{n}`: {_describe_value(env[n])}\n" for n in used)
-    return (f"### {entry.name}\n\n{entry.what}. From attention-gym's `{entry.origin}`.\n\n"
+    what = entry.what[0].upper() + entry.what[1:]
+    return (f"### {entry.name}\n\n{what}. From attention-gym's {entry.origin}.\n\n"
             f"```python\n{code}\n```\n\n"
             + (f"At the GPU shape ({_shape(entry)}):\n\n{values}\n" if values else "")
             + f"Verdict: {_verdict_cell(entry)}.\n")
