@@ -40,9 +40,12 @@ A mask is written as `jnp.where(allowed, s, -jnp.inf)`; `s, b, h, q, k` are
 the score, batch, head, query and key indices. Names in capitals are Python
 numbers, others captured arrays (listed under each mod's code below).
 
-**Verdicts** (planned at the GPU shape given, bfloat16, head dim 128, on an
-H200; `scoremod show` and `scoremod.which_implementation` report the same
-plan for your own mods):
+**Verdicts** come from the plan of the fused call (`lowering/cudnn/plan.py`)
+at the GPU shape given, bfloat16, head dim 128, on an H200 (132 SMs): the
+query-block split depends on the shape and the GPU, the rest on the mod
+alone. `tests/catalogue/verdict.py` reads them off the plan; for your own
+mods, `python -m scoremod show` prints the cuDNN graphs of a mod and
+`scoremod.which_implementation` which path a call takes.
 
 - **fused**: one cuDNN kernel computes the mod inside attention; captured
   arrays indexed directly by `b, h, q, k` are read as they are.
@@ -55,7 +58,7 @@ plan for your own mods):
   *data mask*: a condition on values read from arrays (cuDNN compares only
   index positions); *computed index*: an array read at a computed position
   (`rel[q - k + OFF]`); *computed from arrays*: a number derived from array
-  reads.
+  reads ([limitations.md](limitations.md) says when and why).
 - **not yet**: the mod uses an operation the op table does not have yet;
   the reference path cannot run it either, and the row gives the verdict
   expected once it has.

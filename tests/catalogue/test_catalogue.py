@@ -16,7 +16,8 @@ import pytest
 import scoremod
 from tests.catalogue import docs
 from tests.catalogue.mods import CATALOGUE
-from tests.catalogue.verdict import verdict
+from tests.catalogue.verdict import plan_of, verdict
+from tests.test_graph_emission import recorder  # noqa: F401  (the fixture)
 
 HEAD_DIM = 32
 
@@ -162,3 +163,29 @@ def test_docs_catalogue_is_up_to_date():
     assert docs.CATALOGUE_MD.exists(), "docs/catalogue.md is missing; run python -m tests.catalogue.docs"
     assert docs.CATALOGUE_MD.read_text() == docs.catalogue_markdown(), (
         "docs/catalogue.md is stale; regenerate it with python -m tests.catalogue.docs")
+
+
+@pytest.mark.parametrize("name", _params(sorted(CATALOGUE)))
+def test_fused_plan_builds_its_graphs(name, recorder):
+    """Every part of the plan builds its forward and backward cuDNN graphs
+    (against test_graph_emission's recording stand-in for the frontend), with
+    one input tensor per planned load."""
+    from scoremod.lowering.cudnn import graph as cg
+
+    entry = CATALOGUE[name]
+    plan = plan_of(scoremod.trace(entry.build(entry.env(entry.gpu))), entry.gpu)
+    for part in plan.parts:
+        if part.fwd is None:  # plain attention under a native mask: no score_mod graph
+            assert part.band is not None
+            continue
+        recorder.calls.clear()
+        built = cg.build_forward(part.fwd, part.fwd_spec, part.fwd_consts,
+                                 [l.node for l in part.fwd_loads], part.describe)
+        assert [n for n, _ in recorder.calls].count("sdpa") == 1
+        assert len(built.in_uids) == 3 + len(part.fwd_loads)
+        recorder.calls.clear()
+        built = cg.build_backward(part.fwd, part.bwd, part.spec, part.consts,
+                                  [l.node for l in part.loads], part.describe)
+        assert [n for n, _ in recorder.calls].count("sdpa_backward") == 1
+        assert built.in_uids[len(built.in_uids) - len(part.loads):] == tuple(
+            l.spec.uid for l in part.loads)
