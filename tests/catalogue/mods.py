@@ -17,7 +17,10 @@ An :class:`Entry` is
   ``verdict.py``): ``fused``, ``native <band>``, ``split into N query blocks``,
   ``materialized [dims]: <why>`` or ``refused: <op>``;
 - ``needs``: set while the port uses an op the op table does not have yet
-  (its tests are strict xfails that flip when the op lands);
+  (its tests are strict xfails: once the op lands they pass, which fails
+  them, and ``needs`` is to be deleted and ``verdict`` set to what the plan
+  says; the port and its reference are checked against each other already,
+  by plain JAX under jax.vmap);
 - ``grad``: the mod adds a bias (or a mask) to the score; the CPU test also
   checks its gradients against plain attention plus that bias.
 """
