@@ -592,7 +592,7 @@ class _Tiles:
         zero = jnp.zeros((1, 1, 1), jnp.int32)
         value = self.evaluate(node, b, h, seq if seq_axis == "q_idx" else zero,
                               seq if seq_axis == "kv_idx" else zero)
-        value = jnp.broadcast_to(value, (b.shape[0], h.shape[0], size))
+        value = jnp.broadcast_to(value, (b.shape[0], h.shape[1], size))
         parts = _parts(node.dtype, value)
         if "b" in deps and self.bm == 1:
             parts = _reduce(node.dtype, parts, 0)
@@ -692,7 +692,7 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     def leaf(n):
         return n in values or n.op == CONST or _separable(deps[n]) or n.op not in RULES
 
-    for n in ir.toposort(expr, stop=leaf):
+    for n in ir.toposort(expr, *conds, stop=leaf):
         if n in values or n.op == OPERAND:
             continue
         if n.op == CONST:
