@@ -144,6 +144,8 @@ MODS = {
     "blocky_mask": (lambda s, b, h, q, k: jnp.where(BLOCKY[q, k] & (k <= q + 20), s, NEG_INF),
                     False),
     "stride_mask": (lambda s, b, h, q, k: jnp.where((q - k) % 4 == 0, s, NEG_INF), True),
+    "head_stride_mask": (lambda s, b, h, q, k: jnp.where(
+        ((q - k) % (WINDOWS[h] + b) == 0) | (q < 3), s, NEG_INF), True),
     "bias_with_inf": (lambda s, b, h, q, k: s + BIAS[q, k], False),
     "score_condition": (lambda s, b, h, q, k: jnp.where((q >= k) & (s > 0.5), s, NEG_INF),
                         False),

@@ -616,27 +616,29 @@ class _Tiles:
 
     def per_tile(self, nodes) -> list:
         """Bools of score-free conditions, evaluated on every entry of every
-        tile: one query block per step (batched), memory O(step * Skv)."""
+        tile: one (batch, head, query block) row of tiles per step, steps
+        batched to about ``_TILE_STEP_ELEMENTS`` entries."""
         p, bq, bk, nk = self.problem, self.block_q, self.block_kv, self.nk
-        b = jnp.arange(self.bm, dtype=jnp.int32)[:, None, None, None]
-        h = jnp.arange(self.hm, dtype=jnp.int32)[None, :, None, None]
         kv = jnp.arange(nk * bk, dtype=jnp.int32)
         kv_ok = (kv < p.skv).reshape(nk, bk)
 
-        def step(i):
+        def step(row):
+            b, h, i = row
             q = i * bq + jnp.arange(bq, dtype=jnp.int32)
             ok = (q < p.sq)[:, None, None] & kv_ok[None]  # [bq, nk, bk]
             out = []
             for node in nodes:
-                v = self.evaluate(node, b, h, q[None, None, :, None], kv[None, None, None, :])
-                v = jnp.broadcast_to(v, (self.bm, self.hm, bq, nk * bk)).reshape(
-                    self.bm, self.hm, bq, nk, bk)
-                out.append((jnp.any(v & ok, axis=(2, 4)), jnp.any(~v & ok, axis=(2, 4))))
+                v = self.evaluate(node, b, h, q[:, None], kv[None, :])
+                v = jnp.broadcast_to(v, (bq, nk * bk)).reshape(bq, nk, bk)
+                out.append((jnp.any(v & ok, axis=(0, 2)), jnp.any(~v & ok, axis=(0, 2))))
             return out
 
-        batch = max(1, _TILE_STEP_ELEMENTS // (self.bm * self.hm * bq * nk * bk))
-        stacked = lax.map(step, jnp.arange(self.nq, dtype=jnp.int32), batch_size=batch)
-        return [Bools(*(jnp.moveaxis(x, 0, 2) for x in pair)) for pair in stacked]
+        rows = [x.reshape(-1).astype(jnp.int32)
+                for x in jnp.indices((self.bm, self.hm, self.nq))]
+        batch = max(1, _TILE_STEP_ELEMENTS // (bq * nk * bk))
+        stacked = lax.map(step, tuple(rows), batch_size=batch)
+        shape = (self.bm, self.hm, self.nq, nk)
+        return [Bools(*(x.reshape(shape) for x in pair)) for pair in stacked]
 
 
 def _parts(dtype, value):
@@ -674,7 +676,7 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     mask conditions hold everywhere (there it equals ``when_full(expr)``).
 
     ``exact`` says which mask conditions mixing q_idx and kv_idx are evaluated
-    on every entry of every tile (O(B*H*Sq*Skv) work, O(block_q * Skv) memory
+    on every entry of every tile (O(Bm*Hm*Sq*Skv) work, about 2**24 entries
     per step): "auto" those the interval rules bound loosely (remainders,
     loads indexed by both), "always" all, "never" none. Everything else costs
     O(B*H*S) (separable parts) plus O(Bm*Hm*nq*nk) (the rules)."""
