@@ -614,13 +614,18 @@ class _Tiles:
         parts = _parts(node.dtype, array.reshape(1, -1))
         return _abstract(node.dtype, _reduce(node.dtype, parts, 1, keepdims=False))
 
-    def per_tile(self, nodes) -> list:
-        """Bools of score-free conditions, evaluated on every entry of every
-        tile: one (batch, head, query block) row of tiles per step, steps
-        batched to about ``_TILE_STEP_ELEMENTS`` entries."""
+    def per_tile(self, nodes, deps) -> list:
+        """Score-free nodes evaluated on every entry of every tile, reduced per
+        tile: one (batch, head, query block) row of tiles per step (a node
+        reading b or h where the map keeps no such axis, over all of them),
+        steps batched to about ``_TILE_STEP_ELEMENTS`` entries."""
         p, bq, bk, nk = self.problem, self.block_q, self.block_kv, self.nk
         kv = jnp.arange(nk * bk, dtype=jnp.int32)
         kv_ok = (kv < p.skv).reshape(nk, bk)
+        every_b = "b" if self.bm == 1 and p.b > 1 else None
+        every_h = "h" if self.hm == 1 and p.hq > 1 else None
+        spread = {n: ((p.b if every_b in deps[n] else 1), (p.hq if every_h in deps[n] else 1))
+                  for n in nodes}
 
         def step(row):
             b, h, i = row
@@ -628,26 +633,35 @@ class _Tiles:
             ok = (q < p.sq)[:, None, None] & kv_ok[None]  # [bq, nk, bk]
             out = []
             for node in nodes:
-                v = self.evaluate(node, b, h, q[:, None], kv[None, :])
-                v = jnp.broadcast_to(v, (bq, nk * bk)).reshape(bq, nk, bk)
-                out.append((jnp.any(v & ok, axis=(0, 2)), jnp.any(~v & ok, axis=(0, 2))))
+                nb, nh = spread[node]
+                bs = jnp.arange(nb, dtype=jnp.int32)[:, None, None, None] if nb > 1 else b
+                hs = jnp.arange(nh, dtype=jnp.int32)[None, :, None, None] if nh > 1 else h
+                v = self.evaluate(node, bs, hs, q[:, None], kv[None, :])
+                v = jnp.broadcast_to(v, (nb, nh, bq, nk * bk)).reshape(nb, nh, bq, nk, bk)
+                parts = _parts(node.dtype, v, ok)
+                out.append(_reduce(node.dtype, parts, (0, 1, 2, 4), keepdims=False))
             return out
 
         rows = [x.reshape(-1).astype(jnp.int32)
                 for x in jnp.indices((self.bm, self.hm, self.nq))]
-        batch = max(1, _TILE_STEP_ELEMENTS // (bq * nk * bk))
+        widest = max(nb * nh for nb, nh in spread.values())
+        batch = max(1, _TILE_STEP_ELEMENTS // (widest * bq * nk * bk))
         stacked = lax.map(step, tuple(rows), batch_size=batch)
         shape = (self.bm, self.hm, self.nq, nk)
-        return [Bools(*(x.reshape(shape) for x in pair)) for pair in stacked]
+        return [_abstract(n.dtype, tuple(x.reshape(shape) for x in parts))
+                for n, parts in zip(nodes, stacked)]
 
 
-def _parts(dtype, value):
+def _parts(dtype, value, ok=True):
+    """The arrays whose reductions bound ``value`` (entries where ``ok`` is
+    false left out): any/any, min/max, min/max/any-NaN."""
     if dtype == BOOL:
-        return value, ~value
+        return value & ok, ~value & ok
     if dtype == I32:
-        return value, value
+        return jnp.where(ok, value, _I32_MAX), jnp.where(ok, value, _I32_MIN)
     nan = jnp.isnan(value)
-    return jnp.where(nan, _INF, value), jnp.where(nan, -_INF, value), nan
+    real = ~nan & ok
+    return jnp.where(real, value, _INF), jnp.where(real, value, -_INF), nan & ok
 
 
 def _reduce(dtype, parts, axis, keepdims=True):
@@ -658,6 +672,17 @@ def _reduce(dtype, parts, axis, keepdims=True):
 
 def _abstract(dtype, parts):
     return {BOOL: Bools, I32: Ints, F32: Floats}[dtype](*parts)
+
+
+def _mixed_uses(expr, conds, deps) -> list:
+    """Score-free nodes mixing q_idx and kv_idx that the classes hinge on: the
+    mask conditions, and the score-free arguments of nodes reading the score
+    (a captured bias of -inf blocks added to it)."""
+    out = {c: None for c in conds}
+    for n in ir.toposort(expr):
+        if _reads_score(deps[n]):
+            out.update((a, None) for a in n.args if not _reads_score(deps[a]))
+    return [n for n in out if not _separable(deps[n]) and n.op != CONST]
 
 
 def _tight(cond, deps) -> bool:
@@ -675,11 +700,14 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     is not -inf everywhere (whatever the finite score), and those where its
     mask conditions hold everywhere (there it equals ``when_full(expr)``).
 
-    ``exact`` says which mask conditions mixing q_idx and kv_idx are evaluated
-    on every entry of every tile (O(Bm*Hm*Sq*Skv) work, about 2**24 entries
-    per step): "auto" those the interval rules bound loosely (remainders,
-    loads indexed by both), "always" all, "never" none. Everything else costs
-    O(B*H*S) (separable parts) plus O(Bm*Hm*nq*nk) (the rules)."""
+    ``exact`` says which score-free nodes mixing q_idx and kv_idx (mask
+    conditions, and score-free arguments of nodes reading the score, such as
+    a captured bias) are evaluated on every entry of every tile, a batch of
+    (batch, head, query block) rows per step of about 2**24 entries
+    (O(B*H*Sq*Skv) work): "auto" those the interval rules bound loosely
+    (remainders, loads indexed by both), "always" all, "never" none.
+    Everything else costs O(B*H*S) (separable parts) plus O(Bm*Hm*nq*nk)
+    (the rules)."""
     if exact not in _EXACT:
         raise ScoreModValueError(f"exact={exact!r}; expected one of {_EXACT}")
     operands = _operand_values(expr, operands)
@@ -687,9 +715,9 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     conds, conflicting = mask_conditions(expr)
     bm, hm = map_axes(expr, problem)
     tiles = _Tiles(problem, block_q, block_kv, bm, hm, operands)
-    exact_nodes = [c for c in conds if not _separable(deps[c]) and not _reads_score(deps[c])
-                   and (exact == "always" or (exact == "auto" and not _tight(c, deps)))]
-    values = dict(zip(exact_nodes, tiles.per_tile(exact_nodes))) if exact_nodes else {}
+    exact_nodes = [n for n in _mixed_uses(expr, conds, deps)
+                   if exact == "always" or (exact == "auto" and not _tight(n, deps))]
+    values = dict(zip(exact_nodes, tiles.per_tile(exact_nodes, deps))) if exact_nodes else {}
 
     def leaf(n):
         return n in values or n.op == CONST or _separable(deps[n]) or n.op not in RULES
