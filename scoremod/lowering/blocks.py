@@ -10,6 +10,11 @@ listed are *empty*: every score in them is masked, so they contribute nothing.
 Leading axes are ``[Bm, Hm]`` with ``Bm`` in ``{1, B}`` and ``Hm`` in
 ``{1, Hq}``: 1 where the mask does not depend on the batch or the head.
 
+``block_map`` derives the map of a mod from its IR (``classify_tiles`` the
+tile classes, ``block_lists`` the lists); on full tiles a kernel computes
+``when_full(expr)``, the mod without its mask conditions. ``dense_block_map``
+visits everything and is right for any mod.
+
     >>> m = dense_block_map(batch=1, heads=1, sq=256, skv=384, block_q=128, block_kv=128)
     >>> m.q_counts.tolist(), m.q_blocks[0, 0, 1].tolist()
     ([[[3, 3]]], [0, 1, 2])
@@ -90,9 +95,10 @@ def dense_block_map(*, batch: int = 1, heads: int = 1, sq: int, skv: int, block_
 # or reading the score, combine their arguments' values by the rules of
 # ``RULES`` (interval arithmetic; for q_idx - kv_idx it is exact at the
 # corners of the tile). An op without a rule bounds nothing (every value).
-# Mask conditions that mix q_idx and kv_idx through ops the rules bound badly
+# Score-free nodes the classes hinge on (mask conditions, a bias added to the
+# score) that mix q_idx and kv_idx through ops the rules bound badly
 # (remainders, loads at both indices) are evaluated on every entry of every
-# tile instead (``exact``), one query block at a time.
+# tile instead (``exact``), a batch of query-block rows at a time.
 
 F32_MAX = float(np.finfo(np.float32).max)
 _I32_MIN, _I32_MAX = np.int32(ir.INT32_MIN), np.int32(ir.INT32_MAX)
