@@ -188,3 +188,57 @@ def test_an_op_with_only_a_refusal_is_always_refused(monkeypatch):
     mod = scoremod.trace(lambda s, b, h, q, k: jnp.tanh(s))
     tanh = next(n for n in ir.toposort(mod.expr) if n.op == "tanh")
     assert refusal(tanh) == "tanh withdrawn for this test"
+
+
+# --- the mask spellings of the attention-gym census -------------------------
+# Each is traced, evaluated by the reference evaluator against jax.numpy on the
+# same points, checked by the support check, put into canonical form and
+# emitted into recorded forward and backward graphs.
+
+CENSUS_MASKS = {
+    "where_false_true": lambda s, b, h, q, k: jnp.where(jnp.where(q >= k, False, True), -jnp.inf, s),
+    "where_true_false": lambda s, b, h, q, k: jnp.where(jnp.where(q >= k, True, False), s, -jnp.inf),
+    "where_true_x": lambda s, b, h, q, k: jnp.where(jnp.where(q >= k, True, h == 1), s, -jnp.inf),
+    "where_x_false": lambda s, b, h, q, k: jnp.where(jnp.where(q >= k, h == 1, False), s, -jnp.inf),
+    "where_false_x": lambda s, b, h, q, k: jnp.where(jnp.where(q >= k, False, h == 1), s, -jnp.inf),
+    "where_x_true": lambda s, b, h, q, k: jnp.where(jnp.where(q >= k, h == 1, True), s, -jnp.inf),
+    "eq_false": lambda s, b, h, q, k: jnp.where((q >= k) == False, -jnp.inf, s),  # noqa: E712
+    "ne_true": lambda s, b, h, q, k: jnp.where((q >= k) != True, -jnp.inf, s),  # noqa: E712
+    "bool_mul": lambda s, b, h, q, k: jnp.where((q >= k) * (h == 0), s, -jnp.inf),
+    "bool_add": lambda s, b, h, q, k: jnp.where((q >= k) + (h == 0), s, -jnp.inf),
+    "astype_int": lambda s, b, h, q, k: s - 1e9 * (q < k).astype(int),
+    "astype_int_scaled": lambda s, b, h, q, k: s - ((q < k).astype(jnp.int32) * 3).astype(jnp.float32),
+    "int_where_consts": lambda s, b, h, q, k: s + jnp.where(q >= k, 3, 5).astype(jnp.float32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CENSUS_MASKS))
+def test_census_mask_spellings_are_right_and_have_canonical_forms(name):
+    """(tests/test_graph_emission.py emits their graphs.)"""
+    fn = CENSUS_MASKS[name]
+    mod = scoremod.trace(fn)
+    pts = _points(11)
+    want = np.asarray(fn(*pts))
+    np.testing.assert_array_equal(np.asarray(jnp.broadcast_to(mod(*pts), pts[0].shape)), want)
+    check_supported(mod.expr, mod.sources)
+    fwd, bwd = forward_and_backward(mod.expr)
+    _assert_cudnn_shaped(fwd)
+    _assert_cudnn_shaped(bwd)
+    np.testing.assert_array_equal(_eval(fwd, pts, mod), want)
+    dp = jnp.asarray(np.random.default_rng(11).normal(size=pts[0].shape), jnp.float32)
+    want_bwd = np.asarray(jnp.broadcast_to(mod.grad(*pts), pts[0].shape)) * np.asarray(dp)
+    np.testing.assert_array_equal(_eval(bwd, pts, mod, dp), want_bwd)
+
+
+def test_a_canonicalization_failure_is_a_refusal_not_a_crash(monkeypatch):
+    from scoremod.lowering.cudnn import rules
+    from scoremod.errors import ScoreModTypeError
+
+    mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, s * 2.0, -jnp.inf))
+
+    def broken(expr):
+        raise ScoreModTypeError("add(f32, bool): made up for this test")
+
+    monkeypatch.setattr(rules, "forward_and_backward", broken)
+    with pytest.raises(UnsupportedOpError, match="could not put .* scoremod bug"):
+        check_supported(mod.expr, mod.sources)

@@ -25,7 +25,7 @@ from scoremod.dsl.ir import (BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, 
 from scoremod.dsl.ops import COMPARISONS, WITH_GRAD, apply
 from scoremod.dsl.rewrite import int_range
 from scoremod.dsl.text import format_expr
-from scoremod.errors import UnsupportedOpError
+from scoremod.errors import ScoreModError, UnsupportedOpError
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE, nonneg_int_pair
 
 SCORE = ir.var(ir.SCORE)
@@ -88,6 +88,17 @@ def check_supported(expr: Node, sources: dict) -> None:
                 f"{' at ' + where if where else ''}: {why}. Use implementation=\"xla\" for this "
                 "mod, or implementation=None to pick it automatically."
             )
+    try:  # what passes the checks must have canonical forms: refuse, never crash later
+        forward_and_backward(expr)
+    except UnsupportedOpError:
+        raise
+    except ScoreModError as e:
+        raise UnsupportedOpError(
+            f"the fused cuDNN path could not put `{format_expr(expr)}` into the form it "
+            f"lowers ({e}); this is a scoremod bug, please report it. Use "
+            "implementation=\"xla\" for this mod, or implementation=None to pick it "
+            "automatically."
+        ) from e
 
 
 def _nearest_source(node, root, sources):
@@ -162,8 +173,15 @@ def _rewrite(node: Node, args: tuple) -> Node:
 
 
 def const_tensor(c: Node) -> Node:
-    """A float constant as a tensor: score * 0 + c (the score is finite)."""
-    return Node("mul", (SCORE, const(0.0, F32)), None, F32) + c
+    """A constant as a tensor: score * 0 + c for a float (the score is finite),
+    q_idx * 0 + c for an int, and a comparison of q_idx * 0 with 0 for a bool
+    (cuDNN selects between tensors; a pass-by-value scalar has no bool type)."""
+    if c.dtype == F32:
+        return Node("mul", (SCORE, const(0.0, F32)), None, F32) + c
+    zero = Node("mul", (ir.var("q_idx"), const(0, I32)), None, I32)
+    if c.dtype == I32:
+        return zero if c.attr == 0 else Node("add", (zero, c), None, I32)
+    return Node("eq" if c.attr else "ne", (zero, const(0, I32)), None, BOOL)
 
 
 # --- masks that read arrays ----------------------------------------------------
