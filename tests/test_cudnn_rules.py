@@ -92,7 +92,7 @@ def test_loads_are_leaves_for_emission():
 REFUSED = [
     (lambda s, b, h, q, k: jnp.where(s > 0.3, s, 0.0), "gt"),
     (lambda s, b, h, q, k: s + jnp.sign(s), "sign"),
-    (lambda s, b, h, q, k: s + jax.lax.rem(q - k, 3), "rem"),
+    (lambda s, b, h, q, k: s + jax.lax.rem(s, 3.0), "rem"),
     (lambda s, b, h, q, k: s + (s * 4).astype(jnp.int32), "i32"),
     (lambda s, b, h, q, k: jnp.arctan(s), "atan"),
 ]

@@ -108,6 +108,16 @@ def _range_of(node: Node, r) -> tuple:
     if op == "sign":
         return (-1 if rs[0][0] < 0 else (0 if rs[0][0] == 0 else 1),
                 1 if rs[0][1] > 0 else (0 if rs[0][1] == 0 else -1))
+    if op in ("bitwise_and",) and (rs[0][0] >= 0 or rs[1][0] >= 0):
+        # and with a non-negative value clears the sign bit: within [0, that value]
+        return (0, min(hi for lo, hi in rs if lo >= 0))
+    if op in ("bitwise_or", "bitwise_xor") and rs[0][0] >= 0 and rs[1][0] >= 0:
+        top = max(rs[0][1], rs[1][1])
+        return (0, (1 << top.bit_length()) - 1)  # no bit above the larger one's top bit
+    if op == "invert":
+        return (-rs[0][1] - 1, -rs[0][0] - 1)
+    if op in ("right_shift", "shift_right_logical") and rs[0][0] >= 0:
+        return (0, rs[0][1])  # a non-negative value shifted right stays in [0, itself]
     # Division and remainder: XLA defines x / 0 (as -1) and x % 0 (as x), and
     # INT32_MIN / -1; only a non-negative dividend over a positive divisor is
     # bounded here.
