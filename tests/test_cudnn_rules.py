@@ -242,3 +242,11 @@ def test_a_canonicalization_failure_is_a_refusal_not_a_crash(monkeypatch):
     monkeypatch.setattr(rules, "forward_and_backward", broken)
     with pytest.raises(UnsupportedOpError, match="could not put .* scoremod bug"):
         check_supported(mod.expr, mod.sources)
+
+
+@pytest.mark.parametrize("name", sorted(CENSUS_MASKS))
+def test_census_mask_spellings_are_not_refused_by_the_fused_path(name):
+    """The fused path's only objection on a CPU is the missing GPU (the mod passes)."""
+    q = jnp.zeros((1, 16, 2, 16), jnp.bfloat16)
+    verdict = scoremod.which_implementation(q, q, q, CENSUS_MASKS[name]).verdicts["cudnn"]
+    assert verdict == "no NVIDIA GPU is visible to JAX"
