@@ -208,6 +208,9 @@ CENSUS_MASKS = {
     "bool_add": lambda s, b, h, q, k: jnp.where((q >= k) + (h == 0), s, -jnp.inf),
     "astype_int": lambda s, b, h, q, k: s - 1e9 * (q < k).astype(int),
     "astype_int_scaled": lambda s, b, h, q, k: s - ((q < k).astype(jnp.int32) * 3).astype(jnp.float32),
+    # a float comparison of positions alone: computed ahead by XLA, not refused
+    "astype_float_compared": lambda s, b, h, q, k: jnp.where(
+        (q >= k).astype(jnp.float32) > 0.5, s, -jnp.inf),
     "int_where_consts": lambda s, b, h, q, k: s + jnp.where(q >= k, 3, 5).astype(jnp.float32),
 }
 
