@@ -4,7 +4,8 @@ The three lowerings below make common mods faster; each is on by default and
 each can be switched off per call (for comparison, and as an escape hatch):
 
     >>> import scoremod
-    >>> plain = scoremod.LoweringOptions(native_masks=False, split_blocks=0, fold_scale=False)
+    >>> plain = scoremod.LoweringOptions(native_masks=False, split_blocks=0, fold_scale=False,
+    ...                                  low_rank_bias=False)
     >>> plain == scoremod.LoweringOptions.plain()
     True
     >>> with scoremod.lowering_options(plain):
@@ -46,6 +47,9 @@ class LoweringOptions:
         (batch 4, 16 heads): 8 blocks beat 4 by 6-9% forward.
       fold_scale: a constant factor of the score on every use (softcap's
         ``score / 30``) joins cuDNN's attn_scale, where it costs nothing.
+      low_rank_bias: a mod ``f(score + sum_j a[.., q_idx, j] * c[.., kv_idx, j])``
+        runs as ``f(score)`` on q and k with the bias's columns appended, for
+        every backend (``scoremod.lowering.lowrank``; docs/guide.md).
       max_segments: segment (packed-document) masks run as ragged sequences,
         at most this many per row (the slots every call pays for); a row with
         more runs, or ids that are not increasing runs, takes the dense
@@ -63,12 +67,13 @@ class LoweringOptions:
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2)
     """
 
     native_masks: bool = True
     split_blocks: int = 8
     fold_scale: bool = True
+    low_rank_bias: bool = True
     max_segments: int = 8
     sms: int | None = None
     pallas_block_q: int = 128
@@ -79,7 +84,7 @@ class LoweringOptions:
     pallas_num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("native_masks", "fold_scale"):
+        for name in ("native_masks", "fold_scale", "low_rank_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ScoreModError(f"LoweringOptions.{name} must be True or False, "
                                     f"got {getattr(self, name)!r}")
@@ -107,7 +112,7 @@ class LoweringOptions:
     @classmethod
     def plain(cls) -> "LoweringOptions":
         """The mod lowered as written: no native mask, no split, no folding."""
-        return cls(native_masks=False, split_blocks=0, fold_scale=False)
+        return cls(native_masks=False, split_blocks=0, fold_scale=False, low_rank_bias=False)
 
     def replace(self, **changes) -> "LoweringOptions":
         return dataclasses.replace(self, **changes)
@@ -118,6 +123,7 @@ _ENVIRONMENT = {
     "SCOREMOD_NATIVE_MASKS": ("native_masks", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_SPLIT_BLOCKS": ("split_blocks", int, "a number of query blocks (0: off)"),
     "SCOREMOD_FOLD_SCALE": ("fold_scale", bool, "0 (off) or 1 (on)"),
+    "SCOREMOD_LOW_RANK_BIAS": ("low_rank_bias", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_MAX_SEGMENTS": ("max_segments", int, "a positive number of segments per row"),
 }
 
