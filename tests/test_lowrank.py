@@ -39,6 +39,11 @@ def _mods(a, c):
             (s + (a[b, q, h] * c[b, k]).sum(-1)) / 20.0),
         "einsum_then_alibi": lambda s, b, h, q, k: s + jnp.einsum(
             "r,r->", a[b, q, h], c[b, k]) + 0.1 * (k - q),
+        # constant factors of the sum and of single products (MLA's own scale)
+        "scaled_dot": lambda s, b, h, q, k: jnp.where(
+            q >= k, s + 0.5 * jnp.dot(a[b, q, h], c[b, k]), -jnp.inf),
+        "scaled_terms": lambda s, b, h, q, k: s + sum(
+            (j + 1.0) * a[b, q, h, j] * c[b, k, j] for j in range(R)),
     }
 
 
@@ -47,6 +52,8 @@ CASES = {  # name: (mod factory, a, c, hkv)
     "softcap_of_sum": ("softcap_of_sum", QPE, KPE, HQ),
     "einsum_then_alibi": ("einsum_then_alibi", QPE, KPE, HQ),
     "gqa_keys_shared_by_heads": ("mla_causal", QPE, KPE, 2),
+    "scaled_dot": ("scaled_dot", QPE, KPE, HQ),
+    "scaled_terms": ("scaled_terms", QPE, KPE, HQ),
 }
 
 

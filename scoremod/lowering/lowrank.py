@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
-from scoremod.dsl.ir import CONST, F32, LOAD, VAR, Node
+from scoremod.dsl.ir import CONST, F32, LOAD, VAR, Node, is_const
+from scoremod.dsl.ops import apply
 from scoremod.dsl.scoremod import ScoreMod
 
 # cuDNN's largest head dim (Hopper, cuDNN 9.x): past it the augmented call could
@@ -61,13 +62,29 @@ class NotFolded:
     reason: str
 
 
-def _terms(node: Node):
-    """The summands of an add chain."""
+def _terms(node: Node, factor: float = 1.0):
+    """(summand, constant factor) of an add chain, looking through constant
+    factors of sums (``0.5 * (a0 * c0 + a1 * c1)``)."""
+    out, stack = [], [(node, factor)]
+    while stack:
+        n, f = stack.pop()
+        if n.op == "add" and n.dtype == F32:
+            stack.extend((a, f) for a in reversed(n.args))
+        elif n.op == "mul" and n.dtype == F32 and any(is_const(a) for a in n.args):
+            c, x = n.args if is_const(n.args[0]) else n.args[::-1]
+            stack.append((x, f * float(c.attr)))
+        else:
+            out.append((n, f))
+    return out
+
+
+def _factors(node: Node):
+    """The factors of a product chain."""
     out, stack = [], [node]
     while stack:
         n = stack.pop()
-        if n.op == "add" and n.dtype == F32:
-            stack.extend(reversed(n.args))
+        if n.op == "mul" and n.dtype == F32:
+            stack.extend(n.args)
         else:
             out.append(n)
     return out
@@ -85,17 +102,23 @@ def _side(load: Node):
     return frozenset(names) if len(names) == len(set(names)) else None
 
 
-def _column(term: Node):
-    """(query-side load, key-side load) of a product of two loads, else None."""
-    if term.op != "mul" or any(a.op != LOAD for a in term.args):
+def _column(term: Node, factor: float):
+    """(query-side column, key-side load) of a product of two loads and
+    constants, else None; the constants go to the query side."""
+    factors = _factors(term)
+    loads = [f for f in factors if f.op == LOAD]
+    consts = [f for f in factors if is_const(f)]
+    if len(loads) != 2 or len(loads) + len(consts) != len(factors):
         return None
-    x, y = term.args
+    for c in consts:
+        factor *= float(c.attr)
+    x, y = loads
     sx, sy = _side(x), _side(y)
     if sx is None or sy is None:
         return None
     for qs, ks, (sq, sk) in ((x, y, (sx, sy)), (y, x, (sy, sx))):
         if sq <= _QUERY_SIDE and sk <= _KEY_SIDE and "kv_idx" not in sq and "q_idx" not in sk:
-            return qs, ks
+            return (qs if factor == 1.0 else apply("mul", qs, ir.const(factor, F32))), ks
     return None
 
 
@@ -118,7 +141,7 @@ def find(mod, problem, scale):
     bias = use.args[1] if use.args[0] is score else use.args[0]
     if score in ir.toposort(bias):
         return None
-    cols = [_column(t) for t in _terms(bias)]
+    cols = [_column(t, f) for t, f in _terms(bias)]
     if not cols or any(c is None for c in cols):
         return None
     rest = ir.substitute(mod.expr, {use: score})

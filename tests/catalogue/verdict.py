@@ -27,6 +27,7 @@ import scoremod
 from scoremod.dsl.ir import CONST, LOAD, MATERIALIZE, VAR
 from scoremod.errors import UnsupportedOpError
 from scoremod.lowering.cudnn import rules
+from scoremod.lowering import lowrank
 from scoremod.lowering.cudnn.plan import Plan
 from scoremod.lowering.problem import Problem
 
@@ -76,14 +77,21 @@ def verdict(mod, shape, d=128, sms=H200_SMS) -> str:
     except UnsupportedOpError as e:
         op = re.search(r"cannot run `(\w+)`", str(e))
         return f"refused: `{op.group(1) if op else '?'}`"
+    said = []
+    # A low-rank additive bias runs inside QK^T first, as attention() does.
+    found = lowrank.find(mod, problem(shape, d), 1.0 / math.sqrt(d))
+    if isinstance(found, lowrank.LowRank):
+        said.append(f"low-rank bias of rank {found.rank} in the head dim")
+        d, mod = d + found.rank + found.pad, found.mod
     plan = plan_of(mod, shape, d, sms)
     band = plan.parts[0].band
     if band is not None:
-        return f"native {band}"
-    said = []
+        return ", ".join(said + [f"native {band}"])
     if plan.split:
         said.append(f"split into {len(plan.blocks)} query blocks")
     tensors = sorted({f"{_dims_text(dims)}: {why}" for dims, why in materialized(plan)})
     if tensors:
         said.append("materialized " + "; ".join(tensors))
-    return ", ".join(said) or "fused"
+    if len(said) == int(isinstance(found, lowrank.LowRank)):
+        said.append("fused")
+    return ", ".join(said)
