@@ -141,7 +141,8 @@ def find(mod, problem, scale):
     bias = use.args[1] if use.args[0] is score else use.args[0]
     if score in ir.toposort(bias):
         return None
-    cols = [_column(t, f) for t, f in _terms(bias)]
+    # A 0.0 summand (Python's sum() starts from 0) adds nothing to the score.
+    cols = [_column(t, f) for t, f in _terms(bias) if not (is_const(t) and t.attr == 0.0)]
     if not cols or any(c is None for c in cols):
         return None
     rest = ir.substitute(mod.expr, {use: score})
