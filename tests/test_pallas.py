@@ -116,7 +116,7 @@ def test_through_attention_jit_grad_remat():
                                     options=SMALL)
         return jnp.sum(o * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3))(q, k, v, slopes)
+    want = jax.jit(jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3)))(q, k, v, slopes)
     f = jax.jit(jax.grad(jax.checkpoint(lambda *a: loss("pallas", *a)), argnums=(0, 1, 2, 3)))
     got = f(q, k, v, slopes)
     for a, b in zip(got, want):
@@ -124,8 +124,8 @@ def test_through_attention_jit_grad_remat():
     # vmap over a leading axis (Pallas batches its calls).
     qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
     mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf)
-    f = lambda impl: jax.vmap(lambda q, k, v: scoremod.attention(
-        q, k, v, mod, implementation=impl, options=SMALL))(qs, ks, vs)
+    f = lambda impl: jax.jit(jax.vmap(lambda q, k, v: scoremod.attention(
+        q, k, v, mod, implementation=impl, options=SMALL)))(qs, ks, vs)
     np.testing.assert_allclose(np.asarray(f("pallas")), np.asarray(f("xla")), rtol=1e-5, atol=1e-5)
 
 
@@ -165,9 +165,9 @@ def test_large_operand_gradient_refused():
     with pytest.raises(ScoreModError, match="at most 65536 elements"):
         jax.grad(loss)(bias)
     # Without its gradient the same mod runs.
-    assert np.isfinite(np.asarray(jax.grad(lambda q: scoremod.attention(
+    assert np.isfinite(np.asarray(jax.jit(jax.grad(lambda q: scoremod.attention(
         q, k, v, lambda s, b, h, qi, ki: s + bias[qi, ki], implementation="pallas",
-        options=SMALL).sum())(q))).all()
+        options=SMALL).sum()))(q))).all()
 
 
 # --------------------------------------------------------------------------- #
