@@ -31,7 +31,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.errors import ScoreModError
 from scoremod.lowering import blocks
-from scoremod.lowering.backend import Backend, _forward_mode
+from scoremod.lowering.backend import Backend, forward_mode
 from scoremod.lowering.pallas import codegen, kernels
 from scoremod.lowering.problem import Problem
 
@@ -126,7 +126,7 @@ class Pallas(Backend):
                           interpret)
 
     def forward(self, plan, q, k, v, operands):
-        if _forward_mode((q, k, v, operands)):
+        if forward_mode((q, k, v, operands)):
             raise self.error(
                 f"{self.title} compute reverse-mode gradients only (jax.grad, jax.vjp), not "
                 "forward-mode ones (jax.jvp); use implementation=\"xla\" for jax.jvp")
