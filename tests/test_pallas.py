@@ -174,11 +174,15 @@ def test_large_operand_gradient_refused():
 # every op of the table: numbers in interpret mode, and the Triton lowering
 
 
-def _examples(name):
-    """Mods that use op ``name`` on floats and on ints (as its signature allows)."""
+def _examples(name, positive=False):
+    """Mods that use op ``name`` on floats and on ints (as its signature allows);
+    ``positive``: float arguments in [0.5, 2] (inside every op's domain)."""
     op = ops.OPS[name]
     s, qi, ki = ir.var("score"), ir.var("q_idx"), ir.var("kv_idx")
     f, g = s / 7.0 + 0.5, s / 5.0 - 0.25
+    if positive:
+        f = ops.apply("sigmoid", s) + 0.5
+        g = f * f + 0.25
     i1, i2 = qi - ki + 3, ops.apply("mod", ki, ir.const(5, I32)) + 1
     as_f = lambda x: ops.apply("f32", x)  # noqa: E731
     sel = lambda c: ops.apply("where", c, s, -s)  # noqa: E731
