@@ -65,6 +65,23 @@ def test_matches_reference(case, skip):
         assert got[5][0] is not None and float(jnp.abs(want[5][0]).max()) > 0
 
 
+@pytest.mark.parametrize("case", sorted(pc.WHEN_FULL))
+def test_full_tiles(case):
+    """On tiles the map marks full the kernels run the mod without its mask."""
+    q, k, v, do = pc.inputs()
+    got, want = pc.both(case, q, k, v, do, SMALL, skip=True, full=pc.WHEN_FULL[case])
+    _check(got, want)
+
+
+def test_full_tiles_take_the_full_expression():
+    """A wrong expression for full tiles shows in the results: the flag is read."""
+    q, k, v, do = pc.inputs()
+    got, want = pc.both("causal", q, k, v, do, SMALL, skip=True,
+                        full=lambda: ir.var("score") + 1.0)
+    errs = pc.relative_errors(got, want)
+    assert errs["LSE"] > 1e-3 and errs["dQ"] > 1e-3, errs
+
+
 def test_skipping_map_skips():
     """The causal map used above leaves tiles out (so the skipping runs differ from dense)."""
     q, k, v, _ = pc.inputs()
@@ -244,11 +261,11 @@ def fake_hopper(monkeypatch):
         compute_capability=90))
 
 
-def _lower_for_cuda(mod, q, operands=()):
+def _lower_for_cuda(mod, q, operands=(), full_expr=None):
     from jax import export
 
-    plan = dataclasses.replace(pc.pallas_plan(mod, q, q, q, scoremod.LoweringOptions()),
-                               interpret=False)
+    plan = dataclasses.replace(pc.pallas_plan(mod, q, q, q, scoremod.LoweringOptions(),
+                                              full_expr=full_expr), interpret=False)
 
     def grads(q, k, v, ops):  # every gradient the backward computes, operands' too
         learn = [i for i, x in enumerate(ops) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -283,7 +300,10 @@ def test_op_table_lowers_to_triton(name, fake_hopper):
 
 @pytest.mark.parametrize("case", ["relative_bias", "document", "learnable_softcap"])
 def test_cases_lower_to_triton(case, fake_hopper):
-    """Gathers from tables, int arrays, scalars and their gradients lower to Triton."""
+    """Gathers from tables, int arrays, scalars and their gradients, and the
+    full-tile branch, lower to Triton."""
     q = jnp.zeros((2, 128, 4, 64), jnp.bfloat16)
     mod, operands = pc.traced(case, q, q)
     _lower_for_cuda(mod, q, operands)
+    if case == "document":
+        _lower_for_cuda(mod, q, operands, full_expr=ir.var("score"))

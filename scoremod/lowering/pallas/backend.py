@@ -66,11 +66,15 @@ class PallasPlan:
     # (problem, block_q, block_kv, operand values by name) -> BlockMap; the
     # tiles to visit. A map that leaves out a tile with an unmasked score is wrong.
     block_map: object = dense_map
+    # The mod on the tiles the map marks full (every score live), or None:
+    # the whole mod everywhere. It must equal the mod on every such tile.
+    full_expr: object = None
 
     def spec(self, blocks_, warps) -> kernels.KernelSpec:
         p = self.problem
         return kernels.KernelSpec(
             expr=None if self.mod is None else self.mod.expr,
+            full_expr=None if self.mod is None else self.full_expr,
             operand_names=() if self.mod is None else self.mod.operand_names,
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
             block_q=blocks_[0], block_kv=blocks_[1], num_warps=warps,
