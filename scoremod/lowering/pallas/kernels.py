@@ -38,6 +38,10 @@ from scoremod.dsl import ir
 from scoremod.lowering.pallas import codegen
 
 NEG_INF = float("-inf")
+# The softmax's exponentials are taken base 2 (one multiply and the hardware's
+# exp2), with the running maximum and the LSE kept in log2 units until the end.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +179,11 @@ def _forward_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         s, _, _ = _scores(spec, q, k, b, h, i * bq, start, refs, full_ref[mb, mh, i, j])
+        s = s * LOG2E
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row masked so far adds nothing
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
@@ -190,7 +195,7 @@ def _forward_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest
     safe = jnp.where(empty, 1.0, l)
     o_ref[...] = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(o_ref.dtype)
     m_safe = jnp.where(m == NEG_INF, 0.0, m)
-    lse_ref[...] = jnp.where(empty, NEG_INF, m_safe + jnp.log(safe))
+    lse_ref[...] = jnp.where(empty, NEG_INF, (m_safe + jnp.log2(safe)) * LN2)
 
 
 def forward(spec: KernelSpec, bmap, q, k, v, operands):
@@ -229,7 +234,8 @@ def _tile_gradients(spec, q, k, v, do, lse, delta, b, h, q0, k0, refs, full):
     (times the scale: q.k's), and the tile inputs, of one tile."""
     s, inputs, valid = _scores(spec, q, k, b, h, q0, k0, refs, full)
     finite = lse != NEG_INF  # a fully masked row has P = 0 (and LSE -inf)
-    p = jnp.where(finite[:, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, None]), 0.0)
+    lse2 = jnp.where(finite, lse, 0.0) * LOG2E
+    p = jnp.where(finite[:, None], jnp.exp2(s * LOG2E - lse2[:, None]), 0.0)
     if valid is not None:
         p = jnp.where(valid, p, 0.0)
     dp = _dot(do, v, trans_b=True)
