@@ -64,6 +64,14 @@ def test_cases(case, d, dtype):
     _check(got, want, dtype)
 
 
+@pytest.mark.parametrize("case", sorted(pc.WHEN_FULL))
+def test_full_tiles(case):
+    """Tiles the map marks full run the mod without its mask (a branch per tile)."""
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    got, want = pc.both(case, q, k, v, do, OPTIONS, skip=True, full=pc.WHEN_FULL[case])
+    _check(got, want, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("case", ["softcap", "relative_bias", "document", "masked_rows"])
 def test_dense_map(case):
     q, k, v, do = pc.inputs(b=2, sq=256, skv=384, hq=4, hkv=1, d=128, dtype=jnp.bfloat16)
