@@ -57,6 +57,12 @@ def learnable_softcap(hq, sq, skv):
     return (lambda s, b, h, q, k, c: c * jnp.tanh(s / c)), (cap,)
 
 
+def batch_scale(hq, sq, skv):
+    # A learned factor per batch, shared by the heads (read at h, clamped to its one column).
+    w = jnp.asarray([[0.75], [1.25]], jnp.float32)
+    return (lambda s, b, h, q, k, w: s * w[b, h]), (w,)
+
+
 def document(hq, sq, skv):
     # Per-batch document ids (int32): attention within a document, causal.
     rng = np.random.default_rng(5)
@@ -100,8 +106,8 @@ WHEN_FULL = {
 }
 
 CASES = {f.__name__: f for f in (softcap, causal, softcap_causal, sliding_window, alibi,
-                                  relative_bias, learnable_softcap, document, float_compare,
-                                  masked_rows)}
+                                  relative_bias, learnable_softcap, batch_scale, document,
+                                  float_compare, masked_rows)}
 
 
 def inputs(b=2, sq=80, skv=72, hq=4, hkv=2, d=64, dv=None, dtype=jnp.float32, seed=0):

@@ -61,7 +61,7 @@ def test_matches_reference(case, skip):
     q, k, v, do = pc.inputs()
     got, want = pc.both(case, q, k, v, do, SMALL, skip=skip)
     _check(got, want)
-    if case in ("alibi", "relative_bias", "learnable_softcap"):
+    if case in ("alibi", "relative_bias", "learnable_softcap", "batch_scale"):
         assert got[5][0] is not None and float(jnp.abs(want[5][0]).max()) > 0
 
 

@@ -251,9 +251,10 @@ def _tile_gradients(spec, q, k, v, do, lse, delta, b, h, q0, k0, refs, full):
 
 
 def _dkdv_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                 *rest, spec, grad_operands):
+                 *rest, spec, windows):
     n_ops = len(spec.operand_names)
     refs = dict(zip(spec.operand_names, rest[:n_ops]))
+    grad_operands = tuple(name for name, _, _ in windows)
     n_parts = len(grad_operands)
     parts_in = rest[n_ops:n_ops + n_parts]
     dk_ref, dv_ref = rest[n_ops + n_parts:n_ops + n_parts + 2]
@@ -277,7 +278,7 @@ def _dkdv_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, 
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         dk = dk + _dot(dscore.astype(q.dtype), q, trans_a=True)
         if loads:
-            _add_operand_gradients(loads, inputs, refs, parts, (bq, bk))
+            _add_operand_gradients(loads, inputs, refs, parts, windows, (bq, bk))
         return dk, dv
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -286,8 +287,10 @@ def _dkdv_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, 
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _add_operand_gradients(loads, inputs, refs, parts, shape):
-    """Adds each read's cotangent, summed per element read, into this program's partial row."""
+def _add_operand_gradients(loads, inputs, refs, parts, windows, shape):
+    """Adds each read's cotangent, summed per element read, into this program's
+    partial row (its position within the axes the row covers, ``windows``)."""
+    axes_of = {name: axes for name, axes, _ in windows}
     roots = [ct for _, ct in loads]
     for node, _ in loads:
         roots += node.args[1:]
@@ -295,7 +298,7 @@ def _add_operand_gradients(loads, inputs, refs, parts, shape):
     cts, at = values[:len(loads)], len(loads)
     for (node, _), ct in zip(loads, cts):
         n = len(node.args) - 1
-        flat = codegen.flat_index(node, values[at:at + n])
+        flat = codegen.flat_index(node, values[at:at + n], axes_of[node.args[0].attr[0]])
         at += n
         part = parts[node.args[0].attr[0]]
         idx = jnp.broadcast_to(flat, shape)
@@ -309,9 +312,11 @@ def _add_operand_gradients(loads, inputs, refs, parts, shape):
         lax.fori_loop(jnp.min(idx), jnp.max(idx) + 1, add, None)
 
 
-def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, grad_sizes: dict):
+def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, windows: tuple):
     """Per query head dK, dV [B, Skv, Hq, D] (float32), and per float operand to
-    learn a partial gradient [B, Hq, key blocks, elements] (float32)."""
+    learn (``windows``: (name, axes a program's row covers, their element
+    count)) a partial gradient [B, Hq, key blocks, elements] (float32)."""
+    grad_sizes = {name: size for name, _, size in windows}
     b, sq, hq, d = q.shape
     skv, dv_ = k.shape[1], v.shape[-1]
     bq, bk, g = spec.block_q, spec.block_kv, spec.groups
@@ -340,7 +345,7 @@ def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, grad_sizes: 
     first_part = 9 + len(operands)
     zeros = [jnp.zeros(s.shape, s.dtype) for s in part_shapes]
     outs = pl.pallas_call(
-        functools.partial(_dkdv_kernel, spec=spec, grad_operands=names),
+        functools.partial(_dkdv_kernel, spec=spec, windows=windows),
         grid=(nk, b, hq), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={first_part + i: 2 + i for i in range(len(names))},
         compiler_params=_compiler_params(spec), interpret=spec.interpret,
