@@ -313,3 +313,16 @@ def test_cases_lower_to_triton(case, fake_hopper):
     _lower_for_cuda(mod, q, operands)
     if case == "document":
         _lower_for_cuda(mod, q, operands, full_expr=ir.var("score"))
+
+
+def test_backward_protocol():
+    """Backend.backward (dQ, dK, dV from O, LSE and dO) agrees with JAX's
+    gradient of the backend's forward (which runs the same kernels)."""
+    q, k, v, do = pc.inputs(b=1, sq=40, skv=48, hq=2, hkv=1)
+    mod, _ = pc.traced("softcap_causal", q, k)
+    plan = pc.pallas_plan(mod, q, k, v, SMALL)
+    o, lse = PALLAS.forward(plan, q, k, v, ())
+    got = jax.jit(lambda *a: PALLAS.backward(plan, *a, ()))(q, k, v, o, lse, do)
+    _, vjp = jax.vjp(lambda q, k, v: PALLAS.forward(plan, q, k, v, ())[0], q, k, v)
+    for a, b in zip(got, vjp(do)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from scoremod.dsl import ir
 from scoremod.lowering.pallas import codegen
 
 NEG_INF = float("-inf")
@@ -403,6 +402,3 @@ def dq(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands):
         name="scoremod_pallas_dq",
     )(bmap.q_counts, bmap.q_blocks, _flags(bmap.q_full), q, k, v, do, lse, delta, *operands)
 
-
-def uses_operand(expr, name) -> bool:
-    return any(n.op == ir.OPERAND and n.attr[0] == name for n in ir.toposort(expr))
