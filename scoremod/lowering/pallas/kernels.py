@@ -14,11 +14,15 @@ backward computes ``dS = P * (dP - D)`` with ``D = rowsum(dO * O) - dLSE``
 computed ahead by XLA, and the score's gradient through the mod's symbolic
 derivative (``dsl.grad``).
 
+On tiles the map marks full, the plan's ``full_expr`` (the mod without its
+mask) replaces the mod, forward and backward (a branch per tile).
+
 Gradients of captured float arrays: in the dK/dV kernel, each program adds
 the cotangent of every read of an array, summed over the tile entries that
 read one element, into its own row of a partial array ``[B, Hq, key blocks,
-elements]``; XLA sums the rows. No atomics: the result is the same bit for
-bit on every run.
+elements]`` (the elements along the axes the program does not read at its
+own batch or head); the backend sums the rows. No atomics: the result is the
+same bit for bit on every run.
 
 Sequences are padded to whole blocks by the caller; entries past the real
 lengths are masked (never seen by the softmax, never given a gradient).
