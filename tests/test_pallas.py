@@ -326,3 +326,24 @@ def test_backward_protocol():
     _, vjp = jax.vjp(lambda q, k, v: PALLAS.forward(plan, q, k, v, ())[0], q, k, v)
     for a, b in zip(got, vjp(do)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_vmap_lowers_to_triton(fake_hopper):
+    """Under jax.vmap Pallas adds a grid axis to the kernels' three (block, batch,
+    head); the Triton lowering folds it into Triton's three launch axes."""
+    from jax import export
+
+    q = jnp.zeros((2, 1, 128, 2, 64), jnp.bfloat16)
+    mod, operands = pc.traced("alibi", q[0], q[0])
+    plan = dataclasses.replace(pc.pallas_plan(mod, q[0], q[0], q[0], scoremod.LoweringOptions()),
+                               interpret=False)
+
+    def grads(q, k, v, slopes):
+        loss = lambda *a: PALLAS.forward(plan, *a[:3], (a[3],))[0].astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+
+    shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    slopes = jax.ShapeDtypeStruct((2,) + operands[0].shape, operands[0].dtype)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    export.export(jax.jit(jax.vmap(grads)), platforms=["cuda"], disabled_checks=checks)(
+        shape, shape, shape, slopes)
