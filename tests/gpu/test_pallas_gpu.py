@@ -148,3 +148,26 @@ def test_op_table():
                 except Exception as e_:  # noqa: PERF203 - diagnosis after a failure only
                     failing[name] = f"{type(e_).__name__}: {str(e_)[:200]}"
         raise AssertionError(f"ops failing alone: {failing}") from combined
+
+
+def test_vmap():
+    """jax.vmap of a call (Pallas adds a grid axis), with learned slopes per example."""
+    q, k, v, do = pc.inputs(b=1, sq=256, skv=192, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)
+    qs, ks, vs, dos = (jnp.stack([x, x[:, ::-1]]) for x in (q, k, v, do))
+    slopes = jnp.asarray([[0.5, 0.25, 0.125, 0.0625], [0.1, 0.2, 0.3, 0.4]], jnp.float32)
+
+    def loss(impl, q, k, v, do, slopes):
+        mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h] * (ki - qi), -jnp.inf)
+        o = scoremod.attention(q, k, v, mod, implementation=impl)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    def grads(impl, *a):
+        return jax.jit(jax.vmap(jax.grad(lambda *a: loss(impl, *a), argnums=(0, 1, 2, 5))))(*a)
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = grads("xla", f32(qs), f32(ks), f32(vs), dos, slopes)
+    got = grads("pallas", qs, ks, vs, dos, slopes)
+    for name, a, b in zip(("dQ", "dK", "dV", "dslopes"), got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        err = np.max(np.abs(a - b)) / np.max(np.abs(b))
+        assert err < (OPERAND_TOL if name == "dslopes" else 3e-2), (name, err)
