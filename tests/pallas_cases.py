@@ -57,6 +57,12 @@ def learnable_softcap(hq, sq, skv):
     return (lambda s, b, h, q, k, c: c * jnp.tanh(s / c)), (cap,)
 
 
+def batch_scale(hq, sq, skv):
+    # A learned factor per batch, shared by the heads (read at h, clamped to its one column).
+    w = jnp.asarray([[0.75], [1.25]], jnp.float32)
+    return (lambda s, b, h, q, k, w: s * w[b, h]), (w,)
+
+
 def document(hq, sq, skv):
     # Per-batch document ids (int32): attention within a document, causal.
     rng = np.random.default_rng(5)
@@ -77,9 +83,31 @@ def masked_rows(hq, sq, skv):
     return (lambda s, b, h, q, k: jnp.where((q > 20) & (q >= k), s, NEG)), ()
 
 
+# The mods on full tiles (every score live): the mask conditions dropped, as
+# the block analysis's when_full gives them. Arguments: the operand nodes.
+def _score():
+    from scoremod.dsl import ir
+
+    return ir.var("score")
+
+
+def _full_softcap_causal():
+    from scoremod.dsl import ops
+
+    return ops.apply("tanh", _score() / 20.0) * 20.0
+
+
+WHEN_FULL = {
+    "causal": lambda: _score(),
+    "softcap_causal": _full_softcap_causal,
+    "sliding_window": lambda: _score(),
+    "document": lambda ids: _score(),
+    "masked_rows": lambda: _score(),
+}
+
 CASES = {f.__name__: f for f in (softcap, causal, softcap_causal, sliding_window, alibi,
-                                  relative_bias, learnable_softcap, document, float_compare,
-                                  masked_rows)}
+                                  relative_bias, learnable_softcap, batch_scale, document,
+                                  float_compare, masked_rows)}
 
 
 def inputs(b=2, sq=80, skv=72, hq=4, hkv=2, d=64, dv=None, dtype=jnp.float32, seed=0):
@@ -119,28 +147,38 @@ def map_from_mask(live, block_q, block_kv) -> BlockMap:
     pad = np.zeros((b, h, nq * block_q, nk * block_kv), bool)
     pad[:, :, :sq, :skv] = live
     tiles = pad.reshape(b, h, nq, block_q, nk, block_kv).any(axis=(3, 5))  # [b, h, nq, nk]
+    inside = np.zeros_like(pad)
+    inside[:, :, :sq, :skv] = True
+    # Full: every score inside the sequences live (padding is masked by the kernels).
+    full = (pad | ~inside).reshape(b, h, nq, block_q, nk, block_kv).all(axis=(3, 5)) & tiles
 
-    def listing(t):  # t [b, h, n, m] -> counts [b, h, n], ids [b, h, n, m]
+    def listing(t, f):  # t, f [b, h, n, m] -> counts [b, h, n], ids and full flags [b, h, n, m]
         counts = t.sum(-1).astype(np.int32)
         ids = np.zeros(t.shape, np.int32)
+        flags = np.zeros(t.shape, bool)
         for idx in np.ndindex(*t.shape[:-1]):
             on = np.flatnonzero(t[idx])
             row = np.full(t.shape[-1], on[-1] if len(on) else 0, np.int32)
             row[:len(on)] = on
             ids[idx] = row
-        return jnp.asarray(counts), jnp.asarray(ids)
+            flags[idx] = f[idx][row]
+        return jnp.asarray(counts), jnp.asarray(ids), jnp.asarray(flags)
 
-    qc, qb = listing(tiles)
-    kc, kb = listing(np.swapaxes(tiles, 2, 3))
-    return BlockMap(qc, qb, jnp.zeros(qb.shape, bool), kc, kb, jnp.zeros(kb.shape, bool))
+    qc, qb, qf = listing(tiles, full)
+    kc, kb, kf = listing(np.swapaxes(tiles, 2, 3), np.swapaxes(full, 2, 3))
+    return BlockMap(qc, qb, qf, kc, kb, kf)
 
 
-def pallas_plan(mod, q, k, v, options, skip=False, scale=None):
+def pallas_plan(mod, q, k, v, options, skip=False, scale=None, full_expr=None):
+    """The Pallas plan of ``mod``; ``skip``: visit only live tiles (the map also
+    marks full ones), where ``full_expr`` (if given) replaces the mod."""
     problem = Problem.of(q, k, v)
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
     plan = PALLAS.plan(problem, mod, scale, options, True)
     if skip:
         plan = dataclasses.replace(plan, block_map=_Skipping(mod, tuple(mod.operands)))
+    if full_expr is not None:
+        plan = dataclasses.replace(plan, full_expr=full_expr)
     return plan
 
 
@@ -184,11 +222,13 @@ def _run(backend, plan, q, k, v, do, operands):
     return o, lse, grads[0], grads[1], grads[2], tuple(op_grads)
 
 
-def both(case, q, k, v, do, options, skip=False, scale=None):
+def both(case, q, k, v, do, options, skip=False, scale=None, full=None):
     """(pallas results, reference results) of ``case``; each is
-    (O, LSE, dQ, dK, dV, operand gradients)."""
+    (O, LSE, dQ, dK, dV, operand gradients). ``full``: a function of the mod's
+    operand nodes giving the mod on full tiles (with ``skip``)."""
     mod, operands = traced(case, q, k)
-    plan = pallas_plan(mod, q, k, v, options, skip, scale)
+    full_expr = None if full is None else full(*mod.operand_nodes)
+    plan = pallas_plan(mod, q, k, v, options, skip, scale, full_expr)
     ref_plan = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, options, True)
     return (run(PALLAS, plan, q, k, v, do, operands),
             run(REFERENCE, ref_plan, q.astype(jnp.float32), k.astype(jnp.float32),

@@ -61,8 +61,25 @@ def test_matches_reference(case, skip):
     q, k, v, do = pc.inputs()
     got, want = pc.both(case, q, k, v, do, SMALL, skip=skip)
     _check(got, want)
-    if case in ("alibi", "relative_bias", "learnable_softcap"):
+    if case in ("alibi", "relative_bias", "learnable_softcap", "batch_scale"):
         assert got[5][0] is not None and float(jnp.abs(want[5][0]).max()) > 0
+
+
+@pytest.mark.parametrize("case", sorted(pc.WHEN_FULL))
+def test_full_tiles(case):
+    """On tiles the map marks full the kernels run the mod without its mask."""
+    q, k, v, do = pc.inputs()
+    got, want = pc.both(case, q, k, v, do, SMALL, skip=True, full=pc.WHEN_FULL[case])
+    _check(got, want)
+
+
+def test_full_tiles_take_the_full_expression():
+    """A wrong expression for full tiles shows in the results: the flag is read."""
+    q, k, v, do = pc.inputs()
+    got, want = pc.both("causal", q, k, v, do, SMALL, skip=True,
+                        full=lambda: ir.var("score") + 1.0)
+    errs = pc.relative_errors(got, want)
+    assert errs["LSE"] > 1e-3 and errs["dQ"] > 1e-3, errs
 
 
 def test_skipping_map_skips():
@@ -116,7 +133,7 @@ def test_through_attention_jit_grad_remat():
                                     options=SMALL)
         return jnp.sum(o * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3))(q, k, v, slopes)
+    want = jax.jit(jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3)))(q, k, v, slopes)
     f = jax.jit(jax.grad(jax.checkpoint(lambda *a: loss("pallas", *a)), argnums=(0, 1, 2, 3)))
     got = f(q, k, v, slopes)
     for a, b in zip(got, want):
@@ -124,8 +141,8 @@ def test_through_attention_jit_grad_remat():
     # vmap over a leading axis (Pallas batches its calls).
     qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
     mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf)
-    f = lambda impl: jax.vmap(lambda q, k, v: scoremod.attention(
-        q, k, v, mod, implementation=impl, options=SMALL))(qs, ks, vs)
+    f = lambda impl: jax.jit(jax.vmap(lambda q, k, v: scoremod.attention(
+        q, k, v, mod, implementation=impl, options=SMALL)))(qs, ks, vs)
     np.testing.assert_allclose(np.asarray(f("pallas")), np.asarray(f("xla")), rtol=1e-5, atol=1e-5)
 
 
@@ -165,20 +182,24 @@ def test_large_operand_gradient_refused():
     with pytest.raises(ScoreModError, match="at most 65536 elements"):
         jax.grad(loss)(bias)
     # Without its gradient the same mod runs.
-    assert np.isfinite(np.asarray(jax.grad(lambda q: scoremod.attention(
+    assert np.isfinite(np.asarray(jax.jit(jax.grad(lambda q: scoremod.attention(
         q, k, v, lambda s, b, h, qi, ki: s + bias[qi, ki], implementation="pallas",
-        options=SMALL).sum())(q))).all()
+        options=SMALL).sum()))(q))).all()
 
 
 # --------------------------------------------------------------------------- #
 # every op of the table: numbers in interpret mode, and the Triton lowering
 
 
-def _examples(name):
-    """Mods that use op ``name`` on floats and on ints (as its signature allows)."""
+def _examples(name, positive=False):
+    """Mods that use op ``name`` on floats and on ints (as its signature allows);
+    ``positive``: float arguments in [0.5, 2] (inside every op's domain)."""
     op = ops.OPS[name]
     s, qi, ki = ir.var("score"), ir.var("q_idx"), ir.var("kv_idx")
     f, g = s / 7.0 + 0.5, s / 5.0 - 0.25
+    if positive:
+        f = ops.apply("sigmoid", s) + 0.5
+        g = f * f + 0.25
     i1, i2 = qi - ki + 3, ops.apply("mod", ki, ir.const(5, I32)) + 1
     as_f = lambda x: ops.apply("f32", x)  # noqa: E731
     sel = lambda c: ops.apply("where", c, s, -s)  # noqa: E731
@@ -236,15 +257,21 @@ def fake_hopper(monkeypatch):
     from types import SimpleNamespace
 
     gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    if not hasattr(gpu_info, "get_gpu_info"):
+        pytest.skip("this jax's Triton lowering does not take the GPU's version from gpu_info")
     monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *a, **k: SimpleNamespace(
         compute_capability=90))
+    try:  # plain attention: what every test below lowers at the least
+        _lower_for_cuda(None, jnp.zeros((1, 64, 1, 64), jnp.bfloat16))
+    except Exception as e:  # noqa: BLE001 - a jax that cannot lower for CUDA here
+        pytest.skip(f"this jax cannot lower Pallas calls to Triton without a GPU: {e}")
 
 
-def _lower_for_cuda(mod, q, operands=()):
+def _lower_for_cuda(mod, q, operands=(), full_expr=None):
     from jax import export
 
-    plan = dataclasses.replace(pc.pallas_plan(mod, q, q, q, scoremod.LoweringOptions()),
-                               interpret=False)
+    plan = dataclasses.replace(pc.pallas_plan(mod, q, q, q, scoremod.LoweringOptions(),
+                                              full_expr=full_expr), interpret=False)
 
     def grads(q, k, v, ops):  # every gradient the backward computes, operands' too
         learn = [i for i, x in enumerate(ops) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -279,7 +306,44 @@ def test_op_table_lowers_to_triton(name, fake_hopper):
 
 @pytest.mark.parametrize("case", ["relative_bias", "document", "learnable_softcap"])
 def test_cases_lower_to_triton(case, fake_hopper):
-    """Gathers from tables, int arrays, scalars and their gradients lower to Triton."""
+    """Gathers from tables, int arrays, scalars and their gradients, and the
+    full-tile branch, lower to Triton."""
     q = jnp.zeros((2, 128, 4, 64), jnp.bfloat16)
     mod, operands = pc.traced(case, q, q)
     _lower_for_cuda(mod, q, operands)
+    if case == "document":
+        _lower_for_cuda(mod, q, operands, full_expr=ir.var("score"))
+
+
+def test_backward_protocol():
+    """Backend.backward (dQ, dK, dV from O, LSE and dO) agrees with JAX's
+    gradient of the backend's forward (which runs the same kernels)."""
+    q, k, v, do = pc.inputs(b=1, sq=40, skv=48, hq=2, hkv=1)
+    mod, _ = pc.traced("softcap_causal", q, k)
+    plan = pc.pallas_plan(mod, q, k, v, SMALL)
+    o, lse = PALLAS.forward(plan, q, k, v, ())
+    got = jax.jit(lambda *a: PALLAS.backward(plan, *a, ()))(q, k, v, o, lse, do)
+    _, vjp = jax.vjp(lambda q, k, v: PALLAS.forward(plan, q, k, v, ())[0], q, k, v)
+    for a, b in zip(got, vjp(do)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_vmap_lowers_to_triton(fake_hopper):
+    """Under jax.vmap Pallas adds a grid axis to the kernels' three (block, batch,
+    head); the Triton lowering folds it into Triton's three launch axes."""
+    from jax import export
+
+    q = jnp.zeros((2, 1, 128, 2, 64), jnp.bfloat16)
+    mod, operands = pc.traced("alibi", q[0], q[0])
+    plan = dataclasses.replace(pc.pallas_plan(mod, q[0], q[0], q[0], scoremod.LoweringOptions()),
+                               interpret=False)
+
+    def grads(q, k, v, slopes):
+        loss = lambda *a: PALLAS.forward(plan, *a[:3], (a[3],))[0].astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+
+    shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    slopes = jax.ShapeDtypeStruct((2,) + operands[0].shape, operands[0].dtype)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    export.export(jax.jit(jax.vmap(grads)), platforms=["cuda"], disabled_checks=checks)(
+        shape, shape, shape, slopes)

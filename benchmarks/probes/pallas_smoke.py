@@ -10,6 +10,8 @@
    and its pullback in one jit) of softcap and causal on Pallas, with cuDNN
    (scoremod's fused path and jax.nn.dot_product_attention) beside it.
    TF/s count dense FLOPs (4*B*H*S*S*D forward, 3.5x that for fwd+bwd).
+3. With --sweep: softcap's forward and forward+backward at that shape for
+   several tiles, warps and pipeline depths (LoweringOptions' pallas_* fields).
 """
 
 import argparse
@@ -50,10 +52,10 @@ def causal_map(problem, block_q, block_kv, operands):
                     lead(kv_counts), lead(kv_blocks), lead(jnp.zeros((nk, nq), bool)))
 
 
-def pallas_fn(name, q, k, v, skip):
+def pallas_fn(name, q, k, v, skip, options=None):
     mod = scoremod.trace(MODS[name])
     plan = PALLAS.plan(Problem.of(q, k, v), mod, 1 / np.sqrt(q.shape[-1]),
-                       scoremod.LoweringOptions(), True)
+                       options or scoremod.LoweringOptions(), True)
     if skip:
         plan = dataclasses.replace(plan, block_map=causal_map)
     return lambda q, k, v: PALLAS.forward(plan, q, k, v, ())
@@ -134,13 +136,52 @@ def speeds(seq, reps):
                           f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
 
 
+SWEEP_FORWARD = [dict(pallas_block_q=bq, pallas_block_kv=bk, pallas_num_warps=w, pallas_num_stages=st)
+                 for bq, bk, w, st in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2),
+                                       (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2),
+                                       (64, 128, 4, 3), (64, 128, 8, 2))]
+SWEEP_BACKWARD = [dict(pallas_backward_block_q=bq, pallas_backward_block_kv=bk, pallas_num_warps=w,
+                       pallas_num_stages=st)
+                  for bq, bk, w, st in ((64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3),
+                                        (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2),
+                                        (32, 128, 8, 2), (128, 128, 8, 2))]
+
+
+def sweep(seq, reps):
+    b, h, d = 4, 16, 128
+    q, k, v, do = inputs(b, seq, h, h, d)
+    flops = 4 * b * h * seq * seq * d
+    for direction, configs in (("fwd", SWEEP_FORWARD), ("fwd+bwd", SWEEP_BACKWARD)):
+        for changes in configs:
+            fn = pallas_fn("softcap", q, k, v, False, scoremod.LoweringOptions(**changes))
+            if direction == "fwd":
+                f, args, factor = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v)[0]), (q, k, v), 1.0
+            else:
+                def step(q, k, v, do, fn=fn):
+                    o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v)[0], q, k, v)
+                    return (o, *vjp(do))
+
+                f, args, factor = jax.jit(step), (q, k, v, do), 3.5
+            label = " ".join(f"{k.replace('pallas_', '')}={x}" for k, x in changes.items())
+            try:
+                _, t = timed(f, args, reps)
+                print(f"sweep {direction:8s} {label:70s} {t * 1e3:8.3f} ms "
+                      f"{factor * flops / t / 1e12:6.1f} TF/s", flush=True)
+            except Exception as e:  # a config Triton cannot compile is a result too
+                print(f"sweep {direction:8s} {label:70s} FAILED: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200]}", flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--skip-errors", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time softcap over tiles/warps/stages")
     args = ap.parse_args()
     print(jax.devices(), jax.__version__, flush=True)
     if not args.skip_errors:
         errors()
     speeds(args.seq, args.reps)
+    if args.sweep:
+        sweep(args.seq, args.reps)

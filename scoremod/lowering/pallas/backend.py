@@ -24,7 +24,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from scoremod import device
 from scoremod.dsl import ir
@@ -38,8 +37,9 @@ from scoremod.lowering.problem import Problem
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128)
 # A captured array whose gradient is computed has one partial row per
-# (batch, query head, key block): arrays up to this many elements (a
-# relative-position table, per-head slopes, a scalar), not score-sized ones.
+# (batch, query head, key block), covering the axes not read at the program's
+# own batch or head: rows of up to this many elements (a relative-position
+# table per head, slopes, a scalar), not score-sized ones.
 MAX_GRADIENT_ELEMENTS = 1 << 16
 
 
@@ -66,11 +66,15 @@ class PallasPlan:
     # (problem, block_q, block_kv, operand values by name) -> BlockMap; the
     # tiles to visit. A map that leaves out a tile with an unmasked score is wrong.
     block_map: object = dense_map
+    # The mod on the tiles the map marks full (every score live), or None:
+    # the whole mod everywhere. It must equal the mod on every such tile.
+    full_expr: object = None
 
     def spec(self, blocks_, warps) -> kernels.KernelSpec:
         p = self.problem
         return kernels.KernelSpec(
             expr=None if self.mod is None else self.mod.expr,
+            full_expr=None if self.mod is None else self.full_expr,
             operand_names=() if self.mod is None else self.mod.operand_names,
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
             block_q=blocks_[0], block_kv=blocks_[1], num_warps=warps,
@@ -216,21 +220,48 @@ def _names(plan):
     return plan.mod.operand_names if plan.mod is not None else ()
 
 
-def _learned(plan, operands, wanted) -> dict:
-    """Name -> element count of the float operands whose gradient is computed."""
-    out = {}
-    for name, node, x in zip(_names(plan), plan.mod.operand_nodes if plan.mod else (), operands):
+def _windows(plan, wanted) -> tuple:
+    """``(name, axes, elements)`` per float operand whose gradient is computed:
+    the axes one program's partial row covers (those not read at the
+    program's own batch or head) and their element count."""
+    out = []
+    for name, node in zip(_names(plan), plan.mod.operand_nodes if plan.mod else ()):
         if name not in wanted or node.dtype != ir.F32:
             continue
-        size = math.prod(node.attr[1])
+        shape = node.attr[1]
+        fixed = codegen.program_axes(plan.mod.expr, name)
+        axes = tuple(a for a in range(len(shape)) if a not in fixed)
+        size = math.prod(shape[a] for a in axes)
         if size > MAX_GRADIENT_ELEMENTS:
             raise ScoreModError(
-                f"implementation=\"pallas\" computes gradients of captured arrays of at most "
-                f"{MAX_GRADIENT_ELEMENTS} elements (one partial per batch, head and key block); "
-                f"{name} has {size}. Use implementation=\"xla\" to learn it, or wrap it in "
-                "jax.lax.stop_gradient to keep it fixed.")
-        out[name] = size
-    return out
+                f"implementation=\"pallas\" computes gradients of captured arrays whose part "
+                f"one kernel program reads (the axes not indexed by b or h directly) has at most "
+                f"{MAX_GRADIENT_ELEMENTS} elements; {name} {list(shape)} has {size}. Use "
+                "implementation=\"xla\" to learn it, or wrap it in jax.lax.stop_gradient to keep "
+                "it fixed.")
+        out.append((name, axes, size))
+    return tuple(out)
+
+
+def _operand_gradient(part, node, expr, b, hq):
+    """The gradient of operand ``node`` from its partial rows [B, Hq, key blocks,
+    window]: summed over key blocks, then each (batch, head)'s row placed at the
+    position it read along the axes it fixes (a one-hot contraction: no scatter,
+    so the sum is the same on every run)."""
+    name, shape, _ = node.attr
+    fixed = codegen.program_axes(expr, name)
+    window = [shape[a] for a in range(len(shape)) if a not in fixed]
+    rows = part.sum(2).reshape((b, hq) + tuple(window))
+    letters = "ijklmnopqrstuvwxyz"
+    out = "".join(letters[a] for a in range(len(shape)))
+    terms, arrays = ["bh" + "".join(letters[a] for a in range(len(shape)) if a not in fixed)], [rows]
+    for a, var in fixed.items():
+        extent = b if var == "b" else hq
+        at = jnp.minimum(jnp.arange(extent), shape[a] - 1)  # reads clamp
+        arrays.append((at[:, None] == jnp.arange(shape[a])[None, :]).astype(jnp.float32))
+        terms.append(var + letters[a])
+    return jnp.einsum(",".join(terms) + "->" + out, *arrays,
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
@@ -250,9 +281,9 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     qp, kp, vp = _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv)
     dop, deltap = _pad(do, 1, sq), _pad(delta, 2, sq)
     kops = _kernel_operands(plan, operands)
-    sizes = _learned(plan, operands, wanted)
+    windows = _windows(plan, wanted)
     dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
-    dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, sizes)
+    dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, windows)
     g = p.hq // p.hkv
 
     def per_kv_head(x, like):  # sum the query heads of each group, in float32
@@ -262,5 +293,6 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     grads = {}
     for name, node, x in zip(_names(plan), plan.mod.operand_nodes if plan.mod else (), operands):
         if name in parts:
-            grads[name] = parts[name].sum((0, 1, 2)).reshape(node.attr[1]).astype(x.dtype)
+            grads[name] = _operand_gradient(parts[name], node, plan.mod.expr, p.b,
+                                            p.hq).astype(x.dtype)
     return dq[:, :p.sq], per_kv_head(dk, k), per_kv_head(dv, v), grads

@@ -114,15 +114,34 @@ def all_expressions(expr) -> tuple:
     return (expr, d.score) + tuple(ct for _, ct in d.loads)
 
 
-def flat_index(node, idx):
-    """The clamped, flattened position a LOAD ``node`` reads, given its index values."""
+def flat_index(node, idx, axes=None):
+    """The clamped, flattened position a LOAD ``node`` reads, given its index
+    values; with ``axes``, the position within those axes only."""
     shape = node.args[0].attr[1]
+    axes = range(len(shape)) if axes is None else axes
     flat = jnp.int32(0)
     stride = 1
-    for i, n in reversed(list(zip(idx, shape))):
-        flat = flat + jnp.clip(jnp.asarray(i, jnp.int32), 0, n - 1) * stride
-        stride *= n
+    for a in reversed(list(axes)):
+        flat = flat + jnp.clip(jnp.asarray(idx[a], jnp.int32), 0, shape[a] - 1) * stride
+        stride *= shape[a]
     return flat
+
+
+def program_axes(expr, name) -> dict:
+    """``{axis: "b" or "h"}``: the axes of operand ``name`` that every read indexes
+    by ``b`` (or every read by ``h``) directly. One kernel program has one batch
+    and one head, so it reads one position along them."""
+    uses: dict = {}
+    for node in ir.toposort(expr):
+        if node.op == LOAD and node.args[0].attr[0] == name:
+            for axis, idx in enumerate(node.args[1:]):
+                uses.setdefault(axis, set()).add(idx)
+    out = {}
+    for axis, idxs in uses.items():
+        (idx,) = idxs if len(idxs) == 1 else (None,)
+        if idx is not None and idx.op == VAR and idx.attr in ("b", "h"):
+            out[axis] = idx.attr
+    return out
 
 
 def evaluate_tile(roots, inputs: dict, refs: dict):

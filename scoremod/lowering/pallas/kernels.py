@@ -14,11 +14,15 @@ backward computes ``dS = P * (dP - D)`` with ``D = rowsum(dO * O) - dLSE``
 computed ahead by XLA, and the score's gradient through the mod's symbolic
 derivative (``dsl.grad``).
 
+On tiles the map marks full, the plan's ``full_expr`` (the mod without its
+mask) replaces the mod, forward and backward (a branch per tile).
+
 Gradients of captured float arrays: in the dK/dV kernel, each program adds
 the cotangent of every read of an array, summed over the tile entries that
 read one element, into its own row of a partial array ``[B, Hq, key blocks,
-elements]``; XLA sums the rows. No atomics: the result is the same bit for
-bit on every run.
+elements]`` (the elements along the axes the program does not read at its
+own batch or head); the backend sums the rows. No atomics: the result is the
+same bit for bit on every run.
 
 Sequences are padded to whole blocks by the caller; entries past the real
 lengths are masked (never seen by the softmax, never given a gradient).
@@ -34,10 +38,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from scoremod.dsl import ir
 from scoremod.lowering.pallas import codegen
 
 NEG_INF = float("-inf")
+# The softmax's exponentials are taken base 2 (one multiply and the hardware's
+# exp2), with the running maximum and the LSE kept in log2 units until the end.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +52,9 @@ class KernelSpec:
     """Everything static about the kernels of one call (hashable)."""
 
     expr: object  # the mod's IR node, or None for plain attention
+    # What the mod is on tiles the block map marks full (every score live;
+    # the mask conditions dropped), or None: the whole mod everywhere.
+    full_expr: object
     operand_names: tuple  # in the order the operand arrays are passed
     scale: float
     sq: int  # real lengths (the arrays are padded to whole blocks)
@@ -59,6 +69,10 @@ class KernelSpec:
     @property
     def derivatives(self):
         return _derivatives(self.expr)
+
+    @property
+    def full_derivatives(self):
+        return _derivatives(self.full_expr)
 
 
 @functools.lru_cache(maxsize=256)
@@ -75,7 +89,7 @@ def _compiler_params(spec):
     return params(num_warps=spec.num_warps, num_stages=spec.num_stages)
 
 
-def _full():
+def _whole():
     """The whole array in every program."""
     return pl.BlockSpec()
 
@@ -86,6 +100,11 @@ def _last_first(axis):
     shortens the tail. Grid axis 0 is the one the GPU launches fastest, so
     consecutive programs share a (batch, head) and its keys in L2."""
     return pl.num_programs(axis) - 1 - pl.program_id(axis)
+
+
+def _flags(full):
+    """A map's full flags as the kernels read them (int32: Triton has no bool memory)."""
+    return full.astype(jnp.int32)
 
 
 def _map_index(counts_ref, b, h):
@@ -100,7 +119,19 @@ def _dot(a, b, trans_a=False, trans_b=False):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _scores(spec, q, k, b, h, q0, k0, refs):
+def _on_tile(spec, general, on_full, inputs, refs, full, shape):
+    """``general`` (IR roots) evaluated on the tile, as float32 arrays of
+    ``shape``; on a full tile (``full`` a traced flag) ``on_full`` instead."""
+    def run(roots):
+        return tuple(jnp.broadcast_to(x.astype(jnp.float32), shape)
+                     for x in codegen.evaluate_tile(roots, inputs, refs))
+
+    if spec.full_expr is None or full is None:
+        return run(general)
+    return lax.cond(full != 0, lambda: run(on_full), lambda: run(general))
+
+
+def _scores(spec, q, k, b, h, q0, k0, refs, full=None):
     """The modded float32 score tile of rows q0.. and keys k0.., and the
     inputs the mod was evaluated on (for its derivatives)."""
     bq, bk = q.shape[0], k.shape[0]
@@ -109,8 +140,7 @@ def _scores(spec, q, k, b, h, q0, k0, refs):
     kv_idx = k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     inputs = {"score": s, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
     if spec.expr is not None:
-        (s,) = codegen.evaluate_tile([spec.expr], inputs, refs)
-        s = jnp.broadcast_to(s.astype(jnp.float32), (bq, bk))
+        (s,) = _on_tile(spec, [spec.expr], [spec.full_expr], inputs, refs, full, (bq, bk))
     valid = _valid(spec, q_idx, kv_idx)
     if valid is not None:
         s = jnp.where(valid, s, NEG_INF)
@@ -136,7 +166,7 @@ def _valid(spec, q_idx, kv_idx):
 # forward
 
 
-def _forward_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, *rest, spec):
+def _forward_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest, spec):
     n_ops = len(spec.operand_names)
     refs = dict(zip(spec.operand_names, rest[:n_ops]))
     o_ref, lse_ref = rest[n_ops:]
@@ -151,11 +181,12 @@ def _forward_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, *rest, spec):
         start = pl.multiple_of(blocks_ref[mb, mh, i, j] * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s, _, _ = _scores(spec, q, k, b, h, i * bq, start, refs)
+        s, _, _ = _scores(spec, q, k, b, h, i * bq, start, refs, full_ref[mb, mh, i, j])
+        s = s * LOG2E
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row masked so far adds nothing
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
@@ -167,7 +198,7 @@ def _forward_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, *rest, spec):
     safe = jnp.where(empty, 1.0, l)
     o_ref[...] = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(o_ref.dtype)
     m_safe = jnp.where(m == NEG_INF, 0.0, m)
-    lse_ref[...] = jnp.where(empty, NEG_INF, m_safe + jnp.log(safe))
+    lse_ref[...] = jnp.where(empty, NEG_INF, (m_safe + jnp.log2(safe)) * LN2)
 
 
 def forward(spec: KernelSpec, bmap, q, k, v, operands):
@@ -178,11 +209,11 @@ def forward(spec: KernelSpec, bmap, q, k, v, operands):
     nq = sq // bq
     last = nq - 1  # the grid's first axis runs over query blocks, last first
     in_specs = [
-        _full(), _full(),
+        _whole(), _whole(), _whole(),
         pl.BlockSpec((None, bq, None, d), lambda x, bi, hi: (bi, last - x, hi, 0)),
         pl.BlockSpec((None, skv, None, d), lambda x, bi, hi: (bi, 0, hi // g, 0)),
         pl.BlockSpec((None, skv, None, dv), lambda x, bi, hi: (bi, 0, hi // g, 0)),
-    ] + [_full() for _ in operands]
+    ] + [_whole() for _ in operands]
     out_specs = [
         pl.BlockSpec((None, bq, None, dv), lambda x, bi, hi: (bi, last - x, hi, 0)),
         pl.BlockSpec((None, None, bq), lambda x, bi, hi: (bi, hi, last - x)),
@@ -194,19 +225,20 @@ def forward(spec: KernelSpec, bmap, q, k, v, operands):
         grid=(nq, b, hq), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=_compiler_params(spec), interpret=spec.interpret,
         name="scoremod_pallas_forward",
-    )(bmap.q_counts, bmap.q_blocks, q, k, v, *operands)
+    )(bmap.q_counts, bmap.q_blocks, _flags(bmap.q_full), q, k, v, *operands)
 
 
 # --------------------------------------------------------------------------- #
 # backward
 
 
-def _tile_gradients(spec, q, k, v, do, lse, delta, b, h, q0, k0, refs):
+def _tile_gradients(spec, q, k, v, do, lse, delta, b, h, q0, k0, refs, full):
     """``P``, the cotangent of the modded scores ``dS``, the score's gradient
     (times the scale: q.k's), and the tile inputs, of one tile."""
-    s, inputs, valid = _scores(spec, q, k, b, h, q0, k0, refs)
+    s, inputs, valid = _scores(spec, q, k, b, h, q0, k0, refs, full)
     finite = lse != NEG_INF  # a fully masked row has P = 0 (and LSE -inf)
-    p = jnp.where(finite[:, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, None]), 0.0)
+    lse2 = jnp.where(finite, lse, 0.0) * LOG2E
+    p = jnp.where(finite[:, None], jnp.exp2(s * LOG2E - lse2[:, None]), 0.0)
     if valid is not None:
         p = jnp.where(valid, p, 0.0)
     dp = _dot(do, v, trans_b=True)
@@ -215,15 +247,17 @@ def _tile_gradients(spec, q, k, v, do, lse, delta, b, h, q0, k0, refs):
         dscore = ds
     else:
         inputs = dict(inputs, dP=ds)
-        (dscore,) = codegen.evaluate_tile([spec.derivatives.score], inputs, refs)
-        dscore = jnp.broadcast_to(dscore.astype(jnp.float32), ds.shape)
+        on_full = [spec.full_derivatives.score] if spec.full_expr is not None else None
+        (dscore,) = _on_tile(spec, [spec.derivatives.score], on_full, inputs, refs, full,
+                             ds.shape)
     return p, ds, dscore * jnp.float32(spec.scale), inputs
 
 
-def _dkdv_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
-                 spec, grad_operands):
+def _dkdv_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                 *rest, spec, windows):
     n_ops = len(spec.operand_names)
     refs = dict(zip(spec.operand_names, rest[:n_ops]))
+    grad_operands = tuple(name for name, _, _ in windows)
     n_parts = len(grad_operands)
     parts_in = rest[n_ops:n_ops + n_parts]
     dk_ref, dv_ref = rest[n_ops + n_parts:n_ops + n_parts + 2]
@@ -242,11 +276,12 @@ def _dkdv_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         rows = pl.ds(start, bq)
         q, do = q_ref[rows, :], do_ref[rows, :]
         p, ds, dscore, inputs = _tile_gradients(spec, q, k, v, do, lse_ref[rows],
-                                                delta_ref[rows], b, h, start, j * bk, refs)
+                                                delta_ref[rows], b, h, start, j * bk, refs,
+                                                full_ref[mb, mh, j, t])
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         dk = dk + _dot(dscore.astype(q.dtype), q, trans_a=True)
         if loads:
-            _add_operand_gradients(loads, inputs, refs, parts, (bq, bk))
+            _add_operand_gradients(loads, inputs, refs, parts, windows, (bq, bk))
         return dk, dv
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -255,8 +290,10 @@ def _dkdv_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _add_operand_gradients(loads, inputs, refs, parts, shape):
-    """Adds each read's cotangent, summed per element read, into this program's partial row."""
+def _add_operand_gradients(loads, inputs, refs, parts, windows, shape):
+    """Adds each read's cotangent, summed per element read, into this program's
+    partial row (its position within the axes the row covers, ``windows``)."""
+    axes_of = {name: axes for name, axes, _ in windows}
     roots = [ct for _, ct in loads]
     for node, _ in loads:
         roots += node.args[1:]
@@ -264,7 +301,7 @@ def _add_operand_gradients(loads, inputs, refs, parts, shape):
     cts, at = values[:len(loads)], len(loads)
     for (node, _), ct in zip(loads, cts):
         n = len(node.args) - 1
-        flat = codegen.flat_index(node, values[at:at + n])
+        flat = codegen.flat_index(node, values[at:at + n], axes_of[node.args[0].attr[0]])
         at += n
         part = parts[node.args[0].attr[0]]
         idx = jnp.broadcast_to(flat, shape)
@@ -278,9 +315,11 @@ def _add_operand_gradients(loads, inputs, refs, parts, shape):
         lax.fori_loop(jnp.min(idx), jnp.max(idx) + 1, add, None)
 
 
-def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, grad_sizes: dict):
+def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, windows: tuple):
     """Per query head dK, dV [B, Skv, Hq, D] (float32), and per float operand to
-    learn a partial gradient [B, Hq, key blocks, elements] (float32)."""
+    learn (``windows``: (name, axes a program's row covers, their element
+    count)) a partial gradient [B, Hq, key blocks, elements] (float32)."""
+    grad_sizes = {name: size for name, _, size in windows}
     b, sq, hq, d = q.shape
     skv, dv_ = k.shape[1], v.shape[-1]
     bq, bk, g = spec.block_q, spec.block_kv, spec.groups
@@ -288,14 +327,14 @@ def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, grad_sizes: 
     names = tuple(grad_sizes)
     row = lambda ki, bi, hi: (bi, 0, hi, 0)  # noqa: E731
     in_specs = [
-        _full(), _full(),
+        _whole(), _whole(), _whole(),
         pl.BlockSpec((None, sq, None, d), row),
         pl.BlockSpec((None, bk, None, d), lambda ki, bi, hi: (bi, ki, hi // g, 0)),
         pl.BlockSpec((None, bk, None, dv_), lambda ki, bi, hi: (bi, ki, hi // g, 0)),
         pl.BlockSpec((None, sq, None, dv_), row),
         pl.BlockSpec((None, None, sq), lambda ki, bi, hi: (bi, hi, 0)),
         pl.BlockSpec((None, None, sq), lambda ki, bi, hi: (bi, hi, 0)),
-    ] + [_full() for _ in operands]
+    ] + [_whole() for _ in operands]
     part_shapes = [jax.ShapeDtypeStruct((b, hq, nk, grad_sizes[n]), jnp.float32) for n in names]
     part_spec = lambda n: pl.BlockSpec((None, None, None, grad_sizes[n]),  # noqa: E731
                                        lambda ki, bi, hi: (bi, hi, ki, 0))
@@ -306,20 +345,21 @@ def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, grad_sizes: 
     ] + [part_spec(n) for n in names]
     out_shape = [jax.ShapeDtypeStruct((b, skv, hq, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, skv, hq, dv_), jnp.float32)] + part_shapes
-    first_part = 8 + len(operands)
+    first_part = 9 + len(operands)
     zeros = [jnp.zeros(s.shape, s.dtype) for s in part_shapes]
     outs = pl.pallas_call(
-        functools.partial(_dkdv_kernel, spec=spec, grad_operands=names),
+        functools.partial(_dkdv_kernel, spec=spec, windows=windows),
         grid=(nk, b, hq), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={first_part + i: 2 + i for i in range(len(names))},
         compiler_params=_compiler_params(spec), interpret=spec.interpret,
         name="scoremod_pallas_dkdv",
-    )(bmap.kv_counts, bmap.kv_blocks, q, k, v, do, lse, delta, *operands, *zeros)
+    )(bmap.kv_counts, bmap.kv_blocks, _flags(bmap.kv_full), q, k, v, do, lse, delta, *operands,
+      *zeros)
     return outs[0], outs[1], dict(zip(names, outs[2:]))
 
 
-def _dq_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
-               spec):
+def _dq_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               *rest, spec):
     n_ops = len(spec.operand_names)
     refs = dict(zip(spec.operand_names, rest[:n_ops]))
     (dq_ref,) = rest[n_ops:]
@@ -333,7 +373,7 @@ def _dq_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         cols = pl.ds(start, bk)
         k, v = k_ref[cols, :], v_ref[cols, :]
         _, _, dscore, _ = _tile_gradients(spec, q, k, v, do, lse, delta, b, h, i * bq, start,
-                                          refs)
+                                          refs, full_ref[mb, mh, i, t])
         return dq + _dot(dscore.astype(k.dtype), k)
 
     dq = lax.fori_loop(0, counts_ref[mb, mh, i], body, jnp.zeros(q.shape, jnp.float32))
@@ -349,14 +389,14 @@ def dq(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands):
     last = nq - 1  # the grid's first axis runs over query blocks, last first
     rows = lambda x, bi, hi: (bi, last - x, hi, 0)  # noqa: E731
     in_specs = [
-        _full(), _full(),
+        _whole(), _whole(), _whole(),
         pl.BlockSpec((None, bq, None, d), rows),
         pl.BlockSpec((None, skv, None, d), lambda x, bi, hi: (bi, 0, hi // g, 0)),
         pl.BlockSpec((None, skv, None, dv_), lambda x, bi, hi: (bi, 0, hi // g, 0)),
         pl.BlockSpec((None, bq, None, dv_), rows),
         pl.BlockSpec((None, None, bq), lambda x, bi, hi: (bi, hi, last - x)),
         pl.BlockSpec((None, None, bq), lambda x, bi, hi: (bi, hi, last - x)),
-    ] + [_full() for _ in operands]
+    ] + [_whole() for _ in operands]
     return pl.pallas_call(
         functools.partial(_dq_kernel, spec=spec),
         grid=(nq, b, hq), in_specs=in_specs,
@@ -364,8 +404,5 @@ def dq(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands):
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_compiler_params(spec), interpret=spec.interpret,
         name="scoremod_pallas_dq",
-    )(bmap.q_counts, bmap.q_blocks, q, k, v, do, lse, delta, *operands)
+    )(bmap.q_counts, bmap.q_blocks, _flags(bmap.q_full), q, k, v, do, lse, delta, *operands)
 
-
-def uses_operand(expr, name) -> bool:
-    return any(n.op == ir.OPERAND and n.attr[0] == name for n in ir.toposort(expr))
