@@ -209,6 +209,7 @@ def _examples(name, positive=False):
         "float2": lambda: [ops.apply(name, f, g)],
         "num": lambda: [ops.apply(name, f, **attr), as_f(ops.apply(name, i1, **attr))],
         "num2": lambda: [ops.apply(name, f, g), as_f(ops.apply(name, i1, i2))],
+        "int": lambda: [as_f(ops.apply(name, i1))],
         "int2": lambda: [as_f(ops.apply(name, i1, i2))],
         "cmp": lambda: [sel(ops.apply(name, f, g)), sel(ops.apply(name, i1, i2))],
         "logic": lambda: [sel(ops.apply(name, *[ops.apply("lt", f, g),

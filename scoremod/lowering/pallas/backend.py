@@ -51,6 +51,16 @@ def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> blocks
 
 
 @dataclasses.dataclass(frozen=True)
+class AnalysedMap:
+    """The tiles of ``expr`` from the IR (``lowering.blocks``), built in the program."""
+
+    expr: object
+
+    def __call__(self, problem, block_q, block_kv, operands):
+        return blocks.block_map(self.expr, operands, problem, block_q, block_kv)
+
+
+@dataclasses.dataclass(frozen=True)
 class PallasPlan:
     """The static description of one call (hashable)."""
 
@@ -125,9 +135,15 @@ class Pallas(Backend):
             warps = (8 if big else 4, 8 if big else 4)
         else:
             warps = (warps, warps)
+        # The mod's own tiles: masked ones skipped, full ones run the mod without its mask.
+        block_map, full_expr = dense_map, None
+        if mod is not None:
+            block_map = AnalysedMap(mod.expr)
+            full = blocks.when_full(mod.expr)
+            full_expr = None if full is mod.expr else full
         return PallasPlan(None if mod is None else ScoreMod(mod.expr), float(scale),
                           bool(return_lse), problem, fwd, bwd, warps, options.pallas_num_stages,
-                          interpret)
+                          interpret, block_map, full_expr)
 
     def forward(self, plan, q, k, v, operands):
         if forward_mode((q, k, v, operands)):

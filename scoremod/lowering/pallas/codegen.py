@@ -35,6 +35,7 @@ _JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
 # the table through it and checks that exactly these fail).
 NOT_LOWERABLE = {
     "erf": "Pallas's Triton lowering has no rule for erf (lax.erf_p)",
+    "erfc": "Pallas's Triton lowering has no rule for erfc (lax.erfc_p)",
 }
 
 
