@@ -320,7 +320,7 @@ entry(
     reference=lambda s, g, env: masked(
         s, np.stack([_block_diagonal(m, False) for m in env["lengths"]])[:, None]),
     code="mod = lambda s, b, h, q, k: jnp.where(doc[b, q] == doc[b, k], s, -jnp.inf)",
-    verdict="materialized [B,1,Sq,Skv]: data mask",
+    verdict="ragged sequences (cudnn-varlen)",
 )
 
 entry(

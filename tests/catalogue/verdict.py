@@ -27,7 +27,7 @@ import scoremod
 from scoremod.dsl.ir import CONST, LOAD, MATERIALIZE, VAR
 from scoremod.errors import UnsupportedOpError
 from scoremod.lowering.cudnn import rules
-from scoremod.lowering import lowrank
+from scoremod.lowering import lowrank, segments
 from scoremod.lowering.cudnn.plan import Plan
 from scoremod.lowering.problem import Problem
 
@@ -70,6 +70,22 @@ def _dims_text(dims):
     return "[" + ",".join(AXIS_NAMES[i] if n > 1 else "1" for i, n in enumerate(dims)) + "]"
 
 
+def planned(mod, shape, d=128, sms=H200_SMS):
+    """(notes, backend name, the cuDNN plan or None) of ``mod`` at ``shape`` as
+    ``attention()`` runs it: a low-rank bias folded into the head dim first,
+    then a segment mask on ``"cudnn-varlen"``, else the fused cuDNN plan."""
+    notes = []
+    found = lowrank.find(mod, problem(shape, d), 1.0 / math.sqrt(d))
+    if isinstance(found, lowrank.LowRank):
+        notes.append(f"low-rank bias of rank {found.rank} in the head dim")
+        d, mod = d + found.rank + found.pad, found.mod
+    # A segment mask on the plain score runs as ragged sequences ("cudnn-varlen",
+    # tried before "cudnn"); ids that are not runs take the dense route at run time.
+    if isinstance(segments.recognize(mod.expr, problem(shape, d)), segments.Segments):
+        return notes, "cudnn-varlen", None
+    return notes, "cudnn", plan_of(mod, shape, d, sms)
+
+
 def verdict(mod, shape, d=128, sms=H200_SMS) -> str:
     """The one-line verdict of ``mod`` (a ScoreMod) at ``shape``."""
     try:
@@ -77,21 +93,16 @@ def verdict(mod, shape, d=128, sms=H200_SMS) -> str:
     except UnsupportedOpError as e:
         op = re.search(r"cannot run `(\w+)`", str(e))
         return f"refused: `{op.group(1) if op else '?'}`"
-    said = []
-    # A low-rank additive bias runs inside QK^T first, as attention() does.
-    found = lowrank.find(mod, problem(shape, d), 1.0 / math.sqrt(d))
-    if isinstance(found, lowrank.LowRank):
-        said.append(f"low-rank bias of rank {found.rank} in the head dim")
-        d, mod = d + found.rank + found.pad, found.mod
-    plan = plan_of(mod, shape, d, sms)
+    said, backend, plan = planned(mod, shape, d, sms)
+    if plan is None:
+        return ", ".join(said + ["ragged sequences (cudnn-varlen)"])
     band = plan.parts[0].band
     if band is not None:
         return ", ".join(said + [f"native {band}"])
+    rest = []
     if plan.split:
-        said.append(f"split into {len(plan.blocks)} query blocks")
+        rest.append(f"split into {len(plan.blocks)} query blocks")
     tensors = sorted({f"{_dims_text(dims)}: {why}" for dims, why in materialized(plan)})
     if tensors:
-        said.append("materialized " + "; ".join(tensors))
-    if len(said) == int(isinstance(found, lowrank.LowRank)):
-        said.append("fused")
-    return ", ".join(said)
+        rest.append("materialized " + "; ".join(tensors))
+    return ", ".join(said + (rest or ["fused"]))
