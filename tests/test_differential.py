@@ -353,6 +353,28 @@ def test_generator_reaches_every_op():
     assert set(scoremod.OPS) - seen == set()
 
 
+# --- custom_jvp rules where an infinite cotangent meets a zero partial ----------
+# A custom_jvp function's derivative is its rule run on the real tangent, as
+# JAX runs it: log(softplus(s)) at s = -100 has softplus = 0, so log's
+# cotangent is inf, and softplus's rule multiplies it by sigmoid(-100) = 0:
+# NaN in JAX; relu's rule selects, so 0. The outer functions have a pole at 0;
+# the inner ones, nested one or two deep, reach 0 (or underflow to it).
+CUSTOM_INNER = {**TRACED_UNARY, "relu": "jax.nn.relu({0})",
+                "logaddexp_low": "jnp.logaddexp({0}, -50.0)"}
+POLES = {"log": "jnp.log({0})", "log2": "jnp.log2({0})", "reciprocal": "(1.0 / {0})",
+         "rsqrt": "lax.rsqrt({0})", "sqrt": "jnp.sqrt({0})", "inv_sq": "({0} ** -2)"}
+
+
+@pytest.mark.parametrize("outer", sorted(POLES))
+def test_custom_jvp_rules_at_infinite_cotangents(outer):
+    inner = sorted(CUSTOM_INNER)
+    with jax.disable_jit():
+        for a in inner:
+            for b in [None] + inner:
+                arg = "s" if b is None else CUSTOM_INNER[b].format("s")
+                _check_grad(POLES[outer].format(CUSTOM_INNER[a].format(arg)))
+
+
 # --- non-finite values at masked keys (docs/guide.md, "Masked rows") -----------
 
 
