@@ -375,6 +375,29 @@ def test_custom_jvp_rules_at_infinite_cotangents(outer):
                 _check_grad(POLES[outer].format(CUSTOM_INNER[a].format(arg)))
 
 
+# --- lax.clamp: JAX's derivative is 0 at ties (jnp.clip, max of min, splits them) --
+
+CLAMPS = {
+    "operand": "lax.clamp(-1.0, s, 0.5)",
+    "operand_of_indices": "lax.clamp((q - k).astype(jnp.float32) * 0.0 - 1.0, s * 2.0, 1.0)",
+    # (lax.clamp's bounds are scalars or of the operand's shape)
+    "lower": "lax.clamp(s, jnp.full_like(s, 0.5), 2.0)",
+    "upper": "lax.clamp(-1.0, jnp.ones_like(s), s)",
+    "all_three": "lax.clamp(s * 0.5, s, s - 1.0)",
+    "bounds": "lax.clamp(s, jnp.ones_like(s), s * 2.0)",
+    "array": "lax.clamp(0.0, TABLE.astype(jnp.float32), 3.0)[b % 8] + s",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLAMPS))
+def test_clamp_matches_jax_at_ties(name):
+    js = CLAMPS[name]
+    with jax.disable_jit():
+        _check_value(js, None)
+        _check_grad(js)
+    assert _traced(_fn(js)) is not None
+
+
 # --- non-finite values at masked keys (docs/guide.md, "Masked rows") -----------
 
 
@@ -468,6 +491,9 @@ def test_fused_forms_match_jax():
     (lambda s, b, h, q, k: jnp.maximum(s, 0.0), 0.5),
     (lambda s, b, h, q, k: jnp.abs(s), 1.0),
     (lambda s, b, h, q, k: jnp.clip(s, 0.0, 1.0), 0.5),
+    (lambda s, b, h, q, k: jax.lax.clamp(0.0, s, 1.0), 0.0),
+    (lambda s, b, h, q, k: jax.lax.clamp(-1.0, s, 0.0), 0.0),
+    (lambda s, b, h, q, k: jax.lax.clamp(-1.0, s, 1.0), 1.0),
 ])
 def test_ties_on_the_fused_path(fn, grad_at_0):
     from scoremod.lowering.cudnn import rules as cudnn_rules
