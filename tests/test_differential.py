@@ -508,6 +508,35 @@ def test_ties_on_the_fused_path(fn, grad_at_0):
     assert float(mod.grad(jnp.float32(0.0), 0, 0, 0, 0)) == grad_at_0
 
 
+@jax.custom_jvp
+def softplus_with_sigmoid_rule(s):
+    return jax.nn.softplus(s)  # itself a custom_jvp function: nested with_grad
+
+
+softplus_with_sigmoid_rule.defjvp(
+    lambda p, t: (softplus_with_sigmoid_rule(p[0]), t[0] * jax.nn.sigmoid(p[0])))
+
+
+def test_user_custom_jvp_around_softplus_on_the_fused_path():
+    """The forward keeps the values of nested with_grad nodes only: the inner
+    (softplus's) rule's inf tests are not the fused path's concern."""
+    from scoremod.lowering.cudnn import rules as cudnn_rules
+    from scoremod.dsl.evaluate import evaluate
+
+    fn = lambda s, b, h, q, k: softplus_with_sigmoid_rule(s) * 2.0  # noqa: E731
+    mod = scoremod.trace(fn)
+    assert [n.op for n in scoremod.dsl.ir.toposort(mod.expr)].count("with_grad") == 2
+    cudnn_rules.check_supported(mod.expr, mod.sources)
+    fwd, bwd = cudnn_rules.forward_and_backward(mod.expr)
+    s = POINTS[0]
+    inputs = dict(zip(scoremod.dsl.ir.VAR_NAMES, POINTS), dP=jnp.float32(1.0))
+    _same(evaluate(fwd, inputs, {}), fn(*POINTS), "the fused forward form", "softplus",
+          rtol=1e-4, atol=1e-6)
+    grad = jax.vmap(jax.grad(lambda s: fn(s, 0, 0, 0, 0)))(s)
+    _same(evaluate(bwd, inputs, {}), grad, "the fused backward form", "softplus",
+          rtol=1e-2, atol=1e-4)
+
+
 @pytest.mark.parametrize("fn, why", [
     (lambda s, b, h, q, k: jax.nn.relu6(s), "compares float"),
     (lambda s, b, h, q, k: jnp.where(q // k == 1, s, -jnp.inf), "divisor may be 0"),

@@ -18,7 +18,17 @@ from tests.gpu.test_fused import TOL, _inputs, _rel_err, _run
 
 pytestmark = pytest.mark.gpu
 
+
+@jax.custom_jvp
+def softplus_with_sigmoid_rule(s):
+    return jax.nn.softplus(s)  # a custom_jvp function inside one: nested with_grad
+
+
+softplus_with_sigmoid_rule.defjvp(
+    lambda p, t: (softplus_with_sigmoid_rule(p[0]), t[0] * jax.nn.sigmoid(p[0])))
+
 TIE_MODS = {
+    "user_custom_jvp": lambda s, b, h, q, k: softplus_with_sigmoid_rule(s),
     "softplus": lambda s, b, h, q, k: jax.nn.softplus(s),
     "max0": lambda s, b, h, q, k: jnp.maximum(s, 0.0),
     "abs": lambda s, b, h, q, k: jnp.abs(s),
