@@ -16,8 +16,8 @@ two calls with different options never share a plan or a graph. A call takes
 ``attention(..., options=...)`` when given, else the innermost
 ``with lowering_options(...)``, else the defaults, which the environment
 variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS`` and
-``SCOREMOD_FOLD_SCALE`` and ``SCOREMOD_MAX_SEGMENTS`` set (read once, here and
-nowhere else).
+``SCOREMOD_FOLD_SCALE``, ``SCOREMOD_MAX_SEGMENTS`` and ``SCOREMOD_CHECK_VALUES`` set
+(read once, here and nowhere else).
 """
 
 from __future__ import annotations
@@ -53,12 +53,17 @@ class LoweringOptions:
       sms: streaming multiprocessors the split's wave model assumes; None
         asks the device (132 where it cannot tell). Small values make small
         shapes split, as the tests do.
+      check_values: the fused path follows the masked-key rule for NaN and
+        inf in V (docs/guide.md, "Fully masked rows"): each kernel call tests
+        V (a reduction and a conditional) and runs twice when V holds one.
+        False skips the test, for V known to be finite: a non-finite value
+        at a masked key then makes rows NaN that do not see it.
 
     Example: softcap + causal as one score_mod call, for comparison::
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, max_segments=8, sms=None)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, max_segments=8, sms=None, check_values=True)
     """
 
     native_masks: bool = True
@@ -66,9 +71,10 @@ class LoweringOptions:
     fold_scale: bool = True
     max_segments: int = 8
     sms: int | None = None
+    check_values: bool = True
 
     def __post_init__(self):
-        for name in ("native_masks", "fold_scale"):
+        for name in ("native_masks", "fold_scale", "check_values"):
             if not isinstance(getattr(self, name), bool):
                 raise ScoreModError(f"LoweringOptions.{name} must be True or False, "
                                     f"got {getattr(self, name)!r}")
@@ -96,6 +102,7 @@ _ENVIRONMENT = {
     "SCOREMOD_SPLIT_BLOCKS": ("split_blocks", int, "a number of query blocks (0: off)"),
     "SCOREMOD_FOLD_SCALE": ("fold_scale", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_MAX_SEGMENTS": ("max_segments", int, "a positive number of segments per row"),
+    "SCOREMOD_CHECK_VALUES": ("check_values", bool, "0 (off) or 1 (on)"),
 }
 
 

@@ -199,3 +199,32 @@ def test_grad_of_a_loss():
 
     for g, x in zip(loss(KERNEL.name)(q, k, v), loss("xla")(q, k, v)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=1e-5, atol=1e-5)
+
+
+def test_check_values_off_runs_the_kernel_alone():
+    """LoweringOptions(check_values=False) promises V finite: no test, no
+    conditional, and the kernel's own NaN at a masked key shows."""
+    q, k, v, w = _inputs()
+    off = scoremod.LoweringOptions(check_values=False)
+
+    def f(v):
+        return scoremod.attention(q, k, v, causal, implementation=KERNEL.name, options=off)
+
+    assert "cond" not in str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(f(v) * w)))(v))
+    np.testing.assert_allclose(np.asarray(f(v)), np.asarray(
+        scoremod.attention(q, k, v, causal, implementation="xla")), rtol=1e-5, atol=1e-5)
+    bad = v.at[0, 9, 0].set(jnp.nan)
+    assert np.isnan(np.asarray(f(bad))[0, :9]).any()
+
+
+def test_check_values_from_the_environment(monkeypatch):
+    from scoremod import options
+
+    monkeypatch.setenv("SCOREMOD_CHECK_VALUES", "0")
+    options.defaults.cache_clear()
+    try:
+        assert options.defaults().check_values is False
+    finally:
+        options.defaults.cache_clear()
+    with pytest.raises(scoremod.ScoreModError, match="check_values"):
+        scoremod.LoweringOptions(check_values=1)

@@ -7,9 +7,10 @@ column). A fused kernel multiplies the probabilities with V, so a masked
 key's ``0 * inf`` or ``0 * nan`` makes its row NaN. Here, around one
 kernel call of any fused backend:
 
-- **All of V finite** (the common case): the call as it is. The only added
-  cost is one reduction over V, ``any(~isfinite(v))``, the ``lax.cond``
-  predicate, in the forward and again in the backward.
+- **All of V finite** (the common case): the call as it is, after one
+  reduction over V, ``any(~isfinite(v))``, the ``lax.cond`` predicate, in
+  the forward and again in the backward (XLA's conditional on a GPU reads
+  the predicate on the host before it launches the branch).
 - **Otherwise**: O from V with its non-finite entries replaced by 0, and a
   second call of the same plan on the same shapes (the same compiled
   kernel) whose V marks the keys that hold a non-finite value; the rows
@@ -21,7 +22,8 @@ kernel call of any fused backend:
 ``lowering/sharding.py`` calls these per device and on the batch folded
 under ``jax.vmap``, so the predicate is each device's own (no collective)
 and never batched (a batched predicate would make ``lax.cond`` run both
-branches).
+branches). ``LoweringOptions(check_values=False)`` skips all this for V
+known to be finite.
 """
 
 from __future__ import annotations
@@ -59,11 +61,15 @@ def _touched(backend, plan, q, k, v, operands):
     return jnp.any(marked > 0, axis=-1, keepdims=True)
 
 
-def forward(backend, plan, q, k, v, operands):
-    """``backend.forward`` with the masked-key rule for non-finite V."""
+def forward(backend, plan, q, k, v, operands, check=True):
+    """``backend.forward`` with the masked-key rule for non-finite V; with
+    ``check`` False (V known finite: LoweringOptions.check_values), the call alone."""
 
     def finite():
         return tuple(backend.forward(plan, q, k, v, operands))
+
+    if not check:
+        return finite()
 
     def not_finite():
         o, lse = backend.forward(plan, q, k, _sanitized(v), operands)
@@ -73,12 +79,15 @@ def forward(backend, plan, q, k, v, operands):
     return jax.lax.cond(_any_not_finite(v), not_finite, finite)
 
 
-def backward(backend, plan, q, k, v, o, lse, do, operands):
+def backward(backend, plan, q, k, v, o, lse, do, operands, check=True):
     """``backend.backward`` with the masked-key rule for non-finite V; ``o``
-    is :func:`forward`'s output."""
+    is :func:`forward`'s output (with the same ``check``)."""
 
     def finite():
         return tuple(backend.backward(plan, q, k, v, o, lse, do, operands))
+
+    if not check:
+        return finite()
 
     def not_finite():
         touched = _touched(backend, plan, q, k, v, operands)
@@ -91,3 +100,4 @@ def backward(backend, plan, q, k, v, o, lse, do, operands):
         return dq, dk, jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
 
     return jax.lax.cond(_any_not_finite(v), not_finite, finite)
+

@@ -326,12 +326,13 @@ def _call(kind, static, head, operands, sharded, mesh):
     with the masked-key rule for non-finite V (``lowering/nonfinite.py``)
     applied here, where V is this device's own."""
     backend = static.backend
+    check = static.options.check_values
     if kind == "forward":
         q, k, v = head
-        o, lse = nonfinite.forward(backend, static.plan, q, k, v, operands)
+        o, lse = nonfinite.forward(backend, static.plan, q, k, v, operands, check)
         return o, lse
     q, k, v, o, lse, do = head
-    dq, dk, dv = nonfinite.backward(backend, static.plan, q, k, v, o, lse, do, operands)
+    dq, dk, dv = nonfinite.backward(backend, static.plan, q, k, v, o, lse, do, operands, check)
     if sharded["q_idx"] is not None:
         # Each query shard's rows contribute to every key's gradient.
         axes = _axes(sharded["q_idx"])
