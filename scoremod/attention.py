@@ -8,6 +8,7 @@ objection. Nothing here knows a backend by name.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -19,7 +20,7 @@ from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModError, ScoreModTypeError, ScoreModValueError
-from scoremod.lowering import registry
+from scoremod.lowering import lowrank, registry
 from scoremod.lowering.backend import run
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
@@ -44,10 +45,12 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
       implementation: the name of a registered backend: ``"xla"`` (alias
         ``"reference"``: float32 scores and softmax, any device), ``"cudnn"``
         (one fused cuDNN kernel), ``"cudnn-varlen"`` (segment masks as
-        cuDNN's variable-length attention; not validated on a GPU yet, so by
-        name only, with a warning); or None: the first backend that can run
-        this call (cudnn, else xla), with a warning when a GPU is here but
-        the fused path cannot take the call.
+        cuDNN's variable-length attention), ``"pallas"`` (block-sparse Pallas
+        kernels generated from the mod, with gradients of captured arrays;
+        interpret mode off a GPU; not validated on a GPU yet, so by name
+        only, with a warning); or None: the first backend that can run this
+        call (cudnn-varlen for segment masks, else cudnn, else xla), with a
+        warning when a GPU is here but the fused path cannot take the call.
       return_lse: also return the log-sum-exp of the modified scores,
         float32 [batch, q_heads, q_len].
       options: a :class:`~scoremod.LoweringOptions` (native masks, query-block
@@ -83,6 +86,8 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     if mod is not None:
         mod.require_bound()
         check_operand_ranges(mod, problem)
+    if options.low_rank_bias:
+        query, key, mod, problem = fold_low_rank_bias(query, key, value, mod, problem, scale)
     traced_scale = isinstance(scale, jax.core.Tracer)
     if asked is not None:
         reason = _why_not(asked, problem, mod, traced_scale, automatic=False)
@@ -102,6 +107,18 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     o, lse = run(backend, plan, query, key, value, operands, problem=problem, options=options,
                  return_lse=return_lse, fallback=fallback)
     return (o, lse) if return_lse else o
+
+
+def fold_low_rank_bias(query, key, value, mod, problem, scale):
+    """``(query, key, mod, problem)`` with a low-rank additive bias of ``mod``
+    moved into extra head-dim columns of q and k (``lowering.lowrank``), or
+    as given when the mod has none that can move."""
+    found = lowrank.find(mod, problem, scale)
+    if not isinstance(found, lowrank.LowRank):
+        return query, key, mod, problem
+    operands = dict(zip(mod.operand_names, (jnp.asarray(x) for x in mod.operands)))
+    query, key = lowrank.augment(found, query, key, operands, scale)
+    return query, key, found.mod, check_inputs(query, key, value)
 
 
 def _why_not(backend, problem, mod, traced_scale, automatic):
@@ -140,9 +157,10 @@ def _warn_once(backend, reason: str) -> None:
 class Choice(tuple):
     """``(implementation, reason)``, with every backend's verdict in ``verdicts``."""
 
-    def __new__(cls, implementation, reason, verdicts):
+    def __new__(cls, implementation, reason, verdicts, low_rank_bias=None):
         self = super().__new__(cls, (implementation, reason))
         self.verdicts = verdicts
+        self.low_rank_bias = low_rank_bias
         return self
 
     @property
@@ -161,23 +179,36 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
         >>> q = jnp.ones((1, 8, 2, 64), jnp.float32)
         >>> choice = scoremod.which_implementation(q, q, q)
         >>> choice[0], list(choice.verdicts)
-        ('xla', ['cudnn', 'xla'])
+        ('xla', ['cudnn-varlen', 'cudnn', 'xla'])
 
     ``reason`` says why the backend tried just before the chosen one is not
     taken (for an ``"xla"`` choice, why the fused cuDNN path is not; None
     when the first backend is taken); ``verdicts`` maps every registered
     backend to its reason for refusing this call, or None when it could run
-    it. Only the IR and the shapes are looked at; nothing is compiled or run.
+    it; ``low_rank_bias`` says whether a low-rank additive bias of the mod
+    runs inside QK^T (head dim and remaining mod), or why it stays in the mod
+    (None: the mod has none). Only the IR and the shapes are looked at;
+    nothing is compiled or run.
     """
     mod = as_score_mod(score_mod)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     problem = check_inputs(query, key, value)
+    note = None
+    if lowering_options.current().low_rank_bias:
+        found = lowrank.find(mod, problem, 1.0)
+        if isinstance(found, lowrank.LowRank):
+            d = problem.d + found.rank + found.pad
+            note = (f"a low-rank bias of rank {found.rank} runs inside QK^T: head dim "
+                    f"{problem.d} becomes {d}, and the mod `{found.mod}`")
+            problem, mod = dataclasses.replace(problem, d=d), found.mod
+        elif found is not None:
+            note = f"a low-rank bias stays in the mod: {found.reason}"
     verdicts = {b.name: b.why_not(problem, mod, automatic=True) for b in registry.backends()}
     names = list(verdicts)
     chosen = next((name for name, reason in verdicts.items() if reason is None), None)
     # The reason names the backend tried just before the chosen one (the last refusal).
     at = names.index(chosen) if chosen is not None else len(names)
-    return Choice(chosen, verdicts[names[at - 1]] if at else None, verdicts)
+    return Choice(chosen, verdicts[names[at - 1]] if at else None, verdicts, note)
 
 
 def check_implementation(implementation) -> None:

@@ -4,7 +4,8 @@ The three lowerings below make common mods faster; each is on by default and
 each can be switched off per call (for comparison, and as an escape hatch):
 
     >>> import scoremod
-    >>> plain = scoremod.LoweringOptions(native_masks=False, split_blocks=0, fold_scale=False)
+    >>> plain = scoremod.LoweringOptions(native_masks=False, split_blocks=0, fold_scale=False,
+    ...                                  low_rank_bias=False)
     >>> plain == scoremod.LoweringOptions.plain()
     True
     >>> with scoremod.lowering_options(plain):
@@ -46,6 +47,9 @@ class LoweringOptions:
         (batch 4, 16 heads): 8 blocks beat 4 by 6-9% forward.
       fold_scale: a constant factor of the score on every use (softcap's
         ``score / 30``) joins cuDNN's attn_scale, where it costs nothing.
+      low_rank_bias: a mod ``f(score + sum_j a[.., q_idx, j] * c[.., kv_idx, j])``
+        runs as ``f(score)`` on q and k with the bias's columns appended, for
+        every backend (``scoremod.lowering.lowrank``; docs/guide.md).
       max_segments: segment (packed-document) masks run as ragged sequences,
         at most this many per row (the slots every call pays for); a row with
         more runs, or ids that are not increasing runs, takes the dense
@@ -53,6 +57,11 @@ class LoweringOptions:
       sms: streaming multiprocessors the split's wave model assumes; None
         asks the device (132 where it cannot tell). Small values make small
         shapes split, as the tests do.
+      pallas_block_q, pallas_block_kv: the Pallas backend's forward tile
+        (query rows x keys); powers of two, at least 16.
+      pallas_backward_block_q, pallas_backward_block_kv: its backward tile.
+      pallas_num_warps: warps per Pallas program (None: 4 for head dim 64,
+        8 for 128); pallas_num_stages: Triton's software-pipelining depth.
       check_values: the fused path follows the masked-key rule for NaN and
         inf in V (docs/guide.md, "Fully masked rows"): each kernel call tests
         V (a reduction and a conditional) and runs twice when V holds one.
@@ -63,18 +72,25 @@ class LoweringOptions:
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, max_segments=8, sms=None, check_values=True)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, check_values=True)
     """
 
     native_masks: bool = True
     split_blocks: int = 8
     fold_scale: bool = True
+    low_rank_bias: bool = True
     max_segments: int = 8
     sms: int | None = None
+    pallas_block_q: int = 128
+    pallas_block_kv: int = 64
+    pallas_backward_block_q: int = 64
+    pallas_backward_block_kv: int = 64
+    pallas_num_warps: int | None = None
+    pallas_num_stages: int = 2
     check_values: bool = True
 
     def __post_init__(self):
-        for name in ("native_masks", "fold_scale", "check_values"):
+        for name in ("native_masks", "fold_scale", "low_rank_bias", "check_values"):
             if not isinstance(getattr(self, name), bool):
                 raise ScoreModError(f"LoweringOptions.{name} must be True or False, "
                                     f"got {getattr(self, name)!r}")
@@ -86,11 +102,23 @@ class LoweringOptions:
                                 f"segments per row, got {self.max_segments!r}")
         if self.sms is not None and (not isinstance(self.sms, int) or self.sms < 1):
             raise ScoreModError(f"LoweringOptions.sms must be a positive int or None, got {self.sms!r}")
+        for name in ("pallas_block_q", "pallas_block_kv", "pallas_backward_block_q",
+                     "pallas_backward_block_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ScoreModError(f"LoweringOptions.{name} must be a power of two of at least "
+                                    f"16 (a Triton tile), got {value!r}")
+        if self.pallas_num_warps is not None and self.pallas_num_warps not in (1, 2, 4, 8, 16):
+            raise ScoreModError("LoweringOptions.pallas_num_warps must be 1, 2, 4, 8, 16 or None, "
+                                f"got {self.pallas_num_warps!r}")
+        if not isinstance(self.pallas_num_stages, int) or self.pallas_num_stages < 1:
+            raise ScoreModError("LoweringOptions.pallas_num_stages must be a positive int, "
+                                f"got {self.pallas_num_stages!r}")
 
     @classmethod
     def plain(cls) -> "LoweringOptions":
         """The mod lowered as written: no native mask, no split, no folding."""
-        return cls(native_masks=False, split_blocks=0, fold_scale=False)
+        return cls(native_masks=False, split_blocks=0, fold_scale=False, low_rank_bias=False)
 
     def replace(self, **changes) -> "LoweringOptions":
         return dataclasses.replace(self, **changes)
@@ -101,6 +129,7 @@ _ENVIRONMENT = {
     "SCOREMOD_NATIVE_MASKS": ("native_masks", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_SPLIT_BLOCKS": ("split_blocks", int, "a number of query blocks (0: off)"),
     "SCOREMOD_FOLD_SCALE": ("fold_scale", bool, "0 (off) or 1 (on)"),
+    "SCOREMOD_LOW_RANK_BIAS": ("low_rank_bias", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_MAX_SEGMENTS": ("max_segments", int, "a positive number of segments per row"),
     "SCOREMOD_CHECK_VALUES": ("check_values", bool, "0 (off) or 1 (on)"),
 }

@@ -347,13 +347,25 @@ def test_reference_path_refuses_a_call_too_big_for_the_device(monkeypatch):
         scoremod.attention(q, q, q, implementation="xla")
 
 
-def test_a_backend_not_validated_on_a_gpu_runs_by_name_only_with_a_warning():
+def test_a_backend_not_validated_on_a_gpu_runs_by_name_only_with_a_warning(monkeypatch):
     import warnings
 
-    assert "cudnn-varlen" in registry.names()
-    assert "cudnn-varlen" not in [b.name for b in registry.backends()]
-    registry._WARNED.discard("cudnn-varlen")
+    from scoremod.lowering.backend import Backend
+
+    class Unvalidated(Backend):
+        name = "unvalidated"
+
+        def why_not(self, problem, mod, automatic):
+            return None
+
+    backend = Unvalidated()
+    monkeypatch.setattr(registry, "_BY_NAME_ONLY", [backend])
+    assert "unvalidated" in registry.names()
+    assert "unvalidated" not in [b.name for b in registry.backends()]
+    q = jnp.ones((1, 16, 2, 8))
+    assert scoremod.which_implementation(q, q, q)[0] != "unvalidated"  # never chosen automatically
+    registry._WARNED.discard("unvalidated")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert registry.get("cudnn-varlen").name == "cudnn-varlen"
+        assert registry.get("unvalidated") is backend
     assert any("not validated on a GPU" in str(w.message) for w in caught)

@@ -15,6 +15,7 @@ import scoremod
 from scoremod.lowering.cudnn import graph as cg
 from scoremod.lowering.cudnn.plan import Plan
 from scoremod.lowering.problem import Problem
+from tests.test_cudnn_rules import CENSUS_MASKS
 from tests.test_plans import CASES
 
 
@@ -127,6 +128,26 @@ def test_every_plan_of_the_gpu_suite_builds_its_graphs(name, options, recorder):
                 stats = call["stats"].props
                 assert stats["dim"] == [2, hq, spec.shape.sq, 1]  # packed, per block
                 assert stats["stride"] == [hq * spec.shape.sq, spec.shape.sq, 1, 1]
+
+
+def build_both(part, recorder):
+    """Emit ``part``'s forward and backward graphs into ``recorder``; the built graphs."""
+    fwd = cg.build_forward(part.fwd, part.fwd_spec, part.fwd_consts,
+                           [l.node for l in part.fwd_loads], part.describe)
+    bwd = cg.build_backward(part.fwd, part.bwd, part.spec, part.consts,
+                            [l.node for l in part.loads], part.describe)
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("name", sorted(CENSUS_MASKS))
+def test_census_mask_spellings_build_their_graphs(name, recorder):
+    mod = scoremod.trace(CENSUS_MASKS[name])
+    for options in OPTIONS.values():
+        plan = Plan(mod, Problem(2, 128, 128, 4, 2, 64, 64, "bfloat16"), 0.125, options)
+        for part in plan.parts:
+            recorder.calls.clear()
+            build_both(part, recorder)
+            assert [n for n, _ in recorder.calls if n.startswith("sdpa")] == ["sdpa", "sdpa_backward"]
 
 
 def test_float_and_int_scalars_travel_as_their_bits():

@@ -30,6 +30,8 @@ UNARY = {
     "sin": jnp.sin,
     "cos": jnp.cos,
     "erf": jax.scipy.special.erf,
+    "erfc": jax.scipy.special.erfc,
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
     "tan_t": lambda x: jnp.tan(jnp.tanh(x)),
     "atan": jnp.arctan,
     "log2_sq": lambda x: jnp.log2(x * x + 1.0),
@@ -66,6 +68,8 @@ INDEX_EXPR = {
     "tdiv": lambda b, h, q, k: jax.lax.div(q - k, 3),
     "maxqk": lambda b, h, q, k: jnp.maximum(q, k),
     "absd": lambda b, h, q, k: jnp.abs(q - k),
+    "bits": lambda b, h, q, k: ((q & 6) ^ (k | 1)) + ~h,
+    "shifts": lambda b, h, q, k: ((q << 2) >> 1) + jax.lax.shift_right_logical(k - q, 28),
 }
 CONDS = {
     "causal": lambda s, b, h, q, k: q >= k,
@@ -75,12 +79,16 @@ CONDS = {
     "or": lambda s, b, h, q, k: (q < 2) | (k > 5),
     "score_gt": lambda s, b, h, q, k: s > 0.3,
 }
+BLOCKS = jnp.array([[0, 2, 5], [1, 1, 3], [4, 0, 2], [7, 6, 5]], jnp.int32)
+LOWRANK = jnp.linspace(-1.0, 1.0, 8 * 4, dtype=jnp.float32).reshape(8, 4)
 LEAVES = {
     "score": lambda s, b, h, q, k: s,
     "alibi": lambda s, b, h, q, k: SLOPES[h] * (k - q),
     "table": lambda s, b, h, q, k: TABLE[q - k + 8],
     "bias_b": lambda s, b, h, q, k: jnp.float32(0.5) * b,
     "const": lambda s, b, h, q, k: 1.25,
+    "block_any": lambda s, b, h, q, k: jnp.where((BLOCKS[q % 4] == k).any(), 1.0, -2.0),
+    "lowrank": lambda s, b, h, q, k: jnp.dot(LOWRANK[q], LOWRANK[7 - k]),
 }
 
 

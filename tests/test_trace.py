@@ -220,3 +220,95 @@ def test_calling_a_mod_inside_a_traced_function_gives_the_same_mod():
     softcap = scoremod.trace(lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0))
     both = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, softcap(s, b, h, q, k), -jnp.inf))
     assert str(both) == "where(q_idx >= kv_idx, tanh(score / 30.0) * 30.0, -inf)"
+
+
+# --- bit operations, erfc, reductions and dot products -------------------------
+
+_RNG = np.random.default_rng(20)
+_VEC_A = jnp.asarray(_RNG.normal(size=(2, 4, 16, 8)), jnp.float32)
+_VEC_C = jnp.asarray(_RNG.normal(size=(2, 4, 16, 8)), jnp.float32)
+_TOPK = jnp.asarray(_RNG.integers(0, 2, (2, 4, 16, 4)), bool)
+_BLOCKS = jnp.asarray(_RNG.integers(0, 4, (2, 4, 16, 3)), jnp.int32)
+_NARROW = jnp.asarray(_RNG.integers(0, 255, (16, 6)), jnp.uint8)
+
+REDUCING_MODS = {
+    "dot": lambda s, b, h, q, k: s + jnp.dot(_VEC_A[b, h, q], _VEC_C[b, h, k]),
+    "sum_of_products": lambda s, b, h, q, k: s + (_VEC_A[b, h, q] * _VEC_C[b, h, k]).sum(-1),
+    "matmul": lambda s, b, h, q, k: s + _VEC_A[b, h, q] @ _VEC_C[b, h, k],
+    "einsum": lambda s, b, h, q, k: s + jnp.einsum("r,r->", _VEC_A[b, h, q], _VEC_C[b, h, k]),
+    "any": lambda s, b, h, q, k: jnp.where(_TOPK[b, h, q // 4].any(), s, -jnp.inf),
+    "all": lambda s, b, h, q, k: jnp.where(_TOPK[b, h, q].all(), s, -1.0),
+    "block_member": lambda s, b, h, q, k: jnp.where(
+        (_BLOCKS[b, h, q, :] == k // 4).any(), s, -jnp.inf),
+    "max_min": lambda s, b, h, q, k: s + _VEC_A[b, h, q].max() - _VEC_C[b, h, k].min(),
+    "int_sum": lambda s, b, h, q, k: s + _BLOCKS[b, h, q].sum().astype(jnp.float32),
+    "int_or": lambda s, b, h, q, k: s + jnp.bitwise_or.reduce(_BLOCKS[b, h, q]).astype(
+        jnp.float32),
+    "narrow_sum": lambda s, b, h, q, k: s + _NARROW[q].sum(dtype=jnp.uint8).astype(jnp.float32)
+    + _NARROW[k].max().astype(jnp.float32),
+    "bits": lambda s, b, h, q, k: s + (((q & 5) ^ (k | 2)) + ~h).astype(jnp.float32),
+    "shifts": lambda s, b, h, q, k: s + ((q << 3) >> 2).astype(jnp.float32)
+    + jax.lax.shift_right_logical(k - q, 30).astype(jnp.float32),
+    "bool_xor": lambda s, b, h, q, k: jnp.where((q >= k) ^ (h == 1), s, -jnp.inf),
+    "gelu_exact": lambda s, b, h, q, k: jax.nn.gelu(s, approximate=False),
+    "erfc": lambda s, b, h, q, k: jax.scipy.special.erfc(s),
+}
+
+
+def _grid_points(n=96, seed=3):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.normal(0, 2, n), jnp.float32),
+            *(jnp.asarray(rng.integers(0, hi, n), jnp.int32) for hi in (2, 4, 16, 16)))
+
+
+@pytest.mark.parametrize("name", sorted(REDUCING_MODS))
+def test_new_ops_and_reductions_trace_to_jax_numpy_values(name):
+    fn = REDUCING_MODS[name]
+    mod = scoremod.trace(fn)
+    pts = _grid_points()
+    np.testing.assert_allclose(np.asarray(mod(*pts)), np.asarray(jax.vmap(fn)(*pts)),
+                               rtol=2e-6, atol=2e-6)
+    grads = jax.vmap(jax.grad(fn))(*pts)
+    np.testing.assert_allclose(np.asarray(mod.grad(*pts)), np.asarray(grads), rtol=1e-5, atol=1e-6)
+    again = scoremod.parse(str(mod), **dict(zip(mod.operand_names, mod.operands)))
+    assert again.same_ir(mod)
+
+
+def test_gelu_exact_traces_to_erfc_or_erf():
+    mod = scoremod.trace(REDUCING_MODS["gelu_exact"])
+    ops = {n.op for n in scoremod.dsl.ir.toposort(mod.expr)}
+    assert ops & {"erfc", "erf"}  # erfc since jax 0.4.2x; 1 + erf(x / sqrt 2) before
+
+
+def test_bool_xor_is_not_equal_and_int_ops_are_bitwise():
+    assert ") != (" in str(scoremod.trace(REDUCING_MODS["bool_xor"]))
+    text = str(scoremod.trace(REDUCING_MODS["bits"]))
+    assert "bitwise_and(" in text and "bitwise_xor(" in text and "invert(h)" in text
+
+
+def test_a_reduction_over_too_many_elements_is_a_clear_error():
+    wide = jnp.ones((4, 65), jnp.float32)
+    with pytest.raises(UnsupportedOpError, match=r"reduce_sum over 65 elements at .*at most 64"):
+        scoremod.trace(lambda s, b, h, q, k: s + wide[h].sum())
+    with pytest.raises(UnsupportedOpError, match=r"dot_general over 65 elements"):
+        scoremod.trace(lambda s, b, h, q, k: s + jnp.dot(wide[h], wide[0]))
+    ok = jnp.ones((4, 64), jnp.float32)
+    assert scoremod.trace(lambda s, b, h, q, k: s + ok[h].sum()) is not None
+
+
+def test_shift_right_logical_of_narrow_signed_ints_is_refused():
+    small = jnp.arange(-8, 8, dtype=jnp.int8)
+    with pytest.raises(UnsupportedOpError, match="shift_right_logical on int8"):
+        scoremod.trace(lambda s, b, h, q, k: s + jax.lax.shift_right_logical(
+            small[q], jnp.int8(1)).astype(jnp.float32))
+
+
+def test_text_form_of_the_bit_ops():
+    mod = scoremod.parse("score + f32(bitwise_xor(bitwise_and(q_idx, 3), left_shift(kv_idx, 2))"
+                         " + invert(h) + right_shift(q_idx, 1) + shift_right_logical(h, 1))")
+    again = scoremod.parse(str(mod))
+    assert again.same_ir(mod)
+    assert scoremod.parse("score + f32(bitwise_not(h))").same_ir(
+        scoremod.parse("score + f32(invert(h))"))
+    with pytest.raises(scoremod.ScoreModError, match="int32"):
+        scoremod.parse("score + f32(bitwise_and(score, 1.0))")

@@ -36,20 +36,6 @@ P = Problem(B, S, S, 4, 4, 64, 64, "bfloat16")
 
 
 
-@pytest.fixture(autouse=True)
-def _varlen_tried_automatically():
-    """These tests check the route as it will be once validated on a GPU: the
-    backend promoted to the automatic order (by default it runs by name only)."""
-    backend = registry.get("cudnn-varlen")
-    promoted = backend not in registry.backends()
-    if promoted:
-        registry.register(backend, before="cudnn")
-    yield
-    if promoted:
-        registry._BACKENDS.remove(backend)
-        registry._BY_NAME_ONLY.insert(0, backend)
-
-
 def _rec(fn, problem=P, *arrays):
     return segs.recognize(scoremod.trace(fn).expr, problem)
 
@@ -598,3 +584,34 @@ def test_refused_by_name_with_the_reason():
 def test_max_segments_must_be_positive():
     with pytest.raises(scoremod.ScoreModError, match="max_segments"):
         scoremod.LoweringOptions(max_segments=0)
+
+
+def test_known_ids_compute_their_sequences_when_traced(monkeypatch, recorder):
+    """Ids the mod closes over: the offsets are constants of the program (no
+    XLA work per call), equal to those computed in the program from the same
+    ids, and plans of other ids differ."""
+    monkeypatch.setattr(CUDNN, "why_not", lambda problem, mod, automatic: None)
+    seen = []
+
+    def call(built, inputs, out_shapes, carried):
+        seen.append(inputs[3:])
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
+
+    monkeypatch.setattr(vb, "_call", call)
+    ids = jnp.asarray(random_ids(np.random.default_rng(5), 2, 48, 3), jnp.int32)
+    mod = scoremod.trace(lambda s, b, h, q, k: jnp.where((ids[b, q] == ids[b, k]) & (q >= k), s, NEG))
+    q, k, v = _qkv(2, 48, 48, 2, 2, dtype=jnp.bfloat16)
+    problem, opts = Problem.of(q, k, v), scoremod.LoweringOptions()
+    plan = vb.CUDNN_VARLEN.plan(problem, mod, 0.125, opts, False)
+    assert plan.route == "ragged" and plan.known is not None
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: scoremod.attention(
+        q, k, v, mod, implementation="cudnn-varlen"))(q, k, v))
+    for primitive in ("cumsum", "cummax", "scatter", "sort"):
+        assert primitive not in jaxpr, primitive
+    traced = plan.ragged_inputs(plan.layout(tuple(mod.operands)))
+    for known, computed in zip(plan.known.ragged, traced):
+        np.testing.assert_array_equal(known, np.asarray(computed))
+    other = jnp.asarray(random_ids(np.random.default_rng(6), 2, 48, 3), jnp.int32)
+    other_plan = vb.CUDNN_VARLEN.plan(problem, scoremod.ScoreMod(mod.expr, (other,)), 0.125, opts,
+                                      False)
+    assert other_plan != plan

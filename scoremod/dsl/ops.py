@@ -38,6 +38,7 @@ SIGNATURES = {
     "float2": "float32, float32 → float32",
     "num": "T → T, T float32 or int32",
     "num2": "T, T → T, T float32 or int32",
+    "int": "int32 → int32",
     "int2": "int32, int32 → int32",
     "cmp": "T, T → bool, T any type",
     "where": "bool, T, T → T",
@@ -302,6 +303,13 @@ _op("erf", 1, "float", lax.erf, prims=("erf",),
         (g * (2.0 / math.sqrt(math.pi))) * apply("exp", -(y.args[0] * y.args[0])),),
     derivative="(g * 2/sqrt(pi)) * exp(-a*a)",
     spelling="`jax.scipy.special.erf`, `lax.erf`", doc="error function")
+_op("erfc", 1, "float", lax.erfc, prims=("erfc",),
+    vjp=lambda y, g: (
+        (g * (-2.0 / math.sqrt(math.pi))) * apply("exp", -(y.args[0] * y.args[0])),),
+    derivative="(g * -2/sqrt(pi)) * exp(-a*a)",
+    spelling="`jax.scipy.special.erfc`, `lax.erfc`; `jax.nn.gelu(x, approximate=False)` "
+             "traces to it",
+    doc="complementary error function, 1 - erf(x)")
 _op("floor", 1, "float", jnp.floor, prims=("floor",), vjp=ZERO, on_int=lambda x: x,
     spelling="`jnp.floor`", doc="round down (zero gradient)")
 _op("ceil", 1, "float", jnp.ceil, prims=("ceil",), vjp=ZERO, on_int=lambda x: x,
@@ -359,6 +367,32 @@ _op("or", 2, "logic", jnp.logical_or, infix="or", prec=1, prims=("or",), vjp=ZER
     spelling="`m | n`, `jnp.logical_or`", doc="logical or (`|` on booleans)")
 _op("not", 1, "logic", jnp.logical_not, prefix="not", prec=3, prims=("not",), vjp=ZERO,
     spelling="`~m`, `jnp.logical_not`", doc="logical not (`~` on booleans)")
+# Integer bitwise ops: jax.numpy's & | ^ ~ on ints (on bools they are the logic
+# ops above; the tracer tells them apart by type), and shifts as XLA defines
+# them for int32 (a shift by 32 or more, or by a negative amount, gives 0, or
+# the sign for >>).
+_op("bitwise_and", 2, "int2", _b(lax.bitwise_and), vjp=ZERO,
+    spelling="`i & j` on ints, `jnp.bitwise_and`", doc="bitwise and of int32 values")
+_op("bitwise_or", 2, "int2", _b(lax.bitwise_or), vjp=ZERO,
+    spelling="`i | j` on ints, `jnp.bitwise_or`", doc="bitwise or of int32 values")
+_op("bitwise_xor", 2, "int2", _b(lax.bitwise_xor), vjp=ZERO,
+    spelling="`i ^ j` on ints, `jnp.bitwise_xor` (`m ^ n` on bools is `m != n`)",
+    doc="bitwise exclusive or of int32 values")
+_op("invert", 1, "int", lax.bitwise_not, vjp=ZERO, aliases=("bitwise_not", "bitwise_invert"),
+    spelling="`~i` on ints, `jnp.invert`", doc="bitwise not of an int32 value (-i - 1)")
+_op("left_shift", 2, "int2", _b(lax.shift_left), prims=("shift_left",), vjp=ZERO,
+    aliases=("shift_left",),
+    spelling="`i << n`, `jnp.left_shift`",
+    doc="i shifted left by n bits (0 when n is negative or 32 or more, as XLA)")
+_op("right_shift", 2, "int2", _b(lax.shift_right_arithmetic),
+    prims=("shift_right_arithmetic",), vjp=ZERO, aliases=("shift_right_arithmetic",),
+    spelling="`i >> n`, `jnp.right_shift`",
+    doc="i shifted right by n bits, filling with the sign (arithmetic, as jnp's >> on "
+        "int32; -1 or 0 when n is negative or 32 or more)")
+_op("shift_right_logical", 2, "int2", _b(lax.shift_right_logical),
+    prims=("shift_right_logical",), vjp=ZERO,
+    spelling="`lax.shift_right_logical`",
+    doc="i shifted right by n bits, filling with zeros (0 when n is negative or 32 or more)")
 _op(WITH_GRAD, -1, "with_grad", _with_grad_ref, vjp=_with_grad_vjp,
     derivative="d_i transposed at g (d_i with tangent() replaced by g, its terms without "
                "tangent() dropped) to x_i",
@@ -427,6 +461,10 @@ def result_dtype(op: Op, args: tuple) -> str:
         if ts[0] == BOOL or any(t != ts[0] for t in ts):
             raise _type_error(op.name, args, "numbers of one type (float32 or int32)")
         return ts[0]
+    if sig == "int":
+        if ts[0] != I32:
+            raise _type_error(op.name, args, "an int32 argument")
+        return I32
     if sig == "int2":
         if any(t != I32 for t in ts):
             raise _type_error(op.name, args, "int32 arguments")

@@ -109,6 +109,16 @@ def _range_of(node: Node, r) -> tuple:
     if op == "sign":
         return (-1 if rs[0][0] < 0 else (0 if rs[0][0] == 0 else 1),
                 1 if rs[0][1] > 0 else (0 if rs[0][1] == 0 else -1))
+    if op in ("bitwise_and",) and (rs[0][0] >= 0 or rs[1][0] >= 0):
+        # and with a non-negative value clears the sign bit: within [0, that value]
+        return (0, min(hi for lo, hi in rs if lo >= 0))
+    if op in ("bitwise_or", "bitwise_xor") and rs[0][0] >= 0 and rs[1][0] >= 0:
+        top = max(rs[0][1], rs[1][1])
+        return (0, (1 << top.bit_length()) - 1)  # no bit above the larger one's top bit
+    if op == "invert":
+        return (-rs[0][1] - 1, -rs[0][0] - 1)
+    if op in ("right_shift", "shift_right_logical") and rs[0][0] >= 0:
+        return (0, rs[0][1])  # a non-negative value shifted right stays in [0, itself]
     # Division and remainder: XLA defines x / 0 (as -1) and x % 0 (as x), and
     # INT32_MIN / -1; only a non-negative dividend over a positive divisor is
     # bounded here.
@@ -235,6 +245,22 @@ def _where_known(args, attr):
 
 
 @pattern("where")
+def _where_of_bools(args, attr):
+    # A choice between booleans is logic: where(c, False, True) is not c. One
+    # spelling per value, and no bool constant is left for a lowering to read
+    # as a tensor (cuDNN selects between tensors, and has no bool constant).
+    c, a, b = args
+    if a.dtype != BOOL or (a.op != CONST and b.op != CONST):
+        return None
+    if a.op == CONST and b.op == CONST:  # where(c, True, False) and its negation
+        return c if a.attr else build("not", c)
+    if a.op == CONST:  # where(c, True, x) = c or x; where(c, False, x) = not c and x
+        return build("or", c, b) if a.attr else build("and", build("not", c), b)
+    # where(c, x, True) = not c or x; where(c, x, False) = c and x
+    return build("or", build("not", c), a) if b.attr else build("and", c, a)
+
+
+@pattern("where")
 def _floor_divide(args, attr):
     # jnp.floor_divide on ints traces to this correction of lax.div; name it.
     c, t, f = args
@@ -318,7 +344,15 @@ def _cast_to(dtype):
     return rule
 
 
-PATTERNS["f32"] = [_cast_to(F32)]
+def _cast_of_bool_cast(args, attr):
+    # f32(i32(m)) of a bool m is f32(m): both are 0 or 1 (m.astype(int) * 1.0).
+    (a,) = args
+    if a.op == "i32" and a.args[0].dtype == BOOL:
+        return build("f32", a.args[0])
+    return None
+
+
+PATTERNS["f32"] = [_cast_to(F32), _cast_of_bool_cast]
 PATTERNS["i32"] = [_cast_to(I32)]
 PATTERNS["bool"] = [_cast_to(BOOL)]
 

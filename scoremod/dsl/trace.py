@@ -51,12 +51,16 @@ _NARROW_INTS = ("int8", "uint8", "int16", "uint16")
 _NARROW_FLOATS = ("float16", "bfloat16")
 _WIDENED = {**{n: I32 for n in _NARROW_INTS}, **{n: F32 for n in _NARROW_FLOATS}}
 _COMPARISONS = set(COMPARISONS)  # op names, and the primitives of the same names
-_LAYOUT = {"copy", "copy_p", "dynamic_slice", "squeeze", "broadcast_in_dim", "reshape"}
+_LAYOUT = {"copy", "copy_p", "dynamic_slice", "slice", "squeeze", "broadcast_in_dim",
+           "reshape"}
 # Results that stay inside the narrow type's range for inputs inside it.
-_IN_RANGE = _LAYOUT | _COMPARISONS | {"select_n", "clamp", "max", "min", "sign", "rem"}
+_IN_RANGE = _LAYOUT | _COMPARISONS | {"select_n", "clamp", "max", "min", "sign", "rem",
+                                      "and", "or", "xor", "reduce_max", "reduce_min",
+                                      "reduce_or", "reduce_and"}
 # Exact on narrow floats: no rounding happens.
 _EXACT_ON_NARROW_FLOATS = _LAYOUT | _COMPARISONS | {
-    "select_n", "clamp", "max", "min", "sign", "neg", "abs", "convert_element_type"}
+    "select_n", "clamp", "max", "min", "sign", "neg", "abs", "convert_element_type",
+    "reduce_max", "reduce_min"}
 
 # Primitives that call a sub-jaxpr we inline, and the param that holds it.
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -406,6 +410,23 @@ def _dynamic_slice(t, eqn, ins, at):
     return _Lazy(sizes, at_)
 
 
+def _static_slice(t, eqn, ins, at):
+    """``x[2]``, ``x[:, 1:5]``: a static slice of a captured array."""
+    (x,) = ins
+    if not isinstance(x, _Lazy):
+        return x
+    starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
+    steps = eqn.params.get("strides") or (1,) * len(starts)
+    shape = tuple(-(-(hi - lo) // st) for lo, hi, st in zip(starts, limits, steps))
+
+    def at_(idx):
+        return x.at(tuple(apply("add", i * st if st != 1 else i, const(lo, I32))
+                          if lo or st != 1 else i
+                          for i, lo, st in zip(idx, starts, steps)))
+
+    return _Lazy(shape, at_)
+
+
 def _squeeze(t, eqn, ins, at):
     (x,) = ins
     dims = {d % len(x.shape) for d in eqn.params["dimensions"]}
@@ -454,7 +475,127 @@ def _reshape(t, eqn, ins, at):
     return _Lazy(shape, at_)
 
 
+def _bitwise(logic, bitwise):
+    """jax's and/or/not/xor primitives: logic on bools, bitwise on ints."""
+    def handler(t, eqn, ins, at):
+        dtype = np.dtype(eqn.outvars[0].aval.dtype).name
+        return t.elementwise(logic if dtype == "bool" else bitwise, ins)
+
+    return handler
+
+
+def _shift_right_logical(t, eqn, ins, at):
+    dtype = np.dtype(eqn.outvars[0].aval.dtype).name
+    if dtype in ("int8", "int16"):  # zeros shift in at bit 8 or 16, not at bit 32
+        raise UnsupportedOpError(
+            f"shift_right_logical on {dtype} at {at}: a score_mod computes in int32; convert "
+            "to a wider type first (x.astype(jnp.int32)) and mask the bits you need")
+    return t.elementwise("shift_right_logical", ins)
+
+
+# Reductions over a static axis are unrolled into a chain of the binary op, so
+# the IR stays scalar; beyond this many elements the mod is refused (the IR
+# and every cuDNN graph would grow with it).
+MAX_REDUCTION = 64
+_REDUCE = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min",
+           "reduce_or": "or", "reduce_and": "and"}
+
+
+def _positions(shape, axes):
+    """Every index tuple over ``axes`` of ``shape``, in row-major order."""
+    grid = [()]
+    for ax in axes:
+        grid = [g + (i,) for g in grid for i in range(shape[ax])]
+    return grid
+
+
+def _check_reduction(prim, count, at):
+    if count > MAX_REDUCTION:
+        raise UnsupportedOpError(
+            f"{prim} over {count} elements at {at}: a score_mod reduces at most "
+            f"{MAX_REDUCTION} elements (the reduction is unrolled into the expression); "
+            "compute the reduction outside the mod and pass the result as an array")
+
+
+def _reduce(t, eqn, ins, at):
+    prim = eqn.primitive.name
+    (x,) = ins
+    dtype = np.dtype(eqn.outvars[0].aval.dtype).name
+    op = _REDUCE[prim]
+    if op in ("or", "and") and dtype != "bool":
+        op = "bitwise_" + op
+    if not isinstance(x, _Lazy):  # a scalar (reduced over no axis)
+        return x
+    axes = tuple(sorted(int(a) % len(x.shape) for a in eqn.params["axes"]))
+    kept = tuple(d for d in range(len(x.shape)) if d not in axes)
+    count = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
+    _check_reduction(prim, count, at)
+
+    def at_(idx):
+        out = None
+        for pos in _positions(x.shape, axes):
+            full, it, red = [], iter(idx), iter(pos)
+            for d in range(len(x.shape)):
+                full.append(const(next(red), I32) if d in axes else next(it))
+            v = x.at(tuple(full))
+            out = v if out is None else apply(op, out, v)
+        return out
+
+    if not kept:
+        return at_(())
+    return _Lazy(tuple(x.shape[d] for d in kept), at_)
+
+
+def _dot_general(t, eqn, ins, at):
+    """A dot product (jnp.dot, @, einsum) unrolled: a sum of products."""
+    lhs, rhs = ins
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lshape = lhs.shape if isinstance(lhs, _Lazy) else ()
+    rshape = rhs.shape if isinstance(rhs, _Lazy) else ()
+    count = int(np.prod([lshape[a] for a in lc], dtype=np.int64))
+    _check_reduction("dot_general", count, at)
+    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
+    out_shape = (tuple(lshape[d] for d in lb) + tuple(lshape[d] for d in lfree)
+                 + tuple(rshape[d] for d in rfree))
+
+    def elem(x, idx):
+        return x.at(tuple(idx)) if isinstance(x, _Lazy) else x
+
+    def at_(idx):
+        idx = list(idx)
+        nb, nl = len(lb), len(lfree)
+        batch, li, ri = idx[:nb], idx[nb:nb + nl], idx[nb + nl:]
+        out = None
+        for pos in _positions(lshape, lc):
+            lidx, ridx = [None] * len(lshape), [None] * len(rshape)
+            for d, i in zip(lb, batch):
+                lidx[d] = i
+            for d, i in zip(rb, batch):
+                ridx[d] = i
+            for d, i in zip(lfree, li):
+                lidx[d] = i
+            for d, i in zip(rfree, ri):
+                ridx[d] = i
+            for d, dr, p in zip(lc, rc, pos):
+                lidx[d] = ridx[dr] = const(p, I32)
+            term = apply("mul", elem(lhs, lidx), elem(rhs, ridx))
+            out = term if out is None else apply("add", out, term)
+        return out
+
+    if not out_shape:
+        return at_(())
+    return _Lazy(out_shape, at_)
+
+
 _SPECIAL = {
+    "and": _bitwise("and", "bitwise_and"),
+    "or": _bitwise("or", "bitwise_or"),
+    "xor": _bitwise("ne", "bitwise_xor"),  # on bools, m ^ n is m != n
+    "not": _bitwise("not", "invert"),
+    "shift_right_logical": _shift_right_logical,
+    **{prim: _reduce for prim in _REDUCE},
+    "dot_general": _dot_general,
     "div": _div,
     "integer_pow": _integer_pow,
     "square": _square,
@@ -464,6 +605,7 @@ _SPECIAL = {
     "copy": _identity,
     "copy_p": _identity,
     "dynamic_slice": _dynamic_slice,
+    "slice": _static_slice,
     "squeeze": _squeeze,
     "broadcast_in_dim": _broadcast_in_dim,
     "reshape": _reshape,

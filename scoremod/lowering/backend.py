@@ -111,13 +111,13 @@ def run(backend: Backend, plan, q, k, v, operands, *, problem, options, return_l
     was made with) let it plan the same call on other shapes."""
     if backend.differentiable:
         return backend.forward(plan, q, k, v, operands)
-    if _forward_mode((q, k, v, operands)):
+    if forward_mode((q, k, v, operands)):
         return _forward_mode_fallback(backend, fallback, q, k, v, operands)
     static = _Static(backend, plan, fallback, problem, options, bool(return_lse))
     return _fused(static, q, k, v, operands)
 
 
-def _forward_mode(arrays) -> bool:
+def forward_mode(arrays) -> bool:
     """Whether ``arrays`` carry forward-mode tangents (``jax.jvp`` traces this call).
 
     JAX has no public test for it; its JVP tracer type is the one that says so

@@ -2,9 +2,9 @@
 
     >>> from scoremod.lowering import registry
     >>> registry.names()
-    ('cudnn', 'xla', 'cudnn-varlen')
+    ('cudnn-varlen', 'cudnn', 'xla', 'pallas')
     >>> [b.name for b in registry.backends()]
-    ['cudnn', 'xla']
+    ['cudnn-varlen', 'cudnn', 'xla']
     >>> registry.get("reference").name
     'xla'
 
@@ -22,6 +22,7 @@ from scoremod.errors import ScoreModError
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn.backend import CUDNN
 from scoremod.lowering.cudnn_varlen.backend import CUDNN_VARLEN
+from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.reference import REFERENCE
 
 
@@ -30,11 +31,11 @@ class UnknownImplementationError(ScoreModError, ValueError):
     """``implementation=`` names no registered backend."""
 
 
-_BACKENDS: list = [CUDNN, REFERENCE]  # tried in this order; the reference path runs anywhere
-# Not yet validated on a GPU: by name only. cudnn-varlen's GPU tests have not
-# passed (on the H200 every call routed by lax.cond failed; fixed since, not
-# re-run); promote it with register(get("cudnn-varlen"), before="cudnn").
-_BY_NAME_ONLY: list = [CUDNN_VARLEN]
+# Tried in this order; the reference path runs anywhere. cudnn-varlen declines
+# every mod that is not a segment mask, so it goes before the dense cuDNN path.
+_BACKENDS: list = [CUDNN_VARLEN, CUDNN, REFERENCE]
+# Not yet validated on a GPU: by name only, until tests/gpu/test_pallas_gpu.py passes.
+_BY_NAME_ONLY: list = [PALLAS]
 _ALIASES = {"reference": "xla"}
 _WARNED: set = set()
 

@@ -66,6 +66,11 @@ def check(mod, dtype=jnp.bfloat16, b=2, sq=128, skv=192, hq=4, hkv=2, d=64, scal
 
 S = jnp.float32
 
+# Key blocks of 64 each query block of 64 sees (2 x 4 heads x 2 query blocks x 2 of 3
+# key blocks), as top-k block masks store them.
+_TOPK_BLOCKS = jnp.asarray(np.random.default_rng(0).permutation(3)[None, None, None, :2]
+                           * np.ones((2, 4, 2, 1), np.int32), jnp.int32)
+
 # One mod per op of the table the fused path runs (the score kept in range).
 OP_MODS = {
     "add": lambda s, b, h, q, k: s + 0.5,
@@ -113,6 +118,16 @@ OP_MODS = {
     "load": lambda s, b, h, q, k: s + jnp.asarray([0.5, -0.5, 1.0, 0.0])[h] * 1.0,
     "identity": lambda s, b, h, q, k: s,
     "constant": lambda s, b, h, q, k: 0.01 * (k - q) * 1.0,
+    "erfc": lambda s, b, h, q, k: 2.0 * jax.scipy.special.erfc(s),
+    "gelu_exact": lambda s, b, h, q, k: jax.nn.gelu(s, approximate=False),
+    # integer bit operations: computed ahead by XLA (materialized), never in the graph
+    "bitwise": lambda s, b, h, q, k: jnp.where(((q ^ k) & 7) != 3, s, -jnp.inf),
+    "invert_or": lambda s, b, h, q, k: jnp.where(((~q) & 3) == ((k | 4) & 3), s, -jnp.inf),
+    "shifts": lambda s, b, h, q, k: s + 0.01 * (((q << 1) >> 2) - jax.lax.shift_right_logical(
+        k, 2)).astype(jnp.float32),
+    # a reduction over a captured array's static axis (unrolled), a top-k block mask
+    "block_any": lambda s, b, h, q, k: jnp.where(
+        (_TOPK_BLOCKS[b, h, q // 64, :] == k // 64).any(), s, -jnp.inf),
 }
 
 

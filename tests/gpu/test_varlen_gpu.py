@@ -39,8 +39,9 @@ def _ragged_only(mod, q, k, v, do, options):
     plan = vb.CUDNN_VARLEN.plan(Problem.of(q, k, v), mod, 1 / np.sqrt(q.shape[-1]), options, True)
     assert plan.segments is not None, plan.describe()
     layout = plan.layout(mod.operands)
-    o, lse = vb._forward(plan, q, k, v, layout)
-    return (o, lse) + tuple(vb._backward(plan, q, k, v, o, lse, do, layout)), layout.ok
+    ragged = plan.ragged_inputs(layout)
+    o, lse = vb._forward(plan, q, k, v, ragged, layout.covered_q)
+    return (o, lse) + tuple(vb._backward(plan, q, k, v, o, lse, do, ragged)), layout.ok
 
 
 def _errors(got, want):

@@ -25,7 +25,7 @@ from scoremod.dsl.ir import (BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, 
 from scoremod.dsl.ops import COMPARISONS, WITH_GRAD, apply
 from scoremod.dsl.rewrite import int_range
 from scoremod.dsl.text import format_expr
-from scoremod.errors import UnsupportedOpError
+from scoremod.errors import ScoreModError, UnsupportedOpError
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE, nonneg_int_pair
 
 SCORE = ir.var(ir.SCORE)
@@ -79,8 +79,9 @@ def check_supported(expr: Node, sources: dict) -> None:
                                           if n.op == WITH_GRAD})
     backward = _fold_nan_tests(vjp(expr, DP))
     nodes = ir.toposort(forward, backward, stop=lambda n: n.op == LOAD)
+    ahead = computed_ahead(forward) | computed_ahead(backward)
     for node in nodes:
-        why = refusal(node)
+        why = refusal(node) if node not in ahead else None
         if node.op == LOAD and any(score in ir.depends_on(i, score) for i in node.args[1:]):
             why = ("it indexes an array with a value computed from the score; the fused path "
                    "reads arrays at positions known before the kernel runs")
@@ -91,6 +92,17 @@ def check_supported(expr: Node, sources: dict) -> None:
                 f"{' at ' + where if where else ''}: {why}. Use implementation=\"xla\" for this "
                 "mod, or implementation=None to pick it automatically."
             )
+    try:  # what passes the checks must have canonical forms: refuse, never crash later
+        forward_and_backward(expr)
+    except UnsupportedOpError:
+        raise
+    except ScoreModError as e:
+        raise UnsupportedOpError(
+            f"the fused cuDNN path could not put `{format_expr(expr)}` into the form it "
+            f"lowers ({e}); this is a scoremod bug, please report it. Use "
+            "implementation=\"xla\" for this mod, or implementation=None to pick it "
+            "automatically."
+        ) from e
 
 
 def _nearest_source(node, root, sources):
@@ -115,9 +127,27 @@ def _pow_chain(x, n):
     return out
 
 
+def _one_minus_square_of(a: Node, b: Node) -> Node | None:
+    """``t`` where ``a * b`` is ``(t + 1) * (-t + 1)`` (in either order), else None."""
+    for x, y in ((a, b), (b, a)):
+        if (x.op == "add" and is_const(x.args[1], 1.0) and y.op == "add"
+                and is_const(y.args[1], 1.0) and y.args[0].op == "neg"
+                and y.args[0].args[0] is x.args[0]):
+            return x.args[0]
+    return None
+
+
 def _rewrite(node: Node, args: tuple) -> Node:
     """One node, arguments already canonical."""
     op = node.op
+    if op == "mul" and node.dtype == F32:
+        # tanh's derivative, JAX's (1 + t)(1 - t), as 1 - t*t: one cuDNN node
+        # fewer in the backward (softcap + causal fwd+bwd at seq 4096 ran 6%
+        # slower on the H200 with the longer form); the two differ by float32
+        # rounding only where |t| is near 1.
+        t = _one_minus_square_of(*args)
+        if t is not None:
+            return apply("add", apply("neg", apply("mul", t, t)), const(1.0, F32))
     if op == "sub" and args[0].op == CONST and args[1].op != CONST:
         return apply("add", apply("neg", args[1]), args[0])
     if op == "div" and args[0].op == CONST and args[1].op != CONST:
@@ -165,8 +195,15 @@ def _rewrite(node: Node, args: tuple) -> Node:
 
 
 def const_tensor(c: Node) -> Node:
-    """A float constant as a tensor: score * 0 + c (the score is finite)."""
-    return Node("mul", (SCORE, const(0.0, F32)), None, F32) + c
+    """A constant as a tensor: score * 0 + c for a float (the score is finite),
+    q_idx * 0 + c for an int, and a comparison of q_idx * 0 with 0 for a bool
+    (cuDNN selects between tensors; a pass-by-value scalar has no bool type)."""
+    if c.dtype == F32:
+        return Node("mul", (SCORE, const(0.0, F32)), None, F32) + c
+    zero = Node("mul", (ir.var("q_idx"), const(0, I32)), None, I32)
+    if c.dtype == I32:
+        return zero if c.attr == 0 else Node("add", (zero, c), None, I32)
+    return Node("eq" if c.attr else "ne", (zero, const(0, I32)), None, BOOL)
 
 
 # --- masks that read arrays ----------------------------------------------------
@@ -184,12 +221,36 @@ def materialize(expr: Node) -> Node:
     return Node(MATERIALIZE, (expr,), None, expr.dtype)
 
 
-def _depends_on_loads(root):
-    dep = set()
-    for node in ir.toposort(root):
-        if node.op == LOAD or any(a in dep for a in node.args):
-            dep.add(node)
-    return dep
+def computed_ahead(root) -> set:
+    """The values of ``root`` that XLA can compute before the kernel and cuDNN
+    would have to read as tensors: those that depend on neither the score nor
+    dP (nor a derivative's tangent) and read an array, or use an op the
+    table refuses (integer bit operations, lax.rem of signed values, float
+    comparisons of positions), or use such a value. cuDNN refuses comparisons
+    on values read from tensors, so these reach the graph only inside a
+    ``materialize``; an op cuDNN lacks then never needs to run in it."""
+    live, ahead = set(), set()
+    for node in ir.toposort(root, stop=lambda n: n.op in INPUT_TENSORS):
+        if (node.op == VAR and node.attr in (ir.SCORE, ir.COTANGENT)) or node.op == "tangent" \
+                or any(a in live for a in node.args):
+            live.add(node)
+        elif node.op in INPUT_TENSORS or any(a in ahead for a in node.args) \
+                or refusal(node) is not None:
+            ahead.add(node)
+    return ahead
+
+
+# A float value computed from more array reads than this is one materialized
+# tensor rather than that many input tensors of the graph (a low-rank bias
+# written as a sum of products, when it is not folded into the head dim).
+MAX_GRAPH_READS = 8
+
+
+def _reads(node, memo):
+    if node not in memo:
+        memo[node] = (frozenset((node,)) if node.op == LOAD
+                      else frozenset().union(*(_reads(a, memo) for a in node.args)))
+    return memo[node]
 
 
 def _fold_nan_tests(root: Node) -> Node:
@@ -210,16 +271,20 @@ def _fold_nan_tests(root: Node) -> Node:
 
 def _lift_data_masks(root: Node) -> Node:
     root = _fold_nan_tests(root)
-    data = _depends_on_loads(root)
+    data = computed_ahead(root)
     zero, one, ninf = const(0.0, F32), const(1.0, F32), const(float("-inf"), F32)
-    done = {}
+    done, reads = {}, {}
     # Materialized values are already lifted: canonical form is a fixed point.
     for node in ir.toposort(root, stop=lambda n: n.op == MATERIALIZE):
         if node.op in (VAR, CONST, OPERAND) + INPUT_TENSORS:
             done[node] = node
             continue
         args = tuple(done[a] for a in node.args)
-        if node.op == "where" and node.dtype == F32 and node.args[0] in data:
+        if node in data and node.dtype == F32 and (
+                refusal(node) is not None or len(_reads(node, reads)) > MAX_GRAPH_READS
+                or node.op == "where"):  # a choice of the positions alone: computed exactly
+            done[node] = materialize(node)
+        elif node.op == "where" and node.dtype == F32 and node.args[0] in data:
             c, (x, y) = node.args[0], args[1:]
             if is_const(y) and y.attr == float("-inf"):
                 done[node] = x + materialize(apply("where", c, zero, ninf))

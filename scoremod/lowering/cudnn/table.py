@@ -76,6 +76,10 @@ def _cmp(name):
     return _node(name, emit)
 
 
+# cuDNN's pointwise modes (cudnn-frontend's PointwiseMode_t) have logical
+# and/or/not on booleans and no bitwise or shift operation on integers.
+_NO_BITWISE = ("cuDNN's pointwise modes have no bitwise or shift operation on integers "
+               "(only logical and/or/not on booleans)")
 _INTEGER_DIVISION = "integer division rounding toward zero has no cuDNN node"
 
 TABLE = {
@@ -98,6 +102,10 @@ TABLE = {
     "tan": _pointwise("tan"),
     "atan": Entry(refusal="atan has no cuDNN node (its pointwise modes have tan, no arctangent)"),
     "erf": _pointwise("erf"),
+    # cuDNN has ERF and no ERFC: 1 - erf(x) is within 2**-24 of erfc(x) (absolute; the
+    # relative error grows where erfc(x) is tiny, x > 3), as float32 holds 1 - erf.
+    "erfc": Entry(rewrite="1 - erf(x), absolute error below 1e-7",
+                  spell=lambda x: -apply("erf", x) + 1.0),
     "floor": _pointwise("floor"),
     "ceil": _pointwise("ceil"),
     "relu": _pointwise("relu"),
@@ -118,7 +126,9 @@ TABLE = {
                    lambda g, a: g.binary_select(input0=a[1], input1=a[2], mask=a[0])),
     "f32": _pointwise("identity"),
     "i32": dataclasses.replace(
-        _pointwise("identity"), refused_if=_of_float,
+        # i32(floor(x)) converts an integral value, exactly (the floordiv rewrite emits it)
+        _pointwise("identity"),
+        refused_if=lambda n: _of_float(n) and n.args[0].op not in ("floor", "ceil"),
         refusal="converting a float to an integer has no exact cuDNN node"),
     "integer_pow": Entry(rewrite="a chain of multiplications (its reciprocal when negative)"),
     "log1p": Entry(rewrite="log(x + 1)", spell=lambda x: apply("log", x + 1.0)),
@@ -136,6 +146,9 @@ TABLE = {
     "rem": Entry(rewrite="non-negative ints: mod", refusal="lax.rem has no cuDNN node",
                  refused_if=lambda n: not nonneg_int_pair(n)),
     "sign": Entry(refusal="sign has no cuDNN node"),
+    **{op: Entry(refusal=_NO_BITWISE) for op in (
+        "bitwise_and", "bitwise_or", "bitwise_xor", "invert", "left_shift", "right_shift",
+        "shift_right_logical")},
     "bool": Entry(refusal="converting to bool has no cuDNN node; compare instead (x != 0)",
                   refused_if=_of_float),
     WITH_GRAD: Entry(rewrite="its value in the forward graph; its partials, with tangent() "

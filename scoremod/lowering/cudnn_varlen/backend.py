@@ -17,7 +17,9 @@ The choice is a ``lax.cond`` in the forward (two nested ones when the first
 check says no) and the same one, recomputed from the ids, in the backward;
 where the ids are constants of the traced program (arrays the mod closes
 over, outside any transformation that traces them) it is made once, when
-the call is traced, and the program holds one route only.
+the call is traced, and the program holds one route only; on the ragged
+route the sequences' offsets are computed then too, and the program reads
+them as constants (no XLA work per call besides the kernels).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scoremod import kernels_ffi
 from scoremod.dsl.scoremod import ScoreMod
@@ -43,6 +46,26 @@ from scoremod.options import LoweringOptions
 INT32_MAX = 2**31 - 1
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class KnownLayout:
+    """The sequences of ids known when the call was traced, as NumPy arrays;
+    equal (and hashed) by their bytes, so plans of other ids differ."""
+
+    ragged: tuple  # lay.Ragged's arrays
+    covered_q: object  # [B, Sq] bool, or None
+
+    @functools.cached_property
+    def _key(self):
+        arrays = self.ragged + (() if self.covered_q is None else (self.covered_q,))
+        return tuple((a.dtype.str, a.shape, a.tobytes()) for a in arrays)
+
+    def __eq__(self, other):
+        return isinstance(other, KnownLayout) and self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+
 @dataclasses.dataclass(frozen=True)
 class VarlenPlan:
     """The static part of a call: the mod, its segments (None: the varlen route
@@ -57,6 +80,9 @@ class VarlenPlan:
     # "ragged" or "dense" when the ids were known when the call was traced (arrays
     # the mod closes over): decided then, no cond; None: decided per call.
     route: str | None = None
+    # With route "ragged": the sequences of those ids, computed when traced, so the
+    # program only reads them (no XLA work per call). None: computed in the program.
+    known: "KnownLayout | None" = None
 
     @property
     def spec(self) -> RaggedSpec:
@@ -81,6 +107,15 @@ class VarlenPlan:
         (``graph.RAGGED_UIDS``): the ragged offsets per layout, then the lengths."""
         s = self.shape
         return list(lay.ragged(layout, s.b, s.sq, s.skv, s.hq, s.hkv, s.d, s.dv))
+
+    def sequences(self, operands):
+        """(ragged inputs, covered query tokens or None) of this call: the ones
+        computed when traced if the ids were known then, else computed now."""
+        if self.known is not None:
+            return [jnp.asarray(a) for a in self.known.ragged], (
+                None if self.known.covered_q is None else jnp.asarray(self.known.covered_q))
+        layout = self.layout(operands)
+        return self.ragged_inputs(layout), layout.covered_q
 
     def forward_graph(self):
         return cg.cached(("varlen-forward", self.spec), lambda: build_forward(self.spec, self.describe))
@@ -123,23 +158,34 @@ class CudnnVarlen(Backend):
         # The ids are constants of the program being traced: decide the route now.
         with jax.ensure_compile_time_eval():  # computed now, even inside a jit trace
             known = tuple(jnp.asarray(v) for v in values)
-            ragged = bool(plan.layout(known).ok) or (plan.segments.self_attention and bool(
+            layout = plan.layout(known)
+            ragged = bool(layout.ok) or (plan.segments.self_attention and bool(
                 lay.runs_are_documents(plan.segments, dict(zip(plan.mod.operand_names, known)),
                                        problem.b, problem.sq, plan.max_segments)))
-        return dataclasses.replace(plan, route="ragged" if ragged else "dense")
+            if not ragged:
+                return dataclasses.replace(plan, route="dense")
+            fixed = KnownLayout(tuple(np.asarray(a) for a in plan.ragged_inputs(layout)),
+                                None if layout.covered_q is None else np.asarray(layout.covered_q))
+        return dataclasses.replace(plan, route="ragged", known=fixed)
 
     def forward(self, plan, q, k, v, operands):
         if plan.segments is None:
             return CUDNN.forward(plan.dense, q, k, v, operands)
+        if plan.known is not None:
+            return _forward(plan, q, k, v, *plan.sequences(operands))
         layout = plan.layout(operands)
-        return _choose(plan, layout, operands, lambda: _forward(plan, q, k, v, layout),
+        return _choose(plan, layout, operands,
+                       lambda: _forward(plan, q, k, v, plan.ragged_inputs(layout), layout.covered_q),
                        lambda: CUDNN.forward(plan.dense, q, k, v, operands))
 
     def backward(self, plan, q, k, v, o, lse, do, operands):
         if plan.segments is None:
             return CUDNN.backward(plan.dense, q, k, v, o, lse, do, operands)
+        if plan.known is not None:
+            return _backward(plan, q, k, v, o, lse, do, plan.sequences(operands)[0])
         layout = plan.layout(operands)
-        return _choose(plan, layout, operands, lambda: _backward(plan, q, k, v, o, lse, do, layout),
+        return _choose(plan, layout, operands,
+                       lambda: _backward(plan, q, k, v, o, lse, do, plan.ragged_inputs(layout)),
                        lambda: CUDNN.backward(plan.dense, q, k, v, o, lse, do, operands))
 
 
@@ -164,29 +210,24 @@ def _choose(plan, layout, operands, ragged, dense):
     return jax.lax.cond(layout.ok, ragged, other)
 
 
-def _ragged(plan, layout):
-    return plan.ragged_inputs(layout)
-
-
-def _forward(plan, q, k, v, layout):
+def _forward(plan, q, k, v, ragged, covered_q):
     s = plan.shape
     out = [jax.ShapeDtypeStruct(q.shape[:3] + (s.dv,), q.dtype),
            jax.ShapeDtypeStruct((s.b, s.sq, s.hq), jnp.float32)]  # token-major stats
     carried = (jnp.zeros(out[0].shape, out[0].dtype),) if plan.segments.pads_tokens else ()
-    o, stats = _call(plan.forward_graph(), [q, k, v, *_ragged(plan, layout)], out, carried)
+    o, stats = _call(plan.forward_graph(), [q, k, v, *ragged], out, carried)
     lse = jnp.swapaxes(stats, 1, 2)
-    if layout.covered_q is not None:  # tokens of no sequence: fully masked rows
-        lse = jnp.where(layout.covered_q[:, None, :], lse, -jnp.inf)
+    if covered_q is not None:  # tokens of no sequence: fully masked rows
+        lse = jnp.where(covered_q[:, None, :], lse, -jnp.inf)
     return o, lse
 
 
-def _backward(plan, q, k, v, o, lse, do, layout):
+def _backward(plan, q, k, v, o, lse, do, ragged):
     out = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     # Rows and keys of no sequence are never written: they start (and stay) zero.
     carried = tuple(jnp.zeros(x.shape, x.dtype) for x in out) if plan.segments.pads_tokens else ()
     stats = jnp.swapaxes(lse, 1, 2)
-    return tuple(_call(plan.backward_graph(), [q, k, v, o, do, stats, *_ragged(plan, layout)],
-                       out, carried))
+    return tuple(_call(plan.backward_graph(), [q, k, v, o, do, stats, *ragged], out, carried))
 
 
 def _call(built, inputs, out_shapes, carried):

@@ -1,0 +1,266 @@
+"""Block-sparse Pallas kernels generated from the IR, as a backend.
+
+The mod is compiled into three Pallas kernels (``kernels``): a forward that
+visits the tiles a :class:`~scoremod.lowering.blocks.BlockMap` lists, and a
+FlashAttention-2 backward (one kernel for dK and dV, one for dQ) that visits
+the same tiles. The mod and its derivatives are evaluated on each score tile
+by ``codegen``, so any mod of the op table runs, with integer index math,
+float comparisons and captured arrays (gathers from small tables included),
+and its gradients reach the captured float arrays too.
+
+The forward is a ``jax.custom_vjp`` whose backward runs the backward
+kernels: JAX differentiates the backend's forward itself (``differentiable``),
+so ``jax.grad``, ``jax.jit``, ``jax.checkpoint`` and ``jax.vmap`` (Pallas
+batches its calls) work as for any JAX function. The kernels run with Pallas's
+Triton lowering on NVIDIA GPUs, and in Pallas's interpret mode elsewhere (as
+slow as it sounds: for tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scoremod import device
+from scoremod.dsl import ir
+from scoremod.dsl.scoremod import ScoreMod
+from scoremod.errors import ScoreModError
+from scoremod.lowering import blocks
+from scoremod.lowering.backend import Backend, forward_mode
+from scoremod.lowering.pallas import codegen, kernels
+from scoremod.lowering.problem import Problem
+
+DTYPES = ("float16", "bfloat16", "float32")
+HEAD_DIMS = (64, 128)
+# A captured array whose gradient is computed has one partial row per
+# (batch, query head, key block): arrays up to this many elements (a
+# relative-position table, per-head slopes, a scalar), not score-sized ones.
+MAX_GRADIENT_ELEMENTS = 1 << 16
+
+
+def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> blocks.BlockMap:
+    """Every tile: right for any mod."""
+    del operands
+    return blocks.dense_block_map(sq=problem.sq, skv=problem.skv, block_q=block_q,
+                                  block_kv=block_kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasPlan:
+    """The static description of one call (hashable)."""
+
+    mod: ScoreMod | None  # the expression only: operand values travel beside it
+    scale: float
+    return_lse: bool
+    problem: Problem
+    forward_blocks: tuple  # (block_q, block_kv)
+    backward_blocks: tuple
+    num_warps: tuple  # (forward, backward)
+    num_stages: int
+    interpret: bool
+    # (problem, block_q, block_kv, operand values by name) -> BlockMap; the
+    # tiles to visit. A map that leaves out a tile with an unmasked score is wrong.
+    block_map: object = dense_map
+
+    def spec(self, blocks_, warps) -> kernels.KernelSpec:
+        p = self.problem
+        return kernels.KernelSpec(
+            expr=None if self.mod is None else self.mod.expr,
+            operand_names=() if self.mod is None else self.mod.operand_names,
+            scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
+            block_q=blocks_[0], block_kv=blocks_[1], num_warps=warps,
+            num_stages=self.num_stages, interpret=self.interpret)
+
+    def describe(self):
+        what = "plain attention" if self.mod is None else f"score_mod `{self.mod}`"
+        return (f"{what} as block-sparse Pallas kernels (forward tiles {self.forward_blocks}, "
+                f"backward tiles {self.backward_blocks}"
+                f"{', interpret mode' if self.interpret else ''})")
+
+
+class Pallas(Backend):
+    name = "pallas"
+    title = "the Pallas block-sparse kernels"
+    differentiable = True  # a custom_vjp inside: JAX differentiates forward()
+    operand_gradients = True
+    partitioned = False
+    hint = "Use implementation=\"xla\", or implementation=None to choose automatically."
+
+    def present(self):
+        return device.current().family is not None
+
+    def why_not(self, problem, mod, automatic):
+        if mod is not None:
+            why = codegen.refusal(mod.expr, mod.sources)
+            if why:
+                return why
+        if problem.dtype not in DTYPES:
+            return f"it takes float16, bfloat16 or float32 inputs, got {problem.dtype}"
+        if problem.d not in HEAD_DIMS or problem.dv not in HEAD_DIMS:
+            return (f"its kernels are built for head dims {' and '.join(map(str, HEAD_DIMS))}, "
+                    f"got {problem.d} (queries, keys) and {problem.dv} (values)")
+        platform = device.current().platform
+        if platform == "gpu" and device.current().family is None:
+            return "Pallas's Triton lowering needs an NVIDIA GPU"
+        if automatic and platform != "gpu":
+            return "off a GPU the kernels run in Pallas's interpret mode (slow); ask by name"
+        return None
+
+    def plan(self, problem, mod, scale, options, return_lse):
+        interpret = device.current().platform != "gpu"
+        fwd = (options.pallas_block_q, options.pallas_block_kv)
+        bwd = (options.pallas_backward_block_q, options.pallas_backward_block_kv)
+        warps = options.pallas_num_warps
+        if warps is None:  # wide head dims hold bigger tiles: more warps to share them
+            big = max(problem.d, problem.dv) > 64
+            warps = (8 if big else 4, 8 if big else 4)
+        else:
+            warps = (warps, warps)
+        return PallasPlan(None if mod is None else ScoreMod(mod.expr), float(scale),
+                          bool(return_lse), problem, fwd, bwd, warps, options.pallas_num_stages,
+                          interpret)
+
+    def forward(self, plan, q, k, v, operands):
+        if forward_mode((q, k, v, operands)):
+            raise self.error(
+                f"{self.title} compute reverse-mode gradients only (jax.grad, jax.vjp), not "
+                "forward-mode ones (jax.jvp); use implementation=\"xla\" for jax.jvp")
+        o, lse = _attend(plan, q, k, v, tuple(operands))
+        return o, (lse if plan.return_lse else None)
+
+    def backward(self, plan, q, k, v, o, lse, do, operands):
+        dq, dk, dv, _ = _backward(plan, q, k, v, o, lse, do, jnp.zeros_like(lse), operands, ())
+        return dq, dk, dv
+
+
+PALLAS = Pallas()
+
+
+# --------------------------------------------------------------------------- #
+
+
+def _pad(x, axis, to):
+    extra = to - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _padded(n, block):
+    return blocks.num_blocks(n, block) * block
+
+
+def _kernel_operands(plan, operands):
+    if plan.mod is None:
+        return ()
+    return tuple(codegen.kernel_operand(x, node)
+                 for x, node in zip(operands, plan.mod.operand_nodes))
+
+
+def _map(plan, blocks_, operands):
+    named = dict(zip(plan.mod.operand_names, operands)) if plan.mod is not None else {}
+    return plan.block_map(plan.problem, blocks_[0], blocks_[1], named)
+
+
+def _forward(plan, q, k, v, operands):
+    p = plan.problem
+    bq, bk = plan.forward_blocks
+    spec = plan.spec(plan.forward_blocks, plan.num_warps[0])
+    bmap = _map(plan, plan.forward_blocks, operands)
+    sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
+    o, lse = kernels.forward(spec, bmap, _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv),
+                             _kernel_operands(plan, operands))
+    return o[:, :p.sq], lse[:, :, :p.sq]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(plan, q, k, v, operands):
+    return _forward(plan, q, k, v, operands)
+
+
+def _attend_fwd(plan, q, k, v, operands):
+    wanted = tuple(x.perturbed for x in operands)
+    q, k, v = q.value, k.value, v.value
+    operands = tuple(x.value for x in operands)
+    o, lse = _forward(plan, q, k, v, operands)
+    # Which operands want a gradient, as the residuals' structure (None: not wanted).
+    marks = tuple(jnp.zeros((), jnp.int8) if w else None for w in wanted)
+    return (o, lse), (q, k, v, o, lse, operands, marks)
+
+
+def _attend_bwd(plan, res, cts):
+    from jax.custom_derivatives import SymbolicZero
+
+    q, k, v, o, lse, operands, marks = res
+    do, dlse = cts
+    if isinstance(do, SymbolicZero):
+        do = jnp.zeros(o.shape, o.dtype)
+    if isinstance(dlse, SymbolicZero):
+        dlse = jnp.zeros(lse.shape, lse.dtype)
+    wanted = tuple(name for name, m in zip(_names(plan), marks) if m is not None)
+    dq, dk, dv, grads = _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted)
+    return dq, dk, dv, tuple(grads.get(name) for name in _names(plan))
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
+
+
+def _names(plan):
+    return plan.mod.operand_names if plan.mod is not None else ()
+
+
+def _learned(plan, operands, wanted) -> dict:
+    """Name -> element count of the float operands whose gradient is computed."""
+    out = {}
+    for name, node, x in zip(_names(plan), plan.mod.operand_nodes if plan.mod else (), operands):
+        if name not in wanted or node.dtype != ir.F32:
+            continue
+        size = math.prod(node.attr[1])
+        if size > MAX_GRADIENT_ELEMENTS:
+            raise ScoreModError(
+                f"implementation=\"pallas\" computes gradients of captured arrays of at most "
+                f"{MAX_GRADIENT_ELEMENTS} elements (one partial per batch, head and key block); "
+                f"{name} has {size}. Use implementation=\"xla\" to learn it, or wrap it in "
+                "jax.lax.stop_gradient to keep it fixed.")
+        out[name] = size
+    return out
+
+
+def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
+    """dQ, dK, dV and {operand name: gradient} (those in ``wanted`` that are float)."""
+    p = plan.problem
+    bq, bk = plan.backward_blocks
+    spec = plan.spec(plan.backward_blocks, plan.num_warps[1])
+    bmap = _map(plan, plan.backward_blocks, operands)
+    sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
+    f32 = jnp.float32
+    # D = rowsum(dO * O) - dLSE: LSE's gradient dLSE * P joins dS = P * (dP - D).
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(f32), o.astype(f32)) - dlse.astype(f32)
+    delta = jnp.where(jnp.isfinite(lse), delta, 0.0)
+    lse_p = _pad(lse, 2, sq)
+    if sq != p.sq:  # padded rows: LSE -inf, P = 0
+        lse_p = lse_p.at[:, :, p.sq:].set(-jnp.inf)
+    qp, kp, vp = _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv)
+    dop, deltap = _pad(do, 1, sq), _pad(delta, 2, sq)
+    kops = _kernel_operands(plan, operands)
+    sizes = _learned(plan, operands, wanted)
+    dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
+    dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, sizes)
+    g = p.hq // p.hkv
+
+    def per_kv_head(x, like):  # sum the query heads of each group, in float32
+        b, s, _, d = x.shape
+        return x.reshape(b, s, p.hkv, g, d).sum(3)[:, :p.skv].astype(like.dtype)
+
+    grads = {}
+    for name, node, x in zip(_names(plan), plan.mod.operand_nodes if plan.mod else (), operands):
+        if name in parts:
+            grads[name] = parts[name].sum((0, 1, 2)).reshape(node.attr[1]).astype(x.dtype)
+    return dq[:, :p.sq], per_kv_head(dk, k), per_kv_head(dv, v), grads

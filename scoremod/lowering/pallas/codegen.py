@@ -1,0 +1,162 @@
+"""The IR as jax.numpy on one score tile, inside a Pallas kernel.
+
+A kernel program holds one ``[block_q, block_kv]`` tile of scores. The mod
+is evaluated on it with each op's own jax.numpy implementation (its op-table
+entry), so the kernel computes what the reference path computes: ``q_idx``
+is a ``[block_q, 1]`` iota plus the tile's first row, ``kv_idx`` a
+``[1, block_kv]`` iota plus its first column, ``b`` and ``h`` the program's
+scalars. A captured array is read from a flat copy in the kernel's memory:
+each index is clamped into range (as the reference path's loads are) and the
+element gathered, so a table indexed by a computed index (``bias[kv_idx -
+q_idx + 127]``) costs a gather from a small table, never an S x S tensor.
+
+The backward expressions come from ``dsl.grad``: the derivative of the mod
+with respect to the score, and to the value of each read of a float array
+(what becomes that array's gradient), both in the cotangent ``dP``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from scoremod.dsl import ir
+from scoremod.dsl.grad import vjp
+from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, OPS, VAR
+from scoremod.dsl.text import format_expr
+
+_JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
+
+# Ops whose jax.numpy implementation reaches a primitive that Pallas's Triton
+# lowering has no rule for (jax 0.11.2; tests/test_pallas.py lowers every op of
+# the table through it and checks that exactly these fail).
+NOT_LOWERABLE = {
+    "erf": "Pallas's Triton lowering has no rule for erf (lax.erf_p)",
+}
+
+
+def _round_half_away(x):
+    """lax.round (halves away from zero) without its primitive: the fraction
+    ``x - trunc(x)`` of a float is exact, so the comparison decides exactly."""
+    t = jnp.sign(x) * jnp.floor(jnp.abs(x))
+    return t + jnp.where(jnp.abs(x - t) >= 0.5, jnp.sign(x), 0.0)
+
+
+def _floordiv(a, b):
+    """jnp.floor_divide, written with ops the Triton lowering has: on floats
+    jax.numpy ends in lax.round, which it lacks (the same steps, round spelled out)."""
+    if jnp.issubdtype(jnp.result_type(a), jnp.integer):
+        return jnp.floor_divide(a, b)
+    mod = lax.rem(*jnp.broadcast_arrays(a, b))
+    div = jnp.where(b == 0, a, a - mod) / b
+    fix = jnp.logical_and(mod != 0, jnp.sign(b) != jnp.sign(mod))
+    return _round_half_away(jnp.where(fix, div - 1.0, div))
+
+
+# Ops evaluated on tiles by another jax.numpy spelling of the same function.
+TILE_RULES = {"floordiv": _floordiv}
+
+# The layout every captured array has in a kernel: one flat array of one of
+# these dtypes (the IR computes floats in float32 and indices in int32).
+KERNEL_DTYPE = {F32: np.float32, I32: np.int32, BOOL: np.int32}
+
+
+def kernel_operand(value, node):
+    """``value`` of operand ``node`` as the kernel reads it: flat, float32 or int32."""
+    return jnp.ravel(jnp.asarray(value)).astype(KERNEL_DTYPE[node.dtype])
+
+
+def refusal(expr, sources) -> str | None:
+    """Why the Pallas kernels cannot evaluate ``expr`` or its derivatives (a
+    sentence naming the op and where it was written), or None."""
+    for node in ir.toposort(*all_expressions(expr)):
+        why = NOT_LOWERABLE.get(node.op)
+        if node.op == MATERIALIZE:
+            why = "materialized values are a cuDNN lowering's, not a mod's"
+        if why:
+            where = sources.get(node) or _nearest_source(node, expr, sources)
+            return (f"it cannot run `{node.op}` in `{format_expr(node)}`"
+                    f"{' at ' + where if where else ''}: {why}")
+    return None
+
+
+def _nearest_source(node, root, sources):
+    for parent in ir.toposort(root):
+        if node in parent.args and parent in sources:
+            return sources[parent]
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Derivatives:
+    """The backward expressions of a mod, in the cotangent ``dP`` of its output.
+
+    ``score``: d(mod)/d(score) times dP. ``loads``: per read of a float
+    captured array (a LOAD node), the cotangent of the value it read: summed
+    over the tile at the clamped index, that read's share of the array's gradient."""
+
+    score: ir.Node
+    loads: tuple  # ((load node, cotangent expression), ...)
+
+
+def derivatives(expr) -> Derivatives:
+    dp = ir.cotangent()
+    loads = tuple((n, vjp(expr, dp, wrt=n)) for n in ir.toposort(expr)
+                  if n.op == LOAD and n.dtype == F32)
+    return Derivatives(vjp(expr, dp), loads)
+
+
+def all_expressions(expr) -> tuple:
+    d = derivatives(expr)
+    return (expr, d.score) + tuple(ct for _, ct in d.loads)
+
+
+def flat_index(node, idx):
+    """The clamped, flattened position a LOAD ``node`` reads, given its index values."""
+    shape = node.args[0].attr[1]
+    flat = jnp.int32(0)
+    stride = 1
+    for i, n in reversed(list(zip(idx, shape))):
+        flat = flat + jnp.clip(jnp.asarray(i, jnp.int32), 0, n - 1) * stride
+        stride *= n
+    return flat
+
+
+def evaluate_tile(roots, inputs: dict, refs: dict):
+    """Values of ``roots`` on a tile.
+
+    ``inputs``: arrays for the variables (``score``, ``b``, ``h``, ``q_idx``,
+    ``kv_idx``, and ``dP`` for backward expressions), broadcastable to the tile;
+    ``refs``: operand name -> the Pallas ref of its flat kernel copy."""
+    vals = {}
+    for node in ir.toposort(*roots):
+        if node.op == CONST:
+            vals[node] = jnp.asarray(node.attr, _JNP_DTYPE[node.dtype])
+        elif node.op == VAR:
+            vals[node] = inputs[node.attr]
+        elif node.op == OPERAND:
+            continue
+        elif node.op == LOAD:
+            flat = flat_index(node, [vals[a] for a in node.args[1:]])
+            vals[node] = gather(refs[node.args[0].attr[0]], flat, node.dtype)
+        elif node.op in TILE_RULES:
+            vals[node] = TILE_RULES[node.op](*[vals[a] for a in node.args])
+        else:
+            vals[node] = OPS[node.op].evaluate([vals[a] for a in node.args], node.attr)
+    return [vals[r] for r in roots]
+
+
+def gather(ref, flat, dtype):
+    """``ref[flat]`` for a scalar or an array of positions, as IR type ``dtype``."""
+    shape = jnp.shape(flat)
+    if len(shape) < 2:  # the Triton lowering gathers with 2-D positions
+        flat = jnp.broadcast_to(flat, (1,) * (2 - len(shape)) + shape)
+    out = ref[flat]
+    if len(shape) < 2:
+        out = out.reshape(shape) if shape else out[0, 0]
+    if dtype == BOOL:
+        return out != 0
+    return out.astype(_JNP_DTYPE[dtype])

@@ -1,0 +1,371 @@
+"""The Pallas kernels: a block-sparse forward, and the FA2 backward (dK/dV, dQ).
+
+Every kernel visits only the tiles a :class:`~scoremod.lowering.blocks.BlockMap`
+lists: the forward and the dQ kernel run one program per (batch, query head,
+query block) and loop over that query block's key blocks; the dK/dV kernel
+runs one program per (batch, query head, key block) and loops over its query
+blocks. Block ids are read from the map inside the loop (its length is the
+count the map gives), and the key or query tile is a dynamic slice of the
+whole sequence that the program holds.
+
+Scores are float32: ``s = scale * q.k``, then the mod (``codegen``), then an
+online softmax (forward) or ``P = exp(mod(s) - LSE)`` (backward). The
+backward computes ``dS = P * (dP - D)`` with ``D = rowsum(dO * O) - dLSE``
+computed ahead by XLA, and the score's gradient through the mod's symbolic
+derivative (``dsl.grad``).
+
+Gradients of captured float arrays: in the dK/dV kernel, each program adds
+the cotangent of every read of an array, summed over the tile entries that
+read one element, into its own row of a partial array ``[B, Hq, key blocks,
+elements]``; XLA sums the rows. No atomics: the result is the same bit for
+bit on every run.
+
+Sequences are padded to whole blocks by the caller; entries past the real
+lengths are masked (never seen by the softmax, never given a gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from scoremod.dsl import ir
+from scoremod.lowering.pallas import codegen
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Everything static about the kernels of one call (hashable)."""
+
+    expr: object  # the mod's IR node, or None for plain attention
+    operand_names: tuple  # in the order the operand arrays are passed
+    scale: float
+    sq: int  # real lengths (the arrays are padded to whole blocks)
+    skv: int
+    groups: int  # query heads per key/value head
+    block_q: int
+    block_kv: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+    @property
+    def derivatives(self):
+        return _derivatives(self.expr)
+
+
+@functools.lru_cache(maxsize=256)
+def _derivatives(expr):
+    return codegen.derivatives(expr)
+
+
+def _compiler_params(spec):
+    if spec.interpret:
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    params = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+    return params(num_warps=spec.num_warps, num_stages=spec.num_stages)
+
+
+def _full():
+    """The whole array in every program."""
+    return pl.BlockSpec()
+
+
+def _last_first(axis):
+    """The block of a grid axis that runs over blocks in reverse: under a causal
+    mask the last query blocks have the most tiles, and starting them first
+    shortens the tail. Grid axis 0 is the one the GPU launches fastest, so
+    consecutive programs share a (batch, head) and its keys in L2."""
+    return pl.num_programs(axis) - 1 - pl.program_id(axis)
+
+
+def _map_index(counts_ref, b, h):
+    """(batch, head) into a BlockMap whose leading axes may be 1 (shared)."""
+    bm, hm = counts_ref.shape[0], counts_ref.shape[1]
+    return (b if bm > 1 else 0), (h if hm > 1 else 0)
+
+
+def _dot(a, b, trans_a=False, trans_b=False):
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _scores(spec, q, k, b, h, q0, k0, refs):
+    """The modded float32 score tile of rows q0.. and keys k0.., and the
+    inputs the mod was evaluated on (for its derivatives)."""
+    bq, bk = q.shape[0], k.shape[0]
+    s = _dot(q, k, trans_b=True) * jnp.float32(spec.scale)
+    q_idx = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    kv_idx = k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    inputs = {"score": s, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
+    if spec.expr is not None:
+        (s,) = codegen.evaluate_tile([spec.expr], inputs, refs)
+        s = jnp.broadcast_to(s.astype(jnp.float32), (bq, bk))
+    valid = _valid(spec, q_idx, kv_idx)
+    if valid is not None:
+        s = jnp.where(valid, s, NEG_INF)
+    return s, inputs, valid
+
+
+def _valid(spec, q_idx, kv_idx):
+    """Where the tile is inside the real sequences (None: everywhere, no padding)."""
+    masks = []
+    if spec.sq % spec.block_q:
+        masks.append(q_idx < spec.sq)
+    if spec.skv % spec.block_kv:
+        masks.append(kv_idx < spec.skv)
+    if not masks:
+        return None
+    out = masks[0]
+    for m in masks[1:]:
+        out = jnp.logical_and(out, m)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# forward
+
+
+def _forward_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, *rest, spec):
+    n_ops = len(spec.operand_names)
+    refs = dict(zip(spec.operand_names, rest[:n_ops]))
+    o_ref, lse_ref = rest[n_ops:]
+    i, b, h = _last_first(0), pl.program_id(1), pl.program_id(2)
+    mb, mh = _map_index(counts_ref, b, h)
+    bq, bk = spec.block_q, spec.block_kv
+    q = q_ref[...]
+    dv = v_ref.shape[-1]
+
+    def body(j, carry):
+        acc, m, l = carry
+        start = pl.multiple_of(blocks_ref[mb, mh, i, j] * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        s, _, _ = _scores(spec, q, k, b, h, i * bq, start, refs)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row masked so far adds nothing
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    init = (jnp.zeros((bq, dv), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, counts_ref[mb, mh, i], body, init)
+    empty = l == 0.0  # every score of the row masked: output 0, LSE -inf
+    safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(o_ref.dtype)
+    m_safe = jnp.where(m == NEG_INF, 0.0, m)
+    lse_ref[...] = jnp.where(empty, NEG_INF, m_safe + jnp.log(safe))
+
+
+def forward(spec: KernelSpec, bmap, q, k, v, operands):
+    """O [B, Sq, Hq, Dv] (q's dtype) and LSE [B, Hq, Sq] (float32) on padded arrays."""
+    b, sq, hq, d = q.shape
+    skv, dv = k.shape[1], v.shape[-1]
+    bq, bk, g = spec.block_q, spec.block_kv, spec.groups
+    nq = sq // bq
+    last = nq - 1  # the grid's first axis runs over query blocks, last first
+    in_specs = [
+        _full(), _full(),
+        pl.BlockSpec((None, bq, None, d), lambda x, bi, hi: (bi, last - x, hi, 0)),
+        pl.BlockSpec((None, skv, None, d), lambda x, bi, hi: (bi, 0, hi // g, 0)),
+        pl.BlockSpec((None, skv, None, dv), lambda x, bi, hi: (bi, 0, hi // g, 0)),
+    ] + [_full() for _ in operands]
+    out_specs = [
+        pl.BlockSpec((None, bq, None, dv), lambda x, bi, hi: (bi, last - x, hi, 0)),
+        pl.BlockSpec((None, None, bq), lambda x, bi, hi: (bi, hi, last - x)),
+    ]
+    out_shape = [jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)]
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, spec=spec),
+        grid=(nq, b, hq), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=_compiler_params(spec), interpret=spec.interpret,
+        name="scoremod_pallas_forward",
+    )(bmap.q_counts, bmap.q_blocks, q, k, v, *operands)
+
+
+# --------------------------------------------------------------------------- #
+# backward
+
+
+def _tile_gradients(spec, q, k, v, do, lse, delta, b, h, q0, k0, refs):
+    """``P``, the cotangent of the modded scores ``dS``, the score's gradient
+    (times the scale: q.k's), and the tile inputs, of one tile."""
+    s, inputs, valid = _scores(spec, q, k, b, h, q0, k0, refs)
+    finite = lse != NEG_INF  # a fully masked row has P = 0 (and LSE -inf)
+    p = jnp.where(finite[:, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, None]), 0.0)
+    if valid is not None:
+        p = jnp.where(valid, p, 0.0)
+    dp = _dot(do, v, trans_b=True)
+    ds = p * (dp - delta[:, None])
+    if spec.expr is None:
+        dscore = ds
+    else:
+        inputs = dict(inputs, dP=ds)
+        (dscore,) = codegen.evaluate_tile([spec.derivatives.score], inputs, refs)
+        dscore = jnp.broadcast_to(dscore.astype(jnp.float32), ds.shape)
+    return p, ds, dscore * jnp.float32(spec.scale), inputs
+
+
+def _dkdv_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
+                 spec, grad_operands):
+    n_ops = len(spec.operand_names)
+    refs = dict(zip(spec.operand_names, rest[:n_ops]))
+    n_parts = len(grad_operands)
+    parts_in = rest[n_ops:n_ops + n_parts]
+    dk_ref, dv_ref = rest[n_ops + n_parts:n_ops + n_parts + 2]
+    parts = dict(zip(grad_operands, rest[n_ops + n_parts + 2:]))
+    del parts_in  # aliased to the outputs ``parts``: zeros to add into
+    j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    mb, mh = _map_index(counts_ref, b, h)
+    bq, bk = spec.block_q, spec.block_kv
+    k, v = k_ref[...], v_ref[...]
+    loads = [(node, ct) for node, ct in spec.derivatives.loads
+             if node.args[0].attr[0] in parts] if spec.expr is not None else []
+
+    def body(t, carry):
+        dk, dv = carry
+        start = pl.multiple_of(blocks_ref[mb, mh, j, t] * bq, bq)
+        rows = pl.ds(start, bq)
+        q, do = q_ref[rows, :], do_ref[rows, :]
+        p, ds, dscore, inputs = _tile_gradients(spec, q, k, v, do, lse_ref[rows],
+                                                delta_ref[rows], b, h, start, j * bk, refs)
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+        dk = dk + _dot(dscore.astype(q.dtype), q, trans_a=True)
+        if loads:
+            _add_operand_gradients(loads, inputs, refs, parts, (bq, bk))
+        return dk, dv
+
+    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = lax.fori_loop(0, counts_ref[mb, mh, j], body, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _add_operand_gradients(loads, inputs, refs, parts, shape):
+    """Adds each read's cotangent, summed per element read, into this program's partial row."""
+    roots = [ct for _, ct in loads]
+    for node, _ in loads:
+        roots += node.args[1:]
+    values = codegen.evaluate_tile(roots, inputs, refs)
+    cts, at = values[:len(loads)], len(loads)
+    for (node, _), ct in zip(loads, cts):
+        n = len(node.args) - 1
+        flat = codegen.flat_index(node, values[at:at + n])
+        at += n
+        part = parts[node.args[0].attr[0]]
+        idx = jnp.broadcast_to(flat, shape)
+        ct = jnp.broadcast_to(ct.astype(jnp.float32), shape)
+
+        def add(e, carry, idx=idx, ct=ct, part=part):
+            total = jnp.sum(jnp.where(idx == e, ct, 0.0))
+            part[pl.ds(e, 1)] = part[pl.ds(e, 1)] + jnp.broadcast_to(total, (1,))
+            return carry
+
+        lax.fori_loop(jnp.min(idx), jnp.max(idx) + 1, add, None)
+
+
+def dkdv(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands, grad_sizes: dict):
+    """Per query head dK, dV [B, Skv, Hq, D] (float32), and per float operand to
+    learn a partial gradient [B, Hq, key blocks, elements] (float32)."""
+    b, sq, hq, d = q.shape
+    skv, dv_ = k.shape[1], v.shape[-1]
+    bq, bk, g = spec.block_q, spec.block_kv, spec.groups
+    nk = skv // bk
+    names = tuple(grad_sizes)
+    row = lambda ki, bi, hi: (bi, 0, hi, 0)  # noqa: E731
+    in_specs = [
+        _full(), _full(),
+        pl.BlockSpec((None, sq, None, d), row),
+        pl.BlockSpec((None, bk, None, d), lambda ki, bi, hi: (bi, ki, hi // g, 0)),
+        pl.BlockSpec((None, bk, None, dv_), lambda ki, bi, hi: (bi, ki, hi // g, 0)),
+        pl.BlockSpec((None, sq, None, dv_), row),
+        pl.BlockSpec((None, None, sq), lambda ki, bi, hi: (bi, hi, 0)),
+        pl.BlockSpec((None, None, sq), lambda ki, bi, hi: (bi, hi, 0)),
+    ] + [_full() for _ in operands]
+    part_shapes = [jax.ShapeDtypeStruct((b, hq, nk, grad_sizes[n]), jnp.float32) for n in names]
+    part_spec = lambda n: pl.BlockSpec((None, None, None, grad_sizes[n]),  # noqa: E731
+                                       lambda ki, bi, hi: (bi, hi, ki, 0))
+    in_specs += [part_spec(n) for n in names]
+    out_specs = [
+        pl.BlockSpec((None, bk, None, d), lambda ki, bi, hi: (bi, ki, hi, 0)),
+        pl.BlockSpec((None, bk, None, dv_), lambda ki, bi, hi: (bi, ki, hi, 0)),
+    ] + [part_spec(n) for n in names]
+    out_shape = [jax.ShapeDtypeStruct((b, skv, hq, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, skv, hq, dv_), jnp.float32)] + part_shapes
+    first_part = 8 + len(operands)
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in part_shapes]
+    outs = pl.pallas_call(
+        functools.partial(_dkdv_kernel, spec=spec, grad_operands=names),
+        grid=(nk, b, hq), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases={first_part + i: 2 + i for i in range(len(names))},
+        compiler_params=_compiler_params(spec), interpret=spec.interpret,
+        name="scoremod_pallas_dkdv",
+    )(bmap.kv_counts, bmap.kv_blocks, q, k, v, do, lse, delta, *operands, *zeros)
+    return outs[0], outs[1], dict(zip(names, outs[2:]))
+
+
+def _dq_kernel(counts_ref, blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
+               spec):
+    n_ops = len(spec.operand_names)
+    refs = dict(zip(spec.operand_names, rest[:n_ops]))
+    (dq_ref,) = rest[n_ops:]
+    i, b, h = _last_first(0), pl.program_id(1), pl.program_id(2)
+    mb, mh = _map_index(counts_ref, b, h)
+    bq, bk = spec.block_q, spec.block_kv
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+
+    def body(t, dq):
+        start = pl.multiple_of(blocks_ref[mb, mh, i, t] * bk, bk)
+        cols = pl.ds(start, bk)
+        k, v = k_ref[cols, :], v_ref[cols, :]
+        _, _, dscore, _ = _tile_gradients(spec, q, k, v, do, lse, delta, b, h, i * bq, start,
+                                          refs)
+        return dq + _dot(dscore.astype(k.dtype), k)
+
+    dq = lax.fori_loop(0, counts_ref[mb, mh, i], body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def dq(spec: KernelSpec, bmap, q, k, v, do, lse, delta, operands):
+    """dQ [B, Sq, Hq, D] in q's dtype."""
+    b, sq, hq, d = q.shape
+    skv, dv_ = k.shape[1], v.shape[-1]
+    bq, g = spec.block_q, spec.groups
+    nq = sq // bq
+    last = nq - 1  # the grid's first axis runs over query blocks, last first
+    rows = lambda x, bi, hi: (bi, last - x, hi, 0)  # noqa: E731
+    in_specs = [
+        _full(), _full(),
+        pl.BlockSpec((None, bq, None, d), rows),
+        pl.BlockSpec((None, skv, None, d), lambda x, bi, hi: (bi, 0, hi // g, 0)),
+        pl.BlockSpec((None, skv, None, dv_), lambda x, bi, hi: (bi, 0, hi // g, 0)),
+        pl.BlockSpec((None, bq, None, dv_), rows),
+        pl.BlockSpec((None, None, bq), lambda x, bi, hi: (bi, hi, last - x)),
+        pl.BlockSpec((None, None, bq), lambda x, bi, hi: (bi, hi, last - x)),
+    ] + [_full() for _ in operands]
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, spec=spec),
+        grid=(nq, b, hq), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, bq, None, d), rows),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compiler_params(spec), interpret=spec.interpret,
+        name="scoremod_pallas_dq",
+    )(bmap.q_counts, bmap.q_blocks, q, k, v, do, lse, delta, *operands)
+
+
+def uses_operand(expr, name) -> bool:
+    return any(n.op == ir.OPERAND and n.attr[0] == name for n in ir.toposort(expr))

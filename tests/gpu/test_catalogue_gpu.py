@@ -1,0 +1,53 @@
+"""The catalogue (tests/catalogue) fused on a GPU, forward and backward.
+
+Each attention-gym mod at its GPU shape (bfloat16, head dim 128) runs with
+``implementation=None`` (which must choose the fused path) and by name,
+``implementation="cudnn"``; O, LSE, dQ, dK and dV match the reference path
+within test_fused's tolerances. The plan on this GPU has the catalogue's
+verdict, and a mod whose verdict materializes nothing allocates no
+[.., Sq, Skv] tensor.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import scoremod
+from scoremod import device
+from tests.catalogue.mods import CATALOGUE
+from tests.catalogue.verdict import materialized, plan_of, spans_scores, verdict
+from tests.gpu.test_fused import TOL, _inputs, _rel_err, _run
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIM = 128
+DTYPE = jax.numpy.bfloat16
+
+
+def _params():
+    return [pytest.param(n, marks=pytest.mark.xfail(
+        strict=True, reason=f"needs {e.needs}: issue 20's ops")) if e.needs else n
+            for n, e in CATALOGUE.items()]
+
+
+@pytest.mark.parametrize("name", _params())
+def test_catalogue_mod_fused_matches_the_reference(name):
+    entry = CATALOGUE[name]
+    shape = entry.gpu
+    mod = scoremod.trace(entry.build(entry.env(shape)))
+    q, k, v, do = _inputs(shape.b, shape.sq, shape.skv, shape.h, shape.h, HEAD_DIM, DTYPE)
+
+    sms = device.current().sm_count
+    assert verdict(mod, shape, HEAD_DIM, sms) == entry.verdict
+    if "materialized" not in entry.verdict:
+        tensors = materialized(plan_of(mod, shape, HEAD_DIM, sms))
+        assert not any(spans_scores(dims) for dims, _ in tensors), tensors
+    assert scoremod.which_implementation(q, k, v, mod).implementation == "cudnn"
+
+    want = jax.jit(lambda *a: _run("xla", mod, *a))(q, k, v, do)
+    for implementation in (None, "cudnn"):
+        got = jax.jit(lambda *a: _run(implementation, mod, *a))(q, k, v, do)
+        errs = {n: _rel_err(g, w) for n, g, w in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)}
+        for what, err in errs.items():
+            assert np.isfinite(err) and err < TOL[DTYPE], (
+                f"{implementation}: {what} off by {err:.3g} (all: {errs})")

@@ -1,0 +1,123 @@
+"""The Pallas backend on a GPU (Pallas's Triton lowering) against the reference path.
+
+The CPU tests (tests/test_pallas.py) run the same kernels in interpret mode;
+these compile them with Triton: every case of tests/pallas_cases.py (masks,
+modifiers, gathers from tables, learned arrays and scalars, fully masked
+rows) forward and backward, on the map that skips masked tiles and on the
+dense one, in bfloat16 and float16, head dims 64 and 128, grouped-query heads,
+Sq != Skv and lengths that are not whole tiles; then every op of the table.
+Errors are relative to each result's largest magnitude (printed with -s).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scoremod
+from scoremod.dsl.scoremod import ScoreMod
+from scoremod.lowering.pallas import codegen
+from scoremod.lowering.pallas.backend import PALLAS
+from scoremod.lowering.problem import Problem
+from scoremod.lowering.reference import REFERENCE
+from tests import pallas_cases as pc
+from tests.test_pallas import TABLE_OPS, _examples
+
+pytestmark = pytest.mark.gpu
+
+TOL = {jnp.bfloat16: 3e-2, jnp.float16: 1e-2, jnp.float32: 1e-3}
+OPERAND_TOL = 5e-2  # an operand's gradient sums every score's share, with cancellation
+OPTIONS = scoremod.LoweringOptions()  # the Hopper defaults: 128x64 forward, 64x64 backward
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not validated on a GPU.*")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        yield
+
+
+def _check(got, want, dtype):
+    errs = pc.relative_errors(got, want)
+    print(errs)
+    bad = {k: e for k, e in errs.items()
+           if not e <= (OPERAND_TOL if k.startswith("d_operand") else TOL[dtype])}
+    assert not bad, f"errors {errs}"
+
+
+def test_plan_is_compiled():
+    """On a GPU the kernels compile with Triton, not interpret mode."""
+    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    assert not PALLAS.plan(Problem.of(q, q, q), None, 0.125, OPTIONS, False).interpret
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", sorted(pc.CASES))
+def test_cases(case, d, dtype):
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=d, dtype=dtype)
+    got, want = pc.both(case, q, k, v, do, OPTIONS, skip=True)
+    _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("case", ["softcap", "relative_bias", "document", "masked_rows"])
+def test_dense_map(case):
+    q, k, v, do = pc.inputs(b=2, sq=256, skv=384, hq=4, hkv=1, d=128, dtype=jnp.bfloat16)
+    got, want = pc.both(case, q, k, v, do, OPTIONS, skip=False)
+    _check(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [dict(sq=128, skv=1024, hq=8, hkv=1),
+                                   dict(sq=1000, skv=200, hq=2, hkv=2),
+                                   dict(sq=256, skv=256, hq=4, hkv=4, d=128, dv=64)],
+                         ids=["mqa-short-q", "long-q", "d128-dv64"])
+def test_shapes(shape):
+    q, k, v, do = pc.inputs(b=1, dtype=jnp.bfloat16, **shape)
+    got, want = pc.both("alibi", q, k, v, do, OPTIONS, skip=True)
+    _check(got, want, jnp.bfloat16)
+
+
+def test_deterministic():
+    q, k, v, do = pc.inputs(b=2, sq=256, skv=256, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)
+    runs = [pc.both("relative_bias", q, k, v, do, OPTIONS, skip=True)[0] for _ in range(2)]
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
+def test_through_attention():
+    """implementation="pallas" under jit + grad, operand gradients included."""
+    q, k, v, do = pc.inputs(b=2, sq=256, skv=256, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+
+    def loss(impl, q, k, v, slopes):
+        mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h] * (ki - qi), -jnp.inf)
+        o = scoremod.attention(q, k, v, mod, implementation=impl)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = jax.jit(jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3)))(
+        f32(q), f32(k), f32(v), slopes)
+    got = jax.jit(jax.grad(lambda *a: loss("pallas", *a), argnums=(0, 1, 2, 3)))(q, k, v, slopes)
+    for name, a, b in zip(("dQ", "dK", "dV", "dslopes"), got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        err = np.max(np.abs(a - b)) / np.max(np.abs(b))
+        assert err < (OPERAND_TOL if name == "dslopes" else 3e-2), (name, err)
+
+
+@pytest.mark.parametrize("name", TABLE_OPS)
+def test_op_table(name):
+    """Every op of the table (those the backend does not refuse), compiled by
+    Triton, forward and backward, in float32 inputs (IEEE float32 dots)."""
+    if name in codegen.NOT_LOWERABLE:
+        pytest.skip(f"refused: {codegen.NOT_LOWERABLE[name]}")
+    q, k, v, do = pc.inputs(b=1, sq=128, skv=128, hq=2, hkv=1, d=64, dtype=jnp.float32)
+    for expr in _examples(name):
+        mod = ScoreMod(expr)
+        assert PALLAS.why_not(Problem.of(q, k, v), mod, automatic=False) is None
+        got = pc.run(PALLAS, pc.pallas_plan(mod, q, k, v, OPTIONS), q, k, v, do, ())
+        ref = REFERENCE.plan(Problem.of(q, k, v), mod, 0.125, OPTIONS, True)
+        want = pc.run(REFERENCE, ref, q, k, v, do, ())
+        _check(got, want, jnp.float32)

@@ -1,0 +1,216 @@
+"""Mods, inputs, block maps and comparisons shared by the Pallas backend's CPU
+(interpret mode) and GPU (Triton) tests; the reference path is the oracle.
+
+Each case is a function ``(hq, sq, skv) -> (mod_fn, operands)``: ``mod_fn``
+takes the operand values as its trailing arguments (so gradients reach them)
+and ``operands`` are float32/int32 arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import scoremod
+from scoremod.lowering.blocks import BlockMap
+from scoremod.lowering.pallas.backend import PALLAS
+from scoremod.lowering.problem import Problem
+from scoremod.lowering.reference import REFERENCE
+
+NEG = -jnp.inf
+
+
+def softcap(hq, sq, skv):
+    return (lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0)), ()
+
+
+def causal(hq, sq, skv):
+    return (lambda s, b, h, q, k: jnp.where(q >= k, s, NEG)), ()
+
+
+def softcap_causal(hq, sq, skv):
+    return (lambda s, b, h, q, k: jnp.where(q >= k, 20.0 * jnp.tanh(s / 20.0), NEG)), ()
+
+
+def sliding_window(hq, sq, skv):
+    return (lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 24), s, NEG)), ()
+
+
+def alibi(hq, sq, skv):
+    slopes = jnp.asarray([2.0 ** -(i + 1) for i in range(hq)], jnp.float32)
+    return (lambda s, b, h, q, k, sl: jnp.where(q >= k, s + sl[h] * (k - q), NEG)), (slopes,)
+
+
+def relative_bias(hq, sq, skv):
+    # A table per head, gathered at a computed index (the relative position).
+    n = 2 * 64 - 1
+    table = jnp.asarray(np.random.default_rng(3).normal(size=(hq, n)), jnp.float32)
+    return (lambda s, b, h, q, k, t: s + t[h, jnp.clip(k - q + 63, 0, n - 1)]), (table,)
+
+
+def learnable_softcap(hq, sq, skv):
+    cap = jnp.asarray(15.0, jnp.float32)
+    return (lambda s, b, h, q, k, c: c * jnp.tanh(s / c)), (cap,)
+
+
+def document(hq, sq, skv):
+    # Per-batch document ids (int32): attention within a document, causal.
+    rng = np.random.default_rng(5)
+    n = max(sq, skv)
+    ids = np.sort(rng.integers(0, 4, size=(2, n)), axis=1).astype(np.int32)
+    return (lambda s, b, h, q, k, d: jnp.where((d[b, q] == d[b, k]) & (q >= k), s, NEG)), \
+        (jnp.asarray(ids),)
+
+
+def float_compare(hq, sq, skv):
+    # Comparisons on floats (the score) and a float modulo.
+    return (lambda s, b, h, q, k: jnp.where(s > 0.25, s, jnp.where(s < -1.0, 0.5 * s,
+                                                                     s % 0.75))), ()
+
+
+def masked_rows(hq, sq, skv):
+    # Rows 0..20 see no key at all (output 0, LSE -inf), the rest causal.
+    return (lambda s, b, h, q, k: jnp.where((q > 20) & (q >= k), s, NEG)), ()
+
+
+CASES = {f.__name__: f for f in (softcap, causal, softcap_causal, sliding_window, alibi,
+                                  relative_bias, learnable_softcap, document, float_compare,
+                                  masked_rows)}
+
+
+def inputs(b=2, sq=80, skv=72, hq=4, hkv=2, d=64, dv=None, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    dv = d if dv is None else dv
+    q = jax.random.normal(keys[0], (b, sq, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (b, skv, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (b, skv, hkv, dv), jnp.float32).astype(dtype)
+    do = jax.random.normal(keys[3], (b, sq, hq, dv), jnp.float32).astype(dtype)
+    return q, k, v, do
+
+
+def traced(case, q, k):
+    """(ScoreMod, operand values) of ``case`` at the shapes of q and k."""
+    fn, operands = CASES[case](q.shape[2], q.shape[1], k.shape[1])
+    mod = scoremod.trace(lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, *operands))
+    return mod, tuple(mod.operands)
+
+
+def mask_block_map(mod, operands, problem, block_q, block_kv) -> BlockMap:
+    """The exact tiles to visit: those where the mod leaves some score finite
+    (evaluated by the reference path on every entry, score 0), per batch."""
+    bound = mod.bind(**dict(zip(mod.operand_names, operands))) if operands else mod
+    bi = np.arange(problem.b)[:, None, None, None]
+    hi = np.arange(problem.hq)[None, :, None, None]
+    qi = np.arange(problem.sq)[None, None, :, None]
+    ki = np.arange(problem.skv)[None, None, None, :]
+    shape = (problem.b, problem.hq, problem.sq, problem.skv)
+    live = np.isfinite(np.broadcast_to(np.asarray(bound(jnp.zeros(()), bi, hi, qi, ki)), shape))
+    return map_from_mask(live, block_q, block_kv)
+
+
+def map_from_mask(live, block_q, block_kv) -> BlockMap:
+    """A BlockMap visiting the tiles of ``live`` [B, H, Sq, Skv] with any True entry."""
+    b, h, sq, skv = live.shape
+    nq, nk = -(-sq // block_q), -(-skv // block_kv)
+    pad = np.zeros((b, h, nq * block_q, nk * block_kv), bool)
+    pad[:, :, :sq, :skv] = live
+    tiles = pad.reshape(b, h, nq, block_q, nk, block_kv).any(axis=(3, 5))  # [b, h, nq, nk]
+
+    def listing(t):  # t [b, h, n, m] -> counts [b, h, n], ids [b, h, n, m]
+        counts = t.sum(-1).astype(np.int32)
+        ids = np.zeros(t.shape, np.int32)
+        for idx in np.ndindex(*t.shape[:-1]):
+            on = np.flatnonzero(t[idx])
+            row = np.full(t.shape[-1], on[-1] if len(on) else 0, np.int32)
+            row[:len(on)] = on
+            ids[idx] = row
+        return jnp.asarray(counts), jnp.asarray(ids)
+
+    qc, qb = listing(tiles)
+    kc, kb = listing(np.swapaxes(tiles, 2, 3))
+    return BlockMap(qc, qb, jnp.zeros(qb.shape, bool), kc, kb, jnp.zeros(kb.shape, bool))
+
+
+def pallas_plan(mod, q, k, v, options, skip=False, scale=None):
+    problem = Problem.of(q, k, v)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    plan = PALLAS.plan(problem, mod, scale, options, True)
+    if skip:
+        plan = dataclasses.replace(plan, block_map=_Skipping(mod, tuple(mod.operands)))
+    return plan
+
+
+class _Skipping:
+    """A plan's block_map that visits only the tiles the mask leaves live, read
+    from the operand values it was made with (concrete: usable under jit)."""
+
+    def __init__(self, mod, operands):
+        self.mod, self.operands = mod, tuple(np.asarray(x) for x in operands)
+
+    def __call__(self, problem, block_q, block_kv, operands):
+        del operands  # maybe traced; the values given at construction are the same
+        with jax.ensure_compile_time_eval():
+            return mask_block_map(self.mod, self.operands, problem, block_q, block_kv)
+
+
+def run(backend, plan, q, k, v, do, operands):
+    """O, LSE and the gradients of <O, dO> + 0.1 * sum(finite LSE) in q, k, v and
+    the operands (the LSE term checks its gradient too), jitted."""
+    return _run(backend, plan, q, k, v, do, tuple(operands))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _run(backend, plan, q, k, v, do, operands):
+    learn = [i for i, x in enumerate(operands) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    def loss(q, k, v, floats):
+        ops = list(operands)
+        for i, x in zip(learn, floats):
+            ops[i] = x
+        o, lse = backend.forward(plan, q, k, v, tuple(ops))
+        lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + 0.1 * lse_term, (o, lse)
+
+    floats = tuple(operands[i] for i in learn)
+    (_, (o, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        q, k, v, floats)
+    op_grads = [None] * len(operands)
+    for i, g in zip(learn, grads[3]):
+        op_grads[i] = g
+    return o, lse, grads[0], grads[1], grads[2], tuple(op_grads)
+
+
+def both(case, q, k, v, do, options, skip=False, scale=None):
+    """(pallas results, reference results) of ``case``; each is
+    (O, LSE, dQ, dK, dV, operand gradients)."""
+    mod, operands = traced(case, q, k)
+    plan = pallas_plan(mod, q, k, v, options, skip, scale)
+    ref_plan = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, options, True)
+    return (run(PALLAS, plan, q, k, v, do, operands),
+            run(REFERENCE, ref_plan, q.astype(jnp.float32), k.astype(jnp.float32),
+                v.astype(jnp.float32), do.astype(jnp.float32), operands))
+
+
+def relative_errors(got, want) -> dict:
+    """Max |a - b| / max |b| per result; inf where -inf (masked rows) differ in place."""
+    names = ("O", "LSE", "dQ", "dK", "dV")
+    pairs = list(zip(names, got[:5], want[:5]))
+    pairs += [(f"d_operand{i}", a, b) for i, (a, b) in enumerate(zip(got[5], want[5]))
+              if b is not None and jnp.issubdtype(jnp.asarray(b).dtype, jnp.floating)]
+    errs = {}
+    for name, a, b in pairs:
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if not np.array_equal(np.isneginf(a), np.isneginf(b)):
+            errs[name] = float("inf")
+            continue
+        fin = np.isfinite(b)
+        if not np.isfinite(a[fin]).all():
+            errs[name] = float("nan")
+            continue
+        scale = np.max(np.abs(b[fin]), initial=0.0) + 1e-6
+        errs[name] = float(np.max(np.abs(a[fin] - b[fin]), initial=0.0) / scale)
+    return errs

@@ -1,0 +1,285 @@
+"""The Pallas backend on the CPU, in Pallas's interpret mode, against the reference path.
+
+Forward (O, LSE) and backward (dQ, dK, dV, the LSE's gradient, and the
+gradients of captured arrays) for masks, modifiers, gathers and learned
+parameters, with grouped-query heads, Sq != Skv and lengths that are not
+whole tiles, on the dense block map and on one that skips every masked tile.
+Small tiles (16 and 32) so that each call has several blocks of each kind.
+The Triton lowering itself is checked too (every op of the table lowers to
+Triton IR, no GPU needed); tests/gpu/test_pallas_gpu.py runs the kernels.
+"""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scoremod
+from scoremod.dsl import ir, ops
+from scoremod.dsl.evaluate import evaluate
+from scoremod.dsl.ir import I32
+from scoremod.dsl.scoremod import ScoreMod
+from scoremod.errors import ScoreModError
+from scoremod.lowering import registry
+from scoremod.lowering.pallas import codegen
+from scoremod.lowering.pallas.backend import PALLAS
+from scoremod.lowering.problem import Problem
+from tests import pallas_cases as pc
+
+SMALL = scoremod.LoweringOptions(pallas_block_q=32, pallas_block_kv=16,
+                                 pallas_backward_block_q=16, pallas_backward_block_kv=32)
+TOL = 2e-5  # float32 inputs: relative to each result's largest magnitude
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not validated on a GPU.*")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        yield
+
+
+def _check(got, want, tol=TOL):
+    errs = pc.relative_errors(got, want)
+    # An operand's gradient sums every score's share: summed in another order,
+    # with cancellation, its float32 rounding is larger than the arrays'.
+    bad = {k: e for k, e in errs.items() if not e <= (tol if k[0] != "d" or k in (
+        "dQ", "dK", "dV") else max(tol, 1e-3))}
+    assert not bad, f"errors {errs}"
+    return errs
+
+
+DENSE_TOO = ("softcap", "relative_bias", "document")  # the dense map (every tile), too
+
+
+@pytest.mark.parametrize("case,skip", [(c, True) for c in sorted(pc.CASES)]
+                         + [(c, False) for c in DENSE_TOO])
+def test_matches_reference(case, skip):
+    q, k, v, do = pc.inputs()
+    got, want = pc.both(case, q, k, v, do, SMALL, skip=skip)
+    _check(got, want)
+    if case in ("alibi", "relative_bias", "learnable_softcap"):
+        assert got[5][0] is not None and float(jnp.abs(want[5][0]).max()) > 0
+
+
+def test_skipping_map_skips():
+    """The causal map used above leaves tiles out (so the skipping runs differ from dense)."""
+    q, k, v, _ = pc.inputs()
+    mod, operands = pc.traced("causal", q, k)
+    m = pc.mask_block_map(mod, operands, Problem.of(q, k, v), 32, 16)
+    assert int(m.q_counts.sum()) < m.q_blocks.size
+
+
+def test_masked_rows_are_zero():
+    q, k, v, do = pc.inputs()
+    (o, lse, dq, *_), _ = pc.both("masked_rows", q, k, v, do, SMALL, skip=True)
+    assert np.all(np.asarray(o[:, :21]) == 0) and np.all(np.isneginf(np.asarray(lse[:, :, :21])))
+    assert np.all(np.asarray(dq[:, :21]) == 0)
+
+
+@pytest.mark.parametrize("shape", [dict(sq=48, skv=96, hq=4, hkv=1), dict(sq=96, skv=40, hq=2, hkv=2),
+                                   dict(sq=64, skv=64, hq=4, hkv=4, d=128, dv=64)],
+                         ids=["mqa-short-q", "long-q", "d128-dv64"])
+def test_shapes(shape):
+    q, k, v, do = pc.inputs(b=1, **shape)
+    got, want = pc.both("alibi", q, k, v, do, SMALL, skip=True)
+    _check(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(dtype):
+    q, k, v, do = pc.inputs(dtype=dtype)
+    got, want = pc.both("relative_bias", q, k, v, do, SMALL, skip=True)
+    _check(got, want, tol=3e-2)
+
+
+def test_deterministic():
+    """Two runs give the same bits (no atomics: per-program partials summed by XLA)."""
+    q, k, v, do = pc.inputs()
+    runs = [pc.both("relative_bias", q, k, v, do, SMALL, skip=True)[0] for _ in range(2)]
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
+def test_through_attention_jit_grad_remat():
+    """implementation="pallas" through scoremod.attention: jit, grad (operands
+    included, no fallback warning), return_lse, jax.checkpoint, jax.vmap."""
+    q, k, v, do = pc.inputs(b=1, sq=40, skv=48, hq=2, hkv=1)
+    slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+
+    def loss(impl, q, k, v, slopes):
+        mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h] * (ki - qi), -jnp.inf)
+        o, lse = scoremod.attention(q, k, v, mod, implementation=impl, return_lse=True,
+                                    options=SMALL)
+        return jnp.sum(o * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3))(q, k, v, slopes)
+    f = jax.jit(jax.grad(jax.checkpoint(lambda *a: loss("pallas", *a)), argnums=(0, 1, 2, 3)))
+    got = f(q, k, v, slopes)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    # vmap over a leading axis (Pallas batches its calls).
+    qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
+    mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf)
+    f = lambda impl: jax.vmap(lambda q, k, v: scoremod.attention(
+        q, k, v, mod, implementation=impl, options=SMALL))(qs, ks, vs)
+    np.testing.assert_allclose(np.asarray(f("pallas")), np.asarray(f("xla")), rtol=1e-5, atol=1e-5)
+
+
+def test_by_name_only():
+    assert "pallas" in registry.names()
+    assert PALLAS not in registry.backends()  # never chosen automatically until validated
+
+
+def _problem(d=64, dv=64, dtype="float32"):
+    return Problem(b=1, sq=64, skv=64, hq=2, hkv=1, d=d, dv=dv, dtype=dtype)
+
+
+def test_refusals():
+    erf = scoremod.trace(lambda s, b, h, q, k: s + jax.scipy.special.erf(s))
+    why = PALLAS.why_not(_problem(), erf, automatic=False)
+    assert "`erf`" in why and "Triton" in why and "test_pallas.py" in why  # the user's line
+    assert "head dims" in PALLAS.why_not(_problem(d=96, dv=96), None, automatic=False)
+    assert "float16" in PALLAS.why_not(_problem(dtype="int8"), None, automatic=False)
+    q = jnp.ones((1, 64, 2, 96), jnp.float32)
+    with pytest.raises(ScoreModError, match="head dims"):
+        scoremod.attention(q, q, q, implementation="pallas")
+
+
+def test_jvp_refused_clearly():
+    q, k, v, _ = pc.inputs(b=1, sq=32, skv=32, hq=2, hkv=1)
+    f = lambda q: scoremod.attention(q, k, v, implementation="pallas", options=SMALL)
+    with pytest.raises(ScoreModError, match="forward-mode"):
+        jax.jvp(f, (q,), (q,))
+
+
+def test_large_operand_gradient_refused():
+    q, k, v, _ = pc.inputs(b=1, sq=32, skv=32, hq=2, hkv=1)
+    bias = jnp.zeros((300, 300), jnp.float32)
+    loss = lambda bias: scoremod.attention(
+        q, k, v, lambda s, b, h, qi, ki: s + bias[qi, ki], implementation="pallas",
+        options=SMALL).sum()
+    with pytest.raises(ScoreModError, match="at most 65536 elements"):
+        jax.grad(loss)(bias)
+    # Without its gradient the same mod runs.
+    assert np.isfinite(np.asarray(jax.grad(lambda q: scoremod.attention(
+        q, k, v, lambda s, b, h, qi, ki: s + bias[qi, ki], implementation="pallas",
+        options=SMALL).sum())(q))).all()
+
+
+# --------------------------------------------------------------------------- #
+# every op of the table: numbers in interpret mode, and the Triton lowering
+
+
+def _examples(name):
+    """Mods that use op ``name`` on floats and on ints (as its signature allows)."""
+    op = ops.OPS[name]
+    s, qi, ki = ir.var("score"), ir.var("q_idx"), ir.var("kv_idx")
+    f, g = s / 7.0 + 0.5, s / 5.0 - 0.25
+    i1, i2 = qi - ki + 3, ops.apply("mod", ki, ir.const(5, I32)) + 1
+    as_f = lambda x: ops.apply("f32", x)  # noqa: E731
+    sel = lambda c: ops.apply("where", c, s, -s)  # noqa: E731
+    attr = dict(attr=3) if name == "integer_pow" else {}
+    out = {
+        "float": lambda: [ops.apply(name, f)],
+        "float2": lambda: [ops.apply(name, f, g)],
+        "num": lambda: [ops.apply(name, f, **attr), as_f(ops.apply(name, i1, **attr))],
+        "num2": lambda: [ops.apply(name, f, g), as_f(ops.apply(name, i1, i2))],
+        "int2": lambda: [as_f(ops.apply(name, i1, i2))],
+        "cmp": lambda: [sel(ops.apply(name, f, g)), sel(ops.apply(name, i1, i2))],
+        "logic": lambda: [sel(ops.apply(name, *[ops.apply("lt", f, g),
+                                                 ops.apply("gt", i1, i2)][:op.arity]))],
+        "where": lambda: [ops.apply(name, ops.apply("lt", f, g), f, g)],
+    }.get(op.sig)
+    if op.sig.startswith("cast:") and op.arity:
+        out = lambda: [as_f(ops.apply(name, f)), as_f(ops.apply(name, i1))]  # noqa: E731
+    if name == "with_grad":  # softplus: a custom_jvp function
+        return [scoremod.trace(lambda s, b, h, q, k: jax.nn.softplus(s)).expr]
+    return [e + s for e in out()] if out else []
+
+
+TABLE_OPS = [n for n in ops.OPS if _examples(n)]
+
+
+def test_every_op_has_an_example():
+    assert set(ops.OPS) - set(TABLE_OPS) <= {ir.LOAD, ops.TANGENT}  # load: the cases above
+
+
+@pytest.mark.parametrize("name", TABLE_OPS)
+def test_op_table_on_tiles(name):
+    """Each op evaluated on a tile as the kernels do (iotas for the indices, the
+    symbolic derivative for the backward) matches the reference evaluator and
+    JAX's own derivative of it. The kernels are the same for every op, so this
+    and the Triton lowering test below cover the table without a kernel run per op."""
+    rng = np.random.default_rng(0)
+    s = jnp.asarray(rng.normal(size=(8, 16)) * 3, jnp.float32)
+    dp = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    index = {"b": jnp.int32(1), "h": jnp.int32(0),
+             "q_idx": 5 + jax.lax.broadcasted_iota(jnp.int32, (8, 1), 0),
+             "kv_idx": 3 + jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)}
+    for expr in _examples(name):
+        d = codegen.derivatives(expr)
+        value, grad = codegen.evaluate_tile([expr, d.score], dict(index, score=s, dP=dp), {})
+        want, vjp = jax.vjp(lambda s: jnp.broadcast_to(
+            evaluate(expr, dict(index, score=s), {}), s.shape), s)
+        np.testing.assert_allclose(np.broadcast_to(value, s.shape), want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.broadcast_to(grad, s.shape), vjp(dp)[0], rtol=1e-5,
+                                   atol=1e-5)
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    """Lower Pallas calls for CUDA on this machine: Triton's lowering asks only the compute capability."""
+    from types import SimpleNamespace
+
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *a, **k: SimpleNamespace(
+        compute_capability=90))
+
+
+def _lower_for_cuda(mod, q, operands=()):
+    from jax import export
+
+    plan = dataclasses.replace(pc.pallas_plan(mod, q, q, q, scoremod.LoweringOptions()),
+                               interpret=False)
+
+    def grads(q, k, v, ops):  # every gradient the backward computes, operands' too
+        learn = [i for i, x in enumerate(ops) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+        def loss(q, k, v, floats):
+            merged = list(ops)
+            for i, x in zip(learn, floats):
+                merged[i] = x
+            return PALLAS.forward(plan, q, k, v, tuple(merged))[0].astype(jnp.float32).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, tuple(ops[i] for i in learn))
+
+    shapes = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    ops_ = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return export.export(jax.jit(grads), platforms=["cuda"], disabled_checks=checks)(
+        shapes, shapes, shapes, ops_)
+
+
+@pytest.mark.parametrize("name", TABLE_OPS)
+def test_op_table_lowers_to_triton(name, fake_hopper):
+    """Every op lowers through Pallas's Triton lowering (forward and backward
+    kernels), except those the backend refuses, which fail there."""
+    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    for expr in _examples(name):
+        if name in codegen.NOT_LOWERABLE:
+            with pytest.raises(NotImplementedError):
+                _lower_for_cuda(ScoreMod(expr), q)
+        else:
+            _lower_for_cuda(ScoreMod(expr), q)
+
+
+@pytest.mark.parametrize("case", ["relative_bias", "document", "learnable_softcap"])
+def test_cases_lower_to_triton(case, fake_hopper):
+    """Gathers from tables, int arrays, scalars and their gradients lower to Triton."""
+    q = jnp.zeros((2, 128, 4, 64), jnp.bfloat16)
+    mod, operands = pc.traced(case, q, q)
+    _lower_for_cuda(mod, q, operands)
