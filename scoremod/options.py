@@ -16,9 +16,9 @@ An options value is hashable and part of every plan and graph cache key, so
 two calls with different options never share a plan or a graph. A call takes
 ``attention(..., options=...)`` when given, else the innermost
 ``with lowering_options(...)``, else the defaults, which the environment
-variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS`` and
-``SCOREMOD_FOLD_SCALE``, ``SCOREMOD_MAX_SEGMENTS`` and ``SCOREMOD_CHECK_VALUES`` set
-(read once, here and nowhere else).
+variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS``,
+``SCOREMOD_FOLD_SCALE``, ``SCOREMOD_LOW_RANK_BIAS``, ``SCOREMOD_MAX_SEGMENTS`` and
+``SCOREMOD_CHECK_VALUES`` set (read once, here and nowhere else).
 """
 
 from __future__ import annotations
