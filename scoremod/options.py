@@ -16,9 +16,9 @@ An options value is hashable and part of every plan and graph cache key, so
 two calls with different options never share a plan or a graph. A call takes
 ``attention(..., options=...)`` when given, else the innermost
 ``with lowering_options(...)``, else the defaults, which the environment
-variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS`` and
-``SCOREMOD_FOLD_SCALE`` and ``SCOREMOD_MAX_SEGMENTS`` set (read once, here and
-nowhere else).
+variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS``,
+``SCOREMOD_FOLD_SCALE``, ``SCOREMOD_LOW_RANK_BIAS``, ``SCOREMOD_MAX_SEGMENTS`` and
+``SCOREMOD_CHECK_VALUES`` set (read once, here and nowhere else).
 """
 
 from __future__ import annotations
@@ -62,12 +62,17 @@ class LoweringOptions:
       pallas_backward_block_q, pallas_backward_block_kv: its backward tile.
       pallas_num_warps: warps per Pallas program (None: 4 for head dim 64,
         8 for 128); pallas_num_stages: Triton's software-pipelining depth.
+      check_values: the fused path follows the masked-key rule for NaN and
+        inf in V (docs/guide.md, "Fully masked rows"): each kernel call tests
+        V (a reduction and a conditional) and runs twice when V holds one.
+        False skips the test, for V known to be finite: a non-finite value
+        at a masked key then makes rows NaN that do not see it.
 
     Example: softcap + causal as one score_mod call, for comparison::
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, check_values=True)
     """
 
     native_masks: bool = True
@@ -82,9 +87,10 @@ class LoweringOptions:
     pallas_backward_block_kv: int = 64
     pallas_num_warps: int | None = None
     pallas_num_stages: int = 2
+    check_values: bool = True
 
     def __post_init__(self):
-        for name in ("native_masks", "fold_scale", "low_rank_bias"):
+        for name in ("native_masks", "fold_scale", "low_rank_bias", "check_values"):
             if not isinstance(getattr(self, name), bool):
                 raise ScoreModError(f"LoweringOptions.{name} must be True or False, "
                                     f"got {getattr(self, name)!r}")
@@ -125,6 +131,7 @@ _ENVIRONMENT = {
     "SCOREMOD_FOLD_SCALE": ("fold_scale", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_LOW_RANK_BIAS": ("low_rank_bias", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_MAX_SEGMENTS": ("max_segments", int, "a positive number of segments per row"),
+    "SCOREMOD_CHECK_VALUES": ("check_values", bool, "0 (off) or 1 (on)"),
 }
 
 

@@ -385,6 +385,51 @@ def test_generator_reaches_every_op():
     assert set(scoremod.OPS) - seen == set()
 
 
+# --- custom_jvp rules where an infinite cotangent meets a zero partial ----------
+# A custom_jvp function's derivative is its rule run on the real tangent, as
+# JAX runs it: log(softplus(s)) at s = -100 has softplus = 0, so log's
+# cotangent is inf, and softplus's rule multiplies it by sigmoid(-100) = 0:
+# NaN in JAX; relu's rule selects, so 0. The outer functions have a pole at 0;
+# the inner ones, nested one or two deep, reach 0 (or underflow to it).
+CUSTOM_INNER = {**TRACED_UNARY, "relu": "jax.nn.relu({0})",
+                "logaddexp_low": "jnp.logaddexp({0}, -50.0)"}
+POLES = {"log": "jnp.log({0})", "log2": "jnp.log2({0})", "reciprocal": "(1.0 / {0})",
+         "rsqrt": "lax.rsqrt({0})", "sqrt": "jnp.sqrt({0})", "inv_sq": "({0} ** -2)"}
+
+
+@pytest.mark.parametrize("outer", sorted(POLES))
+def test_custom_jvp_rules_at_infinite_cotangents(outer):
+    inner = sorted(CUSTOM_INNER)
+    with jax.disable_jit():
+        for a in inner:
+            for b in [None] + inner:
+                arg = "s" if b is None else CUSTOM_INNER[b].format("s")
+                _check_grad(POLES[outer].format(CUSTOM_INNER[a].format(arg)))
+
+
+# --- lax.clamp: JAX's derivative is 0 at ties (jnp.clip, max of min, splits them) --
+
+CLAMPS = {
+    "operand": "lax.clamp(-1.0, s, 0.5)",
+    "operand_of_indices": "lax.clamp((q - k).astype(jnp.float32) * 0.0 - 1.0, s * 2.0, 1.0)",
+    # (lax.clamp's bounds are scalars or of the operand's shape)
+    "lower": "lax.clamp(s, jnp.full_like(s, 0.5), 2.0)",
+    "upper": "lax.clamp(-1.0, jnp.ones_like(s), s)",
+    "all_three": "lax.clamp(s * 0.5, s, s - 1.0)",
+    "bounds": "lax.clamp(s, jnp.ones_like(s), s * 2.0)",
+    "array": "lax.clamp(0.0, TABLE.astype(jnp.float32), 3.0)[b % 8] + s",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLAMPS))
+def test_clamp_matches_jax_at_ties(name):
+    js = CLAMPS[name]
+    with jax.disable_jit():
+        _check_value(js, None)
+        _check_grad(js)
+    assert _traced(_fn(js)) is not None
+
+
 # --- non-finite values at masked keys (docs/guide.md, "Masked rows") -----------
 
 
@@ -484,6 +529,9 @@ def test_fused_forms_match_jax():
     (lambda s, b, h, q, k: jnp.maximum(s, 0.0), 0.5),
     (lambda s, b, h, q, k: jnp.abs(s), 1.0),
     (lambda s, b, h, q, k: jnp.clip(s, 0.0, 1.0), 0.5),
+    (lambda s, b, h, q, k: jax.lax.clamp(0.0, s, 1.0), 0.0),
+    (lambda s, b, h, q, k: jax.lax.clamp(-1.0, s, 0.0), 0.0),
+    (lambda s, b, h, q, k: jax.lax.clamp(-1.0, s, 1.0), 1.0),
 ])
 def test_ties_on_the_fused_path(fn, grad_at_0):
     from scoremod.lowering.cudnn import rules as cudnn_rules
@@ -496,6 +544,35 @@ def test_ties_on_the_fused_path(fn, grad_at_0):
     assert float(evaluate(bwd, inputs, {})) == grad_at_0
     assert float(jax.grad(lambda s: fn(s, 0, 0, 0, 0))(jnp.float32(0.0))) == grad_at_0
     assert float(mod.grad(jnp.float32(0.0), 0, 0, 0, 0)) == grad_at_0
+
+
+@jax.custom_jvp
+def softplus_with_sigmoid_rule(s):
+    return jax.nn.softplus(s)  # itself a custom_jvp function: nested with_grad
+
+
+softplus_with_sigmoid_rule.defjvp(
+    lambda p, t: (softplus_with_sigmoid_rule(p[0]), t[0] * jax.nn.sigmoid(p[0])))
+
+
+def test_user_custom_jvp_around_softplus_on_the_fused_path():
+    """The forward keeps the values of nested with_grad nodes only: the inner
+    (softplus's) rule's inf tests are not the fused path's concern."""
+    from scoremod.lowering.cudnn import rules as cudnn_rules
+    from scoremod.dsl.evaluate import evaluate
+
+    fn = lambda s, b, h, q, k: softplus_with_sigmoid_rule(s) * 2.0  # noqa: E731
+    mod = scoremod.trace(fn)
+    assert [n.op for n in scoremod.dsl.ir.toposort(mod.expr)].count("with_grad") == 2
+    cudnn_rules.check_supported(mod.expr, mod.sources)
+    fwd, bwd = cudnn_rules.forward_and_backward(mod.expr)
+    s = POINTS[0]
+    inputs = dict(zip(scoremod.dsl.ir.VAR_NAMES, POINTS), dP=jnp.float32(1.0))
+    _same(evaluate(fwd, inputs, {}), fn(*POINTS), "the fused forward form", "softplus",
+          rtol=1e-4, atol=1e-6)
+    grad = jax.vmap(jax.grad(lambda s: fn(s, 0, 0, 0, 0)))(s)
+    _same(evaluate(bwd, inputs, {}), grad, "the fused backward form", "softplus",
+          rtol=1e-2, atol=1e-4)
 
 
 @pytest.mark.parametrize("fn, why", [

@@ -264,6 +264,38 @@ def test_context_parallel_lse():
     _close(got, want)
 
 
+@eight
+@pytest.mark.parametrize("spec", [P(("x", "y")), P(None, ("x", "y", "z"))], ids=["batch", "seq8"])
+def test_nonfinite_values_at_masked_keys_per_shard(spec):
+    """The masked-key rule for non-finite V (lowering/nonfinite.py) holds on
+    each shard, with each device deciding on its own V (no collective)."""
+    mod = scoremod.trace(CONTEXT_MODS["causal"])
+    mesh = _mesh()
+    q, k, v, w = _inputs()
+    v = v.at[1, 40, 0].set(jnp.nan)  # masked for batch 1's rows 0..39
+
+    def step(impl):
+        def loss(q, k, v, w):
+            o = scoremod.attention(q, k, v, mod, implementation=impl)
+            return jnp.sum(jnp.where(jnp.isnan(o), 0.0, o) * w), o
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+    want = step("xla")(q, k, v, w)
+    args = _put(mesh, spec, q, k, v, w)
+    compiled = step("standin").lower(*args).compile()
+    if spec == P(("x", "y")):
+        for op, shape in _collectives(compiled.as_text()):
+            assert op == "all-reduce" and re.fullmatch(r"f32\[\]", shape), (op, shape)
+    (got_loss, got_o), got_grads = compiled(*args)
+    (want_loss, want_o), want_grads = want
+    o = np.asarray(got_o)
+    assert np.isfinite(o[1, :40]).all() and np.isnan(o[1, 40:, :2]).all()
+    np.testing.assert_array_equal(np.isnan(o), np.isnan(np.asarray(want_o)))
+    _close((jnp.nan_to_num(got_o), got_loss, got_grads),
+           (jnp.nan_to_num(want_o), want_loss, want_grads))
+
+
 # --- the Python graph cache under threads --------------------------------------
 
 

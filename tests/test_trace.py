@@ -98,6 +98,40 @@ def test_unsupported_primitive_names_it_and_the_line():
         scoremod.trace(mod)
 
 
+@jax.custom_vjp
+def straight_through(x):
+    return jnp.floor(x * 4.0) / 4.0
+
+
+straight_through.defvjp(lambda x: (straight_through(x), None), lambda _, g: (g,))
+
+
+def test_custom_vjp_is_refused_with_its_name_and_line():
+    """Its custom backward cannot be kept, and the forward's derivative (0
+    through floor) would silently differ from jax.grad's (1)."""
+    def mod(s, b, h, q, k):
+        return straight_through(s) * 2.0  # the line reported
+
+    line = mod.__code__.co_firstlineno + 1
+    with pytest.raises(UnsupportedOpError, match=rf"`straight_through` at .*test_trace.py:{line} "
+                       r"is a jax.custom_vjp function.*jax.custom_jvp"):
+        scoremod.trace(mod)
+    with pytest.raises(UnsupportedOpError, match="custom_vjp"):
+        scoremod.attention(*(jnp.ones((1, 4, 1, 8)),) * 3, mod, implementation="xla")
+
+
+def test_custom_jvp_rewrite_of_it_is_traced():
+    @jax.custom_jvp
+    def straight(x):
+        return jnp.floor(x * 4.0) / 4.0
+
+    straight.defjvp(lambda p, t: (straight(p[0]), t[0]))
+    mod = scoremod.trace(lambda s, b, h, q, k: straight(s) * 2.0)
+    s = jnp.float32(0.3)
+    assert float(mod.grad(s, 0, 0, 0, 0)) == 2.0
+    assert float(jax.grad(lambda s: mod(s, 0, 0, 0, 0))(s)) == 2.0
+
+
 def test_unsupported_inside_jax_nn_points_at_user_line():
     def mod(s, b, h, q, k):
         return jax.nn.log_sigmoid(s) + jnp.cumsum(jnp.stack([s, s]))[1]

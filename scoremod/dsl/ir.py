@@ -39,6 +39,10 @@ from scoremod.errors import ScoreModError, ScoreModValueError
 # Node kinds the IR itself gives meaning to.
 CONST, VAR, OPERAND, LOAD, MATERIALIZE = "const", "var", "operand", "load", "materialize"
 LEAVES = (CONST, VAR, OPERAND)
+# A value with its own derivative rule (from a jax.custom_jvp function), and
+# the tangent its derivatives are linear in: evaluating and differentiating
+# them needs the derivatives' structure, not only their values.
+WITH_GRAD, TANGENT = "with_grad", "tangent"
 
 # Scalar types of the IR. Scores and float operands compute in float32.
 F32, I32, BOOL = "f32", "i32", "bool"

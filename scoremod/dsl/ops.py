@@ -25,12 +25,12 @@ from jax import lax
 
 from scoremod.dsl import ir
 from scoremod.dsl.grad import ZERO, vjp
-from scoremod.dsl.ir import BOOL, F32, I32, LOAD, OPERAND, Node, const
+from scoremod.dsl.ir import BOOL, F32, I32, LOAD, OPERAND, TANGENT, WITH_GRAD, Node, const
 from scoremod.dsl.rewrite import simplify
-from scoremod.errors import ScoreModTypeError
+from scoremod.errors import ScoreModError, ScoreModTypeError
 
-# Ops other modules name.
-WITH_GRAD, TANGENT = "with_grad", "tangent"
+# Ops other modules name: WITH_GRAD and TANGENT, imported from ir (which
+# gives them meaning) and named from here too.
 
 # Typing signatures, in words (``result_dtype`` checks them).
 SIGNATURES = {
@@ -146,7 +146,7 @@ def _replace_zero(x):
 
 def tangent() -> Node:
     """The tangent inside with_grad's derivatives (1.0 when evaluated)."""
-    return apply("tangent")
+    return apply(TANGENT)
 
 
 def _with_grad_vjp(y, g):
@@ -161,25 +161,22 @@ def _with_grad_vjp(y, g):
 
 
 def _with_grad_ref(value, *pairs):
+    # The value only (constant folding): its derivative needs the derivative
+    # expressions, not their values, and dsl/evaluate.py evaluates it so.
     shape = jnp.broadcast_shapes(jnp.shape(value), *(jnp.shape(p) for p in pairs))
-    return _with_grad_fn(jnp.broadcast_to(value, shape), *pairs)
+    return _value_only(jnp.broadcast_to(value, shape), *pairs)
 
 
 @jax.custom_jvp
-def _with_grad_fn(value, *pairs):
+def _value_only(value, *pairs):
     return value
 
 
-@_with_grad_fn.defjvp
-def _with_grad_jvp(primals, tangents):
-    value, *pairs = primals
-    out = value
-    tangent = jnp.zeros_like(value)
-    # The derivatives arrive evaluated at tangent() = 1. A zero one stays zero
-    # whatever flows in (as JAX transposes relu's select), not 0 * inf = nan.
-    for d, dx in zip(pairs[1::2], tangents[1::2]):
-        tangent = tangent + jnp.where(d == 0.0, 0.0, d * dx)
-    return out, tangent
+@_value_only.defjvp
+def _value_only_jvp(primals, tangents):
+    raise ScoreModError(
+        "with_grad's op-table entry gives its value only; differentiate a mod through "
+        "scoremod.dsl.evaluate.evaluate, which evaluates its derivatives at the tangent")
 
 
 def _integer_pow_grad(y, g):

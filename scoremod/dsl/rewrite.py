@@ -20,7 +20,8 @@ import numpy as np
 
 from scoremod.dsl import ir
 from scoremod.dsl.grad import vjp
-from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, VAR, Node, build, const, is_const
+from scoremod.dsl.ir import (BOOL, CONST, F32, I32, LOAD, TANGENT, VAR, WITH_GRAD, Node, build, const,
+                             is_const)
 
 PATTERNS: dict[str, list] = {}
 
@@ -302,12 +303,12 @@ PATTERNS["ne"] = [_bool_const_compare(True)]  # x != False is x; x != True is no
 PATTERNS["eq"] = [_bool_const_compare(False)]  # x == True is x; x == False is not x
 
 
-@pattern("with_grad")  # ops.WITH_GRAD (ops sits above rewrite)
+@pattern(WITH_GRAD)
 def _with_grad_known(args, attr):
     """with_grad with the derivative the IR computes anyway is its value, and
     jax.nn.relu's rule (derivative 0 at 0) is the relu op."""
     value, pairs = args[0], list(zip(args[1::2], args[2::2]))
-    zero, t = const(0.0, F32), build("tangent")
+    zero, t = const(0.0, F32), build(TANGENT)
     if len(pairs) == 1:
         (x, lin), = pairs
         if value is build("max", x, zero) and lin is build("where", build("gt", x, zero), t, zero):

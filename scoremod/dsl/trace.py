@@ -2,7 +2,8 @@
 
 JAX traces the user's function on scalar abstract values (``make_jaxpr``);
 each equation of the jaxpr is then converted to IR nodes. Calls (``jit``,
-``custom_jvp``, ``custom_vjp``) are inlined. Captured arrays become operands:
+``checkpoint``) are inlined; a ``custom_jvp`` function keeps its rule (a
+``with_grad`` node); a ``custom_vjp`` function is refused. Captured arrays become operands:
 they are tracked as lazy arrays (a shape and a function from indices to an
 element) until indexing makes them scalar, so ``slopes[h]``,
 ``(2 * slopes)[h]`` and ``bias[h, q_idx, kv_idx]`` all end as ``load`` nodes.
@@ -63,8 +64,8 @@ _EXACT_ON_NARROW_FLOATS = _LAYOUT | _COMPARISONS | {
 
 # Primitives that call a sub-jaxpr we inline, and the param that holds it.
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr", "remat", "checkpoint", "named_call"}
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint",
+          "named_call"}
 
 _IR_DTYPE = {"float32": F32, "int32": I32, "bool": BOOL}
 
@@ -182,6 +183,8 @@ class _Tracer:
         prim = eqn.primitive.name
         if prim == "custom_jvp_call" and not self.in_jvp_rule:
             return _custom_jvp_call(self, eqn, ins, at)
+        if prim in _CUSTOM_VJP:
+            _refuse_custom_vjp(eqn, at)
         if prim in _CALLS:
             sub = next((eqn.params[p] for p in _CALL_PARAMS if p in eqn.params), None)
             if sub is not None:
@@ -232,6 +235,38 @@ class _Tracer:
 
 
 # --- primitives that need more than a table lookup --------------------------
+
+
+_CUSTOM_VJP = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+def _refuse_custom_vjp(eqn, at):
+    """A jax.custom_vjp function's backward is Python that runs when JAX
+    differentiates; the IR cannot hold it, and inlining the forward would give
+    the forward's derivative instead, silently different from jax.grad's."""
+    name = _function_name(eqn)
+    raise UnsupportedOpError(
+        f"{'`' + name + '`' if name else 'a function'} at {at} is a jax.custom_vjp function: "
+        "a score_mod cannot keep its custom backward (Python run when JAX differentiates), "
+        "and its forward's own derivative would differ from jax.grad's. Define it with "
+        "jax.custom_jvp, whose rule the tracer records (as for jax.nn.softplus), or write it "
+        "without a custom derivative.")
+
+
+def _function_name(eqn):
+    """The name of the function a custom_vjp call runs: that of the user frame
+    its body's first equation comes from (None if there is none)."""
+    call = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+    try:
+        from jax._src import source_info_util
+
+        for inner in getattr(call, "jaxpr", call).eqns:
+            frame = source_info_util.user_frame(inner.source_info.traceback)
+            if frame is not None:
+                return frame.function_name
+    except Exception:  # private API; the name is a courtesy
+        pass
+    return None
 
 
 def _custom_jvp_call(t, eqn, ins, at):
@@ -295,7 +330,30 @@ def _select_n(t, eqn, ins, at):
 
 def _clamp(t, eqn, ins, at):
     lo, x, hi = ins
-    return t.elementwise("min", [t.elementwise("max", [x, lo]), hi])
+    if all(isinstance(a, Node) for a in ins):
+        return _clamp_scalar(lo, x, hi)
+    lazy = [a for a in ins if isinstance(a, _Lazy)]
+    if any(a.shape != lazy[0].shape for a in lazy):
+        raise ScoreModTypeError(f"clamp of arrays of shapes {[a.shape for a in lazy]}")
+    return _Lazy(lazy[0].shape, lambda idx: _clamp_scalar(
+        *[a.at(idx) if isinstance(a, _Lazy) else a for a in ins]))
+
+
+def _clamp_scalar(lo, x, hi):
+    """lax.clamp: min(max(x, lo), hi), with JAX's derivative, which differs
+    from min and max's at ties (0 there, where they split evenly): d/dx is 1
+    for lo < x < hi, d/dlo 1 for x < lo < hi, d/dhi 1 for hi < x. The steps
+    are relu_grad of differences (no float comparison), as min and max's."""
+    value = apply("min", apply("max", x, lo), hi)
+    if value.dtype != F32:
+        return value
+    step, t = (lambda g, a: apply("relu_grad", g, a)), tangent()
+    pairs = []
+    for arg, lin in ((x, step(step(t, x - lo), hi - x)), (lo, step(step(t, lo - x), hi - lo)),
+                     (hi, step(t, x - hi))):
+        if arg.op != CONST:
+            pairs += [arg, lin]
+    return apply(WITH_GRAD, value, *pairs) if pairs else value
 
 
 def _convert(t, eqn, ins, at):

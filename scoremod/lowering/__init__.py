@@ -5,6 +5,8 @@
     problem.py   the shape of a call and the one axis order
     reference.py the reference path (jax.numpy; runs anywhere)
     segments.py  segment (packed-document) masks read off the IR
+    sharding.py  a fused backend's calls on sharded arrays and under vmap
+    nonfinite.py the masked-key rule for non-finite V around every fused kernel call
     cudnn/       the fused cuDNN path
     cudnn_varlen/ segment masks on cuDNN's variable-length attention
 """

@@ -20,6 +20,9 @@ called directly; the others run inside :func:`run`'s ``custom_vjp``, which
 refuses what their backward does not compute (gradients of captured operands
 unless ``operand_gradients``, and of the LSE), or, where the user allowed a
 fallback, hands the operand gradients to the fallback backend and its plan.
+Every fused call goes through ``lowering.sharding`` (partitioning, vmap),
+whose per-device call applies the masked-key rule for non-finite V
+(``lowering.nonfinite``): a backend's kernel need not.
 """
 
 from __future__ import annotations

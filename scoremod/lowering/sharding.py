@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from scoremod.dsl import ir, ops
 from scoremod.dsl.ir import I32
 from scoremod.dsl.scoremod import ScoreMod
+from scoremod.lowering import nonfinite
 from scoremod.lowering.problem import AXES, Problem
 
 
@@ -321,13 +322,17 @@ def _order(mod, sub_mod):
 
 
 def _call(kind, static, head, operands, sharded, mesh):
+    """One kernel call of the backend, on one device's (unbatched) arrays;
+    with the masked-key rule for non-finite V (``lowering/nonfinite.py``)
+    applied here, where V is this device's own."""
     backend = static.backend
+    check = static.options.check_values
     if kind == "forward":
         q, k, v = head
-        o, lse = backend.forward(static.plan, q, k, v, operands)
+        o, lse = nonfinite.forward(backend, static.plan, q, k, v, operands, check)
         return o, lse
     q, k, v, o, lse, do = head
-    dq, dk, dv = backend.backward(static.plan, q, k, v, o, lse, do, operands)
+    dq, dk, dv = nonfinite.backward(backend, static.plan, q, k, v, o, lse, do, operands, check)
     if sharded["q_idx"] is not None:
         # Each query shard's rows contribute to every key's gradient.
         axes = _axes(sharded["q_idx"])

@@ -71,9 +71,12 @@ def check_supported(expr: Node, sources: dict) -> None:
     # An array's index expressions never reach cuDNN: XLA computes a computed
     # index ahead (materialize), so only an index that depends on the score,
     # which XLA cannot know in advance, is refused there. The forward runs
-    # with_grad's value only; its partials are checked in the backward.
-    forward = ir.substitute(expr, {n: n.args[0] for n in ir.toposort(expr)
-                                   if n.op == WITH_GRAD})
+    # with_grad's value only (a with_grad's value may hold another: a custom_jvp
+    # function calling softplus); its partials are checked in the backward.
+    forward = expr
+    while any(n.op == WITH_GRAD for n in ir.toposort(forward)):
+        forward = ir.substitute(forward, {n: n.args[0] for n in ir.toposort(forward)
+                                          if n.op == WITH_GRAD})
     backward = _fold_nan_tests(vjp(expr, DP))
     nodes = ir.toposort(forward, backward, stop=lambda n: n.op == LOAD)
     ahead = computed_ahead(forward) | computed_ahead(backward)
