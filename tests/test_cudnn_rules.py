@@ -268,3 +268,17 @@ def test_census_mask_spellings_are_not_refused_by_the_fused_path(name):
     q = jnp.zeros((1, 16, 2, 16), jnp.bfloat16)
     verdict = scoremod.which_implementation(q, q, q, CENSUS_MASKS[name]).verdicts["cudnn"]
     assert verdict == "no NVIDIA GPU is visible to JAX"
+
+
+def test_nested_integer_division_is_computed_ahead_not_in_the_graph():
+    """Index arithmetic dividing a quotient or remainder (tiled NATTEN's pixel
+    decoding) gave a wrong mask in cuDNN on the H200 (O off by 0.9): the fused
+    path leaves it to XLA. A single division (chunked masks) stays in the graph."""
+    from scoremod.lowering.cudnn.rules import refusal
+
+    nested = scoremod.trace(lambda s, b, h, q, k: jnp.where((q % 64) // 8 == (k % 64) // 8, s, -jnp.inf))
+    single = scoremod.trace(lambda s, b, h, q, k: jnp.where(q // 64 == k // 64, s, -jnp.inf))
+    reasons = [refusal(n) for n in ir.toposort(nested.expr)]
+    assert any(r and "nested index arithmetic" in r for r in reasons), reasons
+    assert not any(refusal(n) for n in ir.toposort(single.expr))
+    check_supported(nested.expr, nested.sources)  # position-only: computed ahead, not refused

@@ -19,7 +19,7 @@ _JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
 def evaluate(expr: ir.Node, inputs: dict, operands: dict):
     """Value of ``expr`` given arrays for the variables and the operands."""
     order = ir.toposort(expr)
-    linear = _linear_nodes(order)
+    linear = _linear_nodes(order) - _read_directly(order, expr)
     vals = {}
     for node in order:
         if node in linear:  # a with_grad derivative's: evaluated at the real tangent
@@ -48,6 +48,16 @@ def _load(node, array, idx):
     idx = tuple(jnp.clip(i, 0, n - 1) for i, n in zip(idx, shape))
     out = array[idx] if idx else array
     return out.astype(_JNP_DTYPE[node.dtype])
+
+
+def _read_directly(order, expr) -> set:
+    """Nodes whose value is read other than as a with_grad derivative (the root
+    itself may be one, e.g. a derivative evaluated alone): those take tangent() = 1."""
+    direct = {expr}
+    for node in reversed(order):  # from the root down: what a directly read node reads
+        if node in direct:
+            direct.update(node.args[:1] + node.args[1::2] if node.op == WITH_GRAD else node.args)
+    return direct
 
 
 def _linear_nodes(order) -> set:

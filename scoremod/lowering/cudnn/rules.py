@@ -40,12 +40,25 @@ def _may_divide_by_zero(node):
     return node.dtype == I32 and lo <= 0 <= hi
 
 
+_INT_DIVISIONS = ("floordiv", "mod", "trunc_div", "rem")
+
+
+def _divides_a_quotient(node: Node) -> bool:
+    """Whether an integer division's dividend holds another integer division."""
+    return any(n.op in _INT_DIVISIONS and n.dtype == I32
+               for n in ir.toposort(node.args[0], stop=lambda n: n.op in INPUT_TENSORS))
+
+
 def refusal(node: Node) -> str | None:
     """Why the fused path cannot run ``node``, or None."""
     entry = TABLE.get(node.op)
     if entry is not None and entry.refusal and (entry.refused_if is None
                                                 or entry.refused_if(node)):
         return entry.refusal
+    if node.op in _INT_DIVISIONS and node.dtype == I32 and _divides_a_quotient(node):
+        return ("it divides the result of another integer division or remainder; such "
+                "nested index arithmetic gave wrong masks in cuDNN on the H200 (tiled NATTEN, "
+                "block diffusion), so XLA computes the value ahead")
     if node.op in ("floordiv", "mod") and _may_divide_by_zero(node):
         return ("its divisor may be 0, where XLA defines the result and cuDNN's float "
                 "division does not; divide by a positive constant or a value max(d, 1)")
