@@ -208,3 +208,41 @@ def test_per_example_gradients():
     got = jax.jit(jax.vmap(jax.grad(loss("standin"))))(q, tables)
     want = jax.jit(jax.vmap(jax.grad(loss("xla"))))(q, tables)
     _close(got, want)
+
+
+class _RefusedWhenBuilt(Automatic):
+    """Turns the call down only when building its kernels (as cuDNN's 'no engine')."""
+
+    name = "standin-refused"
+
+    def prepare(self, plan):
+        raise scoremod.UnsupportedOpError("cuDNN refused the forward graph (stand-in)")
+
+
+class _BackwardRefusedWhenBuilt(Automatic):
+    name = "standin-bwd-refused"
+
+    def backward(self, plan, q, k, v, o, lse, do, operands):
+        raise scoremod.UnsupportedOpError("cuDNN refused the backward graph (stand-in)")
+
+
+@pytest.mark.parametrize("kind", [_RefusedWhenBuilt, _BackwardRefusedWhenBuilt])
+def test_a_refusal_found_when_building_falls_back_for_implementation_none(kind):
+    """implementation=None moves on (with a warning) when the chosen backend turns the
+    call down only when building; asked for by name, the refusal is the error."""
+    backend = kind()
+    registry.register(backend, before="xla")
+    try:
+        q, k, v = _arrays((B, S, H, D), 11)
+        mod = _mod()
+        f = lambda impl: lambda q, k, v: scoremod.attention(q, k, v, mod, implementation=impl)  # noqa: E731,E501
+        loss = lambda impl: lambda q: jnp.sum(jnp.sin(f(impl)(q, k, v)))  # noqa: E731
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = f(None)(q, k, v), jax.grad(loss(None))(q)
+        assert any("refused" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        _close(got, (f("xla")(q, k, v), jax.grad(loss("xla"))(q)))
+        with pytest.raises(scoremod.UnsupportedOpError, match="stand-in"):
+            jax.grad(loss(backend.name))(q)
+    finally:
+        registry.unregister(backend.name)

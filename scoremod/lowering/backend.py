@@ -12,6 +12,8 @@ A backend is one object with a small protocol:
 - ``plan(problem, mod, scale, options, return_lse)``: a hashable, static
   description of the call (everything but array values), with ``mod`` (the
   expression only) and ``scale`` attributes.
+- ``prepare(plan)``: builds what the forward needs, or raises the refusal
+  that only building can find (optional).
 - ``forward(plan, q, k, v, operands)`` -> (O, LSE) and
   ``backward(plan, q, k, v, o, lse, do, operands)`` -> (dQ, dK, dV).
 
@@ -34,7 +36,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from scoremod.errors import CudnnUnavailableError, ScoreModError
+from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
 from scoremod.lowering import sharding
 
 
@@ -63,6 +65,11 @@ class Backend:
 
     def plan(self, problem, mod, scale, options, return_lse):
         raise NotImplementedError
+
+    def prepare(self, plan) -> None:
+        """Builds what ``plan``'s forward needs ahead of the call (e.g. its
+        kernels); raises an ``UnsupportedOpError`` when the backend turns the
+        call down only then (implementation=None then moves on to the next)."""
 
     def forward(self, plan, q, k, v, operands):
         raise NotImplementedError
@@ -193,7 +200,18 @@ def _fused_bwd(static, res, cts):
         )
     if isinstance(do, SymbolicZero):
         do = jnp.zeros(o.shape, o.dtype)
-    dq, dk, dv = sharding.backward(static, q, k, v, o, lse, do, operands)
+    try:
+        dq, dk, dv = sharding.backward(static, q, k, v, o, lse, do, operands)
+    except UnsupportedOpError as e:  # the backward turned down when built
+        if static.fallback is None:
+            raise
+        fallback, fallback_plan = static.fallback
+        warnings.warn(f"scoremod: {static.backend.title} refused the backward of this call "
+                      f"({str(e)[:300]}); implementation=None computes the gradients with "
+                      f"{fallback.title} (O(S^2) memory).", stacklevel=5)
+        _, vjp = jax.vjp(lambda q, k, v: fallback.forward(fallback_plan, q, k, v, operands)[0],
+                         q, k, v)
+        dq, dk, dv = vjp(do)
     return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
 
 
