@@ -19,7 +19,7 @@ import numpy as np
 from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
-from scoremod.errors import ScoreModError, ScoreModTypeError, ScoreModValueError, UnsupportedOpError
+from scoremod.errors import ScoreModError, ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
 from scoremod.lowering.backend import run
 from scoremod.lowering.problem import Problem
@@ -94,10 +94,9 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         if reason is not None:
             raise asked.refused(reason)
         backend = asked
-        plan = backend.plan(problem, mod, scale, options, return_lse)
-        backend.prepare(plan)  # a refusal found only when building is the error here
     else:
-        backend, plan = _choose_and_prepare(problem, mod, traced_scale, scale, options, return_lse)
+        backend = _choose(problem, mod, traced_scale)
+    plan = backend.plan(problem, mod, scale, options, return_lse)
     fallback = None
     if implementation is None and not backend.operand_gradients:
         # Gradients for the mod's operands, if asked for, come from a backend
@@ -129,32 +128,12 @@ def _why_not(backend, problem, mod, traced_scale, automatic):
     return backend.why_not(problem, mod, automatic=automatic)
 
 
-def _choose_and_prepare(problem, mod, traced_scale, scale, options, return_lse):
-    """(backend, plan) of implementation=None: the first backend without
-    objection whose ``prepare`` (e.g. building its kernels) succeeds; a backend
-    that turns the call down only then is passed over with a warning."""
-    refused = {}
-    while True:
-        backend = _choose(problem, mod, traced_scale, refused)
-        plan = backend.plan(problem, mod, scale, options, return_lse)
-        try:
-            backend.prepare(plan)
-            return backend, plan
-        except UnsupportedOpError as e:
-            refused[backend] = str(e)
-            warnings.warn(f"scoremod: {backend.title} refused this call when building it "
-                          f"({str(e)[:300]}); implementation=None tries the next backend",
-                          stacklevel=4)
-
-
-def _choose(problem, mod, traced_scale=False, refused=None):
-    """The first backend without objection (``refused``: backends already turned
-    down, with their reasons); warns once per reason when a backend whose
-    hardware is here was passed over."""
+def _choose(problem, mod, traced_scale=False):
+    """The first backend without objection; warns once per reason when a backend
+    whose hardware is here was passed over."""
     passed = []
     for backend in registry.backends():
-        reason = (refused or {}).get(backend) or _why_not(backend, problem, mod, traced_scale,
-                                                           automatic=True)
+        reason = _why_not(backend, problem, mod, traced_scale, automatic=True)
         if reason is None:
             present = [r for b, r in passed if b.present()]
             if present:

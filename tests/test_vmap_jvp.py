@@ -215,7 +215,7 @@ class _RefusedWhenBuilt(Automatic):
 
     name = "standin-refused"
 
-    def prepare(self, plan):
+    def forward(self, plan, q, k, v, operands):
         raise scoremod.UnsupportedOpError("cuDNN refused the forward graph (stand-in)")
 
 

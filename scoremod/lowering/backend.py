@@ -12,8 +12,6 @@ A backend is one object with a small protocol:
 - ``plan(problem, mod, scale, options, return_lse)``: a hashable, static
   description of the call (everything but array values), with ``mod`` (the
   expression only) and ``scale`` attributes.
-- ``prepare(plan)``: builds what the forward needs, or raises the refusal
-  that only building can find (optional).
 - ``forward(plan, q, k, v, operands)`` -> (O, LSE) and
   ``backward(plan, q, k, v, o, lse, do, operands)`` -> (dQ, dK, dV).
 
@@ -65,11 +63,6 @@ class Backend:
 
     def plan(self, problem, mod, scale, options, return_lse):
         raise NotImplementedError
-
-    def prepare(self, plan) -> None:
-        """Builds what ``plan``'s forward needs ahead of the call (e.g. its
-        kernels); raises an ``UnsupportedOpError`` when the backend turns the
-        call down only then (implementation=None then moves on to the next)."""
 
     def forward(self, plan, q, k, v, operands):
         raise NotImplementedError
@@ -151,7 +144,24 @@ def _forward_mode_fallback(backend, fallback, q, k, v, operands):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(static, q, k, v, operands):
-    return sharding.forward(static, q, k, v, operands)
+    try:
+        return sharding.forward(static, q, k, v, operands)
+    except UnsupportedOpError as e:
+        other, other_plan = _refused_when_built(static, e, "forward")
+        return other.forward(other_plan, q, k, v, operands)
+
+
+def _refused_when_built(static, error, what):
+    """The fallback (backend, plan) for a call the fused backend turned down only
+    when building its kernels (cuDNN's "no engine"), with a warning; the error
+    itself where the user allowed no fallback (a backend asked for by name)."""
+    if static.fallback is None:
+        raise error
+    fallback, _ = static.fallback
+    warnings.warn(f"scoremod: {static.backend.title} refused the {what} of this call when "
+                  f"building it ({str(error)[:300]}); implementation=None runs it on "
+                  f"{fallback.title} (O(S^2) memory).", stacklevel=6)
+    return static.fallback
 
 
 def _names(plan):
@@ -181,7 +191,13 @@ def _fused_fwd(static, q, k, v, operands):
             f"{static.backend.title} (it returns dQ, dK, dV only). Use implementation=\"xla\" to "
             "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
         )
-    o, lse = sharding.forward(static, q, k, v, operands)
+    try:
+        o, lse = sharding.forward(static, q, k, v, operands)
+    except UnsupportedOpError as e:
+        other, other_plan = _refused_when_built(static, e, "forward")
+        (o, lse), vjp = jax.vjp(
+            lambda q, k, v, ops: other.forward(other_plan, q, k, v, ops), q, k, v, operands)
+        return (o, lse), {"reference_vjp": vjp}
     return (o, lse), (q, k, v, o, lse, operands)
 
 
@@ -202,15 +218,9 @@ def _fused_bwd(static, res, cts):
         do = jnp.zeros(o.shape, o.dtype)
     try:
         dq, dk, dv = sharding.backward(static, q, k, v, o, lse, do, operands)
-    except UnsupportedOpError as e:  # the backward turned down when built
-        if static.fallback is None:
-            raise
-        fallback, fallback_plan = static.fallback
-        warnings.warn(f"scoremod: {static.backend.title} refused the backward of this call "
-                      f"({str(e)[:300]}); implementation=None computes the gradients with "
-                      f"{fallback.title} (O(S^2) memory).", stacklevel=5)
-        _, vjp = jax.vjp(lambda q, k, v: fallback.forward(fallback_plan, q, k, v, operands)[0],
-                         q, k, v)
+    except UnsupportedOpError as e:
+        other, other_plan = _refused_when_built(static, e, "backward")
+        _, vjp = jax.vjp(lambda q, k, v: other.forward(other_plan, q, k, v, operands)[0], q, k, v)
         dq, dk, dv = vjp(do)
     return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
 

@@ -74,10 +74,6 @@ class Cudnn(Backend):
     def plan(self, problem, mod, scale, options, return_lse):
         return plan_for(mod, problem, scale, options)
 
-    def prepare(self, plan):
-        for part in plan.parts:  # cached: the call itself finds them built
-            part.forward_graph()
-
     def forward(self, plan, q, k, v, operands):
         s = plan.shape
         out_shapes = _forward_outputs(s.b, s.sq, s.hq, s.dv, q.dtype)
