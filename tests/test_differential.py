@@ -643,3 +643,25 @@ def test_int_ranges_bound_every_value():
             got = np.asarray(fn(*POINTS)).astype(np.int64)
             assert lo <= got.min() and got.max() <= hi, (ts, (lo, hi), got.min(), got.max())
             checked += 1
+
+
+@pytest.mark.parametrize("outer", [1, 2, 3, 4, 6, 7, 12, 64])
+@pytest.mark.parametrize("inner", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("remainder", [jnp.remainder, lax.rem], ids=["mod", "rem"])
+def test_nested_remainders_equal_jax(outer, inner, remainder):
+    """x % a % b becomes x % b where b divides a (rewrite._nested_remainder):
+    equal to jax.numpy for every int32 x, and left as written otherwise."""
+    lo, hi = -(2**31), 2**31 - 1
+    x = jnp.array([lo, lo + 1, -(2**20) - 3, -65, -64, -7, -6, -1, 0, 1, 5, 6, 63,
+                   64, 2**20 + 5, hi - 1, hi], jnp.int32)
+    fn = lambda s, b, h, q, k: s + remainder(remainder(q - k, outer), inner).astype(jnp.float32)  # noqa: E731
+    mod = scoremod.trace(fn)
+    nested = any(n.op in ("mod", "rem") and n.args[0].op in ("mod", "rem")
+                 for n in scoremod.dsl.ir.toposort(mod.expr))
+    assert nested == (outer % inner != 0), str(mod)
+    from scoremod.dsl.evaluate import evaluate
+
+    zero = jnp.zeros(x.shape, jnp.int32)
+    want = fn(jnp.zeros(x.shape), zero, zero, x, zero)
+    got = evaluate(mod.expr, dict(score=jnp.zeros(x.shape), b=zero, h=zero, q_idx=x, kv_idx=zero), {})
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

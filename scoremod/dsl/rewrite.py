@@ -289,6 +289,28 @@ def _remainder(args, attr):
     return None
 
 
+def _nested_remainder(op):
+    # x % a % b is x % b when b divides a (a, b > 0): both are congruent to x
+    # modulo b and lie in the same range: [0, b) for the floor remainder (mod;
+    # also what rem gives of mod's nonnegative result), of x's sign when both
+    # are truncated (rem). Folded vmaps write the batch index this way
+    # (b % 6 % 2), and cuDNN then needs no nested division.
+    def rule(args, attr):
+        x, b = args
+        if x.op not in ("mod", "rem") or b.op != CONST or x.args[1].op != CONST:
+            return None
+        a = x.args[1]
+        if a.dtype != I32 or b.dtype != I32 or a.attr <= 0 or b.attr <= 0 or a.attr % b.attr:
+            return None
+        return build("rem" if op == x.op == "rem" else "mod", x.args[0], b)
+
+    return rule
+
+
+pattern("mod")(_nested_remainder("mod"))
+pattern("rem")(_nested_remainder("rem"))
+
+
 def _bool_const_compare(negate_on_true):
     def rule(args, attr):
         a, b = args
