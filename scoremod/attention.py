@@ -47,10 +47,13 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         (one fused cuDNN kernel), ``"cudnn-varlen"`` (segment masks as
         cuDNN's variable-length attention), ``"pallas"`` (block-sparse Pallas
         kernels generated from the mod, with gradients of captured arrays;
-        interpret mode off a GPU; not validated on a GPU yet, so by name
-        only, with a warning); or None: the first backend that can run this
-        call (cudnn-varlen for segment masks, else cudnn, else xla), with a
-        warning when a GPU is here but the fused path cannot take the call.
+        interpret mode off a GPU); or None: the first backend that can run
+        this call (cudnn-varlen for segment masks, else cudnn, else pallas
+        on a GPU, else xla), with a warning when a GPU is here but a faster
+        route cannot take the call; what the chosen backend cannot do
+        (gradients of captured arrays, ``jax.jvp``, a graph cuDNN turns
+        down when building it) then runs on the next one that can, with a
+        warning.
       return_lse: also return the log-sum-exp of the modified scores,
         float32 [batch, q_heads, q_len].
       options: a :class:`~scoremod.LoweringOptions` (native masks, query-block
@@ -97,15 +100,19 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     else:
         backend = _choose(problem, mod, traced_scale)
     plan = backend.plan(problem, mod, scale, options, return_lse)
-    fallback = None
-    if implementation is None and not backend.operand_gradients:
-        # Gradients for the mod's operands, if asked for, come from a backend
-        # that computes them (the reference path), with a warning.
-        other = registry.operand_gradients()
-        fallback = (other, other.plan(problem, mod, scale, options, True))
+    fallback = forward_mode_fallback = None
+    if implementation is None:
+        # What the chosen backend cannot do (operand gradients, a graph it
+        # refuses only when building it, jax.jvp) runs, with a warning, on the
+        # first later backend that can and takes the call.
+        fallback = _fallback(backend, problem, mod, traced_scale, scale, options,
+                             lambda b: b.operand_gradients)
+        forward_mode_fallback = _fallback(backend, problem, mod, traced_scale, scale, options,
+                                          lambda b: b.forward_mode_derivatives)
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
     o, lse = run(backend, plan, query, key, value, operands, problem=problem, options=options,
-                 return_lse=return_lse, fallback=fallback)
+                 return_lse=return_lse, fallback=fallback,
+                 forward_mode_fallback=forward_mode_fallback)
     return (o, lse) if return_lse else o
 
 
@@ -128,6 +135,17 @@ def _why_not(backend, problem, mod, traced_scale, automatic):
     return backend.why_not(problem, mod, automatic=automatic)
 
 
+def _fallback(backend, problem, mod, traced_scale, scale, options, can):
+    """``(backend, plan)`` of the first backend after ``backend`` (in the
+    registry's order) that ``can`` and takes the call, or None."""
+    order = registry.backends()
+    later = order[order.index(backend) + 1:] if backend in order else order
+    for other in later:
+        if can(other) and _why_not(other, problem, mod, traced_scale, automatic=True) is None:
+            return other, other.plan(problem, mod, scale, options, True)
+    return None
+
+
 def _choose(problem, mod, traced_scale=False):
     """The first backend without objection; warns once per reason when a backend
     whose hardware is here was passed over."""
@@ -137,11 +155,18 @@ def _choose(problem, mod, traced_scale=False):
         if reason is None:
             present = [r for b, r in passed if b.present()]
             if present:
-                _warn_once(backend, present[-1])  # the last refusal: the most general route
+                _warn_once(backend, _telling(passed, present))
             return backend
         passed.append((backend, reason))
     raise ScoreModError("no implementation can run this call: "
                         + "; ".join(f"{b.name}: {r}" for b, r in passed))
+
+
+def _telling(passed, reasons):
+    """The refusal a fallback's message gives: the first general backend's
+    (the fastest route that could have taken the call), else the last."""
+    general = [r for b, r in passed if not b.specialized and r in reasons]
+    return general[0] if general else reasons[-1]
 
 
 _WARNED: set = set()
@@ -179,11 +204,13 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
         >>> q = jnp.ones((1, 8, 2, 64), jnp.float32)
         >>> choice = scoremod.which_implementation(q, q, q)
         >>> choice[0], list(choice.verdicts)
-        ('xla', ['cudnn-varlen', 'cudnn', 'xla'])
+        ('xla', ['cudnn-varlen', 'cudnn', 'pallas', 'xla'])
 
-    ``reason`` says why the backend tried just before the chosen one is not
-    taken (for an ``"xla"`` choice, why the fused cuDNN path is not; None
-    when the first backend is taken); ``verdicts`` maps every registered
+    ``reason`` says why the fastest route that could have taken the call is
+    not taken: the refusal of the first backend tried before the chosen one
+    that is not specialized (cudnn-varlen takes segment masks only), so for
+    an ``"xla"`` or ``"pallas"`` choice, why the fused cuDNN path is not
+    (None when the first backend is taken); ``verdicts`` maps every registered
     backend to its reason for refusing this call, or None when it could run
     it; ``low_rank_bias`` says whether a low-rank additive bias of the mod
     runs inside QK^T (head dim and remaining mod), or why it stays in the mod
@@ -206,9 +233,10 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
     verdicts = {b.name: b.why_not(problem, mod, automatic=True) for b in registry.backends()}
     names = list(verdicts)
     chosen = next((name for name, reason in verdicts.items() if reason is None), None)
-    # The reason names the backend tried just before the chosen one (the last refusal).
+    # The reason: the first general backend's refusal before the chosen one.
     at = names.index(chosen) if chosen is not None else len(names)
-    return Choice(chosen, verdicts[names[at - 1]] if at else None, verdicts, note)
+    before = [(b, verdicts[b.name]) for b in registry.backends()[:at]]
+    return Choice(chosen, _telling(before, [r for _, r in before]) if at else None, verdicts, note)
 
 
 def check_implementation(implementation) -> None:

@@ -233,7 +233,7 @@ def test_cudnn_request_is_never_silently_served_by_xla():
 @pytest.mark.parametrize("name", ["flash", "bogus"])
 def test_bad_implementation_name_lists_the_registered_ones(name):
     q = jnp.ones((1, 4, 2, 8))
-    with pytest.raises(scoremod.ScoreModError, match=f"unknown implementation '{name}'.*'cudnn', 'xla'"):
+    with pytest.raises(scoremod.ScoreModError, match=f"unknown implementation '{name}'.*'cudnn', 'pallas', 'xla'"):
         scoremod.attention(q, q, q, implementation=name)
 
 
@@ -369,3 +369,74 @@ def test_a_backend_not_validated_on_a_gpu_runs_by_name_only_with_a_warning(monke
         warnings.simplefilter("always")
         assert registry.get("unvalidated") is backend
     assert any("not validated on a GPU" in str(w.message) for w in caught)
+
+
+def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch):
+    """implementation=None: operand gradients go to the first later backend
+    that computes them and takes the call (the reference path when it
+    declines), jax.jvp to the first later one with forward-mode derivatives;
+    each with a warning naming it, and the memory note only for the
+    reference path."""
+    import warnings
+
+    from scoremod.lowering.backend import Backend
+    from scoremod.lowering.reference import REFERENCE
+
+    class Fused(Backend):  # the reference's numbers through the shared custom_vjp
+        name, title = "fused-standin", "the stand-in fused kernels"
+        partitioned = False
+
+        def why_not(self, problem, mod, automatic):
+            return None
+
+        def plan(self, problem, mod, scale, options, return_lse):
+            return REFERENCE.plan(problem, mod, scale, options, True)
+
+        def forward(self, plan, q, k, v, operands):
+            return REFERENCE.forward(plan, q, k, v, operands)
+
+        def backward(self, plan, q, k, v, o, lse, do, operands):
+            _, vjp = jax.vjp(lambda q, k, v: REFERENCE.forward(plan, q, k, v, operands)[0],
+                             q, k, v)
+            return vjp(do)
+
+    class WithGradients(Backend):  # the reference's numbers, differentiated by JAX
+        name, title = "gradients-standin", "the stand-in gradient kernels"
+        differentiable = operand_gradients = True
+        declines = False
+
+        def why_not(self, problem, mod, automatic):
+            return "declined" if self.declines else None
+
+        def plan(self, problem, mod, scale, options, return_lse):
+            return REFERENCE.plan(problem, mod, scale, options, True)
+
+        def forward(self, plan, q, k, v, operands):
+            return REFERENCE.forward(plan, q, k, v, operands)
+
+    grads_backend = WithGradients()
+    monkeypatch.setattr(registry, "_BACKENDS", [Fused(), grads_backend, REFERENCE])
+    q, k, v = _inputs(jnp.float32)
+    slopes = jnp.linspace(0.1, 0.5, q.shape[2])
+
+    def loss(s, impl=None):
+        mod = lambda x, b, h, qi, ki: x + s[h] * (ki - qi)  # noqa: E731
+        return jnp.sum(scoremod.attention(q, k, v, mod, implementation=impl) ** 2)
+
+    want = jax.grad(lambda s: loss(s, "xla"))(slopes)
+    for declines, taker in ((False, "stand-in gradient kernels"), (True, "reference path")):
+        grads_backend.declines = declines
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = jax.grad(loss)(slopes)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+        said = [str(w.message) for w in caught if "operands" in str(w.message)]
+        assert said and taker in said[0], said
+        assert ("O(S^2) memory" in said[0]) == declines, said[0]
+    grads_backend.declines = False
+    mod = lambda x, b, h, qi, ki: x * 0.5  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jvp(lambda q: scoremod.attention(q, k, v, mod), (q,), (q,))
+    said = [str(w.message) for w in caught if "jax.jvp" in str(w.message)]
+    assert said and "reference path" in said[0], said  # the stand-in has no forward mode

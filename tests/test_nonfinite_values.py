@@ -52,6 +52,8 @@ class Kernel(Reference):
     title = "the stand-in kernel"
     differentiable = False
     operand_gradients = False
+    forward_mode_derivatives = False
+    materializes_scores = False
     calls: list = []
 
     def why_not(self, problem, mod, automatic):

@@ -146,9 +146,50 @@ def test_through_attention_jit_grad_remat():
     np.testing.assert_allclose(np.asarray(f("pallas")), np.asarray(f("xla")), rtol=1e-5, atol=1e-5)
 
 
-def test_by_name_only():
-    assert "pallas" in registry.names()
-    assert PALLAS not in registry.backends()  # never chosen automatically until validated
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("tiles", ["dense", "analysed"])
+def test_masked_keys_never_contribute(bad, tiles):
+    """The masked-key rule (lowering/nonfinite.py) on the Pallas kernels: a
+    non-finite V at a causally masked key leaves the rows before it finite
+    and makes the rows after it NaN; O, LSE and the gradients equal the
+    reference path's (NaN where it is NaN), on the dense map (the kernel
+    multiplies the masked part of a tile by V) and on the IR's own map."""
+    from scoremod.lowering.pallas.backend import dense_map
+    from scoremod.lowering.reference import REFERENCE
+
+    q, k, v, do = pc.inputs(b=1, sq=64, skv=64, hq=2, hkv=1)
+    v = v.at[0, 40].set(bad)
+    mod, operands = pc.traced("causal", q, k)
+
+    def plan(options):
+        p = pc.pallas_plan(mod, q, k, v, options)
+        return dataclasses.replace(p, block_map=dense_map) if tiles == "dense" else p
+
+    got = pc.run(PALLAS, plan(SMALL), q, k, v, do, operands)
+    want = pc.run(REFERENCE, REFERENCE.plan(Problem.of(q, k, v), mod, plan(SMALL).scale, SMALL,
+                                            True), q, k, v, do, operands)
+    o = np.asarray(got[0])
+    assert np.isfinite(o[0, :40]).all() and np.isnan(o[0, 40:]).all()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(np.nan_to_num(g), np.nan_to_num(w), rtol=1e-4, atol=1e-4)
+    if tiles == "dense":
+        # Without the rule (check_values=False) the masked part of the tile
+        # holding key 40 multiplies the non-finite value: NaN rows before it.
+        o = pc.run(PALLAS, plan(dataclasses.replace(SMALL, check_values=False)), q, k, v, do,
+                   operands)[0]
+        assert np.isnan(np.asarray(o)[0, :40]).any()
+
+
+def test_tried_after_cudnn_and_before_the_reference_path():
+    names = [b.name for b in registry.backends()]
+    assert names.index("cudnn") < names.index("pallas") < names.index("xla")
+    # Automatically only on a GPU, and not for float32 inputs.
+    why = PALLAS.why_not(_problem(dtype="bfloat16"), None, automatic=True)
+    assert why is not None and "interpret mode" in why  # this machine has no GPU
+    assert PALLAS.why_not(_problem(dtype="bfloat16"), None, automatic=False) is None
+    assert "float32" in PALLAS.why_not(_problem(dtype="float32"), None, automatic=True)
 
 
 def _problem(d=64, dv=64, dtype="float32"):

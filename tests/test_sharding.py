@@ -62,6 +62,8 @@ class StandIn(Reference):
     title = "the stand-in kernel"
     differentiable = False
     operand_gradients = False
+    forward_mode_derivatives = False
+    materializes_scores = False
     seen: list = []
 
     def why_not(self, problem, mod, automatic):

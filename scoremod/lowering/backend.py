@@ -47,6 +47,11 @@ class Backend:
     operand_gradients: bool = False  # its gradients reach the mod's captured operands
     traced_scale: bool = False  # takes a scale that is a traced value (else it is compiled in)
     partitioned: bool = True  # its calls take lowering.sharding's partitioning rule
+    forward_mode_derivatives: bool = False  # jax.jvp of its forward works
+    materializes_scores: bool = False  # holds [B, H, Sq, Skv] scores: O(S^2) memory
+    # Takes one kind of mod only (segment masks): its refusal of another says
+    # nothing useful, so a fallback's warning gives the next backend's.
+    specialized: bool = False
     error: type = ScoreModError  # raised when asked by name for a call it refuses
     hint: str = ""  # what to do instead, appended to that error
 
@@ -101,18 +106,22 @@ class _Static:
 
 
 def run(backend: Backend, plan, q, k, v, operands, *, problem, options, return_lse,
-        fallback=None):
+        fallback=None, forward_mode_fallback=None):
     """``(O, LSE)`` of ``plan`` on ``backend``, differentiable in q, k, v
     (and in the operands where ``backend`` or the ``fallback`` computes them).
 
-    A fused backend's calls go through ``lowering.sharding``, which partitions
-    them over the devices the arrays are sharded on and batches them under
-    ``jax.vmap``; ``problem``, ``options`` and ``return_lse`` (those the plan
-    was made with) let it plan the same call on other shapes."""
+    ``fallback`` and ``forward_mode_fallback`` (``(backend, plan)`` pairs, or
+    None where the user allowed none) run what ``backend`` cannot: operand
+    gradients and a refusal found only when building its kernels, and
+    ``jax.jvp``. A fused backend's calls go through ``lowering.sharding``,
+    which partitions them over the devices the arrays are sharded on and
+    batches them under ``jax.vmap``; ``problem``, ``options`` and
+    ``return_lse`` (those the plan was made with) let it plan the same call
+    on other shapes."""
+    if not backend.forward_mode_derivatives and forward_mode((q, k, v, operands)):
+        return _forward_mode_fallback(backend, forward_mode_fallback, q, k, v, operands)
     if backend.differentiable:
         return backend.forward(plan, q, k, v, operands)
-    if forward_mode((q, k, v, operands)):
-        return _forward_mode_fallback(backend, fallback, q, k, v, operands)
     static = _Static(backend, plan, fallback, problem, options, bool(return_lse))
     return _fused(static, q, k, v, operands)
 
@@ -137,8 +146,8 @@ def _forward_mode_fallback(backend, fallback, q, k, v, operands):
             "path, with a warning) or implementation=\"xla\" for jax.jvp, or jax.grad / jax.vjp.")
     other, other_plan = fallback
     warnings.warn(f"scoremod: jax.jvp needs forward-mode derivatives, which {backend.title} does "
-                  f"not compute; implementation=None falls back to {other.title} for this call "
-                  "(O(S^2) memory).", stacklevel=4)
+                  f"not compute; implementation=None falls back to {other.title} for this call"
+                  f"{_memory_note(other)}.", stacklevel=4)
     return other.forward(other_plan, q, k, v, operands)
 
 
@@ -151,6 +160,10 @@ def _fused(static, q, k, v, operands):
         return other.forward(other_plan, q, k, v, operands)
 
 
+def _memory_note(backend) -> str:
+    return " (O(S^2) memory)" if backend.materializes_scores else ""
+
+
 def _refused_when_built(static, error, what):
     """The fallback (backend, plan) for a call the fused backend turned down only
     when building its kernels (cuDNN's "no engine"), with a warning; the error
@@ -160,7 +173,7 @@ def _refused_when_built(static, error, what):
     fallback, _ = static.fallback
     warnings.warn(f"scoremod: {static.backend.title} refused the {what} of this call when "
                   f"building it ({str(error)[:300]}); implementation=None runs it on "
-                  f"{fallback.title} (O(S^2) memory).", stacklevel=6)
+                  f"{fallback.title}{_memory_note(fallback)}.", stacklevel=6)
     return static.fallback
 
 
@@ -179,7 +192,7 @@ def _fused_fwd(static, q, k, v, operands):
         # implementation=None: the fallback computes what the backend cannot.
         warnings.warn(
             f"scoremod: gradients for score_mod operands {perturbed} need {fallback.title}; "
-            "implementation=None falls back to it for this call (O(S^2) memory).",
+            f"implementation=None falls back to it for this call{_memory_note(fallback)}.",
             stacklevel=5,
         )
         (o, lse), vjp = jax.vjp(

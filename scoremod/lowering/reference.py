@@ -92,6 +92,8 @@ class Reference(Backend):
     differentiable = True
     operand_gradients = True
     traced_scale = True
+    forward_mode_derivatives = True
+    materializes_scores = True
 
     def why_not(self, problem, mod, automatic):
         need, have = memory_needed(problem), device.available_memory()

@@ -2,9 +2,9 @@
 
     >>> from scoremod.lowering import registry
     >>> registry.names()
-    ('cudnn-varlen', 'cudnn', 'xla', 'pallas')
+    ('cudnn-varlen', 'cudnn', 'pallas', 'xla')
     >>> [b.name for b in registry.backends()]
-    ['cudnn-varlen', 'cudnn', 'xla']
+    ['cudnn-varlen', 'cudnn', 'pallas', 'xla']
     >>> registry.get("reference").name
     'xla'
 
@@ -32,10 +32,12 @@ class UnknownImplementationError(ScoreModError, ValueError):
 
 
 # Tried in this order; the reference path runs anywhere. cudnn-varlen declines
-# every mod that is not a segment mask, so it goes before the dense cuDNN path.
-_BACKENDS: list = [CUDNN_VARLEN, CUDNN, REFERENCE]
-# Not yet validated on a GPU: by name only, until tests/gpu/test_pallas_gpu.py passes.
-_BY_NAME_ONLY: list = [PALLAS]
+# every mod that is not a segment mask, so it goes before the dense cuDNN path;
+# Pallas (slower than cuDNN where both run, but O(S) memory and it computes
+# operand gradients) takes what cuDNN refuses, before the reference path.
+_BACKENDS: list = [CUDNN_VARLEN, CUDNN, PALLAS, REFERENCE]
+# Backends not yet validated on a GPU: by name only, with a warning.
+_BY_NAME_ONLY: list = []
 _ALIASES = {"reference": "xla"}
 _WARNED: set = set()
 
@@ -48,12 +50,6 @@ def backends() -> tuple:
 def names() -> tuple:
     """Every registered name: the automatic ones in order, then those run by name only."""
     return tuple(b.name for b in _BACKENDS + _BY_NAME_ONLY)
-
-
-def operand_gradients() -> Backend:
-    """The first backend whose gradients reach the mod's operands (where a
-    fused backend that cannot compute them hands over, if the user allowed it)."""
-    return next(b for b in _BACKENDS if b.operand_gradients)
 
 
 def get(name: str) -> Backend:

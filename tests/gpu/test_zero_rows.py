@@ -57,7 +57,7 @@ def test_zero_padded_query_rows(name, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf], ids=["nan", "inf"])
 @pytest.mark.parametrize("native", [True, False], ids=["native_mask", "score_mod_mask"])
-def test_nan_values_at_masked_keys(native, bad, dtype):
+def test_nan_values_at_masked_keys(native, bad, dtype, implementation="cudnn"):
     """The masked-key rule (lowering/nonfinite.py): rows that do not see the
     key are untouched, rows that do are NaN; gradients as the reference's."""
     q, k, v, do = _inputs(1, 256, 256, 2, 2, 64, dtype)
@@ -65,7 +65,7 @@ def test_nan_values_at_masked_keys(native, bad, dtype):
     causal = (lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf)) if native else (
         lambda s, b, h, qi, ki: jnp.where(qi >= ki, s * 1.0 + 0.0 * qi, -jnp.inf))
     mod = scoremod.trace(causal)
-    got = jax.jit(lambda *a: _run("cudnn", mod, *a))(q, k, v, do)
+    got = jax.jit(lambda *a: _run(implementation, mod, *a))(q, k, v, do)
     want = jax.jit(lambda *a: _run("xla", mod, *a))(q, k, v, do)
     o_want = np.asarray(want[0], np.float32)
     assert np.isfinite(o_want[0, :200]).all() and np.isnan(o_want[0, 200:]).all()
@@ -76,3 +76,10 @@ def test_nan_values_at_masked_keys(native, bad, dtype):
             assert np.isfinite(g).all() == np.isfinite(w).all(), label
         err = _rel_err(np.nan_to_num(g), np.nan_to_num(w))
         assert err < TOL[dtype], f"{label} off by {err:.3g}"
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf], ids=["nan", "inf"])
+def test_nan_values_at_masked_keys_on_pallas(bad):
+    """The same rule on the Pallas backend (its kernels skip the masked tiles
+    and multiply the rest by V: the rule around the call must decide)."""
+    test_nan_values_at_masked_keys(False, bad, jnp.bfloat16, implementation="pallas")

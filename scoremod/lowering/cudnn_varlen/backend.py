@@ -130,6 +130,7 @@ class CudnnVarlen(Backend):
     # Its plans close over the ragged offsets of ids known at trace time, which
     # custom_partitioning cannot take: under a mesh, XLA gathers its inputs.
     partitioned = False
+    specialized = True
     title = "cuDNN's variable-length attention"
     error = CudnnUnavailableError
     hint = "Use implementation=\"cudnn\" or \"xla\", or implementation=None to choose automatically."

@@ -29,7 +29,7 @@ from scoremod import device
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.errors import ScoreModError
-from scoremod.lowering import blocks
+from scoremod.lowering import blocks, nonfinite
 from scoremod.lowering.backend import Backend, forward_mode
 from scoremod.lowering.pallas import codegen, kernels
 from scoremod.lowering.problem import Problem
@@ -79,6 +79,9 @@ class PallasPlan:
     # The mod on the tiles the map marks full (every score live), or None:
     # the whole mod everywhere. It must equal the mod on every such tile.
     full_expr: object = None
+    # The masked-key rule for non-finite V (lowering/nonfinite.py) around the
+    # kernels: LoweringOptions.check_values.
+    check_values: bool = True
 
     def spec(self, blocks_, warps) -> kernels.KernelSpec:
         p = self.problem
@@ -121,6 +124,9 @@ class Pallas(Backend):
         platform = device.current().platform
         if platform == "gpu" and device.current().family is None:
             return "Pallas's Triton lowering needs an NVIDIA GPU"
+        if automatic and problem.dtype == "float32":
+            return ("float32 inputs make its tile products IEEE float32 dots, slower than the "
+                    "reference path's; ask by name")
         if automatic and platform != "gpu":
             return "off a GPU the kernels run in Pallas's interpret mode (slow); ask by name"
         return None
@@ -143,14 +149,17 @@ class Pallas(Backend):
             full_expr = None if full is mod.expr else full
         return PallasPlan(None if mod is None else ScoreMod(mod.expr), float(scale),
                           bool(return_lse), problem, fwd, bwd, warps, options.pallas_num_stages,
-                          interpret, block_map, full_expr)
+                          interpret, block_map, full_expr, options.check_values)
 
     def forward(self, plan, q, k, v, operands):
         if forward_mode((q, k, v, operands)):
             raise self.error(
                 f"{self.title} compute reverse-mode gradients only (jax.grad, jax.vjp), not "
                 "forward-mode ones (jax.jvp); use implementation=\"xla\" for jax.jvp")
-        o, lse = _attend(plan, q, k, v, tuple(operands))
+        # The masked-key rule (lowering/nonfinite.py) around the differentiable
+        # kernels: JAX differentiates the lax.cond, so the backward of V with a
+        # non-finite entry is the sanitized call's, NaN rows passing nothing back.
+        o, lse = nonfinite.forward(_KERNELS, plan, q, k, v, tuple(operands), plan.check_values)
         return o, (lse if plan.return_lse else None)
 
     def backward(self, plan, q, k, v, o, lse, do, operands):
@@ -159,6 +168,17 @@ class Pallas(Backend):
 
 
 PALLAS = Pallas()
+
+
+class _Kernels:
+    """The differentiable kernel call, as lowering.nonfinite calls a backend."""
+
+    @staticmethod
+    def forward(plan, q, k, v, operands):
+        return _attend(plan, q, k, v, tuple(operands))
+
+
+_KERNELS = _Kernels()
 
 
 # --------------------------------------------------------------------------- #
