@@ -145,12 +145,15 @@ def program_axes(expr, name) -> dict:
     return out
 
 
-def evaluate_tile(roots, inputs: dict, refs: dict):
+def evaluate_tile(roots, inputs: dict, refs: dict, gather=None):
     """Values of ``roots`` on a tile.
 
     ``inputs``: arrays for the variables (``score``, ``b``, ``h``, ``q_idx``,
     ``kv_idx``, and ``dP`` for backward expressions), broadcastable to the tile;
-    ``refs``: operand name -> the Pallas ref of its flat kernel copy."""
+    ``refs``: operand name -> the Pallas ref of its flat kernel copy;
+    ``gather``: ``(ref, flat positions, IR dtype) -> values``, the kernel's
+    read of a captured array (default: ``gather`` below, Triton's)."""
+    gather = _gather if gather is None else gather
     vals = {}
     for node in ir.toposort(*roots):
         if node.op == CONST:
@@ -169,7 +172,7 @@ def evaluate_tile(roots, inputs: dict, refs: dict):
     return [vals[r] for r in roots]
 
 
-def gather(ref, flat, dtype):
+def _gather(ref, flat, dtype):
     """``ref[flat]`` for a scalar or an array of positions, as IR type ``dtype``."""
     shape = jnp.shape(flat)
     if len(shape) < 2:  # the Triton lowering gathers with 2-D positions

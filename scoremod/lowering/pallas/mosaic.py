@@ -1,0 +1,284 @@
+"""The forward as a Mosaic GPU kernel for Hopper: wgmma, TMA and warp specialization.
+
+One program holds ``TILE_Q`` query rows of one (batch, query head) and runs
+three warpgroups: two compute warpgroups of ``BLOCK_Q`` rows each and one
+memory warpgroup. The memory warpgroup streams the key and value tiles that
+the block map lists for the program's query tile (``q_blocks[.., :q_counts]``)
+into ``STAGES`` shared-memory slots with the copy engine (TMA); each compute
+warpgroup multiplies its queries by a key tile on the tensor cores
+(``wgmma``, accumulating in registers), evaluates the mod on the score tile
+in registers (``codegen.evaluate_tile``: the IR as jax.numpy, on Mosaic GPU's
+register arrays), runs the online softmax and multiplies the probabilities
+by the value tile. The two compute warpgroups take turns on the tensor cores
+(a shared barrier), so one's softmax overlaps the other's matrix products.
+
+The outputs are the Triton forward's: O in the inputs' dtype and the
+natural-log LSE (float32, -inf on rows that see no key, whose O is 0), so
+the Triton FA2 backward (``kernels``) runs on them unchanged.
+
+What this engine cannot evaluate is refused up front (``refusal``): ops
+Mosaic GPU has no lowering for, and reads of a captured array at an index
+that varies over the tile (a gather; Mosaic GPU loads scalars only, so
+``slopes[h]`` runs and ``bias[h, kv_idx - q_idx]`` does not).
+
+jax.experimental.pallas.mosaic_gpu is imported when a kernel is built, never
+at import (jax versions without it import this module too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from scoremod.dsl import ir
+from scoremod.dsl.ir import LOAD, MATERIALIZE, VAR
+from scoremod.dsl.text import format_expr
+from scoremod.lowering.pallas import codegen
+
+BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M is 64 per warpgroup)
+COMPUTE_WGS = 2
+TILE_Q = BLOCK_Q * COMPUTE_WGS  # query rows per program: the block map's query block
+BLOCK_KV = 128  # keys per tile: the block map's key block
+STAGES = 2  # key/value tiles in flight
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128)
+# Registers per thread: compute warpgroups take what the memory warpgroup gives up.
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
+
+NEG_INF = float("-inf")
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Ops whose jax.numpy implementation reaches a primitive that Pallas's Mosaic
+# GPU lowering has no rule for (jax 0.11.2; tests/test_pallas_mosaic.py lowers
+# every op of the table through the kernel and checks that exactly these fail).
+NOT_LOWERABLE: dict = {}
+
+_TILE_VARS = ("score", "q_idx", "kv_idx")
+
+
+def refusal(expr, sources) -> str | None:
+    """Why the Mosaic GPU forward cannot evaluate ``expr`` (a sentence naming
+    the op and where it was written), or None."""
+    for node in ir.toposort(expr):
+        why = NOT_LOWERABLE.get(node.op)
+        if node.op == MATERIALIZE:
+            why = "materialized values are a cuDNN lowering's, not a mod's"
+        if node.op == LOAD and _varies_over_tile(node.args[1:]):
+            why = ("it reads captured arrays at indices built from b, h and constants only "
+                   "(a scalar per program); this index varies over the tile (a gather)")
+        if why:
+            where = sources.get(node) or codegen._nearest_source(node, expr, sources)
+            return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
+                    f"{' at ' + where if where else ''}: {why}; "
+                    "LoweringOptions(pallas_engine=\"triton\") runs it")
+    return None
+
+
+def _varies_over_tile(indices) -> bool:
+    return any(n.op == VAR and n.attr in _TILE_VARS for n in ir.toposort(*indices))
+
+
+def _uses(expr, name) -> bool:
+    return expr is not None and any(n.op == VAR and n.attr == name for n in ir.toposort(expr))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicSpec:
+    """Everything static about one call's forward kernel (hashable)."""
+
+    expr: object  # the mod's IR node, or None for plain attention
+    operand_names: tuple  # in the order the operand arrays are passed
+    scale: float
+    sq: int  # real lengths (the arrays are padded to whole tiles)
+    skv: int
+    groups: int  # query heads per key/value head
+
+
+def _scalar_load(ref, flat, dtype):
+    """``ref[flat]`` at a scalar position (Mosaic GPU loads scalars, not gathers)."""
+    out = ref[flat]
+    if dtype == ir.BOOL:
+        return out != 0
+    return out.astype(codegen._JNP_DTYPE[dtype])
+
+
+def forward(spec: MosaicSpec, bmap, q, k, v, operands):
+    """O [B, Sq, Hq, Dv] (q's dtype) and LSE [B, Hq, Sq] (float32, natural log)
+    on arrays padded to whole tiles (Sq to ``TILE_Q``, Skv to ``BLOCK_KV``)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, sq, hq, d = q.shape
+    dv = v.shape[-1]
+    dtype = q.dtype
+    n_tiles = sq // TILE_Q
+    n_ops = len(operands)
+    counts, blocks = bmap.q_counts, bmap.q_blocks
+    shared_b, shared_h = counts.shape[0] == 1, counts.shape[1] == 1
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    needs_kv_idx = _uses(spec.expr, "kv_idx") or spec.skv % BLOCK_KV != 0
+    needs_q_idx = _uses(spec.expr, "q_idx")
+
+    def program(counts_ref, blocks_ref, q_ref, k_ref, v_ref, operand_refs, o_ref, lse_ref,
+                scoped):
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
+            (k_free, v_free), turn = scoped
+        wg = lax.axis_index("wg")
+        bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
+        tile = n_tiles - 1 - lax.axis_index("q_seq")  # the last (under causal masks, the
+        # longest) query tiles start first, which shortens the tail
+        mb = 0 if shared_b else bi
+        mh = 0 if shared_h else hi
+        count = counts_ref[mb, mh, tile]
+
+        def kv_start(step):
+            return blocks_ref[mb, mh, tile, step] * BLOCK_KV
+
+        def take_turn():  # the two compute warpgroups alternate on the tensor cores
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            row0 = tile * TILE_Q + wg * BLOCK_Q
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK_Q), hi], qo_smem,
+                                    q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            refs = dict(zip(spec.operand_names, operand_refs))
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])
+
+            pl.when(wg == 1)(take_turn)
+
+            def modded(s, step):
+                """The score tile after the mod and the tail mask, in log2 units."""
+                if spec.expr is None and not needs_kv_idx:
+                    return s * jnp.float32(spec.scale * LOG2E)
+                s = s * jnp.float32(spec.scale)
+                inputs = {"score": s, "b": bi, "h": hi}
+                if needs_q_idx:
+                    inputs["q_idx"] = row0 + plgpu.broadcasted_iota(
+                        jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=wgmma_layout)
+                if needs_kv_idx:
+                    inputs["kv_idx"] = kv_start(step) + plgpu.broadcasted_iota(
+                        jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=wgmma_layout)
+                if spec.expr is not None:
+                    (s,) = codegen.evaluate_tile([spec.expr], inputs, refs, gather=_scalar_load)
+                    s = s.astype(jnp.float32)
+                if spec.skv % BLOCK_KV:
+                    s = jnp.where(inputs["kv_idx"] < spec.skv, s, NEG_INF)
+                return s * jnp.float32(LOG2E)
+
+            def step_fn(step, carry):
+                acc, m, l = carry
+                slot = lax.rem(step, STAGES)
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    take_turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = modded(s, step)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                # A row masked so far has m = -inf: shift by 0 so that it adds nothing.
+                shift = jnp.where(m_new == NEG_INF, 0.0, m_new)
+                alpha = jnp.exp2(m - shift)
+                p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p = p.astype(dtype)
+                # Keep the softmax ahead of the turn's barriers (the order matters for speed).
+                acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)
+
+                def products(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                    nxt = step + 1
+
+                    @pl.when(nxt < count)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, STAGES)])
+
+                acc = pl.run_state(products)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            init = (plgpu.layout_cast(jnp.zeros((BLOCK_Q, dv), jnp.float32), wgmma_layout),
+                    plgpu.layout_cast(jnp.full((BLOCK_Q,), NEG_INF, jnp.float32), row_layout),
+                    plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout))
+            acc, m, l = lax.fori_loop(0, count, step_fn, init)
+            pl.when(wg == 0)(take_turn)
+
+            empty = l == 0.0  # every score of the row masked: O 0, LSE -inf
+            safe = jnp.where(empty, 1.0, l)
+            inv = jnp.where(empty, 0.0, 1.0 / safe)
+            qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+            shift = jnp.where(m == NEG_INF, 0.0, m)
+            lse_smem[...] = jnp.where(empty, NEG_INF, shift * jnp.float32(LN2) + jnp.log(safe))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[bi, pl.ds(row0, BLOCK_Q), hi])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, hi, pl.ds(row0, BLOCK_Q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+            kv_head = lax.div(hi, jnp.int32(spec.groups))
+
+            def fetch(step, slot, wait):
+                rows = pl.ds(kv_start(step), BLOCK_KV)
+                if wait:
+                    plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[slot],
+                                        k_ready.at[slot])
+                if wait:
+                    plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot],
+                                        v_ready.at[slot])
+
+            for first in range(STAGES):
+                pl.when(first < count)(functools.partial(fetch, first, first, False))
+
+            def refill(step, carry):
+                fetch(step, lax.rem(step, STAGES), True)
+                return carry
+
+            lax.fori_loop(STAGES, jnp.maximum(count, STAGES), refill, None)
+
+    def entry(counts_ref, blocks_ref, q_ref, k_ref, v_ref, *rest):
+        operand_refs, (o_ref, lse_ref) = rest[:n_ops], rest[n_ops:]
+        swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled),
+                plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=swizzled),
+                plgpu.SMEM((STAGES, BLOCK_KV, dv), dtype, transforms=swizzled),
+                plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32)]
+        ready = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
+                 plgpu.Barrier(num_barriers=COMPUTE_WGS))
+        free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),) * 2
+        turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+        pl.run_scoped(
+            lambda *scoped: program(counts_ref, blocks_ref, q_ref, k_ref, v_ref, operand_refs,
+                                    o_ref, lse_ref, scoped),
+            smem, ready, free, turn, collective_axes="wg")
+
+    out_type = (jax.ShapeDtypeStruct((b, sq, hq, dv), dtype),
+                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+    return plgpu.kernel(
+        entry, out_type=out_type, grid=(hq, n_tiles, b), grid_names=("heads", "q_seq", "batch"),
+        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(counts, blocks, q, k, v, *operands)
