@@ -145,15 +145,18 @@ def program_axes(expr, name) -> dict:
     return out
 
 
-def evaluate_tile(roots, inputs: dict, refs: dict, gather=None):
+def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None):
     """Values of ``roots`` on a tile.
 
     ``inputs``: arrays for the variables (``score``, ``b``, ``h``, ``q_idx``,
     ``kv_idx``, and ``dP`` for backward expressions), broadcastable to the tile;
     ``refs``: operand name -> the Pallas ref of its flat kernel copy;
     ``gather``: ``(ref, flat positions, IR dtype) -> values``, the kernel's
-    read of a captured array (default: ``gather`` below, Triton's)."""
+    read of a captured array (default: ``_gather`` below, Triton's);
+    ``rules``: op name -> a jax.numpy spelling that replaces ``TILE_RULES``'
+    and the op table's (another lowering's)."""
     gather = _gather if gather is None else gather
+    rules = TILE_RULES if rules is None else {**TILE_RULES, **rules}
     vals = {}
     for node in ir.toposort(*roots):
         if node.op == CONST:
@@ -165,8 +168,8 @@ def evaluate_tile(roots, inputs: dict, refs: dict, gather=None):
         elif node.op == LOAD:
             flat = flat_index(node, [vals[a] for a in node.args[1:]])
             vals[node] = gather(refs[node.args[0].attr[0]], flat, node.dtype)
-        elif node.op in TILE_RULES:
-            vals[node] = TILE_RULES[node.op](*[vals[a] for a in node.args])
+        elif node.op in rules:
+            vals[node] = rules[node.op](*[vals[a] for a in node.args])
         else:
             vals[node] = OPS[node.op].evaluate([vals[a] for a in node.args], node.attr)
     return [vals[r] for r in roots]

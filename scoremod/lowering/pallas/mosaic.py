@@ -56,7 +56,52 @@ LN2 = 0.6931471805599453
 # Ops whose jax.numpy implementation reaches a primitive that Pallas's Mosaic
 # GPU lowering has no rule for (jax 0.11.2; tests/test_pallas_mosaic.py lowers
 # every op of the table through the kernel and checks that exactly these fail).
-NOT_LOWERABLE: dict = {}
+NOT_LOWERABLE = {
+    **{op: f"Pallas's Mosaic GPU lowering has no rule for {op} (lax.{op}_p)"
+       for op in ("log1p", "expm1", "tan", "atan", "erfc", "pow", "floor", "ceil")},
+    "erf": "Pallas's Mosaic GPU lowering cannot lay out erf (math.erf) on a tile",
+}
+# Ops that run on int32 only: on floats they need floor or remainder, which it lacks.
+INT_ONLY = {op: f"Pallas's Mosaic GPU lowering has no float {what}"
+            for op, what in (("floordiv", "floor"), ("mod", "remainder"), ("rem", "remainder"))}
+
+
+def _int_rem(a, b):
+    if not jnp.issubdtype(jnp.result_type(a, b), jnp.integer):
+        raise NotImplementedError(INT_ONLY["rem"])  # refused before it gets here
+    return a - lax.div(*jnp.broadcast_arrays(a, b)) * b
+
+
+def _int_mod(a, b):  # the sign of b, as jnp.remainder
+    r = _int_rem(a, b)
+    return r + jnp.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
+
+
+def _int_floordiv(a, b):
+    r = _int_rem(a, b)
+    return lax.div(*jnp.broadcast_arrays(a, b)) - jnp.where((r != 0) & ((r < 0) != (b < 0)), 1, 0)
+
+
+def _divide(a, b):
+    """a / b; by a constant, a times its reciprocal (a multiply, not a division:
+    within an ulp of it)."""
+    if jnp.ndim(b) == 0 and not isinstance(b, jax.core.Tracer) and float(b) != 0.0:
+        return a * jnp.float32(1.0 / float(b))  # b an IR constant
+    return a / b
+
+
+# The table's ops as Mosaic GPU lowers them: exact respellings of what it
+# cannot lower as written (custom_jvp functions, remainders, bool casts).
+TILE_RULES = {
+    "relu": lambda x: jnp.maximum(x, 0.0),
+    "with_grad": lambda value, *pairs: value,  # the forward needs the value only
+    "not": lambda x: x == False,  # noqa: E712 - a compare, not Mosaic's i1 negation
+    "bool": lambda x: x != 0,
+    "rem": _int_rem,
+    "mod": _int_mod,
+    "floordiv": _int_floordiv,
+    "div": _divide,
+}
 
 _TILE_VARS = ("score", "q_idx", "kv_idx")
 
@@ -66,6 +111,8 @@ def refusal(expr, sources) -> str | None:
     the op and where it was written), or None."""
     for node in ir.toposort(expr):
         why = NOT_LOWERABLE.get(node.op)
+        if node.op in INT_ONLY and any(a.dtype == ir.F32 for a in node.args):
+            why = INT_ONLY[node.op]
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
         if node.op == LOAD and _varies_over_tile(node.args[1:]):
@@ -160,8 +207,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
             pl.when(wg == 1)(take_turn)
 
-            def modded(s, step):
-                """The score tile after the mod and the tail mask, in log2 units."""
+            def modded(s, kv0):
+                """The score tile of keys kv0.. after the mod and the tail mask, in log2 units."""
                 if spec.expr is None and not needs_kv_idx:
                     return s * jnp.float32(spec.scale * LOG2E)
                 s = s * jnp.float32(spec.scale)
@@ -170,10 +217,11 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     inputs["q_idx"] = row0 + plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=wgmma_layout)
                 if needs_kv_idx:
-                    inputs["kv_idx"] = kv_start(step) + plgpu.broadcasted_iota(
+                    inputs["kv_idx"] = kv0 + plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=wgmma_layout)
                 if spec.expr is not None:
-                    (s,) = codegen.evaluate_tile([spec.expr], inputs, refs, gather=_scalar_load)
+                    (s,) = codegen.evaluate_tile([spec.expr], inputs, refs, gather=_scalar_load,
+                                                 rules=TILE_RULES)
                     s = s.astype(jnp.float32)
                 if spec.skv % BLOCK_KV:
                     s = jnp.where(inputs["kv_idx"] < spec.skv, s, NEG_INF)
@@ -182,6 +230,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             def step_fn(step, carry):
                 acc, m, l = carry
                 slot = lax.rem(step, STAGES)
+                # The tile's first key, read ahead of the product that it waits on.
+                kv0 = kv_start(step) if needs_kv_idx else None
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -190,7 +240,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
                 s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = modded(s, step)
+                s = modded(s, kv0)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 # A row masked so far has m = -inf: shift by 0 so that it adds nothing.
                 shift = jnp.where(m_new == NEG_INF, 0.0, m_new)
