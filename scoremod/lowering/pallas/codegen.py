@@ -28,7 +28,7 @@ from scoremod.dsl.grad import vjp
 from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, OPS, VAR
 from scoremod.dsl.text import format_expr
 
-_JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
+JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
 
 # Ops whose jax.numpy implementation reaches a primitive that Pallas's Triton
 # lowering has no rule for (jax 0.11.2; tests/test_pallas.py lowers every op of
@@ -78,13 +78,13 @@ def refusal(expr, sources) -> str | None:
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
         if why:
-            where = sources.get(node) or _nearest_source(node, expr, sources)
+            where = sources.get(node) or nearest_source(node, expr, sources)
             return (f"it cannot run `{node.op}` in `{format_expr(node)}`"
                     f"{' at ' + where if where else ''}: {why}")
     return None
 
 
-def _nearest_source(node, root, sources):
+def nearest_source(node, root, sources):
     for parent in ir.toposort(root):
         if node in parent.args and parent in sources:
             return sources[parent]
@@ -160,7 +160,7 @@ def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None):
     vals = {}
     for node in ir.toposort(*roots):
         if node.op == CONST:
-            vals[node] = jnp.asarray(node.attr, _JNP_DTYPE[node.dtype])
+            vals[node] = jnp.asarray(node.attr, JNP_DTYPE[node.dtype])
         elif node.op == VAR:
             vals[node] = inputs[node.attr]
         elif node.op == OPERAND:
@@ -185,4 +185,4 @@ def _gather(ref, flat, dtype):
         out = out.reshape(shape) if shape else out[0, 0]
     if dtype == BOOL:
         return out != 0
-    return out.astype(_JNP_DTYPE[dtype])
+    return out.astype(JNP_DTYPE[dtype])

@@ -119,7 +119,7 @@ def refusal(expr, sources) -> str | None:
             why = ("it reads captured arrays at indices built from b, h and constants only "
                    "(a scalar per program); this index varies over the tile (a gather)")
         if why:
-            where = sources.get(node) or codegen._nearest_source(node, expr, sources)
+            where = sources.get(node) or codegen.nearest_source(node, expr, sources)
             return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
                     f"{' at ' + where if where else ''}: {why}; "
                     "LoweringOptions(pallas_engine=\"triton\") runs it")
@@ -151,7 +151,7 @@ def _scalar_load(ref, flat, dtype):
     out = ref[flat]
     if dtype == ir.BOOL:
         return out != 0
-    return out.astype(codegen._JNP_DTYPE[dtype])
+    return out.astype(codegen.JNP_DTYPE[dtype])
 
 
 def forward(spec: MosaicSpec, bmap, q, k, v, operands):
