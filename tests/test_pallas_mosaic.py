@@ -263,3 +263,34 @@ def test_scalar_reads_only():
     bad = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi + 4, 0, 7)])
     assert mosaic.refusal(ok.expr, ok.sources) is None
     assert "varies over the tile" in mosaic.refusal(bad.expr, bad.sources)
+
+
+@pytest.mark.parametrize("case", sorted(pc.CASES))
+def test_prepared_expression(case):
+    """The kernel's form of the mod (log2(e) and the score's constant factor
+    moved into constants and the scale) is the mod times log2(e)."""
+    q = jnp.zeros((2, 96, 4, 64), jnp.float32)
+    mod, operands = pc.traced(case, q, q)
+    expr, factor, in_log2 = mosaic.prepared(mod.expr)
+    rng = np.random.default_rng(2)
+    s = jnp.asarray(rng.normal(size=(96, 96)) * 4, jnp.float32)
+    index = {"b": jnp.int32(1), "h": jnp.int32(2),
+             "q_idx": jnp.arange(96, dtype=jnp.int32)[:, None],
+             "kv_idx": jnp.arange(96, dtype=jnp.int32)[None, :]}
+    values = dict(zip(mod.operand_names, operands))
+    want = np.asarray(evaluate(mod.expr, dict(index, score=s), values)) * mosaic.LOG2E
+    got = np.asarray(evaluate(expr, dict(index, score=s * np.float32(factor)), values))
+    got = got if in_log2 else got * mosaic.LOG2E
+    np.testing.assert_allclose(np.broadcast_to(got, s.shape), np.broadcast_to(want, s.shape),
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_prepared_folds():
+    softcap = scoremod.trace(lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0))
+    causal = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf))
+    square = scoremod.trace(lambda s, b, h, qi, ki: s * s)
+    (e, c, log2) = mosaic.prepared(softcap.expr)
+    assert log2 and c == pytest.approx(1 / 30) and "/" not in str(e)
+    (e, c, log2) = mosaic.prepared(causal.expr)
+    assert log2 and c == pytest.approx(mosaic.LOG2E) and str(e) == str(causal.expr)
+    assert mosaic.prepared(square.expr) == (square.expr, 1.0, False)

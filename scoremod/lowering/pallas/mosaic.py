@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from scoremod.dsl import ir
-from scoremod.dsl.ir import LOAD, MATERIALIZE, VAR
+from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE, VAR
 from scoremod.dsl.text import format_expr
 from scoremod.lowering.pallas import codegen
 
@@ -130,6 +131,66 @@ def _varies_over_tile(indices) -> bool:
     return any(n.op == VAR and n.attr in _TILE_VARS for n in ir.toposort(*indices))
 
 
+def prepared(expr):
+    """``(expr', factor, in_log2)``: the mod as the kernel evaluates it, with
+    ``mod(score) == expr'(score * factor)``, times log2(e) if ``in_log2``.
+
+    The softmax runs base 2, so the kernel wants the modded score times
+    log2(e): pushed into the mod's constants where its value is a constant,
+    a constant multiple or a ``where`` of those (softcap's ``30 * tanh(..)``,
+    a mask's ``-inf``), then the score's one constant factor (softcap's
+    ``score / 30``, or that log2(e)) joins the scale: one multiply per score
+    for both, where the mod allows."""
+    if expr is None:
+        return None, 1.0, False
+    pushed = _times(expr, LOG2E)
+    in_log2 = pushed is not None
+    expr, factor = _score_factor(pushed if in_log2 else expr)
+    return expr, factor, in_log2
+
+
+def _times(node, k):
+    """``node * k`` with ``k`` in the constants, or None where that takes a
+    multiply of its own."""
+    if node.dtype != F32:
+        return None
+    if node.op == CONST:
+        return ir.const(float(node.attr) * k, F32)
+    if node is ir.var("score"):
+        return ir.build("mul", node, ir.const(k, F32))
+    if node.op == "mul":
+        a, b = node.args
+        for x, c in ((a, b), (b, a)):
+            if c.op == CONST and math.isfinite(float(c.attr)):
+                return ir.build("mul", x, ir.const(float(c.attr) * k, F32))
+    if node.op == "where":
+        cond, a, b = node.args
+        a, b = _times(a, k), _times(b, k)
+        if a is not None and b is not None:
+            return ir.build("where", cond, a, b)
+    return None
+
+
+def _score_factor(expr):
+    """``(expr', c)`` with ``expr(score) == expr'(score * c)``: when every use of
+    the score is ``score * c`` or ``score / (1 / c)`` for one constant ``c``."""
+    score = ir.var("score")
+    factors = set()
+    uses = [n for n in ir.toposort(expr) if any(a is score for a in n.args)]
+    for n in uses:
+        consts = [a for a in n.args if a.op == CONST]
+        c = float(consts[0].attr) if len(consts) == 1 and len(n.args) == 2 else None
+        if n.op == "div" and n.args[0] is score and c:
+            c = 1.0 / c
+        elif n.op != "mul":
+            c = None
+        factors.add(c)
+    (c,) = factors if len(factors) == 1 else (None,)
+    if c is None or not math.isfinite(c) or c == 0.0:
+        return expr, 1.0
+    return ir.substitute(expr, {n: score for n in uses}), c
+
+
 def _uses(expr, name) -> bool:
     return expr is not None and any(n.op == VAR and n.attr == name for n in ir.toposort(expr))
 
@@ -169,8 +230,9 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     shared_b, shared_h = counts.shape[0] == 1, counts.shape[1] == 1
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    needs_kv_idx = _uses(spec.expr, "kv_idx") or spec.skv % BLOCK_KV != 0
-    needs_q_idx = _uses(spec.expr, "q_idx")
+    expr, factor, in_log2 = prepared(spec.expr)
+    needs_kv_idx = _uses(expr, "kv_idx") or spec.skv % BLOCK_KV != 0
+    needs_q_idx = _uses(expr, "q_idx")
 
     def program(counts_ref, blocks_ref, q_ref, k_ref, v_ref, operand_refs, o_ref, lse_ref,
                 scoped):
@@ -209,9 +271,9 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
             def modded(s, kv0):
                 """The score tile of keys kv0.. after the mod and the tail mask, in log2 units."""
-                if spec.expr is None and not needs_kv_idx:
+                if expr is None and not needs_kv_idx:
                     return s * jnp.float32(spec.scale * LOG2E)
-                s = s * jnp.float32(spec.scale)
+                s = s * jnp.float32(spec.scale * factor)
                 inputs = {"score": s, "b": bi, "h": hi}
                 if needs_q_idx:
                     inputs["q_idx"] = row0 + plgpu.broadcasted_iota(
@@ -219,13 +281,15 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 if needs_kv_idx:
                     inputs["kv_idx"] = kv0 + plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=wgmma_layout)
-                if spec.expr is not None:
-                    (s,) = codegen.evaluate_tile([spec.expr], inputs, refs, gather=_scalar_load,
+                if expr is not None:
+                    (s,) = codegen.evaluate_tile([expr], inputs, refs, gather=_scalar_load,
                                                  rules=TILE_RULES)
                     s = s.astype(jnp.float32)
+                if not in_log2:
+                    s = s * jnp.float32(LOG2E)
                 if spec.skv % BLOCK_KV:
                     s = jnp.where(inputs["kv_idx"] < spec.skv, s, NEG_INF)
-                return s * jnp.float32(LOG2E)
+                return s
 
             def step_fn(step, carry):
                 acc, m, l = carry
