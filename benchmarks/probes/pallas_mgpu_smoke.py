@@ -5,18 +5,22 @@
 1. Errors against the reference path (implementation="xla", float32 inputs)
    of softcap, causal (its block map skips the masked tiles) and ALiBi (slopes
    captured, read per head): O and LSE of the forward, and dQ, dK, dV of
-   forward + backward (the backward is the Triton kernels'), at b2 hq4 hkv2
-   s512 d128 bfloat16 and at s1000 (a tail: 1000 is not a whole tile),
-   relative to each reference result's largest magnitude.
+   forward + backward (the backward is the Triton kernels'), and for the
+   masks the forward without the branch on the map's full tiles (the whole
+   mod on every tile), at b2 hq4 hkv2 s512 d128 bfloat16 and at s1000 (a
+   tail: 1000 is no whole number of tiles), relative to each reference
+   result's largest magnitude.
 2. Forward times at b4 h16 s4096 d128 bfloat16 (median of --reps calls after a
-   warm-up; first call apart): the mosaic engine, the triton engine, cuDNN
-   (scoremod's implementation="cudnn") and, for plain attention, jax.nn's
-   cuDNN. With --backward, forward + backward too.
+   warm-up; first call apart): the triton engine, cuDNN (scoremod's
+   implementation="cudnn"), the mosaic engine (for the masks also without
+   the full-tile branch) and, beside softcap, jax.nn's cuDNN on plain
+   attention. With --backward, forward + backward too.
 Every case runs in its own try block: a failure prints its first lines and the
 probe goes on. One line per result.
 """
 
 import argparse
+import dataclasses
 import time
 import traceback
 import warnings
@@ -26,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import scoremod
+from scoremod.lowering.pallas.backend import PALLAS
+from scoremod.lowering.problem import Problem
 
 warnings.simplefilter("ignore")
 
@@ -51,6 +57,16 @@ def inputs(b, s, hq, hkv, d, dtype=jnp.bfloat16):
 def attend(mod, impl, options=None):
     return lambda q, k, v: scoremod.attention(q, k, v, mod, implementation=impl,
                                               return_lse=True, options=options)
+
+
+def without_full_branch(mod, q, k, v):
+    """The mosaic forward evaluating the whole mod on every tile (no branch on
+    the map's full tiles), as the backend's forward (O, LSE)."""
+    traced = scoremod.trace(mod)
+    plan = PALLAS.plan(Problem.of(q, k, v), traced, 1 / np.sqrt(q.shape[-1]), MOSAIC, True)
+    plan = dataclasses.replace(plan, full_expr=None)
+    operands = tuple(jnp.asarray(x) for x in traced.operands)
+    return lambda q, k, v: PALLAS.forward(plan, q, k, v, operands)
 
 
 def with_grads(fn, q, k, v, do):
@@ -89,6 +105,11 @@ def errors():
                 print(f"{label} fwd+bwd: " + ", ".join(
                     f"{n} {relative(a, b):.2e}"
                     for n, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)), flush=True)
+                if name != "softcap":
+                    got = jax.jit(without_full_branch(mod, q, k, v))(q, k, v)
+                    print(f"{label} forward, no full-tile branch: O "
+                          f"{relative(got[0], want[0]):.2e}, LSE {relative(got[1], want[1]):.2e}",
+                          flush=True)
             except Exception as e:  # noqa: BLE001 - one failure must not hide the others
                 fail(label, e)
 
@@ -114,6 +135,8 @@ def speeds(seq, reps, backward):
         # mosaic last: a kernel that faults takes the process's GPU context with it
         impls = {"triton": attend(mod, "pallas", TRITON), "cudnn": attend(mod, "cudnn"),
                  "mosaic": attend(mod, "pallas", MOSAIC)}
+        if name != "softcap":
+            impls["mosaic, no full-tile branch"] = without_full_branch(mod, q, k, v)
         if name == "softcap":  # plain attention's speed of light, for scale
             impls["jax.nn cudnn (plain)"] = lambda q, k, v: (jax.nn.dot_product_attention(
                 q, k, v, implementation="cudnn"), None)
@@ -126,7 +149,7 @@ def speeds(seq, reps, backward):
 
                 steps.append(("fwd+bwd", jax.jit(step), (q, k, v, do), 3.5))
             for direction, f, args, factor in steps:
-                line = f"time {name:8s} {label:20s} {direction:8s}"
+                line = f"time {name:8s} {label:28s} {direction:8s}"
                 try:
                     first, t = timed(f, args, reps)
                     print(f"{line} {t * 1e3:8.3f} ms {factor * flops / t / 1e12:6.1f} TF/s "

@@ -202,6 +202,14 @@ def test_mosaic_cases(case, d, dtype, hopper):
     _check(got, want, dtype)
 
 
+@pytest.mark.parametrize("case", sorted(set(pc.WHEN_FULL) - set(MOSAIC_REFUSED)))
+def test_mosaic_full_tiles(case, hopper):
+    """Tiles the map marks full run the mod without its mask (a branch per tile)."""
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=True, full=pc.WHEN_FULL[case])
+    _check(got, want, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("case", ["softcap", "causal", "alibi", "masked_rows"])
 def test_mosaic_analysed_map(case, hopper):
     """The plan's own map (lowering.blocks from the IR), as scoremod.attention uses it."""

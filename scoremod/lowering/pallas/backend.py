@@ -104,7 +104,8 @@ class PallasPlan:
         return mosaic.MosaicSpec(
             expr=None if self.mod is None else self.mod.expr,
             operand_names=() if self.mod is None else self.mod.operand_names,
-            scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv)
+            scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
+            full_expr=None if self.mod is None else self.full_expr)
 
     def describe(self):
         what = "plain attention" if self.mod is None else f"score_mod `{self.mod}`"

@@ -205,6 +205,9 @@ class MosaicSpec:
     sq: int  # real lengths (the arrays are padded to whole tiles)
     skv: int
     groups: int  # query heads per key/value head
+    # The mod on tiles the map marks full (every score live: the mask
+    # conditions dropped), or None: the whole mod everywhere.
+    full_expr: object = None
 
 
 def _scalar_load(ref, flat, dtype):
@@ -226,16 +229,18 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     dtype = q.dtype
     n_tiles = sq // TILE_Q
     n_ops = len(operands)
-    counts, blocks = bmap.q_counts, bmap.q_blocks
+    counts, blocks, full = bmap.q_counts, bmap.q_blocks, bmap.q_full.astype(jnp.int32)
     shared_b, shared_h = counts.shape[0] == 1, counts.shape[1] == 1
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    expr, factor, in_log2 = prepared(spec.expr)
-    needs_kv_idx = _uses(expr, "kv_idx") or spec.skv % BLOCK_KV != 0
-    needs_q_idx = _uses(expr, "q_idx")
+    general = prepared(spec.expr)
+    on_full = None if spec.full_expr is None else prepared(spec.full_expr)
+    exprs = [e for e, _, _ in (general, on_full or general)]
+    needs_kv_idx = any(_uses(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
+    needs_q_idx = any(_uses(e, "q_idx") for e in exprs)
 
-    def program(counts_ref, blocks_ref, q_ref, k_ref, v_ref, operand_refs, o_ref, lse_ref,
-                scoped):
+    def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, operand_refs, o_ref,
+                lse_ref, scoped):
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         wg = lax.axis_index("wg")
@@ -269,24 +274,32 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
             pl.when(wg == 1)(take_turn)
 
-            def modded(s, kv0):
-                """The score tile of keys kv0.. after the mod and the tail mask, in log2 units."""
-                if expr is None and not needs_kv_idx:
-                    return s * jnp.float32(spec.scale * LOG2E)
-                s = s * jnp.float32(spec.scale * factor)
-                inputs = {"score": s, "b": bi, "h": hi}
+            def modded(qk, kv0, is_full):
+                """The score tile of keys kv0.. after the mod (on a full tile, the
+                mod without its mask) and the tail mask, in log2 units."""
+                if general[0] is None and not needs_kv_idx:
+                    return qk * jnp.float32(spec.scale * LOG2E)
+                inputs = {"b": bi, "h": hi}
                 if needs_q_idx:
                     inputs["q_idx"] = row0 + plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=wgmma_layout)
                 if needs_kv_idx:
                     inputs["kv_idx"] = kv0 + plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=wgmma_layout)
-                if expr is not None:
-                    (s,) = codegen.evaluate_tile([expr], inputs, refs, gather=_scalar_load,
-                                                 rules=TILE_RULES)
-                    s = s.astype(jnp.float32)
-                if not in_log2:
-                    s = s * jnp.float32(LOG2E)
+
+                def run(variant):
+                    expr, factor, in_log2 = variant
+                    s = qk * jnp.float32(spec.scale * factor)
+                    if expr is not None:
+                        (s,) = codegen.evaluate_tile([expr], dict(inputs, score=s), refs,
+                                                     gather=_scalar_load, rules=TILE_RULES)
+                        s = s.astype(jnp.float32)
+                    return s if in_log2 else s * jnp.float32(LOG2E)
+
+                if on_full is None:
+                    s = run(general)
+                else:
+                    s = lax.cond(is_full != 0, lambda: run(on_full), lambda: run(general))
                 if spec.skv % BLOCK_KV:
                     s = jnp.where(inputs["kv_idx"] < spec.skv, s, NEG_INF)
                 return s
@@ -296,6 +309,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 slot = lax.rem(step, STAGES)
                 # The tile's first key, read ahead of the product that it waits on.
                 kv0 = kv_start(step) if needs_kv_idx else None
+                is_full = full_ref[mb, mh, tile, step] if on_full is not None else None
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -304,7 +318,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
                 s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = modded(s, kv0)
+                s = modded(s, kv0, is_full)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 # A row masked so far has m = -inf: shift by 0 so that it adds nothing.
                 shift = jnp.where(m_new == NEG_INF, 0.0, m_new)
@@ -373,7 +387,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
             lax.fori_loop(STAGES, jnp.maximum(count, STAGES), refill, None)
 
-    def entry(counts_ref, blocks_ref, q_ref, k_ref, v_ref, *rest):
+    def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest):
         operand_refs, (o_ref, lse_ref) = rest[:n_ops], rest[n_ops:]
         swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled),
@@ -385,8 +399,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),) * 2
         turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
         pl.run_scoped(
-            lambda *scoped: program(counts_ref, blocks_ref, q_ref, k_ref, v_ref, operand_refs,
-                                    o_ref, lse_ref, scoped),
+            lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref,
+                                    operand_refs, o_ref, lse_ref, scoped),
             smem, ready, free, turn, collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((b, sq, hq, dv), dtype),
@@ -395,4 +409,4 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
         entry, out_type=out_type, grid=(hq, n_tiles, b), grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(counts, blocks, q, k, v, *operands)
+    )(counts, blocks, full, q, k, v, *operands)
