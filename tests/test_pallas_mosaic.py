@@ -10,7 +10,7 @@ lower through scoremod.attention. Running the kernel needs a Hopper GPU:
 tests/gpu/test_pallas_gpu.py does, against the reference path.
 """
 
-import dataclasses
+import importlib
 import warnings
 from types import SimpleNamespace
 
@@ -94,6 +94,13 @@ def test_refusals(monkeypatch):
     assert "Triton" in why(_problem(), erf)
 
 
+def test_refused_on_old_jax(monkeypatch):
+    monkeypatch.setattr(device, "current", lambda: HOPPER)
+    monkeypatch.setattr(jax, "__version__", "0.10.2")
+    assert "written for jax 0.11 or later, found 0.10.2" in PALLAS.why_not(
+        _problem(), None, False, MOSAIC)
+
+
 def test_refused_off_hopper():
     """Off a Hopper GPU (here: the CPU) the engine refuses by name; it has no interpret mode."""
     if device.current().family == 9:
@@ -163,9 +170,12 @@ def _lower_forward(expr, q, k, operands=()):
 
 @pytest.fixture(scope="module")
 def lowers():
-    """Skips where this jax cannot lower Mosaic GPU kernels without a GPU."""
+    """Skips where this jax cannot lower Mosaic GPU kernels without a GPU, or has
+    another Mosaic GPU API than the kernel's."""
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < mosaic.JAX_VERSION:
+        pytest.skip(f"the engine is written for jax {mosaic.JAX_VERSION} or later")
     try:
-        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+        importlib.import_module("jax.experimental.pallas.mosaic_gpu")
 
         q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
         _lower_forward(None, q, q)

@@ -163,6 +163,11 @@ class Pallas(Backend):
             return (f"its Mosaic GPU engine is built for equal query and value head dims of "
                     f"{' or '.join(map(str, mosaic.HEAD_DIMS))}, got {problem.d} (queries, keys) "
                     f"and {problem.dv} (values); {switch}")
+        have = tuple(int(x) for x in jax.__version__.split(".")[:2])
+        if have < mosaic.JAX_VERSION:
+            return (f"its Mosaic GPU engine is written for jax "
+                    f"{'.'.join(map(str, mosaic.JAX_VERSION))} or later, found {jax.__version__}; "
+                    f"{switch}")
         here = device.current()
         if here.platform != "gpu" or here.family != 9:
             found = f"compute capability {here.family}.x" if here.family else here.platform
