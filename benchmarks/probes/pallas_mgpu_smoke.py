@@ -5,7 +5,7 @@
 1. Errors against the reference path (implementation="xla", float32 inputs)
    of softcap, causal (its block map skips the masked tiles) and ALiBi (slopes
    captured, read per head): O and LSE of the forward, and dQ, dK, dV of
-   forward + backward (the backward is the Triton kernels'), and for the
+   forward + backward at s512 (the backward is the Triton kernels'), and for the
    masks the forward without the branch on the map's full tiles (the whole
    mod on every tile), at b2 hq4 hkv2 s512 d128 bfloat16 and at s1000 (a
    tail: 1000 is no whole number of tiles), relative to each reference
@@ -100,11 +100,12 @@ def errors():
                 got = jax.jit(attend(mod, "pallas", MOSAIC))(q, k, v)
                 print(f"{label} forward:  O {relative(got[0], want[0]):.2e}, "
                       f"LSE {relative(got[1], want[1]):.2e}", flush=True)
-                got = jax.jit(lambda *a: with_grads(attend(mod, "pallas", MOSAIC), *a))(
-                    q, k, v, do)
-                print(f"{label} fwd+bwd: " + ", ".join(
-                    f"{n} {relative(a, b):.2e}"
-                    for n, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)), flush=True)
+                if seq == 512:  # (the Triton backward's compiles: the probe's longest step)
+                    got = jax.jit(lambda *a: with_grads(attend(mod, "pallas", MOSAIC), *a))(
+                        q, k, v, do)
+                    print(f"{label} fwd+bwd: " + ", ".join(
+                        f"{n} {relative(a, b):.2e}"
+                        for n, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)), flush=True)
                 if name != "softcap":
                     got = jax.jit(without_full_branch(mod, q, k, v))(q, k, v)
                     print(f"{label} forward, no full-tile branch: O "
