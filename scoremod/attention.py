@@ -93,7 +93,7 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         query, key, mod, problem = fold_low_rank_bias(query, key, value, mod, problem, scale)
     traced_scale = isinstance(scale, jax.core.Tracer)
     if asked is not None:
-        reason = _why_not(asked, problem, mod, traced_scale, automatic=False)
+        reason = _why_not(asked, problem, mod, traced_scale, automatic=False, options=options)
         if reason is not None:
             raise asked.refused(reason)
         backend = asked
@@ -128,10 +128,12 @@ def fold_low_rank_bias(query, key, value, mod, problem, scale):
     return query, key, found.mod, check_inputs(query, key, value)
 
 
-def _why_not(backend, problem, mod, traced_scale, automatic):
+def _why_not(backend, problem, mod, traced_scale, automatic, options=None):
     if traced_scale and not backend.traced_scale:
         return ("the scale is a traced value, and this backend compiles the scale into its "
                 "kernels: pass a Python float (or fold a learned factor into the score_mod)")
+    if options is not None:
+        return backend.why_not_with(problem, mod, automatic, options)
     return backend.why_not(problem, mod, automatic=automatic)
 
 

@@ -33,6 +33,8 @@ from scoremod.errors import ScoreModError
 
 __all__ = ["LoweringOptions", "defaults", "current", "lowering_options"]
 
+PALLAS_ENGINES = ("triton", "mosaic")  # LoweringOptions.pallas_engine
+
 
 @dataclasses.dataclass(frozen=True)
 class LoweringOptions:
@@ -62,6 +64,14 @@ class LoweringOptions:
       pallas_backward_block_q, pallas_backward_block_kv: its backward tile.
       pallas_num_warps: warps per Pallas program (None: 4 for head dim 64,
         8 for 128); pallas_num_stages: Triton's software-pipelining depth.
+      pallas_engine: the Pallas backend's forward kernel: ``"triton"``
+        (Pallas's Triton lowering: any NVIDIA GPU, interpret mode elsewhere,
+        every dtype and op of the table) or ``"mosaic"`` (Pallas's Mosaic GPU
+        lowering for Hopper: wgmma, TMA and warp specialization; float16 and
+        bfloat16, head dim 64 or 128, fixed 128 x 128 tiles, captured arrays
+        read at positions built from ``b``, ``h`` and constants only). The
+        backward is the Triton kernels' on either; the pallas_* tile and warp
+        options above are the Triton kernels'.
       check_values: the fused path follows the masked-key rule for NaN and
         inf in V (docs/guide.md, "Fully masked rows"): each kernel call tests
         V (a reduction and a conditional) and runs twice when V holds one.
@@ -72,7 +82,7 @@ class LoweringOptions:
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, check_values=True)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='triton', check_values=True)
     """
 
     native_masks: bool = True
@@ -87,6 +97,7 @@ class LoweringOptions:
     pallas_backward_block_kv: int = 64
     pallas_num_warps: int | None = None
     pallas_num_stages: int = 2
+    pallas_engine: str = "triton"
     check_values: bool = True
 
     def __post_init__(self):
@@ -114,6 +125,9 @@ class LoweringOptions:
         if not isinstance(self.pallas_num_stages, int) or self.pallas_num_stages < 1:
             raise ScoreModError("LoweringOptions.pallas_num_stages must be a positive int, "
                                 f"got {self.pallas_num_stages!r}")
+        if self.pallas_engine not in PALLAS_ENGINES:
+            raise ScoreModError(f"LoweringOptions.pallas_engine must be one of "
+                                f"{', '.join(map(repr, PALLAS_ENGINES))}, got {self.pallas_engine!r}")
 
     @classmethod
     def plain(cls) -> "LoweringOptions":

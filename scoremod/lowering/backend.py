@@ -7,6 +7,9 @@ A backend is one object with a small protocol:
   sentence), or None. ``automatic`` is True when ``implementation=None``
   asks: a backend may then be stricter (cuDNN only volunteers on the GPU
   families it was validated on).
+  ``why_not_with(problem, mod, automatic, options)`` is the same under the
+  call's LoweringOptions (by default ``why_not``; the Pallas backend's
+  refusals depend on its engine option).
 - ``present()``: whether its hardware is on this machine; passing over a
   present backend warns the user, passing over an absent one does not.
 - ``plan(problem, mod, scale, options, return_lse)``: a hashable, static
@@ -66,6 +69,11 @@ class Backend:
     def why_not(self, problem, mod, automatic: bool) -> str | None:
         raise NotImplementedError
 
+    def why_not_with(self, problem, mod, automatic: bool, options) -> str | None:
+        """``why_not`` for a call under ``options`` (a LoweringOptions): a backend
+        whose refusals depend on the options (the Pallas engine) overrides it."""
+        return self.why_not(problem, mod, automatic)
+
     def plan(self, problem, mod, scale, options, return_lse):
         raise NotImplementedError
 
@@ -96,7 +104,7 @@ class _Static:
     def replanned(self, problem, mod, why: str) -> "_Static":
         """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod);
         ``why`` (e.g. "under jax.vmap") explains a refusal of the new call."""
-        reason = self.backend.why_not(problem, mod, automatic=False)
+        reason = self.backend.why_not_with(problem, mod, False, self.options)
         if reason is not None:
             raise self.backend.error(
                 f"{self.backend.title} cannot run this call {why}: {reason}. Use "

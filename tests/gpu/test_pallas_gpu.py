@@ -175,3 +175,123 @@ def test_vmap():
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         err = np.max(np.abs(a - b)) / np.max(np.abs(b))
         assert err < (OPERAND_TOL if name == "dslopes" else 3e-2), (name, err)
+
+
+# --------------------------------------------------------------------------- #
+# The Mosaic GPU forward engine (pallas_engine="mosaic", Hopper only), with the
+# Triton backward on its O and LSE: the same cases, where the engine runs them.
+
+MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
+# Cases the engine refuses: gathers at tile-varying positions, a float remainder.
+MOSAIC_REFUSED = ("document", "float_compare", "relative_bias")
+MOSAIC_CASES = sorted(set(pc.CASES) - set(MOSAIC_REFUSED))
+
+
+@pytest.fixture
+def hopper():
+    from scoremod import device
+
+    if device.current().family != 9:
+        pytest.skip("the Mosaic GPU engine runs on Hopper GPUs only")
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 128), (jnp.float16, 64)],
+                         ids=["bf16-d128", "fp16-d64"])
+@pytest.mark.parametrize("case", MOSAIC_CASES)
+def test_mosaic_cases(case, d, dtype, hopper):
+    """O, LSE and every gradient, on the map that skips masked tiles; 300 x 260 is
+    no whole number of 128-row or 128-key tiles (tails), 4 query heads on 2."""
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=d, dtype=dtype)
+    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=True)
+    _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("case", sorted(set(pc.WHEN_FULL) - set(MOSAIC_REFUSED)))
+def test_mosaic_full_tiles(case, hopper):
+    """Tiles the map marks full run the mod without its mask (a branch per tile)."""
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=True, full=pc.WHEN_FULL[case])
+    _check(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("case", ["softcap", "causal", "alibi", "masked_rows"])
+def test_mosaic_analysed_map(case, hopper):
+    """The plan's own map (lowering.blocks from the IR), as scoremod.attention uses it."""
+    q, k, v, do = pc.inputs(b=2, sq=512, skv=512, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=False)
+    _check(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [dict(sq=128, skv=1024, hq=8, hkv=1),
+                                   dict(sq=1000, skv=200, hq=2, hkv=2),
+                                   dict(sq=1000, skv=1000, hq=4, hkv=4)],
+                         ids=["mqa-short-q", "long-q", "tail-1000"])
+def test_mosaic_shapes(shape, hopper):
+    q, k, v, do = pc.inputs(b=1, d=128, dtype=jnp.bfloat16, **shape)
+    got, want = pc.both("alibi", q, k, v, do, MOSAIC, skip=True)
+    _check(got, want, jnp.bfloat16)
+
+
+def test_mosaic_through_attention(hopper):
+    """implementation="pallas" with the mosaic engine under jit + grad, slopes learned."""
+    q, k, v, do = pc.inputs(b=2, sq=512, skv=512, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+
+    def loss(impl, q, k, v, slopes):
+        mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h] * (ki - qi), -jnp.inf)
+        o = scoremod.attention(q, k, v, mod, implementation=impl, options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = jax.jit(jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3)))(
+        f32(q), f32(k), f32(v), slopes)
+    got = jax.jit(jax.grad(lambda *a: loss("pallas", *a), argnums=(0, 1, 2, 3)))(q, k, v, slopes)
+    for name, a, b in zip(("dQ", "dK", "dV", "dslopes"), got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        err = np.max(np.abs(a - b)) / np.max(np.abs(b))
+        assert err < (OPERAND_TOL if name == "dslopes" else 3e-2), (name, err)
+
+
+def test_mosaic_refusals(hopper):
+    q, k, v, _ = pc.inputs(b=1, sq=256, skv=256, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    for case in MOSAIC_REFUSED:
+        mod, _ = pc.traced(case, q, k)
+        assert PALLAS.why_not(Problem.of(q, k, v), mod, False, MOSAIC), case
+        assert PALLAS.why_not(Problem.of(q, k, v), mod, False, OPTIONS) is None, case
+    with pytest.raises(scoremod.ScoreModError, match="float16 or bfloat16"):
+        x = q.astype(jnp.float32)
+        scoremod.attention(x, x, x, implementation="pallas", options=MOSAIC)
+
+
+def test_mosaic_op_table(hopper):
+    """Every op of the table neither engine refuses, in one mod (bfloat16 inputs,
+    float arguments inside every op's domain), forward and backward; on a failure
+    each op alone, and the message names those that fail."""
+    from scoremod.lowering.pallas import mosaic
+
+    def runs(e):
+        return not mosaic.refusal(e, {}) and not codegen.refusal(e, {})
+
+    exprs = {name: [e for e in _examples(name, positive=True) if runs(e)] for name in TABLE_OPS}
+
+    def check(expr):
+        q, k, v, do = pc.inputs(b=1, sq=256, skv=256, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
+        got = pc.run(PALLAS, pc.pallas_plan(ScoreMod(expr), q, k, v, MOSAIC), q, k, v, do, ())
+        ref = REFERENCE.plan(Problem.of(q, k, v), ScoreMod(expr), 0.125, MOSAIC, True)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        _check(got, pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), ()), jnp.bfloat16)
+
+    expr = ir.var("score")
+    for e in (e for es in exprs.values() for e in es):
+        expr = expr + 0.05 * (e - ir.var("score"))
+    try:
+        check(expr)
+    except Exception as combined:
+        failing = {}
+        for name, es in exprs.items():
+            for e in es:
+                try:
+                    check(e)
+                except Exception as e_:  # noqa: PERF203 - diagnosis after a failure only
+                    failing[name] = f"{type(e_).__name__}: {str(e_)[:200]}"
+        raise AssertionError(f"ops failing alone: {failing}") from combined

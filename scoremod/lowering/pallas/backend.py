@@ -8,6 +8,13 @@ by ``codegen``, so any mod of the op table runs, with integer index math,
 float comparisons and captured arrays (gathers from small tables included),
 and its gradients reach the captured float arrays too.
 
+The forward runs on one of two engines, ``LoweringOptions.pallas_engine``:
+``"triton"`` (``kernels``: Pallas's Triton lowering, any GPU, interpret mode
+off one; float32 too) or ``"mosaic"`` (``mosaic``: Pallas's Mosaic GPU
+lowering for Hopper, wgmma and TMA; float16 and bfloat16, head dim 64 or 128,
+captured arrays read at scalar positions only). Both return the same O and
+natural-log LSE, and the backward is the Triton kernels' on either.
+
 The forward is a ``jax.custom_vjp`` whose backward runs the backward
 kernels: JAX differentiates the backend's forward itself (``differentiable``),
 so ``jax.grad``, ``jax.jit``, ``jax.checkpoint`` and ``jax.vmap`` (Pallas
@@ -26,12 +33,13 @@ import jax
 import jax.numpy as jnp
 
 from scoremod import device
+from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.errors import ScoreModError
 from scoremod.lowering import blocks, nonfinite
 from scoremod.lowering.backend import Backend, forward_mode
-from scoremod.lowering.pallas import codegen, kernels
+from scoremod.lowering.pallas import codegen, kernels, mosaic
 from scoremod.lowering.problem import Problem
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -79,6 +87,7 @@ class PallasPlan:
     # The mod on the tiles the map marks full (every score live), or None:
     # the whole mod everywhere. It must equal the mod on every such tile.
     full_expr: object = None
+    engine: str = "triton"  # the forward's: LoweringOptions.pallas_engine
     # The masked-key rule for non-finite V (lowering/nonfinite.py) around the
     # kernels: LoweringOptions.check_values.
     check_values: bool = True
@@ -93,9 +102,18 @@ class PallasPlan:
             block_q=blocks_[0], block_kv=blocks_[1], num_warps=warps,
             num_stages=self.num_stages, interpret=self.interpret)
 
+    def mosaic_spec(self) -> mosaic.MosaicSpec:
+        p = self.problem
+        return mosaic.MosaicSpec(
+            expr=None if self.mod is None else self.mod.expr,
+            operand_names=() if self.mod is None else self.mod.operand_names,
+            scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
+            full_expr=None if self.mod is None else self.full_expr)
+
     def describe(self):
         what = "plain attention" if self.mod is None else f"score_mod `{self.mod}`"
-        return (f"{what} as block-sparse Pallas kernels (forward tiles {self.forward_blocks}, "
+        engine = "Mosaic GPU forward, " if self.engine == "mosaic" else ""
+        return (f"{what} as block-sparse Pallas kernels ({engine}forward tiles {self.forward_blocks}, "
                 f"backward tiles {self.backward_blocks}"
                 f"{', interpret mode' if self.interpret else ''})")
 
@@ -111,11 +129,14 @@ class Pallas(Backend):
     def present(self):
         return device.current().family is not None
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         if mod is not None:
             why = codegen.refusal(mod.expr, mod.sources)
             if why:
                 return why
+        options = lowering_options.current() if options is None else options
+        if options.pallas_engine == "mosaic":
+            return self._why_not_mosaic(problem, mod)
         if problem.dtype not in DTYPES:
             return f"it takes float16, bfloat16 or float32 inputs, got {problem.dtype}"
         if problem.d not in HEAD_DIMS or problem.dv not in HEAD_DIMS:
@@ -131,9 +152,40 @@ class Pallas(Backend):
             return "off a GPU the kernels run in Pallas's interpret mode (slow); ask by name"
         return None
 
+    def why_not_with(self, problem, mod, automatic, options):
+        return self.why_not(problem, mod, automatic, options)
+
+    def _why_not_mosaic(self, problem, mod):
+        """The Mosaic GPU forward's refusals (its backward is the Triton one's)."""
+        if mod is not None:
+            why = mosaic.refusal(mod.expr, mod.sources)
+            if why:
+                return why
+        switch = "LoweringOptions(pallas_engine=\"triton\") runs it"
+        if problem.dtype not in mosaic.DTYPES:
+            return (f"its Mosaic GPU engine takes float16 or bfloat16 inputs (wgmma), got "
+                    f"{problem.dtype}; {switch}")
+        if problem.d != problem.dv or problem.d not in mosaic.HEAD_DIMS:
+            return (f"its Mosaic GPU engine is built for equal query and value head dims of "
+                    f"{' or '.join(map(str, mosaic.HEAD_DIMS))}, got {problem.d} (queries, keys) "
+                    f"and {problem.dv} (values); {switch}")
+        have = tuple(int(x) for x in jax.__version__.split(".")[:2])
+        if have < mosaic.JAX_VERSION:
+            return (f"its Mosaic GPU engine is written for jax "
+                    f"{'.'.join(map(str, mosaic.JAX_VERSION))} or later, found {jax.__version__}; "
+                    f"{switch}")
+        here = device.current()
+        if here.platform != "gpu" or here.family != 9:
+            found = f"compute capability {here.family}.x" if here.family else here.platform
+            return (f"its Mosaic GPU engine needs a Hopper GPU (compute capability 9.x; it has no "
+                    f"interpret mode), found {found}; {switch}")
+        return None
+
     def plan(self, problem, mod, scale, options, return_lse):
         interpret = device.current().platform != "gpu"
         fwd = (options.pallas_block_q, options.pallas_block_kv)
+        if options.pallas_engine == "mosaic":  # its tiles are fixed by its warpgroups
+            fwd = (mosaic.TILE_Q, mosaic.BLOCK_KV)
         bwd = (options.pallas_backward_block_q, options.pallas_backward_block_kv)
         warps = options.pallas_num_warps
         if warps is None:  # wide head dims hold bigger tiles: more warps to share them
@@ -149,7 +201,8 @@ class Pallas(Backend):
             full_expr = None if full is mod.expr else full
         return PallasPlan(None if mod is None else ScoreMod(mod.expr), float(scale),
                           bool(return_lse), problem, fwd, bwd, warps, options.pallas_num_stages,
-                          interpret, block_map, full_expr, options.check_values)
+                          interpret, block_map, full_expr, options.pallas_engine,
+                          options.check_values)
 
     def forward(self, plan, q, k, v, operands):
         if forward_mode((q, k, v, operands)):
@@ -212,6 +265,12 @@ def _map(plan, blocks_, operands):
 def _forward(plan, q, k, v, operands):
     p = plan.problem
     bq, bk = plan.forward_blocks
+    if plan.engine == "mosaic":
+        bmap = _map(plan, plan.forward_blocks, operands)
+        sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
+        o, lse = mosaic.forward(plan.mosaic_spec(), bmap, _pad(q, 1, sq), _pad(k, 1, skv),
+                                _pad(v, 1, skv), _kernel_operands(plan, operands))
+        return o[:, :p.sq], lse[:, :, :p.sq]
     spec = plan.spec(plan.forward_blocks, plan.num_warps[0])
     bmap = _map(plan, plan.forward_blocks, operands)
     sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)

@@ -28,7 +28,7 @@ from scoremod.dsl.grad import vjp
 from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, OPS, VAR
 from scoremod.dsl.text import format_expr
 
-_JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
+JNP_DTYPE = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
 
 # Ops whose jax.numpy implementation reaches a primitive that Pallas's Triton
 # lowering has no rule for (jax 0.11.2; tests/test_pallas.py lowers every op of
@@ -78,13 +78,13 @@ def refusal(expr, sources) -> str | None:
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
         if why:
-            where = sources.get(node) or _nearest_source(node, expr, sources)
+            where = sources.get(node) or nearest_source(node, expr, sources)
             return (f"it cannot run `{node.op}` in `{format_expr(node)}`"
                     f"{' at ' + where if where else ''}: {why}")
     return None
 
 
-def _nearest_source(node, root, sources):
+def nearest_source(node, root, sources):
     for parent in ir.toposort(root):
         if node in parent.args and parent in sources:
             return sources[parent]
@@ -145,16 +145,22 @@ def program_axes(expr, name) -> dict:
     return out
 
 
-def evaluate_tile(roots, inputs: dict, refs: dict):
+def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None):
     """Values of ``roots`` on a tile.
 
     ``inputs``: arrays for the variables (``score``, ``b``, ``h``, ``q_idx``,
     ``kv_idx``, and ``dP`` for backward expressions), broadcastable to the tile;
-    ``refs``: operand name -> the Pallas ref of its flat kernel copy."""
+    ``refs``: operand name -> the Pallas ref of its flat kernel copy;
+    ``gather``: ``(ref, flat positions, IR dtype) -> values``, the kernel's
+    read of a captured array (default: ``_gather`` below, Triton's);
+    ``rules``: op name -> a jax.numpy spelling that replaces ``TILE_RULES``'
+    and the op table's (another lowering's)."""
+    gather = _gather if gather is None else gather
+    rules = TILE_RULES if rules is None else {**TILE_RULES, **rules}
     vals = {}
     for node in ir.toposort(*roots):
         if node.op == CONST:
-            vals[node] = jnp.asarray(node.attr, _JNP_DTYPE[node.dtype])
+            vals[node] = jnp.asarray(node.attr, JNP_DTYPE[node.dtype])
         elif node.op == VAR:
             vals[node] = inputs[node.attr]
         elif node.op == OPERAND:
@@ -162,14 +168,14 @@ def evaluate_tile(roots, inputs: dict, refs: dict):
         elif node.op == LOAD:
             flat = flat_index(node, [vals[a] for a in node.args[1:]])
             vals[node] = gather(refs[node.args[0].attr[0]], flat, node.dtype)
-        elif node.op in TILE_RULES:
-            vals[node] = TILE_RULES[node.op](*[vals[a] for a in node.args])
+        elif node.op in rules:
+            vals[node] = rules[node.op](*[vals[a] for a in node.args])
         else:
             vals[node] = OPS[node.op].evaluate([vals[a] for a in node.args], node.attr)
     return [vals[r] for r in roots]
 
 
-def gather(ref, flat, dtype):
+def _gather(ref, flat, dtype):
     """``ref[flat]`` for a scalar or an array of positions, as IR type ``dtype``."""
     shape = jnp.shape(flat)
     if len(shape) < 2:  # the Triton lowering gathers with 2-D positions
@@ -179,4 +185,4 @@ def gather(ref, flat, dtype):
         out = out.reshape(shape) if shape else out[0, 0]
     if dtype == BOOL:
         return out != 0
-    return out.astype(_JNP_DTYPE[dtype])
+    return out.astype(JNP_DTYPE[dtype])

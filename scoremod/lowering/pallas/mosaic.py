@@ -1,0 +1,413 @@
+"""The forward as a Mosaic GPU kernel for Hopper: wgmma, TMA and warp specialization.
+
+One program holds ``TILE_Q`` query rows of one (batch, query head) and runs
+three warpgroups: two compute warpgroups of ``BLOCK_Q`` rows each and one
+memory warpgroup. The memory warpgroup streams the key and value tiles that
+the block map lists for the program's query tile (``q_blocks[.., :q_counts]``)
+into ``STAGES`` shared-memory slots with the copy engine (TMA); each compute
+warpgroup multiplies its queries by a key tile on the tensor cores
+(``wgmma``, accumulating in registers), evaluates the mod on the score tile
+in registers (``codegen.evaluate_tile``: the IR as jax.numpy, on Mosaic GPU's
+register arrays), runs the online softmax and multiplies the probabilities
+by the value tile. The two compute warpgroups take turns on the tensor cores
+(a shared barrier), so one's softmax overlaps the other's matrix products.
+
+The outputs are the Triton forward's: O in the inputs' dtype and the
+natural-log LSE (float32, -inf on rows that see no key, whose O is 0), so
+the Triton FA2 backward (``kernels``) runs on them unchanged.
+
+What this engine cannot evaluate is refused up front (``refusal``): ops
+Mosaic GPU has no lowering for, and reads of a captured array at an index
+that varies over the tile (a gather; Mosaic GPU loads scalars only, so
+``slopes[h]`` runs and ``bias[h, kv_idx - q_idx]`` does not).
+
+jax.experimental.pallas.mosaic_gpu is imported when a kernel is built, never
+at import (jax versions without it import this module too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from scoremod.dsl import ir
+from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE, VAR
+from scoremod.dsl.text import format_expr
+from scoremod.lowering.pallas import codegen
+
+BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M is 64 per warpgroup)
+COMPUTE_WGS = 2
+TILE_Q = BLOCK_Q * COMPUTE_WGS  # query rows per program: the block map's query block
+BLOCK_KV = 128  # keys per tile: the block map's key block
+STAGES = 2  # key/value tiles in flight
+DTYPES = ("float16", "bfloat16")
+JAX_VERSION = (0, 11)  # the Pallas Mosaic GPU API the kernel is written for (0.11.2)
+HEAD_DIMS = (64, 128)
+# Registers per thread: compute warpgroups take what the memory warpgroup gives up.
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
+
+NEG_INF = float("-inf")
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Ops whose jax.numpy implementation reaches a primitive that Pallas's Mosaic
+# GPU lowering has no rule for (jax 0.11.2; tests/test_pallas_mosaic.py lowers
+# every op of the table through the kernel and checks that exactly these fail).
+NOT_LOWERABLE = {
+    **{op: f"Pallas's Mosaic GPU lowering has no rule for {op} (lax.{op}_p)"
+       for op in ("log1p", "expm1", "tan", "atan", "erfc", "pow", "floor", "ceil")},
+    "erf": "Pallas's Mosaic GPU lowering cannot lay out erf (math.erf) on a tile",
+}
+# Ops that run on int32 only: on floats they need floor or remainder, which it lacks.
+INT_ONLY = {op: f"Pallas's Mosaic GPU lowering has no float {what}"
+            for op, what in (("floordiv", "floor"), ("mod", "remainder"), ("rem", "remainder"))}
+
+
+def _int_rem(a, b):
+    if not jnp.issubdtype(jnp.result_type(a, b), jnp.integer):
+        raise NotImplementedError(INT_ONLY["rem"])  # refused before it gets here
+    return a - lax.div(*jnp.broadcast_arrays(a, b)) * b
+
+
+def _int_mod(a, b):  # the sign of b, as jnp.remainder
+    r = _int_rem(a, b)
+    return r + jnp.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
+
+
+def _int_floordiv(a, b):
+    r = _int_rem(a, b)
+    return lax.div(*jnp.broadcast_arrays(a, b)) - jnp.where((r != 0) & ((r < 0) != (b < 0)), 1, 0)
+
+
+def _divide(a, b):
+    """a / b; by a constant, a times its reciprocal (a multiply, not a division:
+    within an ulp of it)."""
+    if jnp.ndim(b) == 0 and not isinstance(b, jax.core.Tracer) and float(b) != 0.0:
+        return a * jnp.float32(1.0 / float(b))  # b an IR constant
+    return a / b
+
+
+# The table's ops as Mosaic GPU lowers them: exact respellings of what it
+# cannot lower as written (custom_jvp functions, remainders, bool casts).
+TILE_RULES = {
+    "relu": lambda x: jnp.maximum(x, 0.0),
+    "with_grad": lambda value, *pairs: value,  # the forward needs the value only
+    "not": lambda x: x == False,  # noqa: E712 - a compare, not Mosaic's i1 negation
+    "bool": lambda x: x != 0,
+    "rem": _int_rem,
+    "mod": _int_mod,
+    "floordiv": _int_floordiv,
+    "div": _divide,
+}
+
+_TILE_VARS = ("score", "q_idx", "kv_idx")
+
+
+def refusal(expr, sources) -> str | None:
+    """Why the Mosaic GPU forward cannot evaluate ``expr`` (a sentence naming
+    the op and where it was written), or None."""
+    for node in ir.toposort(expr):
+        why = NOT_LOWERABLE.get(node.op)
+        if node.op in INT_ONLY and any(a.dtype == ir.F32 for a in node.args):
+            why = INT_ONLY[node.op]
+        if node.op == MATERIALIZE:
+            why = "materialized values are a cuDNN lowering's, not a mod's"
+        if node.op == LOAD and _varies_over_tile(node.args[1:]):
+            why = ("it reads captured arrays at indices built from b, h and constants only "
+                   "(a scalar per program); this index varies over the tile (a gather)")
+        if why:
+            where = sources.get(node) or codegen.nearest_source(node, expr, sources)
+            return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
+                    f"{' at ' + where if where else ''}: {why}; "
+                    "LoweringOptions(pallas_engine=\"triton\") runs it")
+    return None
+
+
+def _varies_over_tile(indices) -> bool:
+    return any(n.op == VAR and n.attr in _TILE_VARS for n in ir.toposort(*indices))
+
+
+def prepared(expr):
+    """``(expr', factor, in_log2)``: the mod as the kernel evaluates it, with
+    ``mod(score) == expr'(score * factor)``, times log2(e) if ``in_log2``.
+
+    The softmax runs base 2, so the kernel wants the modded score times
+    log2(e): pushed into the mod's constants where its value is a constant,
+    a constant multiple or a ``where`` of those (softcap's ``30 * tanh(..)``,
+    a mask's ``-inf``), then the score's one constant factor (softcap's
+    ``score / 30``, or that log2(e)) joins the scale: one multiply per score
+    for both, where the mod allows."""
+    if expr is None:
+        return None, 1.0, False
+    pushed = _times(expr, LOG2E)
+    in_log2 = pushed is not None
+    expr, factor = _score_factor(pushed if in_log2 else expr)
+    return expr, factor, in_log2
+
+
+def _times(node, k):
+    """``node * k`` with ``k`` in the constants, or None where that takes a
+    multiply of its own."""
+    if node.dtype != F32:
+        return None
+    if node.op == CONST:
+        return ir.const(float(node.attr) * k, F32)
+    if node is ir.var("score"):
+        return ir.build("mul", node, ir.const(k, F32))
+    if node.op == "mul":
+        a, b = node.args
+        for x, c in ((a, b), (b, a)):
+            if c.op == CONST and math.isfinite(float(c.attr)):
+                return ir.build("mul", x, ir.const(float(c.attr) * k, F32))
+    if node.op == "where":
+        cond, a, b = node.args
+        a, b = _times(a, k), _times(b, k)
+        if a is not None and b is not None:
+            return ir.build("where", cond, a, b)
+    return None
+
+
+def _score_factor(expr):
+    """``(expr', c)`` with ``expr(score) == expr'(score * c)``: when every use of
+    the score is ``score * c`` or ``score / (1 / c)`` for one constant ``c``."""
+    score = ir.var("score")
+    factors = set()
+    uses = [n for n in ir.toposort(expr) if any(a is score for a in n.args)]
+    for n in uses:
+        consts = [a for a in n.args if a.op == CONST]
+        c = float(consts[0].attr) if len(consts) == 1 and len(n.args) == 2 else None
+        if n.op == "div" and n.args[0] is score and c:
+            c = 1.0 / c
+        elif n.op != "mul":
+            c = None
+        factors.add(c)
+    (c,) = factors if len(factors) == 1 else (None,)
+    if c is None or not math.isfinite(c) or c == 0.0:
+        return expr, 1.0
+    return ir.substitute(expr, {n: score for n in uses}), c
+
+
+def _uses(expr, name) -> bool:
+    return expr is not None and any(n.op == VAR and n.attr == name for n in ir.toposort(expr))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicSpec:
+    """Everything static about one call's forward kernel (hashable)."""
+
+    expr: object  # the mod's IR node, or None for plain attention
+    operand_names: tuple  # in the order the operand arrays are passed
+    scale: float
+    sq: int  # real lengths (the arrays are padded to whole tiles)
+    skv: int
+    groups: int  # query heads per key/value head
+    # The mod on tiles the map marks full (every score live: the mask
+    # conditions dropped), or None: the whole mod everywhere.
+    full_expr: object = None
+
+
+def _scalar_load(ref, flat, dtype):
+    """``ref[flat]`` at a scalar position (Mosaic GPU loads scalars, not gathers)."""
+    out = ref[flat]
+    if dtype == ir.BOOL:
+        return out != 0
+    return out.astype(codegen.JNP_DTYPE[dtype])
+
+
+def forward(spec: MosaicSpec, bmap, q, k, v, operands):
+    """O [B, Sq, Hq, Dv] (q's dtype) and LSE [B, Hq, Sq] (float32, natural log)
+    on arrays padded to whole tiles (Sq to ``TILE_Q``, Skv to ``BLOCK_KV``)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, sq, hq, d = q.shape
+    dv = v.shape[-1]
+    dtype = q.dtype
+    n_tiles = sq // TILE_Q
+    n_ops = len(operands)
+    counts, blocks, full = bmap.q_counts, bmap.q_blocks, bmap.q_full.astype(jnp.int32)
+    shared_b, shared_h = counts.shape[0] == 1, counts.shape[1] == 1
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    general = prepared(spec.expr)
+    on_full = None if spec.full_expr is None else prepared(spec.full_expr)
+    exprs = [e for e, _, _ in (general, on_full or general)]
+    needs_kv_idx = any(_uses(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
+    needs_q_idx = any(_uses(e, "q_idx") for e in exprs)
+
+    def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, operand_refs, o_ref,
+                lse_ref, scoped):
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
+            (k_free, v_free), turn = scoped
+        wg = lax.axis_index("wg")
+        bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
+        tile = n_tiles - 1 - lax.axis_index("q_seq")  # the last (under causal masks, the
+        # longest) query tiles start first, which shortens the tail
+        mb = 0 if shared_b else bi
+        mh = 0 if shared_h else hi
+        count = counts_ref[mb, mh, tile]
+
+        def kv_start(step):
+            return blocks_ref[mb, mh, tile, step] * BLOCK_KV
+
+        def take_turn():  # the two compute warpgroups alternate on the tensor cores
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            row0 = tile * TILE_Q + wg * BLOCK_Q
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK_Q), hi], qo_smem,
+                                    q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            refs = dict(zip(spec.operand_names, operand_refs))
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])
+
+            pl.when(wg == 1)(take_turn)
+
+            def modded(qk, kv0, is_full):
+                """The score tile of keys kv0.. after the mod (on a full tile, the
+                mod without its mask) and the tail mask, in log2 units."""
+                if general[0] is None and not needs_kv_idx:
+                    return qk * jnp.float32(spec.scale * LOG2E)
+                inputs = {"b": bi, "h": hi}
+                if needs_q_idx:
+                    inputs["q_idx"] = row0 + plgpu.broadcasted_iota(
+                        jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=wgmma_layout)
+                if needs_kv_idx:
+                    inputs["kv_idx"] = kv0 + plgpu.broadcasted_iota(
+                        jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=wgmma_layout)
+
+                def run(variant):
+                    expr, factor, in_log2 = variant
+                    s = qk * jnp.float32(spec.scale * factor)
+                    if expr is not None:
+                        (s,) = codegen.evaluate_tile([expr], dict(inputs, score=s), refs,
+                                                     gather=_scalar_load, rules=TILE_RULES)
+                        s = s.astype(jnp.float32)
+                    return s if in_log2 else s * jnp.float32(LOG2E)
+
+                if on_full is None:
+                    s = run(general)
+                else:
+                    s = lax.cond(is_full != 0, lambda: run(on_full), lambda: run(general))
+                if spec.skv % BLOCK_KV:
+                    s = jnp.where(inputs["kv_idx"] < spec.skv, s, NEG_INF)
+                return s
+
+            def step_fn(step, carry):
+                acc, m, l = carry
+                slot = lax.rem(step, STAGES)
+                # The tile's first key, read ahead of the product that it waits on.
+                kv0 = kv_start(step) if needs_kv_idx else None
+                is_full = full_ref[mb, mh, tile, step] if on_full is not None else None
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    take_turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = modded(s, kv0, is_full)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                # A row masked so far has m = -inf: shift by 0 so that it adds nothing.
+                shift = jnp.where(m_new == NEG_INF, 0.0, m_new)
+                alpha = jnp.exp2(m - shift)
+                p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p = p.astype(dtype)
+                # Keep the softmax ahead of the turn's barriers (the order matters for speed).
+                acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)
+
+                def products(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                    nxt = step + 1
+
+                    @pl.when(nxt < count)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, STAGES)])
+
+                acc = pl.run_state(products)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            init = (plgpu.layout_cast(jnp.zeros((BLOCK_Q, dv), jnp.float32), wgmma_layout),
+                    plgpu.layout_cast(jnp.full((BLOCK_Q,), NEG_INF, jnp.float32), row_layout),
+                    plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout))
+            acc, m, l = lax.fori_loop(0, count, step_fn, init)
+            pl.when(wg == 0)(take_turn)
+
+            empty = l == 0.0  # every score of the row masked: O 0, LSE -inf
+            safe = jnp.where(empty, 1.0, l)
+            inv = jnp.where(empty, 0.0, 1.0 / safe)
+            qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+            shift = jnp.where(m == NEG_INF, 0.0, m)
+            lse_smem[...] = jnp.where(empty, NEG_INF, shift * jnp.float32(LN2) + jnp.log(safe))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[bi, pl.ds(row0, BLOCK_Q), hi])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, hi, pl.ds(row0, BLOCK_Q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+            kv_head = lax.div(hi, jnp.int32(spec.groups))
+
+            def fetch(step, slot, wait):
+                rows = pl.ds(kv_start(step), BLOCK_KV)
+                if wait:
+                    plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[slot],
+                                        k_ready.at[slot])
+                if wait:
+                    plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot],
+                                        v_ready.at[slot])
+
+            for first in range(STAGES):
+                pl.when(first < count)(functools.partial(fetch, first, first, False))
+
+            def refill(step, carry):
+                fetch(step, lax.rem(step, STAGES), True)
+                return carry
+
+            lax.fori_loop(STAGES, jnp.maximum(count, STAGES), refill, None)
+
+    def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest):
+        operand_refs, (o_ref, lse_ref) = rest[:n_ops], rest[n_ops:]
+        swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled),
+                plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=swizzled),
+                plgpu.SMEM((STAGES, BLOCK_KV, dv), dtype, transforms=swizzled),
+                plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32)]
+        ready = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
+                 plgpu.Barrier(num_barriers=COMPUTE_WGS))
+        free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),) * 2
+        turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+        pl.run_scoped(
+            lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref,
+                                    operand_refs, o_ref, lse_ref, scoped),
+            smem, ready, free, turn, collective_axes="wg")
+
+    out_type = (jax.ShapeDtypeStruct((b, sq, hq, dv), dtype),
+                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+    return plgpu.kernel(
+        entry, out_type=out_type, grid=(hq, n_tiles, b), grid_names=("heads", "q_seq", "batch"),
+        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(counts, blocks, full, q, k, v, *operands)

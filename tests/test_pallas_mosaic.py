@@ -1,0 +1,306 @@
+"""The Pallas backend's Mosaic GPU forward engine, on the CPU (no GPU needed).
+
+The option and its refusals (why_not names the op, the dtype, the head dims
+or the device); the tile rules the engine evaluates the table's ops with,
+against the reference evaluator; and the kernel's lowering for CUDA, which
+Pallas runs here without a GPU: every op of the table lowers through the
+kernel exactly when the engine does not refuse it, and whole calls (block
+maps, tails, grouped heads, captured arrays, the Triton backward, jax.vmap)
+lower through scoremod.attention. Running the kernel needs a Hopper GPU:
+tests/gpu/test_pallas_gpu.py does, against the reference path.
+"""
+
+import importlib
+import warnings
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scoremod
+from scoremod import device
+from scoremod.dsl import ir
+from scoremod.dsl.evaluate import evaluate
+from scoremod.errors import ScoreModError
+from scoremod.lowering import blocks
+from scoremod.lowering.pallas import mosaic
+from scoremod.lowering.pallas.backend import PALLAS, _map
+from scoremod.lowering.problem import Problem
+from tests import pallas_cases as pc
+from tests.test_pallas import TABLE_OPS, _examples
+
+MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
+HOPPER = device.Device("gpu", "NVIDIA H200", 9, 132)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not validated on a GPU.*")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        yield
+
+
+def _problem(d=128, dv=128, dtype="bfloat16", sq=256, skv=256):
+    return Problem(b=1, sq=sq, skv=skv, hq=4, hkv=2, d=d, dv=dv, dtype=dtype)
+
+
+def test_option():
+    assert scoremod.LoweringOptions().pallas_engine == "triton"
+    assert MOSAIC != scoremod.LoweringOptions() and hash(MOSAIC.replace(pallas_engine="mosaic"))
+    with pytest.raises(ScoreModError, match="pallas_engine must be one of 'triton', 'mosaic'"):
+        scoremod.LoweringOptions(pallas_engine="cuda")
+    problem = _problem()
+    plans = [PALLAS.plan(problem, None, 0.125, o, True) for o in (MOSAIC, MOSAIC.plain())]
+    assert plans[0].engine == "mosaic" and plans[1].engine == "triton"
+    assert plans[0] != plans[1]  # options are part of the plan (and so of every cache key)
+    assert plans[0].forward_blocks == (mosaic.TILE_Q, mosaic.BLOCK_KV)
+    assert "Mosaic GPU" in plans[0].describe()
+
+
+def test_refusals(monkeypatch):
+    monkeypatch.setattr(device, "current", lambda: HOPPER)
+    why = lambda problem, mod=None, options=MOSAIC: PALLAS.why_not(  # noqa: E731
+        problem, mod, automatic=False, options=options)
+    assert why(_problem()) is None
+    assert why(_problem(d=64, dv=64, dtype="float16", sq=1000, skv=333)) is None
+    # The dtype, head dims: the Triton engine runs them.
+    assert "float16 or bfloat16" in why(_problem(dtype="float32"))
+    assert why(_problem(dtype="float32"), options=MOSAIC.plain()) is None
+    assert "head dims of 64 or 128" in why(_problem(d=96, dv=96))
+    assert "head dims" in why(_problem(d=128, dv=64))
+    assert why(_problem(d=128, dv=64), options=MOSAIC.plain()) is None
+    # A gather (a read at an index that varies over the tile), named with its line.
+    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    mod, _ = pc.traced("relative_bias", q, q)
+    reason = why(_problem(), mod)
+    assert "`load`" in reason and "varies over the tile" in reason
+    assert "pallas_cases.py" in reason and 'pallas_engine="triton"' in reason
+    assert why(_problem(), mod, options=MOSAIC.plain()) is None
+    # Scalar reads run: per head, per batch, and a 0-d array.
+    for case in ("alibi", "batch_scale", "learnable_softcap"):
+        assert why(_problem(), pc.traced(case, q, q)[0]) is None, case
+    # An op Mosaic GPU cannot lower, and float remainders (int ones run).
+    log1p = scoremod.trace(lambda s, b, h, qi, ki: jnp.log1p(jnp.abs(s) + 0.0625))  # its own line
+    assert "`log1p`" in why(_problem(), log1p) and "test_pallas_mosaic.py" in why(_problem(), log1p)
+    fmod = scoremod.trace(lambda s, b, h, qi, ki: s % 0.75)
+    assert "no float remainder" in why(_problem(), fmod)
+    imod = scoremod.trace(lambda s, b, h, qi, ki: jnp.where((ki - qi) % 3 == 0, s, -jnp.inf))
+    assert why(_problem(), imod) is None
+    # What the Triton backward cannot run is refused for either engine.
+    erf = scoremod.trace(lambda s, b, h, qi, ki: s + jax.scipy.special.erf(s))
+    assert "Triton" in why(_problem(), erf)
+
+
+def test_refused_on_old_jax(monkeypatch):
+    monkeypatch.setattr(device, "current", lambda: HOPPER)
+    monkeypatch.setattr(jax, "__version__", "0.10.2")
+    assert "written for jax 0.11 or later, found 0.10.2" in PALLAS.why_not(
+        _problem(), None, False, MOSAIC)
+
+
+def test_refused_off_hopper():
+    """Off a Hopper GPU (here: the CPU) the engine refuses by name; it has no interpret mode."""
+    if device.current().family == 9:
+        pytest.skip("runs on a Hopper GPU here")
+    assert "needs a Hopper GPU" in PALLAS.why_not(_problem(), None, False, MOSAIC)
+    q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    with pytest.raises(ScoreModError, match="needs a Hopper GPU"):
+        scoremod.attention(q, q, q, implementation="pallas", options=MOSAIC)
+    with scoremod.lowering_options(pallas_engine="mosaic"), pytest.raises(
+            ScoreModError, match="needs a Hopper GPU"):
+        scoremod.attention(q, q, q, implementation="pallas")
+
+
+@pytest.mark.parametrize("name", TABLE_OPS)
+def test_tile_rules(name):
+    """The ops the engine evaluates by its own rules (``mosaic.TILE_RULES``:
+    int remainders, a division by a constant, bool casts) give the reference
+    evaluator's values on a tile."""
+    rng = np.random.default_rng(1)
+    s = jnp.asarray(rng.normal(size=(8, 16)) * 3, jnp.float32)
+    index = {"b": jnp.int32(1), "h": jnp.int32(0),
+             "q_idx": jnp.broadcast_to(5 + jnp.arange(8, dtype=jnp.int32)[:, None], (8, 16)),
+             "kv_idx": jnp.broadcast_to(3 + jnp.arange(16, dtype=jnp.int32)[None, :], (8, 16))}
+    from scoremod.lowering.pallas import codegen
+
+    for expr in _examples(name):
+        if mosaic.refusal(expr, {}):
+            continue
+        (got,) = codegen.evaluate_tile([expr], dict(index, score=s), {}, rules=mosaic.TILE_RULES)
+        want = evaluate(expr, dict(index, score=s), {})
+        np.testing.assert_allclose(np.broadcast_to(got, s.shape), np.broadcast_to(want, s.shape),
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_int_remainders_negative():
+    """mod and floordiv round toward -inf (jnp's), rem toward 0, for every sign."""
+    a = jnp.arange(-7, 8, dtype=jnp.int32)[:, None]
+    b = jnp.asarray([-3, -2, 2, 3], jnp.int32)[None, :]
+    np.testing.assert_array_equal(mosaic._int_mod(a, b), jnp.remainder(a, b))
+    np.testing.assert_array_equal(mosaic._int_floordiv(a, b), jnp.floor_divide(a, b))
+    np.testing.assert_array_equal(mosaic._int_rem(a, b), jax.lax.rem(*jnp.broadcast_arrays(a, b)))
+
+
+def test_block_map_tiles():
+    """The engine visits the plan's map at its own tiles: causal skips the upper triangle."""
+    q = jnp.zeros((1, 1000, 4, 128), jnp.bfloat16)
+    mod, _ = pc.traced("causal", q, q)
+    plan = PALLAS.plan(Problem.of(q, q, q), mod, 0.125, MOSAIC, True)
+    bmap = _map(plan, plan.forward_blocks, ())
+    n = blocks.num_blocks(1000, mosaic.TILE_Q)
+    assert bmap.q_counts.shape[-1] == n and mosaic.TILE_Q == mosaic.BLOCK_KV
+    assert np.asarray(bmap.q_counts).ravel().tolist() == list(range(1, n + 1))
+
+
+# --------------------------------------------------------------------------- #
+# lowering for CUDA, here
+
+
+def _lower_forward(expr, q, k, operands=()):
+    sq, skv, groups = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    names = tuple(n.attr[0] for n in ir.operands_of(expr)) if expr is not None else ()
+    spec = mosaic.MosaicSpec(expr, names, 0.125, sq, skv, groups)
+    bmap = blocks.dense_block_map(sq=sq, skv=skv, block_q=mosaic.TILE_Q, block_kv=mosaic.BLOCK_KV)
+    fn = lambda q, k, v, ops: mosaic.forward(spec, bmap, q, k, v, ops)  # noqa: E731
+    return jax.jit(fn).trace(q, k, k, operands).lower(lowering_platforms=("cuda",))
+
+
+@pytest.fixture(scope="module")
+def lowers():
+    """Skips where this jax cannot lower Mosaic GPU kernels without a GPU, or has
+    another Mosaic GPU API than the kernel's."""
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < mosaic.JAX_VERSION:
+        pytest.skip(f"the engine is written for jax {mosaic.JAX_VERSION} or later")
+    try:
+        importlib.import_module("jax.experimental.pallas.mosaic_gpu")
+
+        q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+        _lower_forward(None, q, q)
+    except Exception as e:  # noqa: BLE001 - a jax without it (0.10) or without the lowering
+        pytest.skip(f"this jax cannot lower Mosaic GPU kernels here: {type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("name", TABLE_OPS)
+def test_op_table_lowers_to_mosaic(name, lowers):
+    """Every op's examples lower through the kernel exactly when the engine
+    does not refuse them (so the refusal table is neither short nor long)."""
+    q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    for expr in _examples(name):
+        refused = mosaic.refusal(expr, {})
+        try:
+            _lower_forward(expr, q, q)
+            lowered = None
+        except Exception as e:  # noqa: BLE001
+            lowered = e
+        assert (lowered is not None) == (refused is not None), (expr, refused, lowered)
+
+
+@pytest.fixture
+def hopper_here(monkeypatch, lowers):
+    """The backend believes it is on a Hopper GPU (Triton's lowering too), so whole
+    calls lower for CUDA on this machine."""
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    if not hasattr(gpu_info, "get_gpu_info"):
+        pytest.skip("this jax's Triton lowering does not take the GPU's version from gpu_info")
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda *a, **k: SimpleNamespace(compute_capability=90))
+    monkeypatch.setattr(device, "current", lambda: HOPPER)
+
+
+def _lower_call(loss, *args):
+    return jax.jit(loss).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("case,shape", [
+    ("softcap", dict(sq=256, skv=256, hq=4, hkv=2, d=128)),
+    ("causal", dict(sq=1000, skv=1000, hq=4, hkv=1, d=128)),
+    ("alibi", dict(sq=300, skv=260, hq=4, hkv=2, d=64)),
+    ("batch_scale", dict(sq=256, skv=384, hq=2, hkv=2, d=64)),
+    ("learnable_softcap", dict(sq=128, skv=128, hq=2, hkv=1, d=128)),
+    ("masked_rows", dict(sq=256, skv=256, hq=2, hkv=1, d=128)),
+])
+def test_calls_lower(case, shape, hopper_here):
+    """scoremod.attention by name, jitted, forward and gradients (q, k, v and the
+    captured float arrays: the Triton backward), lowers to one Mosaic GPU forward
+    kernel and the Triton backward kernels."""
+    dtype = jnp.float16 if shape["d"] == 64 else jnp.bfloat16
+    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
+    fn, operands = pc.CASES[case](shape["hq"], shape["sq"], shape["skv"])
+    floats = tuple(x for x in operands if jnp.issubdtype(x.dtype, jnp.floating))
+
+    def loss(q, k, v, floats):
+        mod = lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, *floats)  # noqa: E731
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    text = _lower_call(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, floats)
+    assert text.count("mosaic_gpu") >= 1 and "triton" in text
+
+
+def test_vmap_lowers(hopper_here):
+    q, k, v, do = pc.inputs(b=1, sq=256, skv=256, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    qs = jnp.stack([q, q])
+    slopes = jnp.asarray([[0.5, 0.25, 0.125, 0.0625], [0.1, 0.2, 0.3, 0.4]], jnp.float32)
+
+    def out(q, slopes):
+        mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h] * (ki - qi), -jnp.inf)
+        return scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+
+    assert "mosaic_gpu" in _lower_call(jax.vmap(out), qs, slopes)
+
+
+def test_import_is_lazy():
+    """scoremod and the backend import where jax has no Mosaic GPU (jax 0.10 on CI):
+    the engine imports it when it builds a kernel."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['jax.experimental.pallas.mosaic_gpu'] = None; "
+            "import scoremod, scoremod.lowering.pallas.backend; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_scalar_reads_only():
+    """A captured array indexed by b, h and constants is a scalar read; one indexed
+    by q_idx or kv_idx (even through arithmetic and a clip) is refused."""
+    t = jnp.ones((4, 8), jnp.float32)
+    ok = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, 3] * t[b, h + 1])
+    bad = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi + 4, 0, 7)])
+    assert mosaic.refusal(ok.expr, ok.sources) is None
+    assert "varies over the tile" in mosaic.refusal(bad.expr, bad.sources)
+
+
+@pytest.mark.parametrize("case", sorted(pc.CASES))
+def test_prepared_expression(case):
+    """The kernel's form of the mod (log2(e) and the score's constant factor
+    moved into constants and the scale) is the mod times log2(e)."""
+    q = jnp.zeros((2, 96, 4, 64), jnp.float32)
+    mod, operands = pc.traced(case, q, q)
+    expr, factor, in_log2 = mosaic.prepared(mod.expr)
+    rng = np.random.default_rng(2)
+    s = jnp.asarray(rng.normal(size=(96, 96)) * 4, jnp.float32)
+    index = {"b": jnp.int32(1), "h": jnp.int32(2),
+             "q_idx": jnp.arange(96, dtype=jnp.int32)[:, None],
+             "kv_idx": jnp.arange(96, dtype=jnp.int32)[None, :]}
+    values = dict(zip(mod.operand_names, operands))
+    want = np.asarray(evaluate(mod.expr, dict(index, score=s), values)) * mosaic.LOG2E
+    got = np.asarray(evaluate(expr, dict(index, score=s * np.float32(factor)), values))
+    got = got if in_log2 else got * mosaic.LOG2E
+    np.testing.assert_allclose(np.broadcast_to(got, s.shape), np.broadcast_to(want, s.shape),
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_prepared_folds():
+    softcap = scoremod.trace(lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0))
+    causal = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf))
+    square = scoremod.trace(lambda s, b, h, qi, ki: s * s)
+    (e, c, log2) = mosaic.prepared(softcap.expr)
+    assert log2 and c == pytest.approx(1 / 30) and "/" not in str(e)
+    (e, c, log2) = mosaic.prepared(causal.expr)
+    assert log2 and c == pytest.approx(mosaic.LOG2E) and str(e) == str(causal.expr)
+    assert mosaic.prepared(square.expr) == (square.expr, 1.0, False)
