@@ -1,5 +1,5 @@
 """The interface every route of ``scoremod.attention`` implements, and the
-``custom_vjp`` that runs a fused backend's plan.
+``custom_jvp`` that runs a fused backend's plan.
 
 A backend is one object with a small protocol:
 
@@ -16,10 +16,13 @@ A backend is one object with a small protocol:
   ``backward(plan, q, k, v, o, lse, do, operands)`` -> (dQ, dK, dV).
 
 A backend whose forward JAX can differentiate itself (``differentiable``) is
-called directly; the others run inside :func:`run`'s ``custom_vjp``, which
-refuses what their backward does not compute (gradients of captured operands
-unless ``operand_gradients``, and of the LSE), or, where the user allowed a
-fallback, hands the operand gradients to the fallback backend and its plan.
+called directly; the others run inside :func:`run`'s ``custom_jvp`` (see
+"The fused call and its derivatives" below), whose reverse mode is the
+backend's backward and whose forward-mode tangents and second-order
+derivatives come from the fallback backend (the reference path) where the
+user allowed one. It refuses what the backward does not compute (gradients
+of captured operands unless ``operand_gradients``, and of the LSE), or,
+where the user allowed a fallback, hands the operand derivatives to it.
 Every fused call goes through ``lowering.sharding`` (partitioning, vmap),
 whose per-device call applies the masked-key rule for non-finite V
 (``lowering.nonfinite``): a backend's kernel need not.
@@ -79,7 +82,7 @@ class Backend:
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """The custom_vjp's static argument: a fused backend, its plan, and the
+    """The fused call's static argument: a fused backend, its plan, and the
     (backend, plan) that computes operand gradients when the user allowed a
     fallback (None: such gradients are refused); with what it takes to plan
     the same call on other shapes (a device's shard, a vmapped batch)."""
@@ -137,14 +140,17 @@ def run(backend: Backend, plan, q, k, v, operands, *, problem, options, return_l
 def forward_mode(arrays) -> bool:
     """Whether ``arrays`` carry forward-mode tangents (``jax.jvp`` traces this call).
 
-    JAX has no public test for it; its JVP tracer type is the one that says so
-    (``jax.grad`` and ``jax.linearize`` trace with another)."""
+    JAX's JVP tracer type says so (``jax.grad`` and ``jax.linearize`` trace
+    with another; a jitted function's call sees no tracer of the jvp at all:
+    those reach ``_TANGENT`` below)."""
     return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(arrays))
 
 
 def _forward_mode_fallback(backend, fallback, q, k, v, operands):
     """``jax.jvp`` of a fused call: a fused backward gives no tangents, so the
-    reference path runs the call where the user allowed it (implementation=None)."""
+    reference path runs the call where the user allowed it (implementation=None);
+    its tangents need the reference forward anyway, so the fused one would only
+    add work."""
     if fallback is None:
         raise backend.error(
             f"{backend.title} has no forward-mode derivative (jax.jvp): it computes "
@@ -240,7 +246,7 @@ def _fallback_for(static, what):
     return fallback, fallback_plan
 
 
-_FORWARD_MODE = "forward-mode derivative (jax.jvp, jax.linearize, jax.jacfwd)"
+_FORWARD_MODE = "forward-mode derivatives (jax.jvp, jax.linearize, jax.jacfwd)"
 _SECOND_ORDER = ("second-order derivatives (jax.hessian, the gradient of a gradient: the "
                  "fused backward's derivative)")
 
