@@ -355,6 +355,7 @@ _REVERSE = {
     "vmap_of_jit_of_grad": lambda loss, q: jax.vmap(jax.jit(jax.grad(loss)))(jnp.stack([q, -q])),
     "nested_vmap_of_grad": lambda loss, q: jax.vmap(jax.vmap(jax.grad(loss)))(
         jnp.stack([jnp.stack([q, -q]), jnp.stack([2 * q, q])])),
+    "grad_of_checkpoint": lambda loss, q: jax.jit(jax.grad(jax.checkpoint(loss)))(q),
     "grad_of_vmap": lambda loss, q: jax.grad(
         lambda qs: jnp.sum(jax.vmap(loss)(qs)))(jnp.stack([q, 2 * q])),
 }
