@@ -264,7 +264,8 @@ def _tangent_value(*args, static, which):
     """``_TANGENT`` evaluated: the tangents of (O, LSE) on the fallback path."""
     q, k, v, o, lse, operands, lin = _split(args, static, which)
     fallback, fallback_plan = _fallback_for(static, _FORWARD_MODE)
-    tangents = tuple(jnp.zeros(x.shape, x.dtype) if t is None else t for x, t in zip((q, k, v), lin))
+    tangents = tuple(jnp.zeros(x.shape, x.dtype) if t is None else t
+                     for x, t in zip((q, k, v), lin))
     _, (to, tlse) = jax.jvp(
         lambda q, k, v: fallback.forward(fallback_plan, q, k, v, operands), (q, k, v), tangents)
     return [to.astype(o.dtype), tlse.astype(lse.dtype)]
