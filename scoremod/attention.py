@@ -66,8 +66,10 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     Under ``jax.jit`` with sharded inputs, a fused call runs per device on its
     batch and head shards (queries sharded along the sequence attend to the
     gathered keys), and the mod sees global indices; ``jax.vmap`` folds mapped
-    axes into the batch; ``jax.jvp`` of a fused call uses the reference path
-    when ``implementation=None`` (see ``lowering/sharding.py``).
+    axes into the batch (see ``lowering/sharding.py``). Forward-mode and
+    second-order derivatives of a fused call (``jax.jvp``, ``jax.linearize``,
+    ``jax.jacfwd``, ``jax.hessian``) come from the reference path when
+    ``implementation=None``, with a warning (see ``lowering/backend.py``).
 
         >>> import jax, jax.numpy as jnp, scoremod
         >>> q = k = v = jnp.ones((1, 8, 2, 16), jnp.bfloat16)

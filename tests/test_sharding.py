@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 from pathlib import Path
 
 import jax
@@ -296,6 +297,51 @@ def test_nonfinite_values_at_masked_keys_per_shard(spec):
     np.testing.assert_array_equal(np.isnan(o), np.isnan(np.asarray(want_o)))
     _close((jnp.nan_to_num(got_o), got_loss, got_grads),
            (jnp.nan_to_num(want_o), want_loss, want_grads))
+
+
+class _Automatic(StandIn):
+    """The stand-in as implementation=None's first choice (as cuDNN on a GPU)."""
+
+    name = "standin-auto"
+
+    def why_not(self, problem, mod, automatic):
+        return None
+
+
+@eight
+def test_derivatives_on_sharded_inputs_and_in_shard_map():
+    """Reverse mode (fused) and forward mode (reference tangents, implementation=None)
+    with sharded inputs under jax.jit and inside jax.shard_map."""
+    registry.register(_Automatic(), before="xla")
+    try:
+        mesh = _mesh()
+        spec = P(("x", "y"), None, "z")
+        q, k, v, _ = _inputs()
+        args = _put(mesh, spec, q, k, v)
+        tangents = (jnp.cos(q), jnp.sin(k), jnp.cos(v))
+        f = lambda impl: lambda q, k, v: scoremod.attention(  # noqa: E731
+            q, k, v, ALIBI_B, implementation=impl)
+        smap = lambda g: jax.jit(jax.shard_map(  # noqa: E731
+            g, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+        checks = {
+            "grad_in_shard_map": lambda i: smap(lambda q, k, v: jax.grad(
+                lambda q: jnp.sum(jnp.sin(f(i)(q, k, v))))(q))(*args),
+            "grad_of_shard_map": lambda i: jax.jit(jax.grad(
+                lambda q: jnp.sum(jnp.sin(smap(f(i))(q, *args[1:])))))(args[0]),
+            "jvp_of_shard_map": lambda i: jax.jvp(smap(f(i)), tuple(args), tangents),
+            "linearize_in_shard_map": lambda i: smap(lambda q, k, v: jax.linearize(
+                lambda q: f(i)(q, k, v), q)[1](jnp.cos(q)))(*args),
+            "jvp_of_jit": lambda i: jax.jvp(jax.jit(f(i)), tuple(args), tangents),
+        }
+        for name, check in checks.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = check(None)
+            fell_back = any("falls back" in str(w.message) for w in caught)
+            assert fell_back == ("grad" not in name), (name, [str(w.message) for w in caught])
+            _close(got, check("xla"))
+    finally:
+        registry.unregister("standin-auto")
 
 
 # --- the Python graph cache under threads --------------------------------------

@@ -246,3 +246,175 @@ def test_a_refusal_found_when_building_falls_back_for_implementation_none(kind):
             jax.grad(loss(backend.name))(q)
     finally:
         registry.unregister(backend.name)
+
+
+# --- forward mode the call cannot see (jax.linearize, jvp of jit, jacfwd, hessian) ---
+#
+# These reach the fused call as a custom_jvp whose tangent is one primitive:
+# evaluated, it is the reference tangent (implementation=None, with a warning);
+# transposed (jax.grad), it is the stand-in's backward.
+
+_TINY = (1, 4, 1, 2)  # jacobians are (size x size)
+
+
+def _tiny(seed):
+    return _arrays(_TINY, seed)
+
+
+def _lin(f, *a):
+    y, lin = jax.linearize(f, *a)
+    return y, lin(*a[::-1])
+
+
+_FORWARD = {
+    "jvp": lambda f, q, k, v: jax.jvp(f, (q, k, v), (v, q, k)),
+    "jvp_of_jit": lambda f, q, k, v: jax.jvp(jax.jit(f), (q, k, v), (v, q, k)),
+    "linearize": lambda f, q, k, v: _lin(f, q, k, v),
+    "linearize_of_jit": lambda f, q, k, v: _lin(jax.jit(f), q, k, v),
+    "jit_of_linearize": lambda f, q, k, v: jax.jit(lambda *a: _lin(f, *a))(q, k, v),
+    "jacfwd": lambda f, q, k, v: jax.jacfwd(f, argnums=(0, 1, 2))(q, k, v),
+    "jacfwd_of_jit": lambda f, q, k, v: jax.jacfwd(jax.jit(f), argnums=(0, 2))(q, k, v),
+    "vmap_of_linearize": lambda f, q, k, v: jax.vmap(
+        lambda t: _lin(lambda q: f(q, k, v), q + t)[1])(jnp.stack([q, k, v])),
+    "jvp_of_vmap": lambda f, q, k, v: jax.jvp(
+        jax.jit(jax.vmap(lambda q: f(q, k, v))), (jnp.stack([q, k]),), (jnp.stack([v, q]),)),
+}
+
+_SECOND_ORDER = {
+    "hessian": lambda f, q, k, v: jax.hessian(lambda q: jnp.sum(jnp.sin(f(q, k, v))))(q),
+    "jacfwd_of_grad": lambda f, q, k, v: jax.jacfwd(
+        jax.jit(jax.grad(lambda q, k: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1))))(q, k),
+    "grad_of_grad": lambda f, q, k, v: jax.grad(
+        lambda q: jnp.sum(jax.grad(lambda q: jnp.sum(jnp.sin(f(q, k, v))))(q) ** 2))(q),
+}
+
+
+def _attend(impl, mod=None):
+    mod = mod or _mod()
+    return lambda q, k, v: scoremod.attention(q, k, v, mod, implementation=impl)
+
+
+@pytest.fixture
+def automatic():
+    registry.register(Automatic(), before="xla")
+    yield "standin-auto"
+    registry.unregister("standin-auto")
+
+
+@pytest.mark.parametrize("name", sorted(_FORWARD) + sorted(_SECOND_ORDER))
+def test_forward_mode_falls_back_for_implementation_none(automatic, name):
+    """Every forward-mode transform gives the reference path's tangents, with a
+    warning, however the call is traced (jitted first, linearized, vmapped)."""
+    transform = {**_FORWARD, **_SECOND_ORDER}[name]
+    q, k, v = _tiny(20) if name.startswith(("jac", "hess")) else _arrays((B, S, H, D), 20)
+    assert scoremod.which_implementation(q, k, v, _mod())[0] == automatic
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = transform(_attend(None), q, k, v)
+    assert any("falls back" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    _close(got, transform(_attend("xla"), q, k, v), tol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(_FORWARD))
+def test_forward_mode_of_a_fused_backend_asked_by_name_is_refused(name):
+    q, k, v = _tiny(21) if name.startswith("jac") else _arrays((B, S, H, D), 21)
+    with pytest.raises(ScoreModError, match=r"forward-mode.*implementation=None.*\"xla\""):
+        jax.block_until_ready(_FORWARD[name](_attend("standin"), q, k, v))
+
+
+@pytest.mark.parametrize("name", sorted(_SECOND_ORDER))
+def test_second_order_of_a_fused_backend_asked_by_name_is_refused(name):
+    q, k, v = _tiny(22)
+    # (forward-over-reverse meets the forward-mode tangent first)
+    with pytest.raises(ScoreModError, match=r"(second-order|forward-mode).*implementation=None.*"
+                                            r"\"xla\""):
+        jax.block_until_ready(_SECOND_ORDER[name](_attend("standin"), q, k, v))
+
+
+def _count(jaxpr, name, stop="custom_vmap_call"):
+    """Equations ``name`` in ``jaxpr`` and its sub-jaxprs, not looking inside ``stop``
+    (the boundary of a fused kernel call: lowering.sharding's batching rule)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == name
+        if eqn.primitive.name == stop:
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    total += _count(sub, name, stop)
+    return total
+
+
+_REVERSE = {
+    "grad": lambda loss, q: jax.grad(loss)(q),
+    "jit_of_grad": lambda loss, q: jax.jit(jax.grad(loss))(q),
+    "vjp": lambda loss, q: jax.vjp(loss, q)[1](jnp.float32(1.0)),
+    "vmap_of_grad": lambda loss, q: jax.vmap(jax.grad(loss))(jnp.stack([q, 2 * q, -q])),
+    "vmap_of_jit_of_grad": lambda loss, q: jax.vmap(jax.jit(jax.grad(loss)))(jnp.stack([q, -q])),
+    "nested_vmap_of_grad": lambda loss, q: jax.vmap(jax.vmap(jax.grad(loss)))(
+        jnp.stack([jnp.stack([q, -q]), jnp.stack([2 * q, q])])),
+    "grad_of_checkpoint": lambda loss, q: jax.jit(jax.grad(jax.checkpoint(loss)))(q),
+    "grad_of_vmap": lambda loss, q: jax.grad(
+        lambda qs: jnp.sum(jax.vmap(loss)(qs)))(jnp.stack([q, 2 * q])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REVERSE))
+def test_reverse_mode_stays_fused(automatic, name):
+    """jax.grad and company run the stand-in's backward, with no warning."""
+    q, k, v = _arrays((B, S, H, D), 23)
+    w = jnp.cos(q)
+    loss = lambda impl: lambda q: jnp.sum(_attend(impl)(q, k, v) * w)  # noqa: E731
+    StandIn.seen.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _REVERSE[name](loss(None), q)
+    assert not [w for w in caught if "falls back" in str(w.message)]
+    assert {kind for kind, _ in StandIn.seen} == {"forward", "backward"}, StandIn.seen
+    _close(got, _REVERSE[name](loss("xla"), q), tol=1e-4)
+
+
+def test_gradient_jaxpr_is_one_fused_forward_and_one_fused_backward(automatic):
+    """The gradient computes the kernels' forward and backward and nothing else:
+    no reference forward, no tangent, beside them (every matrix product in the
+    program is inside the two kernel calls)."""
+    q, k, v = _arrays((B, S, H, D), 24)
+    loss = lambda q, k, v: jnp.sum(jnp.sin(_attend(None)(q, k, v)))  # noqa: E731
+    StandIn.seen.clear()
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    assert {kind for kind, _ in StandIn.seen} == {"forward", "backward"}
+    assert _count(jaxpr, "custom_vmap_call") == 2
+    assert _count(jaxpr, "dot_general") == 0
+    assert _count(jaxpr, "scoremod_attention_tangent") == 0
+    # The reference path, for contrast, computes its products in the open.
+    ref = jax.make_jaxpr(jax.grad(lambda q: jnp.sum(_attend("xla")(q, k, v))))(q).jaxpr
+    assert _count(ref, "dot_general") > 0
+    # A linearized call keeps the tangent (to evaluate) and the fused forward only.
+    lin = jax.make_jaxpr(lambda q, t: jax.linearize(lambda q: _attend(None)(q, k, v), q)[1](t))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lin_jaxpr = lin(q, v).jaxpr
+    assert _count(lin_jaxpr, "scoremod_attention_tangent") == 1
+    assert _count(lin_jaxpr, "custom_vmap_call") == 1
+
+
+def test_operand_derivatives_fall_back_or_are_refused(automatic):
+    """Derivatives for a captured array: the reference path computes the whole
+    call (implementation=None, with a warning); asked for by name, refused."""
+    q, k, v = _arrays((B, S, H, D), 25)
+    table = jax.random.normal(jax.random.PRNGKey(26), (H,))
+
+    def f(impl, table):
+        mod = lambda s, b, h, i, j: jnp.where(i >= j, s + table[h], -jnp.inf)  # noqa: E731
+        return jnp.sum(jnp.sin(scoremod.attention(q, k, v, mod, implementation=impl)))
+
+    for transform in (jax.grad, lambda g: lambda t: _lin(g, t)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = transform(lambda t: f(None, t))(table)
+        assert any("score_mod operands" in str(w.message) for w in caught)
+        _close(got, transform(lambda t: f("xla", t))(table), tol=1e-4)
+    with pytest.raises(scoremod.CudnnUnavailableError, match="stop_gradient"):
+        jax.grad(lambda t: f("standin", t))(table)

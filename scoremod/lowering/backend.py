@@ -1,5 +1,5 @@
 """The interface every route of ``scoremod.attention`` implements, and the
-``custom_vjp`` that runs a fused backend's plan.
+``custom_jvp`` that runs a fused backend's plan.
 
 A backend is one object with a small protocol:
 
@@ -19,10 +19,13 @@ A backend is one object with a small protocol:
   ``backward(plan, q, k, v, o, lse, do, operands)`` -> (dQ, dK, dV).
 
 A backend whose forward JAX can differentiate itself (``differentiable``) is
-called directly; the others run inside :func:`run`'s ``custom_vjp``, which
-refuses what their backward does not compute (gradients of captured operands
-unless ``operand_gradients``, and of the LSE), or, where the user allowed a
-fallback, hands the operand gradients to the fallback backend and its plan.
+called directly; the others run inside :func:`run`'s ``custom_jvp`` (see
+"The fused call and its derivatives" below), whose reverse mode is the
+backend's backward and whose forward-mode tangents and second-order
+derivatives come from the fallback backend (the reference path) where the
+user allowed one. It refuses what the backward does not compute (gradients
+of captured operands unless ``operand_gradients``, and of the LSE), or,
+where the user allowed a fallback, hands the operand derivatives to it.
 Every fused call goes through ``lowering.sharding`` (partitioning, vmap),
 whose per-device call applies the masked-key rule for non-finite V
 (``lowering.nonfinite``): a backend's kernel need not.
@@ -36,9 +39,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
 from scoremod.lowering import sharding
+from scoremod.lowering.problem import Problem
 
 
 class Backend:
@@ -89,10 +95,12 @@ class Backend:
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """The custom_vjp's static argument: a fused backend, its plan, and the
-    (backend, plan) that computes operand gradients when the user allowed a
-    fallback (None: such gradients are refused); with what it takes to plan
-    the same call on other shapes (a device's shard, a vmapped batch)."""
+    """The fused call's static argument: a fused backend, its plan, and the
+    (backend, plan) pairs that compute, when the user allowed a fallback,
+    operand gradients and a call refused when built (``fallback``), and
+    forward-mode and second-order derivatives (``forward_mode_fallback``);
+    None: those are refused. With what it takes to plan the same call on
+    other shapes (a device's shard, a vmapped batch)."""
 
     backend: Backend
     plan: object
@@ -100,6 +108,7 @@ class _Static:
     problem: object  # the Problem ``plan`` was made for
     options: object
     return_lse: bool
+    forward_mode_fallback: tuple | None = None
 
     def replanned(self, problem, mod, why: str) -> "_Static":
         """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod);
@@ -110,7 +119,19 @@ class _Static:
                 f"{self.backend.title} cannot run this call {why}: {reason}. Use "
                 "implementation=\"xla\" for it.")
         plan = self.backend.plan(problem, mod, self.plan.scale, self.options, self.return_lse)
-        return dataclasses.replace(self, plan=plan, fallback=None, problem=problem)
+        return dataclasses.replace(self, plan=plan, fallback=None, forward_mode_fallback=None,
+                                   problem=problem)
+
+    def refolded(self, problem, mod, why: str) -> "_Static":
+        """As :meth:`replanned`, with the fallbacks (if any) planned for it too."""
+        new = self.replanned(problem, mod, why)
+
+        def again(pair):
+            return None if pair is None else (
+                pair[0], pair[0].plan(problem, mod, self.plan.scale, self.options, True))
+
+        return dataclasses.replace(new, fallback=again(self.fallback),
+                                   forward_mode_fallback=again(self.forward_mode_fallback))
 
 
 def run(backend: Backend, plan, q, k, v, operands, *, problem, options, return_lse,
@@ -130,23 +151,29 @@ def run(backend: Backend, plan, q, k, v, operands, *, problem, options, return_l
         return _forward_mode_fallback(backend, forward_mode_fallback, q, k, v, operands)
     if backend.differentiable:
         return backend.forward(plan, q, k, v, operands)
-    static = _Static(backend, plan, fallback, problem, options, bool(return_lse))
-    return _fused(static, q, k, v, operands)
+    static = _Static(backend, plan, fallback, problem, options, bool(return_lse),
+                     forward_mode_fallback)
+    try:
+        return _fused(static, q, k, v, tuple(operands))
+    except UnsupportedOpError as e:  # refused only when building its kernels
+        other, other_plan = _refused_when_built(static, e, "forward")
+        return other.forward(other_plan, q, k, v, operands)
 
 
 def forward_mode(arrays) -> bool:
     """Whether ``arrays`` carry forward-mode tangents (``jax.jvp`` traces this call).
 
-    JAX has no public test for it; its JVP tracer type is the one that says so
-    (``jax.grad`` and ``jax.linearize`` trace with another)."""
-    from jax._src.interpreters import ad
-
+    JAX's JVP tracer type says so (``jax.grad`` and ``jax.linearize`` trace
+    with another; a jitted function's call sees no tracer of the jvp at all:
+    those reach ``_TANGENT`` below)."""
     return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(arrays))
 
 
 def _forward_mode_fallback(backend, fallback, q, k, v, operands):
     """``jax.jvp`` of a fused call: a fused backward gives no tangents, so the
-    reference path runs the call where the user allowed it (implementation=None)."""
+    reference path runs the call where the user allowed it (implementation=None);
+    its tangents need the reference forward anyway, so the fused one would only
+    add work."""
     if fallback is None:
         raise backend.error(
             f"{backend.title} has no forward-mode derivative (jax.jvp): it computes "
@@ -159,13 +186,199 @@ def _forward_mode_fallback(backend, fallback, q, k, v, operands):
     return other.forward(other_plan, q, k, v, operands)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+# --------------------------------------------------------------------------- #
+# The fused call and its derivatives.
+#
+# ``_fused`` is a ``custom_jvp``: its rule runs the fused forward for the primal
+# outputs and gives their tangents as one primitive, ``_TANGENT``, linear in the
+# tangents of q, k and v. JAX only ever evaluates or transposes that primitive:
+# - transposed (``jax.grad``, ``jax.vjp``: the rule is linearized, then
+#   transposed) it is the backend's fused backward, and nothing else runs;
+# - evaluated (``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``, under ``jax.jit``
+#   or not) it is the fallback (reference) path's tangent, with a warning
+#   (implementation=None), or the backend's error (asked for by name).
+# Its batching rule folds vmapped axes into the batch (as ``lowering.sharding``
+# does for the kernels), so both meanings survive ``jax.vmap``. (A
+# ``custom_vjp`` has no forward mode at all, and ``custom_derivatives.linear_call``,
+# the public primitive with its own transpose, has no batching rule.)
+# The fused backward is a ``custom_jvp`` too: second-order derivatives
+# (``jax.hessian``, the gradient of a gradient) differentiate it on the
+# fallback path.
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _fused(static, q, k, v, operands):
+    return sharding.forward(static, q, k, v, operands)
+
+
+def _zero(t) -> bool:
+    from jax.custom_derivatives import SymbolicZero
+
+    return isinstance(t, SymbolicZero)
+
+
+def _fused_jvp(static, primals, tangents):
+    q, k, v, operands = primals
+    perturbed = [n for n, t in zip(_names(static.plan), tangents[3]) if not _zero(t)]
+    if perturbed:
+        return _operand_derivatives(static, perturbed, primals, tangents)
+    o, lse = _fused(static, q, k, v, operands)
+    which = tuple(not _zero(t) for t in tangents[:3])
+    lin = [t for t in tangents[:3] if not _zero(t)]
+    to, tlse = _TANGENT.bind(q, k, v, o, lse, *operands, *lin, static=static, which=which)
+    return (o, lse), (to, tlse)
+
+
+_fused.defjvp(_fused_jvp, symbolic_zeros=True)
+
+
+def _operand_derivatives(static, perturbed, primals, tangents):
+    """Derivatives for the mod's captured operands: the fallback computes the
+    whole call (implementation=None, with a warning), or the error."""
+    if static.fallback is None:
+        raise CudnnUnavailableError(
+            f"gradients with respect to score_mod operands {perturbed} are not computed by "
+            f"{static.backend.title} (it returns dQ, dK, dV only). Use implementation=\"xla\" to "
+            "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
+        )
+    fallback, fallback_plan = static.fallback
+    warnings.warn(
+        f"scoremod: gradients for score_mod operands {perturbed} need {fallback.title}; "
+        f"implementation=None falls back to it for this call{_memory_note(fallback)}.",
+        stacklevel=2,
+    )
+    tangents = jax.tree.map(lambda t, x: jnp.zeros(x.shape, x.dtype) if _zero(t) else t,
+                            tangents, primals, is_leaf=_zero)
+    return jax.jvp(lambda q, k, v, ops: fallback.forward(fallback_plan, q, k, v, ops),
+                   primals, tangents)
+
+
+def _fallback_for(static, what):
+    """The fallback (backend, plan) for derivatives the fused backend does not
+    compute (``what``), with a warning; the backend's error where the user
+    allowed no fallback (a backend asked for by name)."""
+    if static.forward_mode_fallback is None:
+        raise static.backend.error(
+            f"{static.backend.title} has no {what}: it computes reverse-mode gradients "
+            "(jax.grad, jax.vjp) only. Use implementation=None (falls back to the reference "
+            "path, with a warning) or implementation=\"xla\".")
+    fallback, fallback_plan = static.forward_mode_fallback
+    warnings.warn(f"scoremod: {what} are not computed by {static.backend.title}; "
+                  f"implementation=None falls back to {fallback.title} for them"
+                  f"{_memory_note(fallback)}.", stacklevel=3)
+    return fallback, fallback_plan
+
+
+_FORWARD_MODE = "forward-mode derivatives (jax.jvp, jax.linearize, jax.jacfwd)"
+_SECOND_ORDER = ("second-order derivatives (jax.hessian, the gradient of a gradient: the "
+                 "fused backward's derivative)")
+
+
+def _split(args, static, which):
+    """``(q, k, v, o, lse, operands, (dq, dk, dv))`` of ``_TANGENT``'s arguments
+    (None for a tangent that is zero)."""
+    n = 5 + len(_names(static.plan))
+    q, k, v, o, lse = args[:5]
+    lin = iter(args[n:])
+    return q, k, v, o, lse, tuple(args[5:n]), tuple(next(lin) if w else None for w in which)
+
+
+def _tangent_value(*args, static, which):
+    """``_TANGENT`` evaluated: the tangents of (O, LSE) on the fallback path."""
+    q, k, v, o, lse, operands, lin = _split(args, static, which)
+    fallback, fallback_plan = _fallback_for(static, _FORWARD_MODE)
+    tangents = tuple(jnp.zeros(x.shape, x.dtype) if t is None else t
+                     for x, t in zip((q, k, v), lin))
+    _, (to, tlse) = jax.jvp(
+        lambda q, k, v: fallback.forward(fallback_plan, q, k, v, operands), (q, k, v), tangents)
+    return [to.astype(o.dtype), tlse.astype(lse.dtype)]
+
+
+def _tangent_avals(*avals, static, which):
+    del static, which
+    out = (avals[3], avals[4])  # like O and LSE
+    vma = frozenset().union(*(getattr(a, "vma", frozenset()) for a in avals))
+    return [a.update(vma=vma) for a in out] if vma else list(out)
+
+
+def _tangent_transpose(cts, *args, static, which):
+    """``_TANGENT`` transposed: the fused backward."""
+    q, k, v, o, lse, operands, _ = _split(args, static, which)
+    do, dlse = cts
+    if type(dlse) is not ad.Zero:
+        raise CudnnUnavailableError(
+            f"{static.backend.title} cannot differentiate through the returned LSE; use "
+            "implementation=\"xla\", or jax.lax.stop_gradient(lse)."
+        )
+    if type(do) is ad.Zero:
+        do = jnp.zeros(o.shape, o.dtype)
+    grads = _run_backward(static, q, k, v, o, lse, do, operands)
+    return [None] * (5 + len(operands)) + [g for g, w in zip(grads, which) if w]
+
+
+def _tangent_jvp(primals, tangents, *, static, which):
+    """``_TANGENT`` differentiated again (the tangent of a tangent): on the fallback path."""
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(lambda *a: _tangent_value(*a, static=static, which=which), primals, tangents)
+
+
+def _tangent_batched(args, dims, *, static, which):
+    """``_TANGENT`` under ``jax.vmap``: the mapped axis folds into the batch (the
+    mod rewritten as for the kernels, ``sharding.fold_batch``), so that it stays
+    the fused backward when transposed."""
+    n = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+    mapped = [d is not None for d in dims]
+    names = len(_names(static.plan))
+    heads = list(range(5)) + list(range(5 + names, len(args)))  # attention-shaped arrays
+    folded = {i: sharding.fold(args[i], mapped[i], n) for i in heads}
+    b = args[0].shape[1] if mapped[0] else args[0].shape[0]
+    mod, operands = sharding.fold_batch(static.plan.mod, args[5:5 + names],
+                                        mapped[5:5 + names], n, b)
+    q, k, v = folded[0], folded[1], folded[2]
+    sub = static.refolded(Problem.of(q, k, v), mod,
+                          "under jax.vmap (the mapped axes folded into the batch)")
+    outs = _TANGENT.bind(*(folded[i] for i in range(5)), *operands,
+                         *(folded[i] for i in heads[5:]), static=sub, which=which)
+    return [sharding.unfold(x, n) for x in outs], [0, 0]
+
+
+_TANGENT = Primitive("scoremod_attention_tangent")
+_TANGENT.multiple_results = True
+_TANGENT.def_impl(_tangent_value)
+_TANGENT.def_abstract_eval(_tangent_avals)
+mlir.register_lowering(_TANGENT, mlir.lower_fun(_tangent_value, multiple_results=True))
+ad.primitive_transposes[_TANGENT] = _tangent_transpose
+ad.primitive_jvps[_TANGENT] = _tangent_jvp
+batching.primitive_batchers[_TANGENT] = _tangent_batched
+
+
+def _run_backward(static, q, k, v, o, lse, do, operands):
     try:
-        return sharding.forward(static, q, k, v, operands)
+        return _backward(static, q, k, v, o, lse, do, operands)
     except UnsupportedOpError as e:
-        other, other_plan = _refused_when_built(static, e, "forward")
-        return other.forward(other_plan, q, k, v, operands)
+        other, other_plan = _refused_when_built(static, e, "backward")
+        _, vjp = jax.vjp(lambda q, k, v: other.forward(other_plan, q, k, v, operands)[0], q, k, v)
+        return vjp(do)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _backward(static, q, k, v, o, lse, do, operands):
+    return tuple(sharding.backward(static, q, k, v, o, lse, do, operands))
+
+
+@_backward.defjvp
+def _backward_jvp(static, primals, tangents):
+    q, k, v, _, _, do, operands = primals
+    tq, tk, tv, _, _, tdo, toperands = tangents  # O and LSE move with q, k, v
+    fallback, fallback_plan = _fallback_for(static, _SECOND_ORDER)
+
+    def grads(q, k, v, do, operands):
+        _, vjp = jax.vjp(
+            lambda q, k, v: fallback.forward(fallback_plan, q, k, v, operands)[0], q, k, v)
+        return tuple(vjp(do))
+
+    return jax.jvp(grads, (q, k, v, do, operands), (tq, tk, tv, tdo, toperands))
 
 
 def _memory_note(backend) -> str:
@@ -181,69 +394,9 @@ def _refused_when_built(static, error, what):
     fallback, _ = static.fallback
     warnings.warn(f"scoremod: {static.backend.title} refused the {what} of this call when "
                   f"building it ({str(error)[:300]}); implementation=None runs it on "
-                  f"{fallback.title}{_memory_note(fallback)}.", stacklevel=6)
+                  f"{fallback.title}{_memory_note(fallback)}.", stacklevel=4)
     return static.fallback
 
 
 def _names(plan):
     return plan.mod.operand_names if plan.mod is not None else ()
-
-
-def _fused_fwd(static, q, k, v, operands):
-    plan = static.plan
-    perturbed = [n for n, x in zip(_names(plan), operands) if x.perturbed]
-    vals = lambda x: x.value  # noqa: E731
-    q, k, v = vals(q), vals(k), vals(v)
-    operands = jax.tree.map(vals, operands, is_leaf=lambda x: hasattr(x, "perturbed"))
-    if perturbed and static.fallback is not None:
-        fallback, fallback_plan = static.fallback
-        # implementation=None: the fallback computes what the backend cannot.
-        warnings.warn(
-            f"scoremod: gradients for score_mod operands {perturbed} need {fallback.title}; "
-            f"implementation=None falls back to it for this call{_memory_note(fallback)}.",
-            stacklevel=5,
-        )
-        (o, lse), vjp = jax.vjp(
-            lambda q, k, v, ops: fallback.forward(fallback_plan, q, k, v, ops), q, k, v, operands)
-        return (o, lse), {"reference_vjp": vjp}  # a dict marks the fallback residuals
-    if perturbed:
-        raise CudnnUnavailableError(
-            f"gradients with respect to score_mod operands {perturbed} are not computed by "
-            f"{static.backend.title} (it returns dQ, dK, dV only). Use implementation=\"xla\" to "
-            "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
-        )
-    try:
-        o, lse = sharding.forward(static, q, k, v, operands)
-    except UnsupportedOpError as e:
-        other, other_plan = _refused_when_built(static, e, "forward")
-        (o, lse), vjp = jax.vjp(
-            lambda q, k, v, ops: other.forward(other_plan, q, k, v, ops), q, k, v, operands)
-        return (o, lse), {"reference_vjp": vjp}
-    return (o, lse), (q, k, v, o, lse, operands)
-
-
-def _fused_bwd(static, res, cts):
-    from jax.custom_derivatives import SymbolicZero
-
-    if isinstance(res, dict):
-        cts = tuple(jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cts)
-        return res["reference_vjp"](cts)
-    q, k, v, o, lse, operands = res
-    do, dlse = cts
-    if not isinstance(dlse, SymbolicZero):
-        raise CudnnUnavailableError(
-            f"{static.backend.title} cannot differentiate through the returned LSE; use "
-            "implementation=\"xla\", or jax.lax.stop_gradient(lse)."
-        )
-    if isinstance(do, SymbolicZero):
-        do = jnp.zeros(o.shape, o.dtype)
-    try:
-        dq, dk, dv = sharding.backward(static, q, k, v, o, lse, do, operands)
-    except UnsupportedOpError as e:
-        other, other_plan = _refused_when_built(static, e, "backward")
-        _, vjp = jax.vjp(lambda q, k, v: other.forward(other_plan, q, k, v, operands)[0], q, k, v)
-        dq, dk, dv = vjp(do)
-    return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)

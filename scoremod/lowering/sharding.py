@@ -411,7 +411,7 @@ def fold_batch(mod: ScoreMod | None, operands, batched, n: int, b: int):
     return new, tuple(new_values[name] for name in new.operand_names)
 
 
-def _fold(x, batched, n):
+def fold(x, batched, n):
     """``x`` with its mapped leading axis (broadcast first if unmapped) merged
     into the next one."""
     if not batched:
@@ -419,7 +419,7 @@ def _fold(x, batched, n):
     return x.reshape((n * x.shape[1],) + x.shape[2:])
 
 
-def _unfold(x, n):
+def unfold(x, n):
     return x.reshape((n, x.shape[0] // n) + x.shape[1:])
 
 
@@ -436,14 +436,14 @@ def _batched(kind, static):
     @call.def_vmap
     def rule(axis_size, in_batched, *arrays):
         n = axis_size
-        head = [_fold(x, bt, n) for x, bt in zip(arrays[:m], in_batched[:m])]
+        head = [fold(x, bt, n) for x, bt in zip(arrays[:m], in_batched[:m])]
         b = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
         mod, operands = fold_batch(static.plan.mod, arrays[m:], in_batched[m:], n, b)
         q, k, v = head[:3]
         sub = static.replanned(Problem.of(q, k, v), mod,
                                "under jax.vmap (the mapped axes folded into the batch)")
         outs = _batched(kind, sub)(*head, *operands)
-        outs = jax.tree.map(lambda x: _unfold(x, n), outs)
+        outs = jax.tree.map(lambda x: unfold(x, n), outs)
         return outs, jax.tree.map(lambda _: True, outs)
 
     return call

@@ -1,4 +1,4 @@
-"""The fused cuDNN path through the sharding layer, vmap and jax.jvp, on one GPU.
+"""The fused cuDNN path through the sharding layer, vmap and forward mode, on one GPU.
 
 Several GPUs run the partitioned calls themselves (docs/validation.md); here
 the pieces they are made of: a shard's call (its rows, the mod shifted to the
@@ -6,6 +6,7 @@ shard's global indices with the ``offset`` op), the call on a one-device mesh,
 vmap over two leading axes, and forward mode.
 """
 
+import re
 import warnings
 
 import jax
@@ -16,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import scoremod
-from scoremod import CudnnUnavailableError
+from scoremod import CudnnUnavailableError, ScoreModError
 from scoremod.lowering import sharding
 from tests.gpu.test_fused import TOL, _inputs, _rel_err
 
@@ -100,3 +101,53 @@ def test_jvp():
     assert _rel_err(got[1], want[1]) < 1e-6
     with pytest.raises(CudnnUnavailableError, match="implementation=None"):
         jax.jvp(f("cudnn"), (q,), (v,))
+
+
+def _loss(impl, mod, k, v, w):
+    return lambda q: jnp.sum(scoremod.attention(q, k, v, mod, implementation=impl) * w)
+
+
+def test_linearize_jvp_of_jit_and_hessian_vector_products():
+    """jax.linearize, jax.jvp of a jitted function and forward over reverse
+    (a Hessian-vector product): tangents from the reference path with
+    implementation=None, with a warning; by name, a ScoreModError."""
+    mod = scoremod.trace(MODS["softcap_causal"])
+    q, k, v, w = _inputs(1, 128, 128, 2, 2, 64, jnp.bfloat16)
+    f = lambda impl: lambda q: scoremod.attention(q, k, v, mod, implementation=impl)  # noqa: E731
+    hvp = lambda impl: jax.jit(lambda q, t: jax.jvp(  # noqa: E731
+        jax.grad(_loss(impl, mod, k, v, w)), (q,), (t,)))
+    runs = {
+        "linearize": lambda impl: (lambda y, lin: (y, lin(v)))(*jax.linearize(f(impl), q)),
+        "jvp_of_jit": lambda impl: jax.jvp(jax.jit(f(impl)), (q,), (v,)),
+        "hvp": lambda impl: hvp(impl)(q, v),
+    }
+    for name, run in runs.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = run(None)
+        assert any("falls back" in str(m.message) for m in caught), name
+        want = run("xla")
+        for g, x in zip(got, want):
+            assert _rel_err(g, x) < TOL[jnp.bfloat16], (name, _rel_err(g, x))
+        with pytest.raises(ScoreModError, match="implementation=None"):
+            jax.block_until_ready(run("cudnn"))
+
+
+def _ops(hlo):
+    """(cuDNN graph calls, matrix products) in compiled HLO text."""
+    return (len(re.findall(r"custom_call_target=\"scoremod_cudnn_execute\"", hlo)),
+            len(re.findall(r" dot\(|__cublas", hlo)))
+
+
+def test_gradient_compiles_to_the_fused_kernels_only():
+    """jax.grad runs the fused forward and the fused backward: no matrix product
+    beside the kernels (the reference path's backward would add several)."""
+    mod = scoremod.trace(MODS["softcap_causal"])
+    q, k, v, w = _inputs(2, 256, 256, 4, 2, 64, jnp.bfloat16)
+    forward = jax.jit(_loss("cudnn", mod, k, v, w)).lower(q).compile().as_text()
+    grad = jax.jit(jax.grad(_loss("cudnn", mod, k, v, w))).lower(q).compile().as_text()
+    reference = jax.jit(jax.grad(_loss("xla", mod, k, v, w))).lower(q).compile().as_text()
+    (kernels_f, products_f), (kernels_g, products_g) = _ops(forward), _ops(grad)
+    assert kernels_g > kernels_f > 0, (kernels_f, kernels_g)
+    assert products_g == products_f, (products_f, products_g)
+    assert _ops(reference)[1] > 0  # the count sees the reference's products

@@ -2,7 +2,7 @@
 
 ``plan`` builds (once, at trace time, cached) the plan of a call; ``forward``
 and ``backward`` call its forward and backward graphs through the
-``scoremod_cudnn_execute`` FFI target, inside the ``custom_vjp`` of
+``scoremod_cudnn_execute`` FFI target, inside the ``custom_jvp`` of
 ``lowering.backend.run``. No backward is written by hand: the backward
 score_mod is the IR's derivative.
 """

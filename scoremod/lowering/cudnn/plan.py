@@ -232,7 +232,7 @@ class Part:
 
 class Plan:
     """A fused call: its blocks and the :class:`Part` running each (hashable,
-    static: the custom_vjp's nondiff argument)."""
+    static: the fused call's nondiff argument)."""
 
     def __init__(self, mod, shape: Problem, scale, options: LoweringOptions):
         self.mod = None if mod is None else ScoreMod(mod.expr)
