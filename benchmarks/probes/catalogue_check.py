@@ -21,6 +21,7 @@ import scoremod
 from scoremod import device
 from tests.catalogue.mods import CATALOGUE
 from tests.catalogue.verdict import planned
+from tests.gpu.test_fused import _inputs, _run
 
 
 def numpy_attention(q, k, v, scores_mod):
@@ -66,20 +67,24 @@ def check(name):
                       f"of {a.size}; numpy finite (same block) {fin[0, 0].sum() if a.shape[:2] == (1, 1) else fin.sum()}")
                 if a.shape[:2] == (1, 1) and a.shape[2:] == (sq, skv):
                     print(f"     materialized vs numpy: finite differ {(np.isfinite(a[0, 0]) != fin[0, 0]).sum()}")
-    ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(kk, (shape.b, n, shape.h, 128), jnp.float32).astype(jnp.bfloat16)
-               for kk, n in zip(ks, (sq, skv, skv)))
+    q, k, v, do = _inputs(shape.b, sq, skv, shape.h, shape.h, 128, jnp.bfloat16)  # the test's
     want = numpy_attention(np.asarray(q, np.float32), np.asarray(k, np.float32),
                            np.asarray(v, np.float32), lambda s: e.reference(s, g, env))
-    for impl in ("xla", "cudnn"):
-        try:
-            o = jax.jit(lambda q, k, v: scoremod.attention(q, k, v, mod, implementation=impl))(q, k, v)
-            o = np.asarray(o, np.float64)
-            err = np.abs(o - want).max() / np.abs(want).max()
-            rows = np.argwhere(np.abs(o - want).max(-1) > 0.05 * np.abs(want).max())
-            print(f"   {impl}: O vs float64 numpy: rel err {err:.3g}; bad (b,q,h) {len(rows)}; first {rows[:5].tolist()}")
-        except Exception as ex:  # noqa: BLE001 - report and go on
-            print(f"   {impl}: {type(ex).__name__}: {str(ex)[:300]}")
+    for impl in ("xla", "cudnn", None):
+        for how in ("forward", "under vjp"):
+            try:
+                if how == "forward":
+                    o = jax.jit(lambda q, k, v: scoremod.attention(q, k, v, mod,
+                                                                   implementation=impl))(q, k, v)
+                else:  # as the GPU tests do: O from jax.vjp, with the pullback run too
+                    o = jax.jit(lambda *a: _run(impl, mod, *a))(q, k, v, do)[0]
+                o = np.asarray(o, np.float64)
+                err = np.abs(o - want).max() / np.abs(want).max()
+                rows = np.argwhere(np.abs(o - want).max(-1) > 0.05 * np.abs(want).max())
+                print(f"   {impl} {how}: O vs float64 numpy: rel err {err:.3g}; bad (b,q,h) "
+                      f"{len(rows)}; first {rows[:5].tolist()}")
+            except Exception as ex:  # noqa: BLE001 - report and go on
+                print(f"   {impl} {how}: {type(ex).__name__}: {str(ex)[:300]}")
 
 
 if __name__ == "__main__":
