@@ -72,17 +72,18 @@ class LoweringOptions:
         read at positions built from ``b``, ``h`` and constants only). The
         backward is the Triton kernels' on either; the pallas_* tile and warp
         options above are the Triton kernels'.
-      check_values: the fused path follows the masked-key rule for NaN and
-        inf in V (docs/guide.md, "Fully masked rows"): each kernel call tests
-        V (a reduction and a conditional) and runs twice when V holds one.
-        False skips the test, for V known to be finite: a non-finite value
-        at a masked key then makes rows NaN that do not see it.
+      check_values: the fused paths follow the masked-key rule for NaN and
+        inf in V (docs/guide.md, "Fully masked rows") as the reference path
+        does: each kernel call tests V (a reduction, and a conditional whose
+        predicate XLA reads on the host) and runs twice when V holds one.
+        Off by default (V is taken to be finite): a non-finite value at a
+        masked key may then make NaN the rows of the tiles that read it.
 
     Example: softcap + causal as one score_mod call, for comparison::
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='triton', check_values=True)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='triton', check_values=False)
     """
 
     native_masks: bool = True
@@ -98,7 +99,7 @@ class LoweringOptions:
     pallas_num_warps: int | None = None
     pallas_num_stages: int = 2
     pallas_engine: str = "triton"
-    check_values: bool = True
+    check_values: bool = False
 
     def __post_init__(self):
         for name in ("native_masks", "fold_scale", "low_rank_bias", "check_values"):

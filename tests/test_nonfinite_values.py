@@ -88,6 +88,13 @@ def _registered():
     registry.unregister(KERNEL.name)
 
 
+@pytest.fixture(autouse=True)
+def _checked():
+    # The rule on the fused paths is opt-in (LoweringOptions.check_values).
+    with scoremod.lowering_options(check_values=True):
+        yield
+
+
 def causal(s, b, h, q, k):
     return jnp.where(q >= k, s, -jnp.inf)
 
@@ -222,10 +229,11 @@ def test_check_values_off_runs_the_kernel_alone():
 def test_check_values_from_the_environment(monkeypatch):
     from scoremod import options
 
-    monkeypatch.setenv("SCOREMOD_CHECK_VALUES", "0")
+    assert scoremod.LoweringOptions().check_values is False  # off unless asked for
+    monkeypatch.setenv("SCOREMOD_CHECK_VALUES", "1")
     options.defaults.cache_clear()
     try:
-        assert options.defaults().check_values is False
+        assert options.defaults().check_values is True
     finally:
         options.defaults.cache_clear()
     with pytest.raises(scoremod.ScoreModError, match="check_values"):

@@ -149,8 +149,8 @@ def test_through_attention_jit_grad_remat():
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("tiles", ["dense", "analysed"])
 def test_masked_keys_never_contribute(bad, tiles):
-    """The masked-key rule (lowering/nonfinite.py) on the Pallas kernels: a
-    non-finite V at a causally masked key leaves the rows before it finite
+    """The masked-key rule (lowering/nonfinite.py; LoweringOptions.check_values)
+    on the Pallas kernels: a non-finite V at a causally masked key leaves the rows before it finite
     and makes the rows after it NaN; O, LSE and the gradients equal the
     reference path's (NaN where it is NaN), on the dense map (the kernel
     multiplies the masked part of a tile by V) and on the IR's own map."""
@@ -165,7 +165,8 @@ def test_masked_keys_never_contribute(bad, tiles):
         p = pc.pallas_plan(mod, q, k, v, options)
         return dataclasses.replace(p, block_map=dense_map) if tiles == "dense" else p
 
-    got = pc.run(PALLAS, plan(SMALL), q, k, v, do, operands)
+    checked = dataclasses.replace(SMALL, check_values=True)
+    got = pc.run(PALLAS, plan(checked), q, k, v, do, operands)
     want = pc.run(REFERENCE, REFERENCE.plan(Problem.of(q, k, v), mod, plan(SMALL).scale, SMALL,
                                             True), q, k, v, do, operands)
     o = np.asarray(got[0])

@@ -22,8 +22,8 @@ kernel call of any fused backend:
 ``lowering/sharding.py`` calls these per device and on the batch folded
 under ``jax.vmap``, so the predicate is each device's own (no collective)
 and never batched (a batched predicate would make ``lax.cond`` run both
-branches). ``LoweringOptions(check_values=False)`` skips all this for V
-known to be finite.
+branches). All this runs only under ``LoweringOptions(check_values=True)``:
+by default V is taken to be finite (the test costs a host read per call).
 """
 
 from __future__ import annotations

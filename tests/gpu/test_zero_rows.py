@@ -65,7 +65,8 @@ def test_nan_values_at_masked_keys(native, bad, dtype, implementation="cudnn"):
     causal = (lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf)) if native else (
         lambda s, b, h, qi, ki: jnp.where(qi >= ki, s * 1.0 + 0.0 * qi, -jnp.inf))
     mod = scoremod.trace(causal)
-    got = jax.jit(lambda *a: _run(implementation, mod, *a))(q, k, v, do)
+    checked = scoremod.LoweringOptions(check_values=True)
+    got = jax.jit(lambda *a: _run(implementation, mod, *a, options=checked))(q, k, v, do)
     want = jax.jit(lambda *a: _run("xla", mod, *a))(q, k, v, do)
     o_want = np.asarray(want[0], np.float32)
     assert np.isfinite(o_want[0, :200]).all() and np.isnan(o_want[0, 200:]).all()
