@@ -17,7 +17,7 @@ from scoremod import UnsupportedOpError
 from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.lowering.cudnn.graph import emission_order
-from scoremod.lowering.cudnn.rules import DP, check_supported, forward_and_backward
+from scoremod.lowering.cudnn.rules import DP, canonical, check_supported, forward_and_backward
 from scoremod.dsl.ir import CONST, VAR
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE
 from tests.test_properties import SPECS, _as_fn, _points
@@ -271,14 +271,50 @@ def test_census_mask_spellings_are_not_refused_by_the_fused_path(name):
 
 
 def test_nested_integer_division_is_computed_ahead_not_in_the_graph():
-    """Index arithmetic dividing a quotient or remainder (tiled NATTEN's pixel
-    decoding) gave a wrong mask in cuDNN on the H200 (O off by 0.9): the fused
-    path leaves it to XLA. A single division (chunked masks) stays in the graph."""
+    """Index arithmetic dividing a quotient or remainder that no rewrite turns
+    into divisions of one value gave a wrong mask in cuDNN on the H200 (tiled
+    NATTEN, O off by 0.9): the fused path leaves it to XLA. A single division
+    (chunked masks) stays in the graph."""
     from scoremod.lowering.cudnn.rules import refusal
 
-    nested = scoremod.trace(lambda s, b, h, q, k: jnp.where((q % 64) // 8 == (k % 64) // 8, s, -jnp.inf))
+    nested = scoremod.trace(lambda s, b, h, q, k: jnp.where((q % 7) // 2 == (k % 7) // 2, s, -jnp.inf))
     single = scoremod.trace(lambda s, b, h, q, k: jnp.where(q // 64 == k // 64, s, -jnp.inf))
     reasons = [refusal(n) for n in ir.toposort(nested.expr)]
     assert any(r and "nested index arithmetic" in r for r in reasons), reasons
     assert not any(refusal(n) for n in ir.toposort(single.expr))
     check_supported(nested.expr, nested.sources)  # position-only: computed ahead, not refused
+    fwd = canonical(nested.expr)
+    assert fwd.args[1].op == "materialize", fwd
+
+
+DIGITS = {  # index decodings the IR's rewrites flatten, and their values
+    "tile row": lambda q: (q // 64) // 4 * 8 + (q % 64) // 8,
+    "tile col": lambda q: (q // 64) % 4 * 8 + (q % 64) % 8,
+    "block": lambda q: (q % 512) // 16,
+    "video tile": lambda q: ((q // 32) % 6) // 3 + (q // 32) // 6 * 7,
+    "signed": lambda q: ((q - 700) // 8) % 4 + ((q - 700) % 48) // 16,
+}
+
+
+@pytest.mark.parametrize("name", sorted(DIGITS))
+def test_decoded_indices_divide_the_index_alone_in_the_graph(name):
+    """Pixel and tile decodings ((q // a) // b, (q % m) // a, (q // a) % b) are
+    emitted as divisions of the position itself (the forms the H200 ran right),
+    none dividing another division's result, and compute jax.numpy's values."""
+    from scoremod.dsl.evaluate import evaluate
+
+    fn = DIGITS[name]
+    mod = scoremod.trace(lambda s, b, h, q, k: s + (fn(q) - fn(k)).astype(jnp.float32))
+    check_supported(mod.expr, mod.sources)
+    fwd = canonical(mod.expr)
+    nodes = ir.toposort(fwd)
+    assert not any(n.op == "materialize" for n in nodes), fwd
+    divisions = [n for n in nodes if n.op == "div" and n.dtype == "f32"]
+    assert divisions and not any(n.op == "i32" for d in divisions
+                                 for n in ir.toposort(d.args[0])), fwd
+    q = jnp.arange(0, 2048, dtype=jnp.int32)[:, None]
+    k = jnp.arange(0, 2048, 37, dtype=jnp.int32)[None, :]
+    s = jnp.zeros(q.shape[:1] + k.shape[1:], jnp.float32)
+    inputs = {"score": s, "b": jnp.int32(0), "h": jnp.int32(0), "q_idx": q, "kv_idx": k}
+    want = (fn(q) - fn(k)).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(evaluate(fwd, inputs, {})), np.asarray(want))

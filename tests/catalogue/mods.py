@@ -404,7 +404,7 @@ entry(
             block_causal = (qb >= kb) & ~q_noised & ~k_noised
             return jnp.where(diagonal | offset_causal | block_causal, s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="fused",
 )
 
 
@@ -559,7 +559,7 @@ entry(
             near = (jnp.abs(center_row - k_row) <= KR // 2) & (jnp.abs(center_col - k_col) <= KC // 2)
             return jnp.where(near, s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="fused",
 )
 
 
@@ -652,7 +652,7 @@ entry(
             from_text = (q >= vision) & (k < vision + TEXT)
             return jnp.where(tiles | to_text | from_text, s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="fused",
 )
 
 
@@ -705,7 +705,7 @@ entry(
             from_text = (q >= vision) & (k < vision + TEXT)
             return jnp.where(tiles | to_text | from_text, s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="fused",
 )
 
 

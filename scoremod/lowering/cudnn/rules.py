@@ -23,7 +23,7 @@ from scoremod.dsl.grad import vjp
 from scoremod.dsl.ir import (BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, VAR, Node, const,
                              is_const)
 from scoremod.dsl.ops import COMPARISONS, WITH_GRAD, apply
-from scoremod.dsl.rewrite import int_range
+from scoremod.dsl.rewrite import INT32_MAX, floor_division, floor_remainder, int_range
 from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError, UnsupportedOpError
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE, nonneg_int_pair
@@ -43,10 +43,25 @@ def _may_divide_by_zero(node):
 _INT_DIVISIONS = ("floordiv", "mod", "trunc_div", "rem")
 
 
+def flat_remainder(node: Node):
+    """``(x, a, b)`` when ``node`` is ``(x // a) % b`` by positive constants in
+    floor semantics and ``a * b`` fits int32: the graph computes it from
+    divisions of ``x`` alone, ``x // a - (x // (a * b)) * b`` (the IR's own
+    rewrites leave a remainder of a quotient as the one nested form)."""
+    outer = floor_remainder(node)
+    inner = floor_division(outer[0]) if outer is not None else None
+    if inner is None or inner[1].attr * outer[1].attr > INT32_MAX:
+        return None
+    return inner[0], inner[1], outer[1]
+
+
 def _divides_a_quotient(node: Node) -> bool:
-    """Whether an integer division's dividend holds another integer division."""
+    """Whether an integer division's dividend, as the graph computes it, holds
+    another integer division."""
+    flat = flat_remainder(node)
+    dividend = flat[0] if flat is not None else node.args[0]
     return any(n.op in _INT_DIVISIONS and n.dtype == I32
-               for n in ir.toposort(node.args[0], stop=lambda n: n.op in INPUT_TENSORS))
+               for n in ir.toposort(dividend, stop=lambda n: n.op in INPUT_TENSORS))
 
 
 def refusal(node: Node) -> str | None:
@@ -56,9 +71,10 @@ def refusal(node: Node) -> str | None:
                                                 or entry.refused_if(node)):
         return entry.refusal
     if node.op in _INT_DIVISIONS and node.dtype == I32 and _divides_a_quotient(node):
-        return ("it divides the result of another integer division or remainder; such "
-                "nested index arithmetic gave wrong masks in cuDNN on the H200 (tiled NATTEN, "
-                "block diffusion), so XLA computes the value ahead")
+        return ("it divides the result of another integer division or remainder in a way "
+                "no rewrite turns into divisions of one value; such nested index arithmetic "
+                "gave wrong masks in cuDNN on the H200 (tiled NATTEN, block diffusion), so "
+                "XLA computes the value ahead")
     if node.op in ("floordiv", "mod") and _may_divide_by_zero(node):
         return ("its divisor may be 0, where XLA defines the result and cuDNN's float "
                 "division does not; divide by a positive constant or a value max(d, 1)")
@@ -331,6 +347,11 @@ def canonical(root: Node) -> Node:
             done[node] = done[node.args[0]]
         elif node.op == LOAD:
             done[node] = _rewrite(node, node.args)
+        elif flat_remainder(node) is not None:  # (x // a) % b from divisions of x alone
+            x, a, b = flat_remainder(node)
+            ab = const(a.attr * b.attr, I32)
+            coarse = _rewrite(Node("floordiv", (x, ab), None, I32), (done[x], ab))
+            done[node] = apply("sub", done[node.args[0]], apply("mul", coarse, b))
         else:
             done[node] = _rewrite(node, tuple(done[a] for a in node.args))
     out = done[root]
