@@ -321,3 +321,27 @@ def test_int_division_probe_runs_on_the_cpu():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "tiled_natten" in line]
     assert len(rows) == 4 and all("  0/256 wrong, matches jnp" in r for r in rows), out.stdout
+
+
+def test_mla_rope_baseline_pads_v_and_computes_the_same_attention():
+    """jax-cudnn's mla_rope baseline (q, k at head dim D + 64, v zero-padded to
+    it, O sliced back) computes what scoremod computes for the mod, at its
+    scale; here through jax.nn's XLA implementation, on the CPU."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    shape = bench.Shape(1, 2, 64, 16, "float32", window=8)
+    q, k, v, _ = shape.jax_inputs()
+    qa, ka = bench.rope_augmented(q, k, shape.aux)
+    assert qa.shape == ka.shape == (1, 64, 2, 16 + bench.ROPE_DIM)
+
+    def xla_attention(q, k, v, implementation, **kw):
+        assert implementation == "cudnn"
+        assert v.shape[-1] == q.shape[-1]  # what jax.nn insists on
+        return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+
+    got = bench.rope_padded_v(xla_attention, qa, ka, v, shape.d, is_causal=True)
+    want = scoremod.attention(q, k, v, shape.mod("mla_rope"), implementation="xla")
+    assert got.shape == v.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
