@@ -37,6 +37,9 @@ def _assert_cudnn_shaped(expr):
             assert node.args[1].op != "const", f"scalar as input0 in {node}"
         if node.op in ("lt", "le", "gt", "ge", "eq", "ne"):
             assert node.args[0].dtype != "f32", f"float comparison {node}"
+        if node.args:  # rule 4: cuDNN finds no engine for a node of inputs alone
+            assert any(a.op not in (CONST,) + INPUT_TENSORS for a in node.args), (
+                f"node reading only input tensors and scalars: {node}")
     assert expr.op != "const"  # a bare input is returned through identity by the builder
 
 
@@ -318,3 +321,40 @@ def test_decoded_indices_divide_the_index_alone_in_the_graph(name):
     inputs = {"score": s, "b": jnp.int32(0), "h": jnp.int32(0), "q_idx": q, "kv_idx": k}
     want = (fn(q) - fn(k)).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(evaluate(fwd, inputs, {})), np.asarray(want))
+
+
+# Refused by cuDNN on the H200 ("no engine"), each for a node reading only input
+# tensors and scalars (rule 4), and what the graph reads instead.
+NODE_OF_INPUTS = {
+    "two arrays (sandwich)": (lambda s, b, h, q, k: s + _REL[q - k + 7] * _RATIO[h], 1),
+    "array and scalar": (lambda s, b, h, q, k: s + 0.01 * ((q << 1) - (k >> 2)).astype(jnp.float32), 1),
+    "sum of array reads (graphormer edge)": (lambda s, b, h, q, k: s + (
+        jnp.where(_LEN[q, k] > 0, _EDGE[h, 0], 0.0) + jnp.where(_LEN[q, k] > 1, _EDGE[h, 1], 0.0))
+        / jnp.maximum(_LEN[q, k], 1), 1),
+    "where with an array branch": (lambda s, b, h, q, k: jnp.where(_LEN[q, k] > 0, s, _RATIO[h]), 2),
+    "where with a constant branch": (lambda s, b, h, q, k: jnp.where(_LEN[q, k] > 1, s * 2.0, 0.5), 2),
+}
+_REL = jnp.linspace(-1.0, 1.0, 15, dtype=jnp.float32)
+_RATIO = jnp.asarray([0.5, 0.25, 2.0, 1.0], jnp.float32)
+_EDGE = jnp.asarray(np.random.default_rng(0).normal(size=(4, 2)), jnp.float32)
+_LEN = jnp.asarray(np.random.default_rng(1).integers(0, 3, (8, 8)), jnp.int32)
+
+
+@pytest.mark.parametrize("name", sorted(NODE_OF_INPUTS))
+def test_no_node_reads_only_input_tensors(name):
+    """A value of array reads and scalars alone (rel[q - k] * ratio[h], a
+    materialized value times 0.01) is computed ahead as one tensor that the
+    graph adds or multiplies: every graph node reads a tensor the graph
+    computes; the canonical forms compute the mod."""
+    fn, tensors = NODE_OF_INPUTS[name]
+    mod = scoremod.trace(fn)
+    check_supported(mod.expr, mod.sources)
+    fwd, bwd = forward_and_backward(mod.expr)
+    _assert_cudnn_shaped(fwd)
+    _assert_cudnn_shaped(bwd)
+    assert len([n for n in emission_order(fwd) if n.op in INPUT_TENSORS]) == tensors, fwd
+    for seed in range(3):
+        pts = _points(seed)
+        np.testing.assert_allclose(_eval(fwd, pts, mod),
+                                   np.asarray(jnp.broadcast_to(mod(*pts), pts[0].shape)),
+                                   rtol=1e-5, atol=1e-6)

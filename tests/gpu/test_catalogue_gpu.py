@@ -24,21 +24,12 @@ HEAD_DIM = 128
 DTYPE = jax.numpy.bfloat16
 
 
-# Failed on the H200 (run of 9dbfdf0): cuDNN proposed no engine for the graph
-# (a computed-index bias times a per-head tensor), and implementation=None raised
-# instead of falling back. Not strict: not re-run since.
-REFUSED_ON_THE_H200 = {"sandwich", "graphormer_edge"}
-
-
 def _params():
     out = []
     for n, e in CATALOGUE.items():
         if e.needs:
             out.append(pytest.param(n, marks=pytest.mark.xfail(
                 strict=True, reason=f"needs {e.needs}: issue 20's ops")))
-        elif n in REFUSED_ON_THE_H200:
-            out.append(pytest.param(n, marks=pytest.mark.xfail(
-                strict=False, reason="cuDNN found no engine for its graph on the H200")))
         else:
             out.append(n)
     return out

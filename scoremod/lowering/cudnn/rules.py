@@ -10,7 +10,10 @@ rules it enforces (see docs/limitations.md):
    that compares the score is refused with its source line; piecewise ops of
    the score (max, min, abs, relu) have derivative rules through relu_grad;
 3. the forward score_mod emits exactly the primal expression; every
-   derivative factor is computed in the backward callback.
+   derivative factor is computed in the backward callback;
+4. every node reads at least one tensor the graph computes (the score, a
+   position, or a node of those): a node of input tensors and scalars alone
+   is computed ahead by XLA as one more input tensor.
 """
 
 from __future__ import annotations
@@ -242,7 +245,15 @@ def const_tensor(c: Node) -> Node:
 # into one tensor of the dims it depends on (a document mask becomes a
 # [B, 1, Sq, Skv] bias); score_mod then reads that tensor.
 #   where(m, x, -inf) = x + materialize(where(m, 0, -inf))
-#   where(m, x, y)    = x * i + y * (1 - i),  i = materialize(where(m, 1, 0))
+#   where(m, x, y)    = x * i + y * j,  i = materialize(where(m, 1, 0)), j for not m
+#
+# Rule 4: every node of the graph reads at least one tensor the graph computes
+# (the score, a position, or a node of those). On the H200 cuDNN found no
+# engine for graphs with a node of inputs alone: rel[q - kv + c] * ratio[h]
+# (two arrays read), bias + 0.0 and bias * 0.01 (an array read and a scalar),
+# while bias + score and slopes[h] * f32(kv - q) run. Such a node is computed
+# ahead by XLA: its value is one more input tensor (rel * ratio one
+# [1, H, Sq, Skv] bias added to the score).
 
 
 def materialize(expr: Node) -> Node:
@@ -320,13 +331,43 @@ def _lift_data_masks(root: Node) -> Node:
             elif is_const(x) and x.attr == float("-inf"):
                 done[node] = y + materialize(apply("where", c, ninf, zero))
             else:
-                i = materialize(apply("where", c, one, zero))
-                done[node] = x * i if is_const(y, 0.0) else x * i + y * (1.0 - i)
+                done[node] = _select_by_indicators(c, node.args[1:], args[1:])
         elif node.op == "f32" and node.args[0] in data:
             done[node] = materialize(node)
         else:
-            done[node] = node if args == node.args else apply(node.op, *args, attr=node.attr)
+            out = node if args == node.args else apply(node.op, *args, attr=node.attr)
+            if node.dtype == F32 and out.op != WITH_GRAD and out.args and \
+                    not any(_in_graph(a) for a in out.args):
+                out = materialize(node)  # rule 4: XLA computes it, one tensor
+            done[node] = out
     return done[root]
+
+
+def _in_graph(node: Node) -> bool:
+    """Whether the graph computes ``node`` (a virtual tensor), rather than
+    reading it (an input tensor) or passing it by value (a constant)."""
+    return node.op not in (CONST,) + INPUT_TENSORS
+
+
+def _select_by_indicators(c: Node, branches: tuple, lifted: tuple) -> Node:
+    """``where(c, x, y)`` with ``c`` computed ahead: ``x * i + y * j``, ``i`` and
+    ``j`` the tensors of ``c`` and ``not c`` as 1.0 / 0.0. A branch the graph
+    does not compute (a constant, an array read) goes into its tensor whole,
+    ``where(c, x, 0)``, so that no node multiplies two inputs (rule 4)."""
+    zero, one = const(0.0, F32), const(1.0, F32)
+    terms = []
+    for taken, v, lv in ((True, branches[0], lifted[0]), (False, branches[1], lifted[1])):
+        if is_const(lv, 0.0) and math.copysign(1.0, lv.attr) > 0:
+            continue
+        if _in_graph(lv):
+            terms.append(lv * materialize(apply("where", c, one, zero) if taken
+                                          else apply("where", c, zero, one)))
+        else:
+            terms.append(materialize(apply("where", c, v, zero) if taken
+                                     else apply("where", c, zero, v)))
+    if not terms:
+        return const_tensor(zero)
+    return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
 @functools.lru_cache(maxsize=4096)
