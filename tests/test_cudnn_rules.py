@@ -284,6 +284,8 @@ def test_nested_integer_division_is_computed_ahead_not_in_the_graph():
     single = scoremod.trace(lambda s, b, h, q, k: jnp.where(q // 64 == k // 64, s, -jnp.inf))
     reasons = [refusal(n) for n in ir.toposort(nested.expr)]
     assert any(r and "nested index arithmetic" in r for r in reasons), reasons
+    cast = scoremod.trace(lambda s, b, h, q, k: s + (jnp.floor(q / 8.0).astype(jnp.int32) // 2) * 0.1)
+    assert any(refusal(n) for n in ir.toposort(cast.expr)), cast  # the same graph as (q // 8) // 2
     assert not any(refusal(n) for n in ir.toposort(single.expr))
     check_supported(nested.expr, nested.sources)  # position-only: computed ahead, not refused
     fwd = canonical(nested.expr)

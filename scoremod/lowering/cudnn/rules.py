@@ -60,10 +60,12 @@ def flat_remainder(node: Node):
 
 def _divides_a_quotient(node: Node) -> bool:
     """Whether an integer division's dividend, as the graph computes it, holds
-    another integer division."""
+    another integer division, or a float converted to int (i32(floor(x / c)),
+    the same graph as a quotient)."""
     flat = flat_remainder(node)
     dividend = flat[0] if flat is not None else node.args[0]
-    return any(n.op in _INT_DIVISIONS and n.dtype == I32
+    return any((n.op in _INT_DIVISIONS and n.dtype == I32)
+               or (n.op == "i32" and n.args[0].dtype == F32)
                for n in ir.toposort(dividend, stop=lambda n: n.op in INPUT_TENSORS))
 
 
@@ -74,10 +76,10 @@ def refusal(node: Node) -> str | None:
                                                 or entry.refused_if(node)):
         return entry.refusal
     if node.op in _INT_DIVISIONS and node.dtype == I32 and _divides_a_quotient(node):
-        return ("it divides the result of another integer division or remainder in a way "
-                "no rewrite turns into divisions of one value; such nested index arithmetic "
-                "gave wrong masks in cuDNN on the H200 (tiled NATTEN, block diffusion), so "
-                "XLA computes the value ahead")
+        return ("it divides the result of another integer division, remainder or float-to-int "
+                "conversion in a way no rewrite turns into divisions of one value; such nested "
+                "index arithmetic gave wrong masks in cuDNN on the H200 (tiled NATTEN, block "
+                "diffusion), so XLA computes the value ahead")
     if node.op in ("floordiv", "mod") and _may_divide_by_zero(node):
         return ("its divisor may be 0, where XLA defines the result and cuDNN's float "
                 "division does not; divide by a positive constant or a value max(d, 1)")
