@@ -107,10 +107,7 @@ def check_supported(expr: Node, sources: dict) -> None:
     # which XLA cannot know in advance, is refused there. The forward runs
     # with_grad's value only (a with_grad's value may hold another: a custom_jvp
     # function calling softplus); its partials are checked in the backward.
-    forward = expr
-    while any(n.op == WITH_GRAD for n in ir.toposort(forward)):
-        forward = ir.substitute(forward, {n: n.args[0] for n in ir.toposort(forward)
-                                          if n.op == WITH_GRAD})
+    forward = values_only(expr)
     backward = _fold_nan_tests(vjp(expr, DP))
     nodes = ir.toposort(forward, backward, stop=lambda n: n.op == LOAD)
     ahead = computed_ahead(forward) | computed_ahead(backward)
@@ -137,6 +134,15 @@ def check_supported(expr: Node, sources: dict) -> None:
             "implementation=\"xla\" for this mod, or implementation=None to pick it "
             "automatically."
         ) from e
+
+
+def values_only(expr: Node) -> Node:
+    """``expr`` with each with_grad replaced by its value: what the forward graph
+    computes (a with_grad's value may hold another: a custom_jvp function calling
+    softplus)."""
+    while any(n.op == WITH_GRAD for n in ir.toposort(expr)):
+        expr = ir.substitute(expr, {n: n.args[0] for n in ir.toposort(expr) if n.op == WITH_GRAD})
+    return expr
 
 
 def _nearest_source(node, root, sources):
@@ -379,7 +385,9 @@ def canonical(root: Node) -> Node:
     Memoized by node (nodes are hash-consed, so the same expression is the
     same key): the planning steps that each need the canonical form share one.
     """
-    root = _lift_data_masks(root)
+    # The forward computes with_grad's value alone: what XLA can compute ahead
+    # is judged on that (its derivative's tangent() is not a value of the call).
+    root = _lift_data_masks(values_only(root))
     done = {}
     # Index expressions of loads and materialized values are computed by XLA
     # exactly as written: they are not rewritten for cuDNN.
@@ -398,9 +406,12 @@ def canonical(root: Node) -> Node:
         else:
             done[node] = _rewrite(node, tuple(done[a] for a in node.args))
     out = done[root]
-    # The root must be a tensor that is not the raw input.
+    # The root must be a tensor that is not the raw input, computed in the graph
+    # (rule 4) from the score (a score_mod whose input feeds nothing dangles).
     if out.op == CONST:
         out = const_tensor(out) if out.dtype == F32 else out
+    elif out.op in INPUT_TENSORS and out.dtype == F32:
+        out = Node("mul", (SCORE, const(0.0, F32)), None, F32) + out
     return out
 
 
