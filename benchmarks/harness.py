@@ -24,6 +24,9 @@ Same shapes, same run, side by side (``--impls``):
              (Triton); not in the default --impls until they pass their GPU tests
   jax-cudnn  jax.nn.dot_product_attention(implementation="cudnn") without the mod (upper
              bound), with is_causal / local_window_size (/ a mask) for the mask mods
+             (mla_rope: q and k at head dim D + 64, v zero-padded to it, O sliced back)
+  jax-cudnn-mla  mla_rope only: JAX's cuDNN attention (jax._src.cudnn) with q and k at
+             D + 64 and v at D, as cuDNN's MLA support takes it (the exact baseline)
   jax-bias   the same with the mod materialized as a bias (ALiBi, relative bias)
   flex       PyTorch FlexAttention, torch.compile(flex_attention), with a block mask for
              the mask mods (when torch is importable)
@@ -58,14 +61,19 @@ IMPLS = {
     "xla": "scoremod XLA reference",
     "pallas": "scoremod Pallas kernels",
     "jax-cudnn": "jax.nn cuDNN",
+    "jax-cudnn-mla": "JAX cuDNN, v at head dim D",
     "jax-bias": "jax.nn cuDNN + bias",
     "flex": "FlexAttention",
 }
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
         "document", "document_random", "document_noncausal", "mla_rope")
 # MLA's decoupled RoPE: causal, plus q_pe . k_pe of rank ROPE_DIM (k_pe shared by the
-# heads), a low-rank bias scoremod folds into the head dim; plain cuDNN runs it at head
-# dim D + ROPE_DIM (jax-cudnn), the comparison the issue asks for.
+# heads), a low-rank bias scoremod folds into the head dim (q and k at D + ROPE_DIM, v at
+# D); plain cuDNN runs q and k at head dim D + ROPE_DIM, the comparison the issue asks for:
+# jax-cudnn through jax.nn, which wants v at q's head dim, so v is zero-padded to
+# D + ROPE_DIM and O sliced back to D (the P.V product does 1.5x the work); jax-cudnn-mla
+# through JAX's cuDNN module, which takes v at head dim D (cuDNN >= 9.10 on Hopper, a
+# private JAX API).
 ROPE_MODS = ("mla_rope",)
 ROPE_DIM = 64
 # Packed documents: 4 equal ones per row, causal inside; random lengths (1 to S, seeded),
@@ -151,12 +159,49 @@ def rope_arrays(a):
             jax.random.normal(kk, (b, s, ROPE_DIM), jnp.float32))
 
 
+def rope_augmented(q, k, a):
+    """q and k [B, S, H, D] with q_pe, k_pe appended: [B, S, H, D + ROPE_DIM].
+    q_pe is multiplied by sqrt(D), so that at attention's scale 1 / sqrt(D)
+    the scores are mla_rope's: q . k / sqrt(D) + q_pe . k_pe."""
+    import jax.numpy as jnp
+
+    q_pe, k_pe = rope_arrays(a)
+    q_pe = q_pe * math.sqrt(q.shape[-1])
+    k_pe = jnp.broadcast_to(k_pe[:, :, None], k.shape[:3] + (ROPE_DIM,))
+    return tuple(jnp.concatenate([x, pe.astype(x.dtype)], axis=-1)
+                 for x, pe in ((q, q_pe), (k, k_pe)))
+
+
+def rope_padded_v(attend, q, k, v, d, **kw):
+    """``attend`` (jax.nn.dot_product_attention's signature) on q, k at head dim
+    D + ROPE_DIM and v zero-padded to it; O's first D columns (the padded columns
+    of O are zeros), at mla_rope's scale 1 / sqrt(D)."""
+    import jax.numpy as jnp
+
+    pad = q.shape[-1] - v.shape[-1]
+    v_wide = jnp.concatenate([v, jnp.zeros(v.shape[:3] + (pad,), v.dtype)], axis=-1)
+    return attend(q, k, v_wide, scale=1.0 / math.sqrt(d), implementation="cudnn", **kw)[..., :d]
+
+
+def jax_cudnn_mla():
+    """JAX's cuDNN attention taking v at a smaller head dim than q and k (cuDNN's
+    MLA support): ``f(q, k, v, scale)``, causal. A private JAX module: its absence
+    (or a refusal when called) is this row's error, the other rows run."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    def attend(q, k, v, scale):
+        return dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL)
+
+    return attend
+
+
 def jax_native(name, a):
     """(variant, kwargs, mask or None): jax.nn.dot_product_attention's own masks."""
     if name in ("causal", "softcap_causal"):
         return "is_causal", {"is_causal": True}, None
     if name in ROPE_MODS:
-        return f"is_causal, q and k at head dim D + {ROPE_DIM}", {"is_causal": True}, None
+        return (f"is_causal, q and k at head dim D + {ROPE_DIM}, v zero-padded to it",
+                {"is_causal": True}, None)
     if name == "window":
         w = a["window"]
         return f"local_window_size=({w - 1}, 0)", {"is_causal": True, "local_window_size": (w - 1, 0)}, None
@@ -314,6 +359,19 @@ def make_call(impl, name, shape, direction):
 
         def fn(q, k, v):
             return scoremod.attention(q, k, v, mod, implementation=how, options=options)
+    elif impl == "jax-cudnn" and name in ROPE_MODS:
+        variant, kw, _ = jax_native(name, shape.aux)
+
+        def fn(q, k, v):  # jax.nn wants v at q's head dim: zeros in the extra columns
+            return rope_padded_v(jax.nn.dot_product_attention, q, k, v, shape.d, **kw)
+    elif impl == "jax-cudnn-mla":
+        if name not in ROPE_MODS:
+            raise NotApplicable(f"{impl} is the baseline of {', '.join(ROPE_MODS)} only")
+        cudnn_mla = jax_cudnn_mla()
+        variant = f"causal, q and k at head dim D + {ROPE_DIM}, v at D"
+
+        def fn(q, k, v):
+            return cudnn_mla(q, k, v, scale=1.0 / math.sqrt(shape.d))
     elif impl == "jax-cudnn":
         variant, kw, mask = jax_native(name, shape.aux)
         extra = () if mask is None else (mask,)
@@ -330,11 +388,8 @@ def make_call(impl, name, shape, direction):
         def fn(q, k, v, bias):
             return jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="cudnn")
     q, k, v, do = shape.jax_inputs()
-    if impl == "jax-cudnn" and name in ROPE_MODS:  # q_pe and k_pe as extra head-dim columns
-        q_pe, k_pe = rope_arrays(shape.aux)
-        k_pe = jax.numpy.broadcast_to(k_pe[:, :, None], k.shape[:3] + (ROPE_DIM,))
-        q, k = (jax.numpy.concatenate([x, pe.astype(x.dtype)], axis=-1)
-                for x, pe in ((q, q_pe), (k, k_pe)))
+    if impl in ("jax-cudnn", "jax-cudnn-mla") and name in ROPE_MODS:
+        q, k = rope_augmented(q, k, shape.aux)  # q_pe and k_pe as extra head-dim columns
     if direction == "fwd":
         f, args = jax.jit(fn), (q, k, v, *extra)
     else:
@@ -696,6 +751,8 @@ TARGETS = [
     ("vs plain cuDNN", ("alibi",), ("bwd",), ("jax-cudnn", None), "scoremod", 0.95, True),
     ("vs native mask", MASK_MODS, ("fwd", "fwdbwd"), ("jax-cudnn", None), "scoremod", 0.95, True),
     ("vs plain cuDNN at D + 64", ROPE_MODS, ("fwd", "fwdbwd"), ("jax-cudnn", None), "scoremod",
+     0.90, True),
+    ("vs cuDNN MLA, v at D", ROPE_MODS, ("fwd", "fwdbwd"), ("jax-cudnn-mla", None), "scoremod",
      0.90, True),
     ("vs unsplit score_mod", ("softcap_causal",), ("fwd", "fwdbwd"), ("scoremod-plain", None),
      "scoremod", 1.5, True),

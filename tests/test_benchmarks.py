@@ -1,6 +1,7 @@
 """The benchmark harness (benchmarks/harness.py): the CPU dry run end to end, targets, output."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -282,3 +283,65 @@ def test_from_keeps_direct_results_only_beside_the_same_lowering(tmp_path, capsy
                    ("identity", "scoremod"): "as written", ("identity", "direct"): "as written"}
     assert "dropped: s4096 d128 softcap direct fwd (ran as written; scoremod ran scale folded)" in capsys.readouterr().out
     assert "| softcap | scoremod fused (scale folded) |" in bench.markdown(records, [{"date": "d2"}])
+
+
+def _nested_divisions(form):
+    """Divisions in a canonical form whose dividend holds another's result."""
+    from scoremod.dsl import ir
+
+    return [n for n in ir.toposort(form) if n.op == "div"
+            and any(m.op == "i32" for m in ir.toposort(n.args[0]))]
+
+
+def test_int_division_probe_puts_the_nested_division_in_the_graph():
+    """benchmarks/probes/int_division.py's in_graph() really emits tiled
+    NATTEN's nested division (no rewrite, no refusal), and leaves the
+    shipped lowering (flattened, no nesting) as it was afterwards."""
+    import jax.numpy as jnp
+
+    from benchmarks.probes import int_division as probe
+    from scoremod.dsl import ir
+    from scoremod.lowering.cudnn import rules
+
+    fn = probe.EXPRESSIONS["tiled_natten row"][0]
+    trace = lambda: scoremod.trace(lambda s, b, h, q, k: s + fn(q, k).astype(jnp.float32))  # noqa: E731
+    with probe.in_graph():
+        nested = rules.canonical(trace().expr)
+    shipped = rules.canonical(trace().expr)
+    for form in (nested, shipped):
+        assert not any(n.op == ir.MATERIALIZE for n in ir.toposort(form)), form
+    assert _nested_divisions(nested), nested
+    assert not _nested_divisions(shipped), shipped
+
+
+def test_int_division_probe_runs_on_the_cpu():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/probes/int_division.py"),
+                          "--only", "tiled"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "tiled_natten" in line]
+    assert len(rows) == 4 and all("  0/256 wrong, matches jnp" in r for r in rows), out.stdout
+
+
+def test_mla_rope_baseline_pads_v_and_computes_the_same_attention():
+    """jax-cudnn's mla_rope baseline (q, k at head dim D + 64, v zero-padded to
+    it, O sliced back) computes what scoremod computes for the mod, at its
+    scale; here through jax.nn's XLA implementation, on the CPU."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    shape = bench.Shape(1, 2, 64, 16, "float32", window=8)
+    q, k, v, _ = shape.jax_inputs()
+    qa, ka = bench.rope_augmented(q, k, shape.aux)
+    assert qa.shape == ka.shape == (1, 64, 2, 16 + bench.ROPE_DIM)
+
+    def xla_attention(q, k, v, implementation, **kw):
+        assert implementation == "cudnn"
+        assert v.shape[-1] == q.shape[-1]  # what jax.nn insists on
+        return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+
+    got = bench.rope_padded_v(xla_attention, qa, ka, v, shape.d, is_causal=True)
+    want = scoremod.attention(q, k, v, shape.mod("mla_rope"), implementation="xla")
+    assert got.shape == v.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

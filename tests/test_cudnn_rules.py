@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import HealthCheck
 
 import scoremod
@@ -17,7 +17,7 @@ from scoremod import UnsupportedOpError
 from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.lowering.cudnn.graph import emission_order
-from scoremod.lowering.cudnn.rules import DP, check_supported, forward_and_backward
+from scoremod.lowering.cudnn.rules import DP, canonical, check_supported, forward_and_backward
 from scoremod.dsl.ir import CONST, VAR
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE
 from tests.test_properties import SPECS, _as_fn, _points
@@ -37,6 +37,9 @@ def _assert_cudnn_shaped(expr):
             assert node.args[1].op != "const", f"scalar as input0 in {node}"
         if node.op in ("lt", "le", "gt", "ge", "eq", "ne"):
             assert node.args[0].dtype != "f32", f"float comparison {node}"
+        if node.args:  # rule 4: cuDNN finds no engine for a node of inputs alone
+            assert any(a.op not in (CONST,) + INPUT_TENSORS for a in node.args), (
+                f"node reading only input tensors and scalars: {node}")
     assert expr.op != "const"  # a bare input is returned through identity by the builder
 
 
@@ -49,6 +52,10 @@ def _eval(expr, pts, mod, dp=None):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(SPECS, __import__("hypothesis").strategies.integers(0, 2**16))
+# score-free custom_jvp values (softplus): what XLA computes ahead is judged on the
+# value alone, and a root read from a tensor is added to score * 0
+@example(("un", "atan", ("un", "softplus_t", ("leaf", "alibi"))), 0)
+@example(("un", "abs", ("un", "softplus_t", ("leaf", "block_any"))), 0)
 def test_canonical_forms_compute_the_same_and_obey_the_rules(spec, seed):
     mod = scoremod.trace(_as_fn(spec))
     try:
@@ -271,14 +278,89 @@ def test_census_mask_spellings_are_not_refused_by_the_fused_path(name):
 
 
 def test_nested_integer_division_is_computed_ahead_not_in_the_graph():
-    """Index arithmetic dividing a quotient or remainder (tiled NATTEN's pixel
-    decoding) gave a wrong mask in cuDNN on the H200 (O off by 0.9): the fused
-    path leaves it to XLA. A single division (chunked masks) stays in the graph."""
+    """Index arithmetic dividing a quotient or remainder that no rewrite turns
+    into divisions of one value gave a wrong mask in cuDNN on the H200 (tiled
+    NATTEN, O off by 0.9): the fused path leaves it to XLA. A single division
+    (chunked masks) stays in the graph."""
     from scoremod.lowering.cudnn.rules import refusal
 
-    nested = scoremod.trace(lambda s, b, h, q, k: jnp.where((q % 64) // 8 == (k % 64) // 8, s, -jnp.inf))
+    nested = scoremod.trace(lambda s, b, h, q, k: jnp.where((q % 7) // 2 == (k % 7) // 2, s, -jnp.inf))
     single = scoremod.trace(lambda s, b, h, q, k: jnp.where(q // 64 == k // 64, s, -jnp.inf))
     reasons = [refusal(n) for n in ir.toposort(nested.expr)]
     assert any(r and "nested index arithmetic" in r for r in reasons), reasons
+    cast = scoremod.trace(lambda s, b, h, q, k: s + (jnp.floor(q / 8.0).astype(jnp.int32) // 2) * 0.1)
+    assert any(refusal(n) for n in ir.toposort(cast.expr)), cast  # the same graph as (q // 8) // 2
     assert not any(refusal(n) for n in ir.toposort(single.expr))
     check_supported(nested.expr, nested.sources)  # position-only: computed ahead, not refused
+    fwd = canonical(nested.expr)
+    assert fwd.args[1].op == "materialize", fwd
+
+
+DIGITS = {  # index decodings the IR's rewrites flatten, and their values
+    "tile row": lambda q: (q // 64) // 4 * 8 + (q % 64) // 8,
+    "tile col": lambda q: (q // 64) % 4 * 8 + (q % 64) % 8,
+    "block": lambda q: (q % 512) // 16,
+    "video tile": lambda q: ((q // 32) % 6) // 3 + (q // 32) // 6 * 7,
+    "signed": lambda q: ((q - 700) // 8) % 4 + ((q - 700) % 48) // 16,
+}
+
+
+@pytest.mark.parametrize("name", sorted(DIGITS))
+def test_decoded_indices_divide_the_index_alone_in_the_graph(name):
+    """Pixel and tile decodings ((q // a) // b, (q % m) // a, (q // a) % b) are
+    emitted as divisions of the position itself (the forms the H200 ran right),
+    none dividing another division's result, and compute jax.numpy's values."""
+    from scoremod.dsl.evaluate import evaluate
+
+    fn = DIGITS[name]
+    mod = scoremod.trace(lambda s, b, h, q, k: s + (fn(q) - fn(k)).astype(jnp.float32))
+    check_supported(mod.expr, mod.sources)
+    fwd = canonical(mod.expr)
+    nodes = ir.toposort(fwd)
+    assert not any(n.op == "materialize" for n in nodes), fwd
+    divisions = [n for n in nodes if n.op == "div" and n.dtype == "f32"]
+    assert divisions and not any(n.op == "i32" for d in divisions
+                                 for n in ir.toposort(d.args[0])), fwd
+    q = jnp.arange(0, 2048, dtype=jnp.int32)[:, None]
+    k = jnp.arange(0, 2048, 37, dtype=jnp.int32)[None, :]
+    s = jnp.zeros(q.shape[:1] + k.shape[1:], jnp.float32)
+    inputs = {"score": s, "b": jnp.int32(0), "h": jnp.int32(0), "q_idx": q, "kv_idx": k}
+    want = (fn(q) - fn(k)).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(evaluate(fwd, inputs, {})), np.asarray(want))
+
+
+# Refused by cuDNN on the H200 ("no engine"), each for a node reading only input
+# tensors and scalars (rule 4), and what the graph reads instead.
+NODE_OF_INPUTS = {
+    "two arrays (sandwich)": (lambda s, b, h, q, k: s + _REL[q - k + 7] * _RATIO[h], 1),
+    "array and scalar": (lambda s, b, h, q, k: s + 0.01 * ((q << 1) - (k >> 2)).astype(jnp.float32), 1),
+    "sum of array reads (graphormer edge)": (lambda s, b, h, q, k: s + (
+        jnp.where(_LEN[q, k] > 0, _EDGE[h, 0], 0.0) + jnp.where(_LEN[q, k] > 1, _EDGE[h, 1], 0.0))
+        / jnp.maximum(_LEN[q, k], 1), 1),
+    "where with an array branch": (lambda s, b, h, q, k: jnp.where(_LEN[q, k] > 0, s, _RATIO[h]), 2),
+    "where with a constant branch": (lambda s, b, h, q, k: jnp.where(_LEN[q, k] > 1, s * 2.0, 0.5), 2),
+}
+_REL = jnp.linspace(-1.0, 1.0, 15, dtype=jnp.float32)
+_RATIO = jnp.asarray([0.5, 0.25, 2.0, 1.0], jnp.float32)
+_EDGE = jnp.asarray(np.random.default_rng(0).normal(size=(4, 2)), jnp.float32)
+_LEN = jnp.asarray(np.random.default_rng(1).integers(0, 3, (8, 8)), jnp.int32)
+
+
+@pytest.mark.parametrize("name", sorted(NODE_OF_INPUTS))
+def test_no_node_reads_only_input_tensors(name):
+    """A value of array reads and scalars alone (rel[q - k] * ratio[h], a
+    materialized value times 0.01) is computed ahead as one tensor that the
+    graph adds or multiplies: every graph node reads a tensor the graph
+    computes; the canonical forms compute the mod."""
+    fn, tensors = NODE_OF_INPUTS[name]
+    mod = scoremod.trace(fn)
+    check_supported(mod.expr, mod.sources)
+    fwd, bwd = forward_and_backward(mod.expr)
+    _assert_cudnn_shaped(fwd)
+    _assert_cudnn_shaped(bwd)
+    assert len([n for n in emission_order(fwd) if n.op in INPUT_TENSORS]) == tensors, fwd
+    for seed in range(3):
+        pts = _points(seed)
+        np.testing.assert_allclose(_eval(fwd, pts, mod),
+                                   np.asarray(jnp.broadcast_to(mod(*pts), pts[0].shape)),
+                                   rtol=1e-5, atol=1e-6)

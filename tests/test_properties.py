@@ -219,3 +219,73 @@ def test_generator_covers_every_traceable_op():
         derivative_only.add("log2")
     missing = set(scoremod.OPS) - seen - derivative_only
     assert not missing, f"ops the property tests never generate: {sorted(missing)}"
+
+
+# --- nested integer division: the rewrites hold for every int32 value ----------
+
+_INT32 = st.integers(-(2**31), 2**31 - 1)
+_DIVISORS = st.one_of(st.integers(1, 70), st.sampled_from([256, 4096, 46341, 2**16, 2**30, 2**31 - 1]))
+_NESTED = {  # IR built through ops.apply (so the rewrites run) and jax.numpy's value
+    "(x // a) // b": (lambda x, a, b: _ap("floordiv", _ap("floordiv", x, a), b),
+                      lambda x, a, b: jnp.floor_divide(jnp.floor_divide(x, a), b)),
+    "(x % (a * b)) // a": (lambda x, a, b: _ap("floordiv", _ap("mod", x, a * b), a),
+                           lambda x, a, b: jnp.floor_divide(jnp.remainder(x, a * b), a)),
+    "(x % (a * b)) % a": (lambda x, a, b: _ap("mod", _ap("mod", x, a * b), a),
+                          lambda x, a, b: jnp.remainder(jnp.remainder(x, a * b), a)),
+    "(x % a) // b": (lambda x, a, b: _ap("floordiv", _ap("mod", x, a), b),
+                     lambda x, a, b: jnp.floor_divide(jnp.remainder(x, a), b)),
+    "(x % a) % b": (lambda x, a, b: _ap("mod", _ap("mod", x, a), b),
+                    lambda x, a, b: jnp.remainder(jnp.remainder(x, a), b)),
+    # lax.rem of a value never negative (x & INT32_MAX) is the floor remainder
+    "rem(rem(x+, a * b), a)": (lambda x, a, b: _ap("rem", _ap("rem", _pos(x), a * b), a),
+                               lambda x, a, b: jax.lax.rem(jax.lax.rem(x & _MAXI, a * b), a)),
+    "rem(x+, a * b) // a": (lambda x, a, b: _ap("floordiv", _ap("rem", _pos(x), a * b), a),
+                            lambda x, a, b: jnp.floor_divide(jax.lax.rem(x & _MAXI, a * b), a)),
+    "(x // a) % b": (lambda x, a, b: _ap("mod", _ap("floordiv", x, a), b),
+                     lambda x, a, b: jnp.remainder(jnp.floor_divide(x, a), b)),
+}
+
+
+_MAXI = 2**31 - 1
+
+
+def _pos(x):
+    return _ap("bitwise_and", x, _MAXI)
+
+
+def _ap(op, *args):
+    from scoremod.dsl import ir
+    from scoremod.dsl.ops import apply
+
+    return apply(op, *(ir.const(a, "i32") if isinstance(a, int) else a for a in args))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(sorted(_NESTED)), values=st.lists(_INT32, min_size=1, max_size=16),
+       a=_DIVISORS, b=_DIVISORS)
+def test_nested_division_rewrites_hold_for_every_int32(case, values, a, b):
+    """(x // a) // b, (x % m) // a and (x % m) % n are rewritten to one division
+    or remainder of x where the divisors allow; the rewritten IR equals
+    jax.numpy on any int32 x (negative, extreme, wrap-free), and a product of
+    divisors that does not fit int32 is left alone."""
+    from scoremod.dsl import ir
+    from scoremod.dsl.evaluate import evaluate
+    from scoremod.lowering.cudnn.rules import flat_remainder
+
+    if "a * b" in case and a * b > 2**31 - 1:
+        return  # not a constant of the mod's own arithmetic
+    build, ref = _NESTED[case]
+    arr = jnp.asarray(np.asarray(values, np.int32))
+    x = _ap(ir.LOAD, ir.operand("x", arr.shape, "int32"), ir.var("q_idx"))
+    expr = build(x, a, b)
+    got = evaluate(expr, {"q_idx": jnp.arange(arr.shape[0], dtype=jnp.int32)}, {"x": arr})
+    want = ref(arr, a, b)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{case} {expr}")
+    # What the rewrites leave: at most a remainder of a quotient, which the fused
+    # path computes from divisions of x (flat_remainder), and only a product
+    # that overflows int32 or divisors that do not divide keep it nested.
+    divisions = ("floordiv", "mod", "rem", "trunc_div")
+    for n in ir.toposort(expr):
+        if n.op in divisions and any(m.op in divisions for m in ir.toposort(n.args[0])):
+            assert (flat_remainder(n) is not None or a * b > 2**31 - 1
+                    or case in ("(x % a) // b", "(x % a) % b") and a % b), (case, a, b, expr)

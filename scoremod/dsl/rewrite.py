@@ -401,3 +401,75 @@ def _clamp_arg(x, n):
     if x.op == "max" and x.args[1] is lo and x.args[0].op == "min" and x.args[0].args[1] is hi:
         return x.args[0].args[0]
     return None
+
+
+
+# --- nested integer division ----------------------------------------------------
+# A division of a quotient or of a remainder by positive constants is one
+# division of the original value (pixel decoding: a tile's row is
+# (q // 64) // 4, a row inside the tile (q % 64) // 8). For every integer x
+# and positive a, b, n, m: (x // a) // b == x // (a * b); when a divides m,
+# (x % m) // a == (x // a) % (m // a) (and (x % m) % n == x % n when n
+# divides m: _nested_remainder).
+# Each holds for every int32 x under XLA's semantics (nothing wraps: a * b is
+# checked to fit). lax.rem is the floor remainder where the dividend is never
+# negative. What stays nested is a remainder of a quotient, (x // a) % b,
+# which a backend can compute from divisions of x alone:
+# x // a - (x // (a * b)) * b.
+
+
+def _positive_const(node):
+    return node.op == CONST and node.dtype == I32 and node.attr > 0
+
+
+def floor_division(node: Node):
+    """``(x, a)`` when ``node`` is ``x // a`` in floor semantics by a positive
+    constant (floordiv, or lax.div of a non-negative x), else None."""
+    return _floor_like(node.op, node.args) if node.dtype == I32 and node.op in (
+        "floordiv", "trunc_div") else None
+
+
+def floor_remainder(node: Node):
+    """``(x, m)`` when ``node`` is ``x % m`` in floor semantics by a positive
+    constant (mod, or lax.rem of a non-negative x), else None."""
+    return _floor_like(node.op, node.args) if node.dtype == I32 and node.op in (
+        "mod", "rem") else None
+
+
+def _floor_like(op, args):
+    x, c = args
+    if x.dtype != I32 or not _positive_const(c):
+        return None
+    if op in ("trunc_div", "rem") and not nonneg(x):
+        return None
+    return x, c
+
+
+def _divide_nested(outer_op):
+    def rule(args, attr):
+        outer = _floor_like(outer_op, args)
+        if outer is None:
+            return None
+        y, b = outer
+        inner = floor_division(y)
+        if inner is not None:  # (x // a) // b == x // (a * b)
+            (x, a) = inner
+            if a.attr * b.attr > INT32_MAX:
+                return None
+            return build(y.op, x, const(a.attr * b.attr, I32))
+        inner = floor_remainder(y)
+        if inner is not None and inner[1].attr % b.attr == 0:  # (x % m) // a
+            (x, m) = inner
+            if m.attr == b.attr:
+                return const(0, I32)
+            return build(y.op, build("floordiv", x, b), const(m.attr // b.attr, I32))
+        return None
+
+    return rule
+
+
+# lax.div is left alone: jnp.floor_divide traces to it and a correction that
+# ``_floor_divide`` names floordiv (whose rule then applies) only while the
+# lax.div node is the one it built.
+PATTERNS.setdefault("floordiv", []).append(_divide_nested("floordiv"))
+# (x % m) % n == x % n: _nested_remainder above (either remainder, any sign).

@@ -404,7 +404,7 @@ entry(
             block_causal = (qb >= kb) & ~q_noised & ~k_noised
             return jnp.where(diagonal | offset_causal | block_causal, s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="fused",
 )
 
 
@@ -559,7 +559,7 @@ entry(
             near = (jnp.abs(center_row - k_row) <= KR // 2) & (jnp.abs(center_col - k_col) <= KC // 2)
             return jnp.where(near, s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="fused",
 )
 
 
@@ -652,7 +652,7 @@ entry(
             from_text = (q >= vision) & (k < vision + TEXT)
             return jnp.where(tiles | to_text | from_text, s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="fused",
 )
 
 
@@ -705,7 +705,7 @@ entry(
             from_text = (q >= vision) & (k < vision + TEXT)
             return jnp.where(tiles | to_text | from_text, s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="fused",
 )
 
 
@@ -992,7 +992,7 @@ entry(
     what="Sandwich: the inner product of sinusoidal position embeddings, scaled per head",
     origin="mods/sandwich.py", setup=_sandwich, reference=_sandwich_ref,
     code="mod = lambda s, b, h, q, k: s + rel[q - k + OFF] * ratio[h]",
-    verdict="materialized [1,1,Sq,Skv]: computed index",
+    verdict="materialized [1,H,Sq,Skv]: computed from arrays",
 )
 
 
@@ -1071,7 +1071,7 @@ entry(
                 total = total + jnp.where(length > n, edge_bias[h, n, path_types[b, q, k, n]], 0.0)
             return s + total / jnp.maximum(length, 1)
         """,
-    verdict="materialized [B,1,Sq,Skv]: computed from arrays; [B,H,Sq,Skv]: data mask",
+    verdict="materialized [B,H,Sq,Skv]: computed from arrays",
 )
 
 

@@ -24,21 +24,12 @@ HEAD_DIM = 128
 DTYPE = jax.numpy.bfloat16
 
 
-# Failed on the H200 (run of 9dbfdf0): cuDNN proposed no engine for the graph
-# (a computed-index bias times a per-head tensor), and implementation=None raised
-# instead of falling back. Not strict: not re-run since.
-REFUSED_ON_THE_H200 = {"sandwich", "graphormer_edge"}
-
-
 def _params():
     out = []
     for n, e in CATALOGUE.items():
         if e.needs:
             out.append(pytest.param(n, marks=pytest.mark.xfail(
                 strict=True, reason=f"needs {e.needs}: issue 20's ops")))
-        elif n in REFUSED_ON_THE_H200:
-            out.append(pytest.param(n, marks=pytest.mark.xfail(
-                strict=False, reason="cuDNN found no engine for its graph on the H200")))
         else:
             out.append(n)
     return out
@@ -63,6 +54,48 @@ def test_catalogue_mod_fused_matches_the_reference(name):
     for implementation in (None, backend):
         got = jax.jit(lambda *a: _run(implementation, mod, *a))(q, k, v, do)
         errs = {n: _rel_err(g, w) for n, g, w in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)}
+        for what, err in errs.items():
+            assert np.isfinite(err) and err < TOL[DTYPE], (
+                f"{implementation}: {what} off by {err:.3g} (all: {errs})")
+
+
+# The catalogue's mods whose captured float arrays are factors of a low-rank
+# bias the fused path folds into the head dim: their gradients come back fused.
+FACTOR_MODS = ("mla_decoupled_rope",)
+
+
+def _with_factor_grads(implementation, mod, q, k, v, do):
+    """O, LSE, dQ, dK, dV and the gradient of each captured float array."""
+    ops = tuple(jax.numpy.asarray(x) for x in mod.operands)
+
+    def f(q, k, v, *ops):
+        o, lse = scoremod.attention(q, k, v, scoremod.ScoreMod(mod.expr, ops),
+                                    implementation=implementation, return_lse=True)
+        return o, jax.lax.stop_gradient(lse)
+
+    (o, lse), vjp = jax.vjp(f, q, k, v, *ops)
+    grads = vjp((do, jax.numpy.zeros_like(lse)))
+    floats = [i for i, x in enumerate(ops) if x.dtype == jax.numpy.float32]
+    return (o, lse, *grads[:3]) + tuple(grads[3 + i] for i in floats)
+
+
+@pytest.mark.parametrize("name", FACTOR_MODS)
+def test_catalogue_low_rank_factor_gradients_match_the_reference(name):
+    """MLA's decoupled RoPE (q_rope, k_rope folded into the head dim): the
+    gradients of the factors themselves, fused, match the reference path."""
+    entry = CATALOGUE[name]
+    shape = entry.gpu
+    mod = scoremod.trace(entry.build(entry.env(shape)))
+    assert any(x.dtype == np.float32 for x in mod.operands)
+    q, k, v, do = _inputs(shape.b, shape.sq, shape.skv, shape.h, shape.h, HEAD_DIM, DTYPE)
+    assert "head dim" in (scoremod.which_implementation(q, k, v, mod).low_rank_bias or "")
+    want = jax.jit(lambda *a: _with_factor_grads("xla", mod, *a))(q, k, v, do)
+    for implementation in (None, "cudnn"):
+        got = jax.jit(lambda *a: _with_factor_grads(implementation, mod, *a))(q, k, v, do)
+        names = ("O", "LSE", "dQ", "dK", "dV") + tuple(
+            f"d(operand {i})" for i in range(len(got) - 5))
+        assert len(got) == len(want) > 5
+        errs = {n: _rel_err(g, w) for n, g, w in zip(names, got, want)}
         for what, err in errs.items():
             assert np.isfinite(err) and err < TOL[DTYPE], (
                 f"{implementation}: {what} off by {err:.3g} (all: {errs})")

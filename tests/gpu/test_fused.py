@@ -18,7 +18,7 @@ from scoremod.lowering.cudnn import graph as cudnn_graph
 from scoremod.lowering.cudnn import masks
 from scoremod.lowering.cudnn.plan import Part, Plan
 from scoremod.lowering.problem import Problem
-from tests.test_cudnn_rules import REFUSED
+from tests.test_cudnn_rules import NODE_OF_INPUTS, REFUSED
 
 pytestmark = pytest.mark.gpu
 
@@ -138,17 +138,18 @@ TEXT_MODS = {
 }
 
 
-# cuDNN proposed no engine for this graph on the H200 (run of 9dbfdf0): an
-# int32 value computed ahead, cast and scaled into the score. Not strict: not re-run.
-_REFUSED_ON_THE_H200 = {"shifts"}
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=False, reason="cuDNN found no engine for its graph on the H200"))
-    if n in _REFUSED_ON_THE_H200 else n for n in sorted(OP_MODS)])
+@pytest.mark.parametrize("name", sorted(OP_MODS))
 def test_each_op(name, dtype):
     check(scoremod.trace(OP_MODS[name]), dtype=dtype)
+
+
+@pytest.mark.parametrize("name", sorted(NODE_OF_INPUTS))
+def test_values_of_input_tensors_alone_run_as_one_tensor(name):
+    """cuDNN found no engine for a graph node reading only input tensors and
+    scalars (sandwich's rel[q - k] * ratio[h], shifts' computed value * 0.01);
+    the lowering computes such a value ahead as one tensor (rule 4)."""
+    check(scoremod.trace(NODE_OF_INPUTS[name][0]))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)

@@ -10,7 +10,10 @@ rules it enforces (see docs/limitations.md):
    that compares the score is refused with its source line; piecewise ops of
    the score (max, min, abs, relu) have derivative rules through relu_grad;
 3. the forward score_mod emits exactly the primal expression; every
-   derivative factor is computed in the backward callback.
+   derivative factor is computed in the backward callback;
+4. every node reads at least one tensor the graph computes (the score, a
+   position, or a node of those): a node of input tensors and scalars alone
+   is computed ahead by XLA as one more input tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from scoremod.dsl.grad import vjp
 from scoremod.dsl.ir import (BOOL, CONST, F32, I32, LOAD, MATERIALIZE, OPERAND, VAR, Node, const,
                              is_const)
 from scoremod.dsl.ops import COMPARISONS, WITH_GRAD, apply
-from scoremod.dsl.rewrite import int_range
+from scoremod.dsl.rewrite import INT32_MAX, floor_division, floor_remainder, int_range
 from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError, UnsupportedOpError
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE, nonneg_int_pair
@@ -43,10 +46,27 @@ def _may_divide_by_zero(node):
 _INT_DIVISIONS = ("floordiv", "mod", "trunc_div", "rem")
 
 
+def flat_remainder(node: Node):
+    """``(x, a, b)`` when ``node`` is ``(x // a) % b`` by positive constants in
+    floor semantics and ``a * b`` fits int32: the graph computes it from
+    divisions of ``x`` alone, ``x // a - (x // (a * b)) * b`` (the IR's own
+    rewrites leave a remainder of a quotient as the one nested form)."""
+    outer = floor_remainder(node)
+    inner = floor_division(outer[0]) if outer is not None else None
+    if inner is None or inner[1].attr * outer[1].attr > INT32_MAX:
+        return None
+    return inner[0], inner[1], outer[1]
+
+
 def _divides_a_quotient(node: Node) -> bool:
-    """Whether an integer division's dividend holds another integer division."""
-    return any(n.op in _INT_DIVISIONS and n.dtype == I32
-               for n in ir.toposort(node.args[0], stop=lambda n: n.op in INPUT_TENSORS))
+    """Whether an integer division's dividend, as the graph computes it, holds
+    another integer division, or a float converted to int (i32(floor(x / c)),
+    the same graph as a quotient)."""
+    flat = flat_remainder(node)
+    dividend = flat[0] if flat is not None else node.args[0]
+    return any((n.op in _INT_DIVISIONS and n.dtype == I32)
+               or (n.op == "i32" and n.args[0].dtype == F32)
+               for n in ir.toposort(dividend, stop=lambda n: n.op in INPUT_TENSORS))
 
 
 def refusal(node: Node) -> str | None:
@@ -56,9 +76,10 @@ def refusal(node: Node) -> str | None:
                                                 or entry.refused_if(node)):
         return entry.refusal
     if node.op in _INT_DIVISIONS and node.dtype == I32 and _divides_a_quotient(node):
-        return ("it divides the result of another integer division or remainder; such "
-                "nested index arithmetic gave wrong masks in cuDNN on the H200 (tiled NATTEN, "
-                "block diffusion), so XLA computes the value ahead")
+        return ("it divides the result of another integer division, remainder or float-to-int "
+                "conversion in a way no rewrite turns into divisions of one value; such nested "
+                "index arithmetic gave wrong masks in cuDNN on the H200 (tiled NATTEN, block "
+                "diffusion), so XLA computes the value ahead")
     if node.op in ("floordiv", "mod") and _may_divide_by_zero(node):
         return ("its divisor may be 0, where XLA defines the result and cuDNN's float "
                 "division does not; divide by a positive constant or a value max(d, 1)")
@@ -86,10 +107,7 @@ def check_supported(expr: Node, sources: dict) -> None:
     # which XLA cannot know in advance, is refused there. The forward runs
     # with_grad's value only (a with_grad's value may hold another: a custom_jvp
     # function calling softplus); its partials are checked in the backward.
-    forward = expr
-    while any(n.op == WITH_GRAD for n in ir.toposort(forward)):
-        forward = ir.substitute(forward, {n: n.args[0] for n in ir.toposort(forward)
-                                          if n.op == WITH_GRAD})
+    forward = values_only(expr)
     backward = _fold_nan_tests(vjp(expr, DP))
     nodes = ir.toposort(forward, backward, stop=lambda n: n.op == LOAD)
     ahead = computed_ahead(forward) | computed_ahead(backward)
@@ -116,6 +134,15 @@ def check_supported(expr: Node, sources: dict) -> None:
             "implementation=\"xla\" for this mod, or implementation=None to pick it "
             "automatically."
         ) from e
+
+
+def values_only(expr: Node) -> Node:
+    """``expr`` with each with_grad replaced by its value: what the forward graph
+    computes (a with_grad's value may hold another: a custom_jvp function calling
+    softplus)."""
+    while any(n.op == WITH_GRAD for n in ir.toposort(expr)):
+        expr = ir.substitute(expr, {n: n.args[0] for n in ir.toposort(expr) if n.op == WITH_GRAD})
+    return expr
 
 
 def _nearest_source(node, root, sources):
@@ -226,7 +253,15 @@ def const_tensor(c: Node) -> Node:
 # into one tensor of the dims it depends on (a document mask becomes a
 # [B, 1, Sq, Skv] bias); score_mod then reads that tensor.
 #   where(m, x, -inf) = x + materialize(where(m, 0, -inf))
-#   where(m, x, y)    = x * i + y * (1 - i),  i = materialize(where(m, 1, 0))
+#   where(m, x, y)    = x * i + y * j,  i = materialize(where(m, 1, 0)), j for not m
+#
+# Rule 4: every node of the graph reads at least one tensor the graph computes
+# (the score, a position, or a node of those). On the H200 cuDNN found no
+# engine for graphs with a node of inputs alone: rel[q - kv + c] * ratio[h]
+# (two arrays read), bias + 0.0 and bias * 0.01 (an array read and a scalar),
+# while bias + score and slopes[h] * f32(kv - q) run. Such a node is computed
+# ahead by XLA: its value is one more input tensor (rel * ratio one
+# [1, H, Sq, Skv] bias added to the score).
 
 
 def materialize(expr: Node) -> Node:
@@ -304,13 +339,43 @@ def _lift_data_masks(root: Node) -> Node:
             elif is_const(x) and x.attr == float("-inf"):
                 done[node] = y + materialize(apply("where", c, ninf, zero))
             else:
-                i = materialize(apply("where", c, one, zero))
-                done[node] = x * i if is_const(y, 0.0) else x * i + y * (1.0 - i)
+                done[node] = _select_by_indicators(c, node.args[1:], args[1:])
         elif node.op == "f32" and node.args[0] in data:
             done[node] = materialize(node)
         else:
-            done[node] = node if args == node.args else apply(node.op, *args, attr=node.attr)
+            out = node if args == node.args else apply(node.op, *args, attr=node.attr)
+            if node.dtype == F32 and out.op != WITH_GRAD and out.args and \
+                    not any(_in_graph(a) for a in out.args):
+                out = materialize(node)  # rule 4: XLA computes it, one tensor
+            done[node] = out
     return done[root]
+
+
+def _in_graph(node: Node) -> bool:
+    """Whether the graph computes ``node`` (a virtual tensor), rather than
+    reading it (an input tensor) or passing it by value (a constant)."""
+    return node.op not in (CONST,) + INPUT_TENSORS
+
+
+def _select_by_indicators(c: Node, branches: tuple, lifted: tuple) -> Node:
+    """``where(c, x, y)`` with ``c`` computed ahead: ``x * i + y * j``, ``i`` and
+    ``j`` the tensors of ``c`` and ``not c`` as 1.0 / 0.0. A branch the graph
+    does not compute (a constant, an array read) goes into its tensor whole,
+    ``where(c, x, 0)``, so that no node multiplies two inputs (rule 4)."""
+    zero, one = const(0.0, F32), const(1.0, F32)
+    terms = []
+    for taken, v, lv in ((True, branches[0], lifted[0]), (False, branches[1], lifted[1])):
+        if is_const(lv, 0.0) and math.copysign(1.0, lv.attr) > 0:
+            continue
+        if _in_graph(lv):
+            terms.append(lv * materialize(apply("where", c, one, zero) if taken
+                                          else apply("where", c, zero, one)))
+        else:
+            terms.append(materialize(apply("where", c, v, zero) if taken
+                                     else apply("where", c, zero, v)))
+    if not terms:
+        return const_tensor(zero)
+    return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -320,7 +385,9 @@ def canonical(root: Node) -> Node:
     Memoized by node (nodes are hash-consed, so the same expression is the
     same key): the planning steps that each need the canonical form share one.
     """
-    root = _lift_data_masks(root)
+    # The forward computes with_grad's value alone: what XLA can compute ahead
+    # is judged on that (its derivative's tangent() is not a value of the call).
+    root = _lift_data_masks(values_only(root))
     done = {}
     # Index expressions of loads and materialized values are computed by XLA
     # exactly as written: they are not rewritten for cuDNN.
@@ -331,12 +398,20 @@ def canonical(root: Node) -> Node:
             done[node] = done[node.args[0]]
         elif node.op == LOAD:
             done[node] = _rewrite(node, node.args)
+        elif flat_remainder(node) is not None:  # (x // a) % b from divisions of x alone
+            x, a, b = flat_remainder(node)
+            ab = const(a.attr * b.attr, I32)
+            coarse = _rewrite(Node("floordiv", (x, ab), None, I32), (done[x], ab))
+            done[node] = apply("sub", done[node.args[0]], apply("mul", coarse, b))
         else:
             done[node] = _rewrite(node, tuple(done[a] for a in node.args))
     out = done[root]
-    # The root must be a tensor that is not the raw input.
+    # The root must be a tensor that is not the raw input, computed in the graph
+    # (rule 4) from the score (a score_mod whose input feeds nothing dangles).
     if out.op == CONST:
         out = const_tensor(out) if out.dtype == F32 else out
+    elif out.op in INPUT_TENSORS and out.dtype == F32:
+        out = Node("mul", (SCORE, const(0.0, F32)), None, F32) + out
     return out
 
 
