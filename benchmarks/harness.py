@@ -22,6 +22,8 @@ Same shapes, same run, side by side (``--impls``):
   xla        scoremod.attention(implementation="xla"): the reference path
   pallas     scoremod.attention(implementation="pallas"): the block-sparse Pallas kernels
              (Triton); not in the default --impls until they pass their GPU tests
+  pallas-mosaic  the same with LoweringOptions(pallas_engine="mosaic"): the Mosaic GPU
+             forward (Hopper; the backward stays Triton's); not in the default --impls
   jax-cudnn  jax.nn.dot_product_attention(implementation="cudnn") without the mod (upper
              bound), with is_causal / local_window_size (/ a mask) for the mask mods
              (mla_rope: q and k at head dim D + 64, v zero-padded to it, O sliced back)
@@ -60,11 +62,13 @@ IMPLS = {
     "direct": "same graph, cuDNN frontend Python",
     "xla": "scoremod XLA reference",
     "pallas": "scoremod Pallas kernels",
+    "pallas-mosaic": "scoremod Pallas, Mosaic GPU forward",
     "jax-cudnn": "jax.nn cuDNN",
     "jax-cudnn-mla": "JAX cuDNN, v at head dim D",
     "jax-bias": "jax.nn cuDNN + bias",
     "flex": "FlexAttention",
 }
+PALLAS_IMPLS = ("pallas", "pallas-mosaic")  # by name only, as the backend
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
         "document", "document_random", "document_noncausal", "mla_rope")
 # MLA's decoupled RoPE: causal, plus q_pe . k_pe of rank ROPE_DIM (k_pe shared by the
@@ -351,11 +355,13 @@ def make_call(impl, name, shape, direction):
 
         def fn(q, k, v, *ops):
             return scoremod.attention(q, k, v, scoremod.ScoreMod(mod.expr, ops), implementation=how)
-    elif impl in ("scoremod", "scoremod-plain", "xla", "pallas"):
+    elif impl in ("scoremod", "scoremod-plain", "xla") + PALLAS_IMPLS:
         mod = shape.mod(name)
-        how = impl if impl in ("xla", "pallas") else fused_backend(name, shape).name
+        how = {"xla": "xla", "pallas": "pallas", "pallas-mosaic": "pallas"}.get(impl) \
+            or fused_backend(name, shape).name
 
-        options = scoremod.LoweringOptions.plain() if impl == "scoremod-plain" else None
+        options = {"scoremod-plain": scoremod.LoweringOptions.plain(),
+                   "pallas-mosaic": scoremod.LoweringOptions(pallas_engine="mosaic")}.get(impl)
 
         def fn(q, k, v):
             return scoremod.attention(q, k, v, mod, implementation=how, options=options)
@@ -1050,7 +1056,7 @@ SWITCHES = {
 
 def _lowered_here(name, impl, shape):
     """``lowered`` for this run, with the block count the split plans at this shape."""
-    if impl in ("xla", "pallas"):  # the cuDNN lowerings' switches do not apply
+    if impl in ("xla",) + PALLAS_IMPLS:  # the cuDNN lowerings' switches do not apply
         return "as written"
     how = lowered(name, {} if impl == "scoremod-plain" else switches())
     if "query blocks" not in how:
@@ -1091,8 +1097,9 @@ def parse_args(argv):
     ap.add_argument("--long", type=int, default=32768,
                     help="the long case's seq (largest head dim); 0 for none")
     ap.add_argument("--mods", type=_list(str, MODS), default=list(MODS), help=", ".join(MODS))
-    ap.add_argument("--impls", type=_list(str, IMPLS), default=[i for i in IMPLS if i != "pallas"],
-                    help=", ".join(IMPLS) + " (default: all but pallas)")
+    ap.add_argument("--impls", type=_list(str, IMPLS),
+                    default=[i for i in IMPLS if i not in PALLAS_IMPLS],
+                    help=", ".join(IMPLS) + " (default: all but " + ", ".join(PALLAS_IMPLS) + ")")
     ap.add_argument("--directions", type=_list(str, DIRECTIONS), default=list(DIRECTIONS))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)

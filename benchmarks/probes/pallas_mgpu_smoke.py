@@ -1,22 +1,21 @@
 """Probe: the Pallas backend's Mosaic GPU forward (pallas_engine="mosaic") on a Hopper GPU.
 
-    python benchmarks/probes/pallas_mgpu_smoke.py [--reps 10] [--seq 4096] [--backward]
+    python benchmarks/probes/pallas_mgpu_smoke.py [--reps 5] [--seq 4096] [--triton] [--backward]
 
-1. Errors against the reference path (implementation="xla", float32 inputs)
-   of softcap, causal (its block map skips the masked tiles) and ALiBi (slopes
-   captured, read per head): O and LSE of the forward, and dQ, dK, dV of
-   forward + backward at s512 (the backward is the Triton kernels'), and for the
-   masks the forward without the branch on the map's full tiles (the whole
-   mod on every tile), at b2 hq4 hkv2 s512 d128 bfloat16 and at s1000 (a
-   tail: 1000 is no whole number of tiles), relative to each reference
-   result's largest magnitude.
-2. Forward times at b4 h16 s4096 d128 bfloat16 (median of --reps calls after a
-   warm-up; first call apart): the triton engine, cuDNN (scoremod's
-   implementation="cudnn"), the mosaic engine (for the masks also without
-   the full-tile branch) and, beside softcap, jax.nn's cuDNN on plain
-   attention. With --backward, forward + backward too.
+1. Forward times at b4 h16 s4096 d128 bfloat16 of softcap, causal (its block
+   map skips the masked tiles) and ALiBi (slopes captured, read per head):
+   the mosaic engine and cuDNN (scoremod's implementation="cudnn"); for
+   causal also the mosaic engine without the branch on the map's full tiles
+   (the whole mod on every tile), and beside softcap jax.nn's cuDNN on plain
+   attention. Median over --reps repetitions of 10 calls after a warm-up; the
+   first call timed apart. --triton: the Triton engine too; --backward:
+   forward + backward too (the backward is the Triton kernels').
+2. Errors against the reference path (implementation="xla", float32 inputs):
+   O and LSE of the mosaic forward at b2 hq4 hkv2 d128 bfloat16, s512 and
+   s1000 (a tail: 1000 is no whole number of tiles), relative to each
+   reference result's largest magnitude; with --backward also dQ, dK, dV.
 Every case runs in its own try block: a failure prints its first lines and the
-probe goes on. One line per result.
+probe goes on. One line per result; about 45 s with the defaults.
 """
 
 import argparse
@@ -88,34 +87,30 @@ def fail(label, e):
     print(f"{label}: FAILED: " + " | ".join(line[:400] for line in lines[:4]), flush=True)
 
 
-def errors():
+def errors(backward):
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     for seq in (512, 1000):
         q, k, v, do = inputs(2, seq, 4, 2, 128)
         for name, mod in mods(4).items():
             label = f"errors {name:8s} s{seq}"
             try:
-                want = jax.jit(lambda *a: with_grads(attend(mod, "xla"), *a))(
-                    f32(q), f32(k), f32(v), f32(do))
-                got = jax.jit(attend(mod, "pallas", MOSAIC))(q, k, v)
-                print(f"{label} forward:  O {relative(got[0], want[0]):.2e}, "
-                      f"LSE {relative(got[1], want[1]):.2e}", flush=True)
-                if seq == 512:  # (the Triton backward's compiles: the probe's longest step)
+                if backward:
+                    want = jax.jit(lambda *a: with_grads(attend(mod, "xla"), *a))(
+                        f32(q), f32(k), f32(v), f32(do))
                     got = jax.jit(lambda *a: with_grads(attend(mod, "pallas", MOSAIC), *a))(
                         q, k, v, do)
-                    print(f"{label} fwd+bwd: " + ", ".join(
-                        f"{n} {relative(a, b):.2e}"
-                        for n, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)), flush=True)
-                if name != "softcap":
-                    got = jax.jit(without_full_branch(mod, q, k, v))(q, k, v)
-                    print(f"{label} forward, no full-tile branch: O "
-                          f"{relative(got[0], want[0]):.2e}, LSE {relative(got[1], want[1]):.2e}",
-                          flush=True)
+                else:
+                    want = jax.jit(attend(mod, "xla"))(f32(q), f32(k), f32(v))
+                    got = jax.jit(attend(mod, "pallas", MOSAIC))(q, k, v)
+                print(f"{label}: " + ", ".join(
+                    f"{n} {relative(a, b):.2e}"
+                    for n, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)), flush=True)
             except Exception as e:  # noqa: BLE001 - one failure must not hide the others
                 fail(label, e)
 
 
-def timed(f, args, reps):
+def timed(f, args, reps, calls=10):
+    """(first call s, median s per call over ``reps`` runs of ``calls`` calls)."""
     t = time.perf_counter()
     jax.block_until_ready(f(*args))
     first = time.perf_counter() - t
@@ -123,24 +118,26 @@ def timed(f, args, reps):
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
+        for _ in range(calls):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / calls)
     return first, float(np.median(times))
 
 
-def speeds(seq, reps, backward):
+def speeds(seq, reps, triton, backward):
     b, h, d = 4, 16, 128
     q, k, v, do = inputs(b, seq, h, h, d)
     flops = 4 * b * h * seq * seq * d
     for name, mod in mods(h).items():
-        # mosaic last: a kernel that faults takes the process's GPU context with it
-        impls = {"triton": attend(mod, "pallas", TRITON), "cudnn": attend(mod, "cudnn"),
-                 "mosaic": attend(mod, "pallas", MOSAIC)}
-        if name != "softcap":
+        impls = {"mosaic": attend(mod, "pallas", MOSAIC), "cudnn": attend(mod, "cudnn")}
+        if name == "causal":
             impls["mosaic, no full-tile branch"] = without_full_branch(mod, q, k, v)
         if name == "softcap":  # plain attention's speed of light, for scale
             impls["jax.nn cudnn (plain)"] = lambda q, k, v: (jax.nn.dot_product_attention(
                 q, k, v, implementation="cudnn"), None)
+        if triton:
+            impls["triton"] = attend(mod, "pallas", TRITON)
         for label, fn in impls.items():
             steps = [("fwd", jax.jit(lambda q, k, v, fn=fn: fn(q, k, v)[0]), (q, k, v), 1.0)]
             if backward:
@@ -162,13 +159,15 @@ def speeds(seq, reps, backward):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--skip-errors", action="store_true")
-    ap.add_argument("--backward", action="store_true", help="time forward + backward too")
+    ap.add_argument("--triton", action="store_true", help="time the Triton engine too")
+    ap.add_argument("--backward", action="store_true",
+                    help="time forward + backward, and check the gradients, too")
     args = ap.parse_args()
     print(jax.devices(), jax.__version__, flush=True)
     start = time.perf_counter()
+    speeds(args.seq, args.reps, args.triton, args.backward)
     if not args.skip_errors:
-        errors()
-    speeds(args.seq, args.reps, args.backward)
+        errors(args.backward)
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)
