@@ -343,7 +343,8 @@ NODE_OF_INPUTS = {
 _REL = jnp.linspace(-1.0, 1.0, 15, dtype=jnp.float32)
 _RATIO = jnp.asarray([0.5, 0.25, 2.0, 1.0], jnp.float32)
 _EDGE = jnp.asarray(np.random.default_rng(0).normal(size=(4, 2)), jnp.float32)
-_LEN = jnp.asarray(np.random.default_rng(1).integers(0, 3, (8, 8)), jnp.int32)
+# Path lengths between positions, large enough for the GPU test's 128 x 192 call.
+_LEN = jnp.asarray(np.random.default_rng(1).integers(0, 3, (256, 256)), jnp.int32)
 
 
 @pytest.mark.parametrize("name", sorted(NODE_OF_INPUTS))
@@ -364,3 +365,45 @@ def test_no_node_reads_only_input_tensors(name):
         np.testing.assert_allclose(_eval(fwd, pts, mod),
                                    np.asarray(jnp.broadcast_to(mod(*pts), pts[0].shape)),
                                    rtol=1e-5, atol=1e-6)
+
+
+def _evaluate_dividing_by(expr, inputs, rcp):
+    """The canonical form's value with every float division done as cuDNN does
+    it, x * rcp (rcp: float32), the rest by the op table."""
+    vals = {}
+    for node in ir.toposort(expr):
+        if node.op == VAR:
+            vals[node] = jnp.asarray(inputs[node.attr])
+        elif node.op == CONST:
+            vals[node] = jnp.asarray(node.attr, {"f32": jnp.float32, "i32": jnp.int32,
+                                                 "bool": jnp.bool_}[node.dtype])
+        elif node.op == "div":
+            vals[node] = vals[node.args[0]].astype(jnp.float32) * rcp
+        else:
+            vals[node] = ir.OPS[node.op].evaluate([vals[x] for x in node.args], node.attr)
+    return np.asarray(vals[expr])
+
+
+@pytest.mark.parametrize("divisor", [3, 7, 41, 55, 64, 1000, -7, -41])
+def test_integer_division_survives_a_reciprocal_division(divisor):
+    """cuDNN divides as a * rcp(b) (the int_division probe on the H200: q // 41
+    gave 0 at q = 41, (q - k) % 7 gave 7 for 0). The fused forms of // and %
+    stay exact with the division done that way, rcp(b) rounded to nearest or
+    one ulp either side of 1 / b, for |a| below 2**21."""
+    forms = [rules_canonical(lambda s, b, h, q, k: s + ((q - k) // divisor).astype(jnp.float32)),
+             rules_canonical(lambda s, b, h, q, k: s + ((q - k) % divisor).astype(jnp.float32))]
+    assert any(n.op == "div" for n in ir.toposort(*forms)), "the fused forms divide in float"
+    a = np.concatenate([np.arange(-5000, 5000), np.arange(-2**21 + 1, 2**21, 9973),
+                        divisor * np.arange(-3000, 3000)]).astype(np.int32)
+    zero = np.zeros_like(a)
+    inputs = dict(score=np.zeros(a.shape, np.float32), b=zero, h=zero, q_idx=a, kv_idx=zero)
+    one = np.float32(1.0) / np.float32(divisor)
+    wants = [np.floor_divide(a, divisor), np.remainder(a, divisor)]
+    for rcp in (np.nextafter(one, np.float32(-np.inf)), one, np.nextafter(one, np.float32(np.inf))):
+        for form, want in zip(forms, wants):
+            got = _evaluate_dividing_by(form, inputs, rcp)
+            np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=str(form))
+
+
+def rules_canonical(fn):
+    return canonical(scoremod.trace(fn).expr)

@@ -475,7 +475,7 @@ def test_finite_values_unchanged_by_the_masked_key_rule():
 
 
 def _small_points():
-    """Positions below 2**24, where the fused path's float forms of // and % are exact,
+    """Positions below 2**21, where the fused path's float forms of // and % are exact,
     and scores no smaller than 1e-3 in magnitude (or 0): cuDNN's log(x + 1) and
     exp(x) - 1 for log1p and expm1 lose all relative precision below float32's
     epsilon (log1p(1e-30) becomes 0; docs/limitations.md), which a power or a

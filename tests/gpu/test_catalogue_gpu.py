@@ -23,6 +23,11 @@ pytestmark = pytest.mark.gpu
 HEAD_DIM = 128
 DTYPE = jax.numpy.bfloat16
 
+# cuDNN 9.19 on the H200 proposed no engine for these mods' graphs (run of
+# 60396b6): by name the call is refused when built; implementation=None runs
+# it on the next backend (the Pallas kernels), which must match.
+REFUSED_WHEN_BUILT = {"block_diffusion"}
+
 
 def _params():
     out = []
@@ -52,6 +57,10 @@ def test_catalogue_mod_fused_matches_the_reference(name):
 
     want = jax.jit(lambda *a: _run("xla", mod, *a))(q, k, v, do)
     for implementation in (None, backend):
+        if implementation == backend and name in REFUSED_WHEN_BUILT:
+            with pytest.raises(scoremod.UnsupportedOpError, match="no engine"):
+                jax.jit(lambda *a: _run(implementation, mod, *a))(q, k, v, do)
+            continue
         got = jax.jit(lambda *a: _run(implementation, mod, *a))(q, k, v, do)
         errs = {n: _rel_err(g, w) for n, g, w in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)}
         for what, err in errs.items():

@@ -220,9 +220,16 @@ def _rewrite(node: Node, args: tuple) -> Node:
         return spell(*args)
     if op in ("trunc_div", "rem") and nonneg_int_pair(node):
         op = "floordiv" if op == "trunc_div" else "mod"
-    if op == "floordiv":  # ints only (refused for floats): exact below 2**24
+    if op == "floordiv":  # ints only (refused for floats)
+        # cuDNN divides as a * rcp(b): the quotient of an exact multiple can
+        # round just below the integer (on the H200, q // 41 gave 0 at q = 41,
+        # (q - k) % 7 gave 7 for 0; benchmarks/probes/int_division.py). Shifted
+        # by half a step, (a + 0.5 sign(b)) / b lies at least 0.5 / |b| from every
+        # integer, which that rounding (relative, a few ulps) cannot cross while
+        # |a| < 2**21: the floor is then exact. The divisor never spans 0 here.
         a, b = (apply("f32", x) for x in args)
-        return apply("i32", apply("floor", a / b))
+        half = 0.5 if int_range(node.args[1])[0] > 0 else -0.5
+        return apply("i32", apply("floor", (a + half) / b))
     if op == "mod":
         a, b = args
         return a - _rewrite(Node("floordiv", (a, b), None, I32), (a, b)) * b

@@ -136,7 +136,8 @@ TABLE = {
     "log2": Entry(rewrite="log(x) * (1 / ln(2))",
                   spell=lambda x: apply("log", x) * (1.0 / math.log(2.0))),
     "exp2": Entry(rewrite="exp(x * log(2))", spell=lambda x: apply("exp", x * math.log(2.0))),
-    "floordiv": Entry(rewrite="ints: i32(floor(f32(a) / f32(b))), exact below 2**24",
+    "floordiv": Entry(rewrite=("ints: i32(floor((f32(a) + 0.5 sign(b)) / f32(b))), exact for "
+                               "|a| < 2**21"),
                       refusal="floordiv of floats has no cuDNN node",
                       refused_if=lambda n: n.dtype == F32),
     "mod": Entry(rewrite="ints: a - (a // b) * b", refusal="mod of floats has no cuDNN node",
