@@ -18,17 +18,26 @@ A backend is one object with a small protocol:
 - ``forward(plan, q, k, v, operands)`` -> (O, LSE) and
   ``backward(plan, q, k, v, o, lse, do, operands)`` -> (dQ, dK, dV).
 
-A backend whose forward JAX can differentiate itself (``differentiable``) is
-called directly; the others run inside :func:`run`'s ``custom_jvp`` (see
-"The fused call and its derivatives" below), whose reverse mode is the
-backend's backward and whose forward-mode tangents and second-order
-derivatives come from the fallback backend (the reference path) where the
-user allowed one. It refuses what the backward does not compute (gradients
-of captured operands unless ``operand_gradients``, and of the LSE), or,
-where the user allowed a fallback, hands the operand derivatives to it.
-Every fused call goes through ``lowering.sharding`` (partitioning, vmap),
-whose per-device call applies the masked-key rule for non-finite V
-(``lowering.nonfinite``): a backend's kernel need not.
+Class attributes say what it can do: ``differentiable`` (JAX differentiates
+its forward itself: it is called directly), ``operand_gradients`` (its
+gradients reach the mod's captured arrays), ``forward_mode_derivatives``
+(``jax.jvp`` of its forward works), ``traced_scale``, ``partitioned`` (its
+calls take ``lowering.sharding``'s partitioning rule), ``materializes_scores``
+(O(S^2) memory: the warnings say so) and ``specialized`` (it takes one kind
+of mod; its refusals of others are not what a warning should give).
+
+The other backends run inside :func:`run`'s ``custom_jvp`` (see "The fused
+call and its derivatives" below), whose reverse mode is the backend's
+backward. Where the user allowed fallbacks (``implementation=None``), what
+the backend cannot do runs on the next registered backend that can and
+takes the call: operand gradients and a call refused only when built on
+the first with ``operand_gradients`` (the Pallas kernels on a GPU, else the
+reference path), forward-mode and second-order derivatives on the first
+with ``forward_mode_derivatives`` (the reference path); by name, each is a
+ScoreModError. Every fused call goes through ``lowering.sharding``
+(partitioning, vmap), whose per-device call applies the masked-key rule
+for non-finite V (``lowering.nonfinite``) when asked for: a backend's
+kernel need not.
 """
 
 from __future__ import annotations
