@@ -297,6 +297,18 @@ def toposort(*roots: Node, stop=None) -> list[Node]:
     return order
 
 
+def source_of(node: Node, root: Node, sources: dict) -> str | None:
+    """The user's source line of ``node`` inside ``root`` (a trace's
+    ``sources``), else that of the nearest node using it, else None: an op
+    the trace built without a line of its own (a rewrite) is named by its user's."""
+    if sources.get(node):
+        return sources[node]
+    for parent in toposort(root):
+        if node in parent.args and parent in sources:
+            return sources[parent]
+    return None
+
+
 def substitute(root: Node, mapping: dict) -> Node:
     """Rebuild ``root`` with nodes replaced per ``mapping`` (through the simplifier)."""
     done = dict(mapping)

@@ -117,7 +117,7 @@ def check_supported(expr: Node, sources: dict) -> None:
             why = ("it indexes an array with a value computed from the score; the fused path "
                    "reads arrays at positions known before the kernel runs")
         if why:
-            where = sources.get(node) or _nearest_source(node, expr, sources)
+            where = ir.source_of(node, expr, sources)
             raise UnsupportedOpError(
                 f"the fused cuDNN path cannot run `{node.op}` in `{format_expr(node)}`"
                 f"{' at ' + where if where else ''}: {why}. Use implementation=\"xla\" for this "
@@ -143,13 +143,6 @@ def values_only(expr: Node) -> Node:
     while any(n.op == WITH_GRAD for n in ir.toposort(expr)):
         expr = ir.substitute(expr, {n: n.args[0] for n in ir.toposort(expr) if n.op == WITH_GRAD})
     return expr
-
-
-def _nearest_source(node, root, sources):
-    for parent in ir.toposort(root):
-        if node in parent.args and parent in sources:
-            return sources[parent]
-    return None
 
 
 # --- canonical forms ---------------------------------------------------------

@@ -78,16 +78,9 @@ def refusal(expr, sources) -> str | None:
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
         if why:
-            where = sources.get(node) or nearest_source(node, expr, sources)
+            where = ir.source_of(node, expr, sources)
             return (f"it cannot run `{node.op}` in `{format_expr(node)}`"
                     f"{' at ' + where if where else ''}: {why}")
-    return None
-
-
-def nearest_source(node, root, sources):
-    for parent in ir.toposort(root):
-        if node in parent.args and parent in sources:
-            return sources[parent]
     return None
 
 

@@ -121,7 +121,7 @@ def refusal(expr, sources) -> str | None:
             why = ("it reads captured arrays at indices built from b, h and constants only "
                    "(a scalar per program); this index varies over the tile (a gather)")
         if why:
-            where = sources.get(node) or codegen.nearest_source(node, expr, sources)
+            where = ir.source_of(node, expr, sources)
             return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
                     f"{' at ' + where if where else ''}: {why}; "
                     "LoweringOptions(pallas_engine=\"triton\") runs it")
