@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import scoremod
 from scoremod.lowering.blocks import BlockMap
@@ -254,3 +256,12 @@ def relative_errors(got, want) -> dict:
         scale = np.max(np.abs(b[fin]), initial=0.0) + 1e-6
         errs[name] = float(np.max(np.abs(a[fin] - b[fin]), initial=0.0) / scale)
     return errs
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    """JAX's and Pallas's deprecation warnings kept out of the Pallas tests'
+    output (autouse in every module that imports it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        yield

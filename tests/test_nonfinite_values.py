@@ -18,7 +18,7 @@ import pytest
 import scoremod
 from scoremod.lowering import registry
 from scoremod.lowering.problem import Problem
-from scoremod.lowering.reference import Reference
+from tests.test_sharding import StandIn  # the stand-in fused backend
 
 
 def _kernel_attention(q, k, v, mod, scale):
@@ -44,23 +44,12 @@ def _kernel_attention(q, k, v, mod, scale):
     return o.reshape(b, sq, hq, -1).astype(q.dtype), lse
 
 
-class Kernel(Reference):
+class Kernel(StandIn):
     """A fused backend whose kernel is plain attention (no rule of its own);
     records the V each call gets."""
 
     name = "nonfinite_standin"
-    title = "the stand-in kernel"
-    differentiable = False
-    operand_gradients = False
-    forward_mode_derivatives = False
-    materializes_scores = False
     calls: list = []
-
-    def why_not(self, problem, mod, automatic):
-        return None if not automatic else "asked for by name only"
-
-    def plan(self, problem, mod, scale, options, return_lse):
-        return super().plan(problem, mod, scale, options, True)
 
     def _run(self, plan, q, k, v, operands):
         from scoremod.dsl.scoremod import ScoreMod

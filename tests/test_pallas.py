@@ -10,7 +10,6 @@ Triton IR, no GPU needed); tests/gpu/test_pallas_gpu.py runs the kernels.
 """
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -28,18 +27,11 @@ from scoremod.lowering.pallas import codegen
 from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
 from tests import pallas_cases as pc
+from tests.pallas_cases import quiet  # noqa: F401 - the autouse fixture
 
 SMALL = scoremod.LoweringOptions(pallas_block_q=32, pallas_block_kv=16,
                                  pallas_backward_block_q=16, pallas_backward_block_kv=32)
 TOL = 2e-5  # float32 inputs: relative to each result's largest magnitude
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not validated on a GPU.*")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        yield
 
 
 def _check(got, want, tol=TOL):

@@ -11,7 +11,6 @@ tests/gpu/test_pallas_gpu.py does, against the reference path.
 """
 
 import importlib
-import warnings
 from types import SimpleNamespace
 
 import jax
@@ -29,18 +28,11 @@ from scoremod.lowering.pallas import mosaic
 from scoremod.lowering.pallas.backend import PALLAS, _map
 from scoremod.lowering.problem import Problem
 from tests import pallas_cases as pc
+from tests.pallas_cases import quiet  # noqa: F401 - the autouse fixture
 from tests.test_pallas import TABLE_OPS, _examples
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
 HOPPER = device.Device("gpu", "NVIDIA H200", 9, 132)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not validated on a GPU.*")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        yield
 
 
 def _problem(d=128, dv=128, dtype="bfloat16", sq=256, skv=256):

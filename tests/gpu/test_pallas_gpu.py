@@ -9,7 +9,6 @@ Sq != Skv and lengths that are not whole tiles; then every op of the table.
 Errors are relative to each result's largest magnitude (printed with -s).
 """
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
 from scoremod.lowering.reference import REFERENCE
 from tests import pallas_cases as pc
+from tests.pallas_cases import quiet  # noqa: F401 - the autouse fixture
 from tests.test_pallas import TABLE_OPS, _examples
 
 pytestmark = pytest.mark.gpu
@@ -31,14 +31,6 @@ pytestmark = pytest.mark.gpu
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 1e-2, jnp.float32: 1e-3}
 OPERAND_TOL = 5e-2  # an operand's gradient sums every score's share, with cancellation
 OPTIONS = scoremod.LoweringOptions()  # the Hopper defaults: 128x64 forward, 64x64 backward
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not validated on a GPU.*")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        yield
 
 
 def _check(got, want, dtype):
@@ -96,14 +88,15 @@ def test_deterministic():
         assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
 
 
-def test_through_attention():
-    """implementation="pallas" under jit + grad, operand gradients included."""
-    q, k, v, do = pc.inputs(b=2, sq=256, skv=256, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+def _learned_slopes_match(seq, options=None):
+    """implementation="pallas" under jit + grad of causal ALiBi with learned
+    slopes: dQ, dK, dV and the slopes' gradient against the reference path."""
+    q, k, v, do = pc.inputs(b=2, sq=seq, skv=seq, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
     slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
 
     def loss(impl, q, k, v, slopes):
         mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h] * (ki - qi), -jnp.inf)
-        o = scoremod.attention(q, k, v, mod, implementation=impl)
+        o = scoremod.attention(q, k, v, mod, implementation=impl, options=options)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -114,6 +107,11 @@ def test_through_attention():
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         err = np.max(np.abs(a - b)) / np.max(np.abs(b))
         assert err < (OPERAND_TOL if name == "dslopes" else 3e-2), (name, err)
+
+
+def test_through_attention():
+    """implementation="pallas" under jit + grad, operand gradients included."""
+    _learned_slopes_match(256)
 
 
 def _op_check(expr):
@@ -234,22 +232,7 @@ def test_mosaic_shapes(shape, hopper):
 
 def test_mosaic_through_attention(hopper):
     """implementation="pallas" with the mosaic engine under jit + grad, slopes learned."""
-    q, k, v, do = pc.inputs(b=2, sq=512, skv=512, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
-    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
-
-    def loss(impl, q, k, v, slopes):
-        mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h] * (ki - qi), -jnp.inf)
-        o = scoremod.attention(q, k, v, mod, implementation=impl, options=MOSAIC)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = jax.jit(jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3)))(
-        f32(q), f32(k), f32(v), slopes)
-    got = jax.jit(jax.grad(lambda *a: loss("pallas", *a), argnums=(0, 1, 2, 3)))(q, k, v, slopes)
-    for name, a, b in zip(("dQ", "dK", "dV", "dslopes"), got, want):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        err = np.max(np.abs(a - b)) / np.max(np.abs(b))
-        assert err < (OPERAND_TOL if name == "dslopes" else 3e-2), (name, err)
+    _learned_slopes_match(512, MOSAIC)
 
 
 def test_mosaic_refusals(hopper):
