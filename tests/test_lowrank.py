@@ -228,3 +228,39 @@ def test_the_text_form_of_a_sum_of_products_is_found_too():
                          a=np.ones((S, 4), np.float32), c=np.ones((S, 4), np.float32))
     found = lowrank.find(mod, Problem(B, S, S, HQ, HQ, D, D, "float32"), 0.25)
     assert found.rank == 4 and str(found.mod) == "where(q_idx >= kv_idx, score, -inf)"
+
+
+def _augmented(make, a, c, hkv):
+    """augment, jitted, and its arguments (q, k: zeros; the columns are the test)."""
+    q, k = jnp.zeros((B, S, HQ, D)), jnp.zeros((B, S, hkv, D))
+    mod = scoremod.trace(make(a, c))
+    found = lowrank.find(mod, Problem.of(q, k, k), 0.25)
+    operands = dict(zip(mod.operand_names, mod.operands))
+    return jax.jit(lambda q, k, ops: lowrank.augment(found, q, k, ops, 0.25)), (q, k, operands)
+
+
+@pytest.mark.parametrize("name", ["mla_causal", "gqa_keys_shared_by_heads"] + sorted(LAYOUT_ARRAYS))
+def test_columns_read_by_slicing_equal_the_gathered_ones(name, monkeypatch):
+    """Factors laid out as the grid (q_pe[b, q_idx, h, j]) are sliced, others
+    gathered: the same columns either way, bit for bit."""
+    if name in LAYOUT_ARRAYS:
+        make, (a, c), hkv = _other_layouts()[name], LAYOUT_ARRAYS[name], HQ
+    else:
+        kind, a, c, hkv = CASES[name]
+        make = lambda a, c: _mods(a, c)[kind]  # noqa: E731
+    f, args = _augmented(make, a, c, hkv)
+    sliced = f(*args)
+    monkeypatch.setattr(lowrank, "_sliced", lambda *_: None)
+    f, args = _augmented(make, a, c, hkv)
+    for x, y in zip(sliced, f(*args)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_mla_factors_are_sliced_not_gathered():
+    """MLA's q_pe[b, q_idx, h, :] and k_pe[b, kv_idx, :] become extra head-dim
+    columns by slicing: a gather per column (64 at rank 64) costs the GPU a
+    quarter of the attention's time."""
+    make = lambda a, c: _mods(a, c)["mla_causal"]  # noqa: E731
+    f, args = _augmented(make, QPE, KPE, HQ)
+    hlo = f.lower(*args).compile().as_text()
+    assert " gather(" not in hlo

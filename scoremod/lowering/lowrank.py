@@ -166,11 +166,47 @@ def find(mod, problem, scale):
 
 def _columns(loads, operands, batch, seq, heads, seq_var):
     """[batch, seq, heads, len(loads)] float32: each load over the index grid."""
+    sizes = {"b": batch, seq_var: seq, "h": heads}
     grid = {"b": jnp.arange(batch, dtype=jnp.int32)[:, None, None],
             seq_var: jnp.arange(seq, dtype=jnp.int32)[None, :, None],
             "h": jnp.arange(heads, dtype=jnp.int32)[None, None, :]}
-    return jnp.stack([jnp.broadcast_to(evaluate(load, grid, operands).astype(jnp.float32),
-                                       (batch, seq, heads)) for load in loads], axis=-1)
+    columns = []
+    for load in loads:
+        values = _sliced(load, operands, sizes)
+        if values is None:
+            values = evaluate(load, grid, operands)
+        columns.append(jnp.broadcast_to(values.astype(jnp.float32), (batch, seq, heads)))
+    return jnp.stack(columns, axis=-1)
+
+
+def _sliced(load, operands, sizes: dict):
+    """The load over the grid by slicing, where its indices are the grid's
+    variables (in the grid's order, each spanning its whole axis) and
+    in-range constants, as in ``q_pe[b, q_idx, h, 3]``; else None. The
+    general evaluation gathers on iota indices, which XLA keeps as gathers:
+    one per column, 64 for a rank-64 bias. A column may be a load times a
+    constant (the bias's constant factors go to the query side)."""
+    if load.op == "mul" and load.dtype == F32 and any(is_const(a) for a in load.args):
+        c, x = load.args if is_const(load.args[0]) else load.args[::-1]
+        values = _sliced(x, operands, sizes)
+        return None if values is None else values * jnp.float32(c.attr)
+    if load.op != LOAD:
+        return None
+    name, shape, _ = load.args[0].attr
+    index, axes = [], []
+    for i, n in zip(load.args[1:], shape):
+        if i.op == ir.VAR and i.attr in sizes and n == sizes[i.attr]:
+            index.append(slice(None))
+            axes.append(i.attr)
+        elif i.op == ir.CONST and i.dtype == ir.I32 and 0 <= i.attr < n:
+            index.append(i.attr)
+        else:
+            return None
+    order = list(sizes)
+    if axes != sorted(set(axes), key=order.index):  # repeated or out of the grid's order
+        return None
+    values = jnp.asarray(operands[name])[tuple(index)].astype(jnp.float32)
+    return values.reshape([sizes[a] if a in axes else 1 for a in order])
 
 
 def augment(found: LowRank, query, key, operands: dict, scale):
