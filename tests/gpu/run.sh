@@ -3,13 +3,13 @@
 #
 #   bash tests/gpu/run.sh [extra pytest arguments]
 #
-# N pytest-xdist workers (default 4) share the GPU: no memory preallocation,
+# N pytest-xdist workers (default 8; the suite is bound by compiling) share the GPU: no memory preallocation,
 # each worker's JAX memory pool capped at a share of the GPU, one JAX
 # compilation cache for all of them. Each test gets SCOREMOD_TEST_TIMEOUT
 # seconds (default 180; tests/conftest.py): past that its worker prints every
 # thread's stack to the log and exits, the test counts as failed and a new
 # worker goes on, so one hang cannot stall the run. The whole run is stopped
-# (cleanly, with its reports written) after LIMIT seconds (default 470).
+# (cleanly, with its reports written) after LIMIT seconds (default 2400).
 #
 # Writes $OUT/doctor.txt (`scoremod doctor`: versions, GPU, extension),
 # $OUT/gpu-suite.xml (JUnit) and $OUT/gpu-suite.log (-v output and any
@@ -22,8 +22,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-N=${N:-4}
-LIMIT=${LIMIT:-470}
+N=${N:-8}
+LIMIT=${LIMIT:-2400}
 XML="$OUT/gpu-suite.xml"
 LOG="$OUT/gpu-suite.log"
 rm -f "$XML" "$LOG" "$OUT/doctor.txt"
