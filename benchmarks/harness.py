@@ -764,9 +764,12 @@ def run(cfg, save=lambda records, not_run: None):
             rec = dict(shape.record(), mod=name, impl=impl, direction=direction, variant="",
                        lowered="as written")
             builds, build_s = cache_counts()
+            planned = None
             try:
                 with warnings.catch_warnings(record=True) as caught:  # scoremod's are recorded
-                    warnings.simplefilter("always")
+                    warnings.simplefilter("default")  # each once per case
+                    if impl in PLANNED_IMPLS:
+                        planned = fused_backend(name, shape).name
                     rec["lowered"] = _lowered_here(name, impl, shape)
                     call, clock, rec["variant"] = make_call(impl, name, shape, direction)
                     first, iters, ms = measure(call, clock, cfg.reps, cfg.rep_ms, cfg.iters)
@@ -783,8 +786,8 @@ def run(cfg, save=lambda records, not_run: None):
             said = _sort_warnings(caught)
             if said:
                 rec["warnings"] = said
-            if impl in PLANNED_IMPLS:  # the backend that ran, and if not cuDNN, as written
-                rec["backend"] = backend_ran(fused_backend(name, shape).name, said)
+            if planned is not None:  # the backend that ran, and if not cuDNN, as written
+                rec["backend"] = backend_ran(planned, said)
                 if rec["backend"].split(" ")[0] not in CUDNN_BACKENDS:
                     rec["lowered"] = "as written"
             if rec["status"] == "oom":
