@@ -154,7 +154,7 @@ def mod_parts(name, t, tanh):
     """(score part ``(sc, b, h, q, k)``, mask ``(b, h, q, k)``) of mod ``name``, either
     None, written once for JAX and torch alike: ``t`` holds ``aux_arrays``' arrays in
     the library's own type, ``tanh`` its tanh (mla_rope is jax_mod's own)."""
-    w, s = t["window"], t["seq"]
+    w, s, slopes, table = t["window"], t["seq"], t["slopes"], t["table"]
 
     def softcap(sc, b, h, q, k):
         return SOFTCAP * tanh(sc / SOFTCAP)
@@ -164,8 +164,8 @@ def mod_parts(name, t, tanh):
 
     scores = {
         "softcap": softcap, "softcap_causal": softcap, "document_softcap": softcap,
-        "alibi": lambda sc, b, h, q, k: sc + t["slopes"][h] * (k - q),
-        "relbias": lambda sc, b, h, q, k: sc + t["table"][h, q - k + s - 1],
+        "alibi": lambda sc, b, h, q, k: sc + slopes[h] * (k - q),
+        "relbias": lambda sc, b, h, q, k: sc + table[h, q - k + s - 1],
     }
     masks = {"causal": causal, "softcap_causal": causal, "mla_rope": causal,
              "window": lambda b, h, q, k: (q >= k) & (q - k < w)}
