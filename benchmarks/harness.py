@@ -9,10 +9,13 @@ nothing), and writes a page (and its plot) only when given --doc.
 
 Same shapes, same run, side by side (``--impls``):
 
-  scoremod   scoremod.attention with the fused path, through XLA FFI: implementation=
-             "cudnn-varlen" for the document mods (ragged sequences), else "cudnn"
-  scoremod-plain  the same with LoweringOptions.plain(): the mod lowered as written, no
-             native mask, no query-block split, no scale folding (what those lowerings gain)
+  scoremod   scoremod.attention(implementation=None): the planner's pick, recorded as the
+             row's backend: "cudnn-varlen" for the document masks (ragged sequences), else
+             "cudnn" (through XLA FFI), else "pallas"; with the backend it fell back to,
+             and its warnings, when operand gradients (fwdbwd_ops) took another one
+  scoremod-plain  the same backend by name with LoweringOptions.plain(): the mod lowered as
+             written, no native mask, no query-block split, no scale folding (what those
+             lowerings gain)
   scoremod-ids  scoremod with the mod's arrays passed as arguments of the jitted
              function, as in training (document ids change per batch): the document
              mods' route is then chosen per call inside the program (a lax.cond)
@@ -33,9 +36,14 @@ Same shapes, same run, side by side (``--impls``):
   flex       PyTorch FlexAttention, torch.compile(flex_attention), with a block mask for
              the mask mods (when torch is importable)
 
+Directions (``--directions``): fwd, fwdbwd (gradients of q, k, v) and fwdbwd_ops
+(the same and the gradients of the mod's captured float arrays: ALiBi's slopes,
+relbias's table; scoremod, xla, pallas, pallas-mosaic and flex only).
+
 Times are medians (min, max) over ``--reps`` repetitions of N calls after warm-up;
 the first call (compilation and cuDNN graph builds) is timed apart. FLOPs are
-dense: 4*B*H*S*S*D forward and 2.5x that backward, for masked mods too.
+dense: 4*B*H*S*S*D forward and 2.5x that backward (fwdbwd_ops as fwdbwd), for
+masked mods too.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +79,7 @@ IMPLS = {
 }
 PALLAS_IMPLS = ("pallas", "pallas-mosaic")  # by name only, as the backend
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
-        "document", "document_random", "document_noncausal", "mla_rope")
+        "document", "document_random", "document_noncausal", "document_softcap", "mla_rope")
 # MLA's decoupled RoPE: causal, plus q_pe . k_pe of rank ROPE_DIM (k_pe shared by the
 # heads), a low-rank bias scoremod folds into the head dim (q and k at D + ROPE_DIM, v at
 # D); plain cuDNN runs q and k at head dim D + ROPE_DIM, the comparison the issue asks for:
@@ -81,16 +90,32 @@ MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_
 ROPE_MODS = ("mla_rope",)
 ROPE_DIM = 64
 # Packed documents: 4 equal ones per row, causal inside; random lengths (1 to S, seeded),
-# causal inside; 4 equal ones without causal.
-DOC_MODS = ("document", "document_random", "document_noncausal")
+# causal inside; 4 equal ones without causal; 4 equal ones, causal inside, with softcap on
+# the kept scores. Each mod's (ids array of aux_arrays, causal inside).
+DOC_IDS = {"document": ("doc", True), "document_random": ("doc_random", True),
+           "document_noncausal": ("doc", False), "document_softcap": ("doc", True)}
+DOC_MODS = ("document", "document_random", "document_noncausal")  # the pure document masks
 MASK_MODS = ("causal", "window") + DOC_MODS  # pure masks: jax.nn has them natively
-DIRECTIONS = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
-FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}  # backward counted as 2.5x the forward
+ARRAYS = ("slopes", "doc", "doc_random", "table")  # aux_arrays' arrays the mods capture
+# fwdbwd_ops: forward+backward that also differentiates with respect to the mod's captured
+# float arrays (ALiBi's slopes, relbias's table: learned parameters), on the
+# implementations whose gradients reach them; not run unless --directions asks.
+OPS = "fwdbwd_ops"
+DIRECTIONS = {"fwd": "fwd", "fwdbwd": "fwd+bwd", OPS: "fwd+bwd, operand grads"}
+DEFAULT_DIRECTIONS = ("fwd", "fwdbwd")
+FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, OPS: 3.5}  # backward counted as 2.5x the forward
+PLANNED_IMPLS = ("scoremod", "scoremod-plain", "scoremod-ids")  # on fused_backend: recorded
+CUDNN_IMPLS = PLANNED_IMPLS + ("direct",)  # the cuDNN lowerings' switches apply when planned there
+CUDNN_BACKENDS = ("cudnn", "cudnn-varlen")
+OPS_IMPLS = ("scoremod", "xla", "pallas", "pallas-mosaic", "flex")
+# The captured float arrays of FlexAttention's score_mods, by aux_arrays name (those of the
+# JAX mods are their float operands)
+FLEX_LEARNED = {"alibi": ("slopes",), "relbias": ("table",)}
 SOFTCAP, DOCS = 30.0, 4
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 DRY = dict(batch=1, heads=2, seqs=[32, 64], head_dims=[16], long=128, impls=["xla"], reps=3,
-           rep_ms=2.0, window=16)
+           rep_ms=2.0, window=16, directions=list(DIRECTIONS))
 
 
 class NotApplicable(Exception):
@@ -125,31 +150,53 @@ def random_documents(b, s, seed=0):
     return np.stack(rows).astype(np.int32)
 
 
+def mod_parts(name, t, tanh):
+    """(score part ``(sc, b, h, q, k)``, mask ``(b, h, q, k)``) of mod ``name``, either
+    None, written once for JAX and torch alike: ``t`` holds ``aux_arrays``' arrays in
+    the library's own type, ``tanh`` its tanh (mla_rope is jax_mod's own)."""
+    w, s, slopes, table = t["window"], t["seq"], t["slopes"], t["table"]
+
+    def softcap(sc, b, h, q, k):
+        return SOFTCAP * tanh(sc / SOFTCAP)
+
+    def causal(b, h, q, k):
+        return q >= k
+
+    scores = {
+        "softcap": softcap, "softcap_causal": softcap, "document_softcap": softcap,
+        "alibi": lambda sc, b, h, q, k: sc + slopes[h] * (k - q),
+        "relbias": lambda sc, b, h, q, k: sc + table[h, q - k + s - 1],
+    }
+    masks = {"causal": causal, "softcap_causal": causal, "mla_rope": causal,
+             "window": lambda b, h, q, k: (q >= k) & (q - k < w)}
+    if name in DOC_IDS:
+        masks[name] = document_mask(t[DOC_IDS[name][0]], DOC_IDS[name][1])
+    return scores.get(name), masks.get(name)
+
+
+def document_mask(ids, causal):
+    """Packed documents: a query sees the keys of its own document (up to itself if
+    ``causal``); ``ids`` [B, S], a JAX or torch array."""
+    if causal:
+        return lambda b, h, q, k: (ids[b, q] == ids[b, k]) & (q >= k)
+    return lambda b, h, q, k: ids[b, q] == ids[b, k]
+
+
 def jax_mod(name, a):
     import jax.numpy as jnp
 
     import scoremod
 
-    slopes, doc, table = (jnp.asarray(a[n]) for n in ("slopes", "doc", "table"))
-    rdoc = jnp.asarray(a["doc_random"])
-    w, s, inf = a["window"], a["seq"], -jnp.inf
-    fns = {
-        "identity": lambda sc, b, h, q, k: sc,
-        "softcap": lambda sc, b, h, q, k: SOFTCAP * jnp.tanh(sc / SOFTCAP),
-        "alibi": lambda sc, b, h, q, k: sc + slopes[h] * (k - q),
-        "relbias": lambda sc, b, h, q, k: sc + table[h, q - k + s - 1],
-        "causal": lambda sc, b, h, q, k: jnp.where(q >= k, sc, inf),
-        "window": lambda sc, b, h, q, k: jnp.where((q >= k) & (q - k < w), sc, inf),
-        "softcap_causal": lambda sc, b, h, q, k: jnp.where(q >= k, SOFTCAP * jnp.tanh(sc / SOFTCAP), inf),
-        "document": lambda sc, b, h, q, k: jnp.where((doc[b, q] == doc[b, k]) & (q >= k), sc, inf),
-        "document_random": lambda sc, b, h, q, k: jnp.where((rdoc[b, q] == rdoc[b, k]) & (q >= k), sc, inf),
-        "document_noncausal": lambda sc, b, h, q, k: jnp.where(doc[b, q] == doc[b, k], sc, inf),
-    }
+    t = dict(a, **{n: jnp.asarray(a[n]) for n in ARRAYS})
+    score, mask = mod_parts(name, t, jnp.tanh)
     if name == "mla_rope":
         q_pe, k_pe = rope_arrays(a)
-        fns[name] = lambda sc, b, h, q, k: jnp.where(q >= k, sc + jnp.dot(q_pe[b, q, h], k_pe[b, k]),
-                                                     inf)
-    return scoremod.trace(fns[name])
+        score = lambda sc, b, h, q, k: sc + jnp.dot(q_pe[b, q, h], k_pe[b, k])  # noqa: E731
+    score = score or (lambda sc, b, h, q, k: sc)
+    if mask is None:
+        return scoremod.trace(score)
+    return scoremod.trace(lambda sc, b, h, q, k: jnp.where(mask(b, h, q, k), score(sc, b, h, q, k),
+                                                            -jnp.inf))
 
 
 def rope_arrays(a):
@@ -201,6 +248,8 @@ def jax_cudnn_mla():
 
 def jax_native(name, a):
     """(variant, kwargs, mask or None): jax.nn.dot_product_attention's own masks."""
+    if name == "document_softcap":
+        raise NotApplicable("jax.nn has no softcap (and no score_mod): no faithful variant")
     if name in ("causal", "softcap_causal"):
         return "is_causal", {"is_causal": True}, None
     if name in ROPE_MODS:
@@ -213,9 +262,8 @@ def jax_native(name, a):
         import jax
         import jax.numpy as jnp
 
-        doc = jnp.asarray(a["doc_random" if name == "document_random" else "doc"])
-        mask = jax.jit(lambda d: d[:, None, :, None] == d[:, None, None, :])(doc)
-        causal = name != "document_noncausal"
+        ids, causal = DOC_IDS[name]
+        mask = jax.jit(lambda d: d[:, None, :, None] == d[:, None, None, :])(jnp.asarray(a[ids]))
         return (f"{'is_causal + ' if causal else ''}[B, 1, S, S] mask", {"is_causal": causal}, mask)
     return "no mod", {}, None
 
@@ -237,30 +285,17 @@ def jax_bias(name, a, dtype):
     return jax.jit(build)(jnp.asarray(a["slopes"]), jnp.asarray(a["table"]))
 
 
-def flex_mods(name, a):
-    """(score_mod, mask_mod) for FlexAttention."""
+def flex_mods(name, a, learn=False):
+    """(score_mod, mask_mod, learned) for FlexAttention: ``learned``, the captured float
+    tensors the score_mod reads (``FLEX_LEARNED``), with requires_grad if ``learn``."""
     import torch
 
-    slopes, doc, table, rdoc = (torch.as_tensor(a[n], device="cuda")
-                                for n in ("slopes", "doc", "table", "doc_random"))
-    w, s = a["window"], a["seq"]
-
-    def softcap(sc, b, h, q, k):
-        return SOFTCAP * torch.tanh(sc / SOFTCAP)
-
-    score_mods = {
-        "softcap": softcap, "softcap_causal": softcap,
-        "alibi": lambda sc, b, h, q, k: sc + slopes[h] * (k - q),
-        "relbias": lambda sc, b, h, q, k: sc + table[h, q - k + s - 1],
-    }
-    mask_mods = {
-        "causal": lambda b, h, q, k: q >= k, "softcap_causal": lambda b, h, q, k: q >= k,
-        "window": lambda b, h, q, k: (q >= k) & (q - k < w),
-        "document": lambda b, h, q, k: (doc[b, q] == doc[b, k]) & (q >= k),
-        "document_random": lambda b, h, q, k: (rdoc[b, q] == rdoc[b, k]) & (q >= k),
-        "document_noncausal": lambda b, h, q, k: doc[b, q] == doc[b, k],
-    }
-    return score_mods.get(name), mask_mods.get(name)
+    t = dict(a, **{n: torch.as_tensor(a[n], device="cuda") for n in ARRAYS})
+    learned = [t[n] for n in FLEX_LEARNED.get(name, ())]
+    for x in learned if learn else ():
+        x.requires_grad_()
+    score_mod, mask_mod = mod_parts(name, t, torch.tanh)
+    return score_mod, mask_mod, learned
 
 
 @functools.cache
@@ -318,21 +353,24 @@ class Shape:
         return self._torch
 
     def block_mask(self, name, mask_mod):
-        if name not in self._masks:
+        key = DOC_IDS.get(name, name)  # document and document_softcap share theirs
+        if key not in self._masks:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            b = self.b if name in DOC_MODS else None
+            b = self.b if name in DOC_IDS else None
             kw = {"_compile": True} if self.s <= 8192 else {}  # compiled at seq 16384 (torch
             # 2.11), the mask builder sat in ptxas for over 150 s; built eagerly it is a vmap
             try:
-                self._masks[name] = create_block_mask(mask_mod, b, None, self.s, self.s, device="cuda", **kw)
+                self._masks[key] = create_block_mask(mask_mod, b, None, self.s, self.s, device="cuda", **kw)
             except TypeError:  # a torch without _compile
-                self._masks[name] = create_block_mask(mask_mod, b, None, self.s, self.s, device="cuda")
-        return self._masks[name]
+                self._masks[key] = create_block_mask(mask_mod, b, None, self.s, self.s, device="cuda")
+        return self._masks[key]
 
 
 def make_call(impl, name, shape, direction):
     """(call, clock, variant): ``call()`` launches one call; ``clock`` times loops of it."""
+    if direction == OPS and impl not in OPS_IMPLS:
+        raise NotApplicable(f"{impl} computes no gradients of captured arrays")
     if impl in ("direct", "flex") and name in ROPE_MODS:
         raise NotApplicable(f"{impl} has no variant for {name} (its q and k are augmented)")
     if impl in ("direct", "flex"):
@@ -346,7 +384,7 @@ def make_call(impl, name, shape, direction):
 
     import scoremod
 
-    variant, extra = "", ()
+    variant, extra, learned = "", (), ()
     if impl == "scoremod-ids":
         mod = shape.mod(name)
         if not mod.operands:
@@ -357,14 +395,17 @@ def make_call(impl, name, shape, direction):
             return scoremod.attention(q, k, v, scoremod.ScoreMod(mod.expr, ops), implementation=how)
     elif impl in ("scoremod", "scoremod-plain", "xla") + PALLAS_IMPLS:
         mod = shape.mod(name)
-        how = {"xla": "xla", "pallas": "pallas", "pallas-mosaic": "pallas"}.get(impl) \
-            or fused_backend(name, shape).name
-
+        # scoremod: implementation=None, what the planner picks (run() records it)
+        how = ("xla" if impl == "xla" else "pallas" if impl in PALLAS_IMPLS
+               else fused_backend(name, shape).name if impl == "scoremod-plain" else None)
         options = {"scoremod-plain": scoremod.LoweringOptions.plain(),
                    "pallas-mosaic": scoremod.LoweringOptions(pallas_engine="mosaic")}.get(impl)
+        with_learned = (lambda learned: mod) if direction != OPS else learned_operands(name, mod)
+        learned = () if direction != OPS else tuple(x for x in mod.operands if _is_float(x))
 
-        def fn(q, k, v):
-            return scoremod.attention(q, k, v, mod, implementation=how, options=options)
+        def fn(q, k, v, *learned):
+            return scoremod.attention(q, k, v, with_learned(learned), implementation=how,
+                                      options=options)
     elif impl == "jax-cudnn" and name in ROPE_MODS:
         variant, kw, _ = jax_native(name, shape.aux)
 
@@ -397,14 +438,39 @@ def make_call(impl, name, shape, direction):
     if impl in ("jax-cudnn", "jax-cudnn-mla") and name in ROPE_MODS:
         q, k = rope_augmented(q, k, shape.aux)  # q_pe and k_pe as extra head-dim columns
     if direction == "fwd":
-        f, args = jax.jit(fn), (q, k, v, *extra)
-    else:
-        def step(q, k, v, do, *extra):
-            o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *extra), q, k, v)
+        f, args = jax.jit(fn), (q, k, v, *extra, *learned)
+    else:  # extra: fixed arguments; learned (OPS): the captured arrays differentiated
+        def step(q, k, v, do, extra, learned):
+            o, vjp = jax.vjp(lambda q, k, v, *learned: fn(q, k, v, *extra, *learned),
+                             q, k, v, *learned)
             return (o, *vjp(do))
 
-        f, args = jax.jit(step), (q, k, v, do, *extra)
+        f, args = jax.jit(step), (q, k, v, do, extra, learned)
     return (lambda: f(*args)), wall_clock, variant
+
+
+def _is_float(x):
+    import jax.numpy as jnp
+
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def learned_operands(name, mod):
+    """``with_learned(arrays)``: ``mod`` with its float operands (in order) replaced by
+    ``arrays``, the values being differentiated; its integer ones (ids) stay."""
+    import scoremod
+
+    floats = [i for i, x in enumerate(mod.operands) if _is_float(x)]
+    if not floats:
+        raise NotApplicable(f"{name} captures no float array")
+
+    def with_learned(arrays):
+        ops = list(mod.operands)
+        for i, x in zip(floats, arrays):
+            ops[i] = x
+        return scoremod.ScoreMod(mod.expr, tuple(ops))
+
+    return with_learned
 
 
 def _problem(shape):
@@ -414,14 +480,25 @@ def _problem(shape):
 
 
 def fused_backend(name, shape):
-    """The fused backend the benchmark's ``scoremod`` runs for mod ``name``: cuDNN's
-    variable-length attention where it takes the mod (the document mods), else cudnn."""
+    """The backend ``implementation=None`` picks for mod ``name`` at ``shape``
+    (``scoremod.which_implementation``): on a GPU, cuDNN's variable-length attention
+    for the document masks, else cudnn where it takes the mod, else the Pallas kernels."""
+    import scoremod
     from scoremod.lowering import registry
 
-    varlen = registry.get("cudnn-varlen")
-    if varlen.why_not(_problem(shape), shape.mod(name), automatic=False) is None:
-        return varlen
-    return registry.get("cudnn")
+    q, k, v, _ = shape.jax_inputs()
+    return registry.get(scoremod.which_implementation(q, k, v, shape.mod(name)).implementation)
+
+
+def backend_ran(planned, said):
+    """What ran a call planned on backend ``planned`` (a name): itself, or, where the
+    scoremod warnings it gave (``said``) name a backend it fell back to (operand
+    gradients, a kernel refused when built), e.g. "pallas (fallback from cudnn)"."""
+    from scoremod.lowering import registry
+
+    took = [b.name for b in registry.backends() if b.name != planned
+            and any(("falls back to" in w or "runs it on" in w) and b.title in w for w in said)]
+    return f"{', '.join(took)} (fallback from {planned})" if took else planned
 
 
 def plan_of(name, shape, options=None):
@@ -483,6 +560,9 @@ def make_direct(name, shape, direction):
 
     from scoremod.lowering.cudnn import graph as cg
 
+    planned = fused_backend(name, shape).name
+    if planned not in CUDNN_BACKENDS:
+        raise NotApplicable(f"scoremod runs {name} on {planned} here: no cuDNN graphs to run")
     varlen = varlen_plan_of(name, shape)
     if varlen is not None:
         return make_direct_varlen(varlen, shape.mod(name).operands, shape, direction)
@@ -583,7 +663,9 @@ def make_flex(name, shape, direction):
     import torch
 
     flex = _flex_attention()
-    score_mod, mask_mod = flex_mods(name, shape.aux)
+    score_mod, mask_mod, learned = flex_mods(name, shape.aux, learn=direction == OPS)
+    if direction == OPS and not learned:
+        raise NotApplicable(f"{name} captures no float array")
     block_mask = shape.block_mask(name, mask_mod) if mask_mod is not None else None
     q, k, v, do = (t.transpose(1, 2).contiguous() for t in shape.torch_inputs())  # [B, H, S, D]
     variant = "block mask" if block_mask is not None else ""
@@ -593,10 +675,11 @@ def make_flex(name, shape, direction):
                 return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
         return call, variant
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    wrt = (qg, kg, vg, *(learned if direction == OPS else ()))  # OPS: the captured arrays too
 
     def call():
         o = flex(qg, kg, vg, score_mod=score_mod, block_mask=block_mask)
-        return torch.autograd.grad(o, (qg, kg, vg), do)
+        return torch.autograd.grad(o, wrt, do)
 
     return call, variant
 
@@ -679,21 +762,34 @@ def run(cfg, save=lambda records, not_run: None):
             shape = Shape(cfg.batch, cfg.heads, seq, d, cfg.dtype, cfg.window, long)
         for direction in cfg.directions:
             rec = dict(shape.record(), mod=name, impl=impl, direction=direction, variant="",
-                       lowered=_lowered_here(name, impl, shape))
+                       lowered="as written")
             builds, build_s = cache_counts()
+            planned = None
             try:
-                call, clock, rec["variant"] = make_call(impl, name, shape, direction)
-                first, iters, ms = measure(call, clock, cfg.reps, cfg.rep_ms, cfg.iters)
+                with warnings.catch_warnings(record=True) as caught:  # scoremod's are recorded
+                    warnings.simplefilter("default")  # each once per case
+                    if impl in PLANNED_IMPLS:
+                        planned = fused_backend(name, shape).name
+                    rec["lowered"] = _lowered_here(name, impl, shape)
+                    call, clock, rec["variant"] = make_call(impl, name, shape, direction)
+                    first, iters, ms = measure(call, clock, cfg.reps, cfg.rep_ms, cfg.iters)
                 med = statistics.median(ms)
                 rec.update(status="ok", median_ms=med, min_ms=min(ms), max_ms=max(ms),
                            tflops=shape.flops(direction) / med / 1e9, first_call_s=first,
                            iters=iters, reps=len(ms))
             except NotApplicable:
-                break
+                continue
             except Exception as e:  # OOM and refusals are results too
                 rec["status"], rec["message"] = failure(e)
             finally:
                 call = None
+            said = _sort_warnings(caught)
+            if said:
+                rec["warnings"] = said
+            if planned is not None:  # the backend that ran, and if not cuDNN, as written
+                rec["backend"] = backend_ran(planned, said)
+                if rec["backend"].split(" ")[0] not in CUDNN_BACKENDS:
+                    rec["lowered"] = "as written"
             if rec["status"] == "oom":
                 _free_memory()
             b1, s1 = cache_counts()
@@ -702,6 +798,22 @@ def run(cfg, save=lambda records, not_run: None):
             print(f"[{n:3d}/{len(units)} {time.perf_counter() - start:6.0f}s] {progress(rec)}", flush=True)
             save(records, not_run)  # a command killed at its time limit keeps what it measured
     return records, not_run
+
+
+def _sort_warnings(caught):
+    """The scoremod warnings of a case, in order, once each (they go in its record);
+    the others are given again, to the filters in effect outside the case."""
+    said = []
+    for w in caught:
+        text = str(w.message)
+        if text.startswith("scoremod:"):
+            said += [text] if text not in said else []
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_SHOWN)
+    return said
+
+
+_SHOWN: dict = {}  # warnings.warn_explicit's registry: the "default" action shows each once
 
 
 def warm_up(impls):
@@ -735,6 +847,7 @@ def _free_memory():
 
 def progress(r):
     head = f"s{r['seq']} d{r['head_dim']} {r['mod']:14s} {r['impl']:9s} {DIRECTIONS[r['direction']]:7s}"
+    head += f" [{r['backend']}]" if "backend" in r else ""
     if r["status"] != "ok":
         return f"{head} {r['status'].upper()}: {r.get('message', '')}"
     builds = f", {r['graph_builds']} graph builds" if r["graph_builds"] else ""
@@ -763,7 +876,7 @@ TARGETS = [
     ("vs unsplit score_mod", ("softcap_causal",), ("fwd", "fwdbwd"), ("scoremod-plain", None),
      "scoremod", 1.5, True),
     ("vs XLA reference at seq 4096", None, ("fwdbwd",), ("xla", None), "scoremod", 4.0, True),
-    ("vs FlexAttention", None, ("fwd", "fwdbwd"), ("flex", None), "scoremod", 1.2, True),
+    ("vs FlexAttention", None, ("fwd", "fwdbwd", OPS), ("flex", None), "scoremod", 1.2, True),
 ]
 
 
@@ -889,33 +1002,54 @@ def markdown(records, metas, image=None):
                        f"| {sum(not t['pass'] for t in these)} | {worst} |")
         out.append("")
     for long, seq, d in _shapes(records):
-        out += [f"### seq {seq}, head dim {d}{' (long case)' if long else ''}", "",
-                "| mod | implementation | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s "
-                "| first call s | graph builds | targets |", "|---|---|---|---|---|---|---|---|---|"]
         here = {(r["mod"], r["impl"], r["direction"]): r for r in records
                 if (r["long"], r["seq"], r["head_dim"]) == (long, seq, d)}
+        dirs = _directions(here.values())
+        out += [f"### seq {seq}, head dim {d}{' (long case)' if long else ''}", "",
+                "| mod | implementation | "
+                + " | ".join(f"{DIRECTIONS[x]} ms | {DIRECTIONS[x]} TF/s" for x in dirs)
+                + " | first call s | graph builds | targets |",
+                "|---|---|" + "---|---|" * len(dirs) + "---|---|---|"]
         for mod in MODS:
             for impl in IMPLS:
-                f, fb = here.get((mod, impl, "fwd")), here.get((mod, impl, "fwdbwd"))
-                if f is None and fb is None:
+                got = [here.get((mod, impl, x)) for x in dirs]
+                some = [r for r in got if r is not None]
+                if not some:
                     continue
-                variant = (f or fb).get("variant")
-                how = (f or fb).get("lowered", "as written") if impl in ("scoremod", "direct") else ""
-                variant = variant or ("" if how == "as written" else how)
-                label = IMPLS[impl] + (f" ({variant})" if variant else "")
+                variant = some[0].get("variant")
+                how = some[0].get("lowered", "as written") if impl in ("scoremod", "direct") else ""
+                parts = [p for p in (_backends(dirs, got), variant, "" if how == "as written" else how)
+                         if p]
+                label = IMPLS[impl] + (f" ({'; '.join(parts)})" if parts else "")
                 first = " / ".join(f"{r['first_call_s']:.2f}" if r and "first_call_s" in r else "-"
-                                   for r in (f, fb))
-                builds = " / ".join(str(r["graph_builds"]) if r else "-" for r in (f, fb)) \
+                                   for r in got)
+                builds = " / ".join(str(r["graph_builds"]) if r else "-" for r in got) \
                     if impl in ("scoremod", "scoremod-plain", "scoremod-ids", "direct") else ""
                 mine = [t for t in rows if (t["seq"], t["head_dim"], t["mod"], t["impl"]) == (seq, d, mod, impl)]
                 verdicts = "; ".join(f"{name}{'' if needed == 'runs' else f' ({needed})'}: " + ", ".join(
                     _verdict(t) for t in mine if (t["target"], t["needed"]) == (name, needed))
                     for name, needed in dict.fromkeys((t["target"], t["needed"]) for t in mine))
-                out.append(f"| {mod} | {label} | {' | '.join(_cell(f))} | {' | '.join(_cell(fb))} "
-                           f"| {first} | {builds} | {verdicts} |")
+                cells = " | ".join(" | ".join(_cell(r)) for r in got)
+                out.append(f"| {mod} | {label} | {cells} | {first} | {builds} | {verdicts} |")
         out.append("")
-    out.append("First call s and graph builds: fwd / fwd+bwd. Cells of runs that failed say why.")
+    out.append("First call s and graph builds: one per direction, in the columns' order. Cells of "
+               "runs that failed say why. scoremod fused runs implementation=None: the backend in "
+               "its label is the one the planner picked (and any it fell back to).")
     return "\n".join(out)
+
+
+def _directions(records):
+    """The directions of a table or plot: fwd and fwd+bwd, and the operand-gradient
+    timing where some record has it."""
+    return [x for x in DIRECTIONS if x in DEFAULT_DIRECTIONS or any(r["direction"] == x for r in records)]
+
+
+def _backends(dirs, got):
+    """The backends that ran a row's calls: one name, or one per direction where they differ."""
+    ran = {DIRECTIONS[x]: r["backend"] for x, r in zip(dirs, got) if r and r.get("backend")}
+    if len(set(ran.values())) <= 1:
+        return next(iter(ran.values()), "")
+    return "; ".join(f"{x}: {b}" for x, b in ran.items())
 
 
 def write_section(path, section):
@@ -933,7 +1067,8 @@ def write_section(path, section):
 
 
 def plot(records, path):
-    """One row per shape: TF/s and ms per call, forward and forward+backward. None without matplotlib."""
+    """One row per shape: TF/s and ms per call, forward and forward+backward (and with
+    operand gradients, when measured). None without matplotlib."""
     try:
         import matplotlib
 
@@ -942,14 +1077,15 @@ def plot(records, path):
     except ImportError:
         print("matplotlib is not importable: plot skipped")
         return None
-    shapes = _shapes(records)
+    shapes, dirs = _shapes(records), _directions(records)
     impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
-    fig, axes = plt.subplots(len(shapes), 4, figsize=(22, 3.2 * len(shapes)), squeeze=False)
+    fig, axes = plt.subplots(len(shapes), 2 * len(dirs), figsize=(11 * len(dirs), 3.2 * len(shapes)),
+                             squeeze=False)
     for row, (long, seq, d) in enumerate(shapes):
         here = [r for r in records if (r["long"], r["seq"], r["head_dim"]) == (long, seq, d)]
         mods = [m for m in MODS if any(r["mod"] == m for r in here)]
         x = np.arange(len(mods))
-        for col, (direction, key) in enumerate([(dd, k) for dd in DIRECTIONS for k in ("tflops", "median_ms")]):
+        for col, (direction, key) in enumerate([(dd, k) for dd in dirs for k in ("tflops", "median_ms")]):
             ax, width = axes[row][col], 0.8 / len(impls)
             measured = False
             for j, impl in enumerate(impls):
@@ -1049,8 +1185,9 @@ def load(paths):
 SWITCHES = {
     "native mask": ("native_masks", lambda v: bool(v), ("causal", "window")),
     "ragged sequences": ("native_masks", lambda v: bool(v), DOC_MODS),
-    "query blocks": ("split_blocks", lambda v: (v or 0) > 1, ("softcap_causal",)),
-    "scale folded": ("fold_scale", lambda v: bool(v), ("softcap", "softcap_causal")),
+    "query blocks": ("split_blocks", lambda v: (v or 0) > 1, ("softcap_causal", "document_softcap")),
+    "scale folded": ("fold_scale", lambda v: bool(v), ("softcap", "softcap_causal",
+                                                      "document_softcap")),
 }
 
 
@@ -1058,6 +1195,8 @@ def _lowered_here(name, impl, shape):
     """``lowered`` for this run, with the block count the split plans at this shape."""
     if impl in ("xla",) + PALLAS_IMPLS:  # the cuDNN lowerings' switches do not apply
         return "as written"
+    if impl in CUDNN_IMPLS and fused_backend(name, shape).name not in CUDNN_BACKENDS:
+        return "as written"  # the planner gave the mod to another backend (Pallas)
     how = lowered(name, {} if impl == "scoremod-plain" else switches())
     if "query blocks" not in how:
         return how
@@ -1100,7 +1239,10 @@ def parse_args(argv):
     ap.add_argument("--impls", type=_list(str, IMPLS),
                     default=[i for i in IMPLS if i not in PALLAS_IMPLS],
                     help=", ".join(IMPLS) + " (default: all but " + ", ".join(PALLAS_IMPLS) + ")")
-    ap.add_argument("--directions", type=_list(str, DIRECTIONS), default=list(DIRECTIONS))
+    ap.add_argument("--directions", type=_list(str, DIRECTIONS), default=list(DEFAULT_DIRECTIONS),
+                    help="fwd, fwdbwd and fwdbwd_ops: forward+backward with the gradients of the "
+                    "mod's captured float arrays too (ALiBi slopes, relbias table), on "
+                    + ", ".join(OPS_IMPLS) + " (default: fwd,fwdbwd; --dry-run: all three)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])

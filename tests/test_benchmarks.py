@@ -345,3 +345,190 @@ def test_mla_rope_baseline_pads_v_and_computes_the_same_attention():
     want = scoremod.attention(q, k, v, shape.mod("mla_rope"), implementation="xla")
     assert got.shape == v.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+# --- document_softcap and the operand-gradient direction (fwdbwd_ops) -------------
+
+
+def _grid(b, h, s):
+    import numpy as np
+
+    return np.ix_(np.arange(b), np.arange(h), np.arange(s), np.arange(s))
+
+
+def _np_attention(q, k, v, mod):
+    """Attention in float64 numpy, ``mod(scores [B, H, S, S], b, h, q, k)`` on the scaled
+    scores; a row with no kept score gives zeros."""
+    import numpy as np
+
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, s, h, d = q.shape
+    scores = mod(np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d), *_grid(b, h, s))
+    top = np.max(scores, -1, keepdims=True)
+    p = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)
+    return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _document_softcap(sc, b, h, q, k, seq=64):
+    """What the issue asks for, written apart from the harness: 4 equal documents per
+    row, causal inside, 30 tanh(s / 30) on the kept scores."""
+    import numpy as np
+
+    doc = q * 4 // seq, k * 4 // seq
+    return np.where((doc[0] == doc[1]) & (q >= k), 30.0 * np.tanh(sc / 30.0), -np.inf)
+
+
+def test_document_softcap_mod_is_the_issues():
+    """The jax mod on a grid of scores large enough for the softcap to bend them, and the
+    xla row's attention, against a numpy reference written from the issue's words."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    shape = bench.Shape(2, 2, 64, 16, "float32", window=8)
+    mod = shape.mod("document_softcap")
+    grid = _grid(2, 2, 64)
+    sc = 60.0 * np.random.default_rng(1).standard_normal((2, 2, 64, 64)).astype(np.float32)
+    got = mod(jnp.asarray(sc), *(jnp.asarray(x) for x in grid))
+    np.testing.assert_allclose(np.asarray(got), _document_softcap(sc, *grid), rtol=1e-6, atol=1e-5)
+    assert np.isinf(np.asarray(got)).mean() == pytest.approx(1 - 4 * (16 * 17 / 2) / 64 ** 2)
+
+    q, k, v, do = shape.jax_inputs()
+    shape.jax_inputs = lambda: [8.0 * q, 8.0 * k, v, do]  # scores of tens: the cap matters
+    call, _, _ = bench.make_call("xla", "document_softcap", shape, "fwd")
+    want = _np_attention(8.0 * q, 8.0 * k, v, _document_softcap)
+    uncapped = _np_attention(8.0 * q, 8.0 * k, v, lambda sc, b, h, qi, ki: np.where(
+        (qi * 4 // 64 == ki * 4 // 64) & (qi >= ki), sc, -np.inf))
+    assert np.abs(want - uncapped).max() > 1e-2  # the test tells the cap apart
+    np.testing.assert_allclose(np.asarray(call()), want, rtol=1e-4, atol=1e-4)
+
+
+def test_flex_and_jax_mods_share_their_definitions():
+    """FlexAttention's score_mod and mask_mod come from the same mod_parts as the JAX
+    mods: evaluated with numpy arrays they give the JAX mod's scores, for every mod
+    FlexAttention runs; FLEX_LEARNED names the arrays the JAX mod's float operands hold."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    b, h, s = 2, 2, 64
+    aux = bench.aux_arrays(b, h, s, 8)
+    grid = _grid(b, h, s)
+    sc = (10.0 * np.random.default_rng(2).standard_normal((b, h, s, s))).astype(np.float32)
+    for name in bench.MODS:
+        if name in bench.ROPE_MODS:
+            continue
+        score, mask = bench.mod_parts(name, aux, np.tanh)
+        flex = score(sc, *grid) if score else sc
+        flex = np.where(mask(*grid), flex, -np.inf) if mask else flex
+        mod = bench.jax_mod(name, aux)
+        want = mod(jnp.asarray(sc), *(jnp.asarray(x) for x in grid))
+        np.testing.assert_allclose(np.broadcast_to(flex, want.shape), np.asarray(want), rtol=1e-6,
+                                   atol=1e-5, err_msg=name)
+        floats = [np.asarray(x) for x in mod.operands if np.issubdtype(x.dtype, np.floating)]
+        learned = [aux[n] for n in bench.FLEX_LEARNED.get(name, ())]
+        assert len(floats) == len(learned) and all(
+            np.array_equal(x, y) for x, y in zip(floats, learned)), name
+    assert set(bench.FLEX_LEARNED) == {"alibi", "relbias"}
+
+
+@pytest.mark.parametrize("name", ["alibi", "relbias"])
+def test_operand_gradients_reach_the_captured_array(name):
+    """fwdbwd_ops on the xla row returns dQ, dK, dV (those of fwdbwd) and the gradient
+    of the captured array, equal to the one of a dense attention written in the test
+    with the bias built from the same array, and nonzero."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    shape = bench.Shape(2, 2, 32, 16, "float32", window=8)
+    plain, _, _ = bench.make_call("xla", name, shape, "fwdbwd")
+    ops, _, _ = bench.make_call("xla", name, shape, bench.OPS)
+    got, base = ops(), plain()
+    assert len(got) == 5 and len(base) == 4
+    for x, y in zip(got[:4], base):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    q, k, v, do = shape.jax_inputs()
+    s = shape.s
+    qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+    array = jnp.asarray(shape.aux["slopes" if name == "alibi" else "table"])
+
+    def dense(array):
+        bias = array[:, None, None] * (ki - qi) if name == "alibi" else array[:, qi - ki + s - 1]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(shape.d) + bias[None]
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
+        return jnp.sum(o * do)
+
+    want = jax.grad(dense)(array)
+    assert got[4].shape == array.shape and float(jnp.abs(want).max()) > 1e-3
+    np.testing.assert_allclose(np.asarray(got[4]), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_operand_gradients_and_document_softcap_not_applicable_where_unfaithful():
+    shape = bench.Shape(1, 2, 32, 16, "float32", window=8)
+    for impl, name, direction in [("jax-cudnn", "document_softcap", "fwd"),
+                                  ("jax-bias", "document_softcap", "fwdbwd"),
+                                  ("xla", "softcap", bench.OPS),  # nothing to learn
+                                  ("xla", "document_softcap", bench.OPS),
+                                  ("jax-cudnn", "alibi", bench.OPS), ("jax-bias", "alibi", bench.OPS),
+                                  ("direct", "alibi", bench.OPS), ("scoremod-ids", "alibi", bench.OPS),
+                                  ("scoremod-plain", "relbias", bench.OPS)]:
+        with pytest.raises(bench.NotApplicable):
+            bench.make_call(impl, name, shape, direction)
+
+
+def test_operand_gradient_direction_is_opt_in_on_a_gpu_and_in_the_dry_run():
+    assert bench.parse_args([]).directions == ["fwd", "fwdbwd"]
+    assert bench.parse_args(["--dry-run"]).directions == ["fwd", "fwdbwd", bench.OPS]
+    assert bench.parse_args(["--directions", "fwdbwd,fwdbwd_ops"]).directions == ["fwdbwd", bench.OPS]
+    assert "document_softcap" in bench.parse_args([]).mods
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--directions", "bwd_ops"])
+
+
+def test_dry_run_has_document_softcap_and_operand_gradient_rows(tmp_path):
+    out, doc = tmp_path / "b.json", tmp_path / "perf.md"
+    assert bench.main(["--dry-run", "--mods", "alibi,document_softcap", "--seqs", "32", "--long", "0",
+                       "--json", str(out), "--doc", str(doc), "--images", str(tmp_path)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["mod"], r["direction"], r["status"]) for r in results] == [
+        ("alibi", "fwd", "ok"), ("alibi", "fwdbwd", "ok"), ("alibi", bench.OPS, "ok"),
+        ("document_softcap", "fwd", "ok"), ("document_softcap", "fwdbwd", "ok")]
+    ops = results[2]
+    assert ops["tflops"] == pytest.approx(4 * 2 * 32 * 32 * 16 * 3.5 / ops["median_ms"] / 1e9)
+    rows = _rows(doc.read_text(), "| mod | implementation | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s "
+                 "| fwd+bwd, operand grads ms | fwd+bwd, operand grads TF/s | first call s")
+    assert [(r[0], bool(r[6]), r[8].count("/")) for r in rows] == [("alibi", True, 2),
+                                                                   ("document_softcap", False, 2)]
+
+
+def test_scoremod_row_records_the_backend_that_ran_and_its_warnings(tmp_path, monkeypatch):
+    """implementation=None on a backend without operand gradients (a stand-in, planned
+    first here): fwdbwd runs on it, fwdbwd_ops falls back to the reference path with
+    scoremod's warning, and the records say so (the warning is kept, not raised)."""
+    from scoremod.lowering import registry
+    from tests.test_sharding import StandIn
+
+    class Planned(StandIn):
+        name, title = "bench-standin", "the benchmark's stand-in kernel"
+
+        def why_not(self, problem, mod, automatic):
+            return None
+
+    registry.register(Planned())
+    try:
+        out = tmp_path / "b.json"
+        assert bench.main(["--dry-run", "--impls", "scoremod", "--mods", "relbias", "--seqs", "32",
+                           "--long", "0", "--directions", "fwdbwd,fwdbwd_ops", "--json", str(out),
+                           "--doc", str(tmp_path / "p.md"), "--images", str(tmp_path)]) == 0
+    finally:
+        registry.unregister("bench-standin")
+    plain, ops = json.loads(out.read_text())["results"]
+    assert plain["status"] == ops["status"] == "ok"
+    assert plain["backend"] == "bench-standin" and not any(
+        "falls back" in w for w in plain.get("warnings", []))
+    assert ops["backend"] == "xla (fallback from bench-standin)" and ops["lowered"] == "as written"
+    assert any("gradients for score_mod operands" in w and "the reference path" in w
+               for w in ops["warnings"])
+    page = (tmp_path / "p.md").read_text()
+    assert ("scoremod fused (fwd+bwd: bench-standin; fwd+bwd, operand grads: xla (fallback from "
+            "bench-standin))") in page
