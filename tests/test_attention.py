@@ -10,6 +10,9 @@ import pytest
 import scoremod
 from scoremod import ScoreModTypeError, device
 from scoremod.lowering import registry
+from scoremod.lowering.backend import Backend
+from scoremod.lowering.pallas.backend import PALLAS
+from scoremod.lowering.reference import REFERENCE
 
 B, SQ, SKV, HQ, HKV, D = 2, 24, 40, 4, 2, 16
 SLOPES = np.array([2.0 ** (-8 * (i + 1) / HQ) for i in range(HQ)], np.float32)
@@ -371,6 +374,84 @@ def test_a_backend_not_validated_on_a_gpu_runs_by_name_only_with_a_warning(monke
     assert any("not validated on a GPU" in str(w.message) for w in caught)
 
 
+class _StandInFused(Backend):
+    """A fused backend without operand gradients or forward mode (as cuDNN): the
+    reference's numbers through the shared fused call and its tangent primitive."""
+
+    name, title = "fused-standin", "the stand-in fused kernels"
+    partitioned = False
+
+    def why_not(self, problem, mod, automatic):
+        return None
+
+    def plan(self, problem, mod, scale, options, return_lse):
+        return REFERENCE.plan(problem, mod, scale, options, True)
+
+    def forward(self, plan, q, k, v, operands):
+        return REFERENCE.forward(plan, q, k, v, operands)
+
+    def backward(self, plan, q, k, v, o, lse, do, operands):
+        _, vjp = jax.vjp(lambda q, k, v: REFERENCE.forward(plan, q, k, v, operands)[0],
+                         q, k, v)
+        return vjp(do)
+
+
+class _PallasHere(type(PALLAS)):
+    """The Pallas backend taking automatic calls here (interpret mode, float32)."""
+
+    def why_not(self, problem, mod, automatic, options=None):
+        return super().why_not(problem, mod, False, options)
+
+
+def test_operand_gradients_run_on_the_pallas_kernels_under_grad_and_jit(monkeypatch):
+    """implementation=None with a backend first that has no operand gradients
+    (as cuDNN): jax.grad and jax.vjp for ALiBi slopes run on the next backend
+    that has them, the Pallas kernels (their own backward: the slopes' tangent
+    is transposed, never evaluated), jitted or not, under jax.vmap too;
+    jax.jvp in the slopes runs on the reference path. Each with a warning."""
+    import warnings
+
+    monkeypatch.setattr(registry, "_BACKENDS", [_StandInFused(), _PallasHere(), REFERENCE])
+    q, k, v = (x[:, :32, :, :].astype(jnp.float32) for x in _inputs(jnp.float32, sq=32, skv=32))
+    q, k, v = (jnp.concatenate([x] * 8, axis=-1) for x in (q, k, v))  # head dim 64
+    slopes = jnp.linspace(0.1, 0.5, q.shape[2])
+    w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
+
+    def loss(q, s, impl=None):
+        mod = lambda x, b, h, qi, ki: jnp.where(qi >= ki, x + s[h] * (ki - qi), -jnp.inf)  # noqa: E731
+        return jnp.sum(scoremod.attention(q, k, v, mod, implementation=impl) * w)
+
+    want = jax.grad(lambda q, s: loss(q, s, "xla"), argnums=(0, 1))(q, slopes)
+    runs = {"grad": jax.grad(loss, argnums=(0, 1)),
+            "jit(grad)": jax.jit(jax.grad(loss, argnums=(0, 1))),
+            "vjp": lambda q, s: jax.vjp(loss, q, s)[1](jnp.float32(1.0))}
+    for name, run in runs.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = run(q, slopes)
+        for g, x in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=2e-4, atol=2e-5,
+                                       err_msg=name)
+        said = [str(m.message) for m in caught if "operands" in str(m.message)]
+        assert said and PALLAS.title in said[0], (name, said)
+    per_example = jnp.stack([slopes, 2 * slopes])
+    got = jax.vmap(jax.grad(loss, argnums=1), (None, 0))(q, per_example)
+    want_vmap = jax.vmap(jax.grad(lambda q, s: loss(q, s, "xla"), argnums=1), (None, 0))(
+        q, per_example)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want_vmap), rtol=2e-4, atol=2e-5)
+    # grad of vmap: the tangent primitive's batching rule folds the slopes' tangents
+    summed = lambda impl: lambda s: jax.vmap(lambda s: loss(q, s, impl))(s).sum()  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(summed(None)))(per_example)),
+                               np.asarray(jax.grad(summed("xla"))(per_example)),
+                               rtol=2e-4, atol=2e-5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = jax.jvp(lambda s: loss(q, s), (slopes,), (slopes,))
+    want = jax.jvp(lambda s: loss(q, s, "xla"), (slopes,), (slopes,))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
+    assert any("reference path" in str(m.message) for m in caught)
+
+
 def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch):
     """implementation=None: operand gradients go to the first later backend
     that computes them and takes the call (the reference path when it
@@ -382,23 +463,7 @@ def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch
     from scoremod.lowering.backend import Backend
     from scoremod.lowering.reference import REFERENCE
 
-    class Fused(Backend):  # the reference's numbers through the shared custom_vjp
-        name, title = "fused-standin", "the stand-in fused kernels"
-        partitioned = False
-
-        def why_not(self, problem, mod, automatic):
-            return None
-
-        def plan(self, problem, mod, scale, options, return_lse):
-            return REFERENCE.plan(problem, mod, scale, options, True)
-
-        def forward(self, plan, q, k, v, operands):
-            return REFERENCE.forward(plan, q, k, v, operands)
-
-        def backward(self, plan, q, k, v, o, lse, do, operands):
-            _, vjp = jax.vjp(lambda q, k, v: REFERENCE.forward(plan, q, k, v, operands)[0],
-                             q, k, v)
-            return vjp(do)
+    Fused = _StandInFused
 
     class WithGradients(Backend):  # the reference's numbers, differentiated by JAX
         name, title = "gradients-standin", "the stand-in gradient kernels"

@@ -47,6 +47,7 @@ import functools
 import warnings
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -230,10 +231,11 @@ def _fused_jvp(static, primals, tangents):
     q, k, v, operands = primals
     perturbed = [n for n, t in zip(_names(static.plan), tangents[3]) if not _zero(t)]
     if perturbed:
-        return _operand_derivatives(static, perturbed, primals, tangents)
+        _operand_fallback(static, perturbed)
     o, lse = _fused(static, q, k, v, operands)
-    which = tuple(not _zero(t) for t in tangents[:3])
-    lin = [t for t in tangents[:3] if not _zero(t)]
+    flat = (*tangents[:3], *tangents[3])
+    which = tuple(not _zero(t) for t in flat)
+    lin = [t for t in flat if not _zero(t)]
     to, tlse = _TANGENT.bind(q, k, v, o, lse, *operands, *lin, static=static, which=which)
     return (o, lse), (to, tlse)
 
@@ -241,25 +243,24 @@ def _fused_jvp(static, primals, tangents):
 _fused.defjvp(_fused_jvp, symbolic_zeros=True)
 
 
-def _operand_derivatives(static, perturbed, primals, tangents):
-    """Derivatives for the mod's captured operands: the fallback computes the
-    whole call (implementation=None, with a warning), or the error."""
+def _operand_fallback(static, perturbed):
+    """The (backend, plan) that computes derivatives for the mod's captured
+    operands (implementation=None, with a warning), or the error. Their
+    tangents join ``_TANGENT``: transposed (jax.grad) they are that backend's
+    backward; evaluated (jax.jvp) the forward-mode fallback's tangents."""
     if static.fallback is None:
         raise CudnnUnavailableError(
             f"gradients with respect to score_mod operands {perturbed} are not computed by "
             f"{static.backend.title} (it returns dQ, dK, dV only). Use implementation=\"xla\" to "
             "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
         )
-    fallback, fallback_plan = static.fallback
+    fallback, _ = static.fallback
     warnings.warn(
         f"scoremod: gradients for score_mod operands {perturbed} need {fallback.title}; "
         f"implementation=None falls back to it for this call{_memory_note(fallback)}.",
-        stacklevel=2,
+        stacklevel=3,
     )
-    tangents = jax.tree.map(lambda t, x: jnp.zeros(x.shape, x.dtype) if _zero(t) else t,
-                            tangents, primals, is_leaf=_zero)
-    return jax.jvp(lambda q, k, v, ops: fallback.forward(fallback_plan, q, k, v, ops),
-                   primals, tangents)
+    return static.fallback
 
 
 def _fallback_for(static, what):
@@ -284,22 +285,29 @@ _SECOND_ORDER = ("second-order derivatives (jax.hessian, the gradient of a gradi
 
 
 def _split(args, static, which):
-    """``(q, k, v, o, lse, operands, (dq, dk, dv))`` of ``_TANGENT``'s arguments
-    (None for a tangent that is zero)."""
+    """``(q, k, v, o, lse, operands, tangents)`` of ``_TANGENT``'s arguments:
+    ``tangents`` of q, k, v and then of each operand (None for a zero one)."""
     n = 5 + len(_names(static.plan))
     q, k, v, o, lse = args[:5]
     lin = iter(args[n:])
     return q, k, v, o, lse, tuple(args[5:n]), tuple(next(lin) if w else None for w in which)
 
 
+def _zeros_like(x):
+    """A zero tangent of ``x`` (float0 for integer arrays, as JAX wants)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros(x.shape, x.dtype)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
 def _tangent_value(*args, static, which):
     """``_TANGENT`` evaluated: the tangents of (O, LSE) on the fallback path."""
     q, k, v, o, lse, operands, lin = _split(args, static, which)
     fallback, fallback_plan = _fallback_for(static, _FORWARD_MODE)
-    tangents = tuple(jnp.zeros(x.shape, x.dtype) if t is None else t
-                     for x, t in zip((q, k, v), lin))
+    primals = (q, k, v, *operands)
+    tangents = tuple(_zeros_like(x) if t is None else t for x, t in zip(primals, lin))
     _, (to, tlse) = jax.jvp(
-        lambda q, k, v: fallback.forward(fallback_plan, q, k, v, operands), (q, k, v), tangents)
+        lambda q, k, v, *ops: fallback.forward(fallback_plan, q, k, v, ops), primals, tangents)
     return [to.astype(o.dtype), tlse.astype(lse.dtype)]
 
 
@@ -321,8 +329,29 @@ def _tangent_transpose(cts, *args, static, which):
         )
     if type(do) is ad.Zero:
         do = jnp.zeros(o.shape, o.dtype)
-    grads = _run_backward(static, q, k, v, o, lse, do, operands)
+    if any(which[3:]):  # operand gradients: the backend that computes them, all of them
+        grads = _operand_backward(static, q, k, v, do, operands, which[3:])
+    else:
+        grads = _run_backward(static, q, k, v, o, lse, do, operands)
     return [None] * (5 + len(operands)) + [g for g, w in zip(grads, which) if w]
+
+
+def _operand_backward(static, q, k, v, do, operands, wanted):
+    """dQ, dK, dV and the gradients of the ``wanted`` operands, by the operand
+    fallback's own reverse mode (its forward runs again for its residuals)."""
+    fallback, fallback_plan = static.fallback
+    learn = [i for i, w in enumerate(wanted) if w]
+
+    def out(q, k, v, *learned):
+        ops = list(operands)
+        for i, x in zip(learn, learned):
+            ops[i] = x
+        return fallback.forward(fallback_plan, q, k, v, tuple(ops))[0]
+
+    _, vjp = jax.vjp(out, q, k, v, *(operands[i] for i in learn))
+    grads = vjp(do)
+    by_operand = dict(zip(learn, grads[3:]))
+    return (*grads[:3], *(by_operand.get(i) for i in range(len(operands))))
 
 
 def _tangent_jvp(primals, tangents, *, static, which):
@@ -334,21 +363,40 @@ def _tangent_jvp(primals, tangents, *, static, which):
 def _tangent_batched(args, dims, *, static, which):
     """``_TANGENT`` under ``jax.vmap``: the mapped axis folds into the batch (the
     mod rewritten as for the kernels, ``sharding.fold_batch``), so that it stays
-    the fused backward when transposed."""
+    the fused backward when transposed. An operand's tangent folds as its
+    operand does (both taken as mapped when either is), so the rewritten mod
+    reads both alike."""
     n = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
     mapped = [d is not None for d in dims]
-    names = len(_names(static.plan))
-    heads = list(range(5)) + list(range(5 + names, len(args)))  # attention-shaped arrays
+    names = _names(static.plan)
+    lin_at = iter(range(5 + len(names), len(args)))
+    where = [next(lin_at) if w else None for w in which]  # each tangent's argument, if any
+    heads = list(range(5)) + [i for i in where[:3] if i is not None]  # attention-shaped
     folded = {i: sharding.fold(args[i], mapped[i], n) for i in heads}
     b = args[0].shape[1] if mapped[0] else args[0].shape[0]
-    mod, operands = sharding.fold_batch(static.plan.mod, args[5:5 + names],
-                                        mapped[5:5 + names], n, b)
+    ops_at = range(5, 5 + len(names))
+    alike = [mapped[i] or (t is not None and mapped[t]) for i, t in zip(ops_at, where[3:])]
+
+    def as_mapped(i, flag):
+        return args[i] if mapped[i] or not flag else jnp.broadcast_to(args[i], (n,) + args[i].shape)
+
+    values = [as_mapped(i, f) for i, f in zip(ops_at, alike)]
+    mod, operands = sharding.fold_batch(static.plan.mod, values, alike, n, b)
+    perturbed = [t is not None for t in where[3:]]
+    tangents = [as_mapped(t, f) if t is not None else x
+                for t, f, x in zip(where[3:], alike, values)]
+    _, operand_tangents = sharding.fold_batch(static.plan.mod, tangents, alike, n, b)
+    source = {name: p for name, p in zip(names, perturbed)}
+    new_perturbed = [source[tag if tag in source else tag[:tag.rindex("_")]]
+                     for tag in (mod.operand_names if mod is not None else ())]
     q, k, v = folded[0], folded[1], folded[2]
     sub = static.refolded(Problem.of(q, k, v), mod,
                           "under jax.vmap (the mapped axes folded into the batch)")
     outs = _TANGENT.bind(*(folded[i] for i in range(5)), *operands,
-                         *(folded[i] for i in heads[5:]), static=sub, which=which)
+                         *(folded[i] for i in heads[5:]),
+                         *(t for t, p in zip(operand_tangents, new_perturbed) if p),
+                         static=sub, which=(*which[:3], *new_perturbed))
     return [sharding.unfold(x, n) for x in outs], [0, 0]
 
 

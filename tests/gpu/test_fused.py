@@ -285,9 +285,13 @@ def test_operand_gradients_are_refused_explicitly_and_fall_back_automatically():
 
     with pytest.raises(scoremod.ScoreModError, match="operands"):
         jax.grad(loss)(SLOPES, "cudnn")
-    with pytest.warns(UserWarning, match="reference path"):
-        g = jax.grad(loss)(SLOPES, None)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(loss)(SLOPES, "xla")), rtol=1e-5, atol=1e-5)
+    # implementation=None: the slopes' gradient from the next backend that computes
+    # operand gradients (the Pallas kernels' backward), jitted or not.
+    for run in (jax.grad(loss), jax.jit(jax.grad(loss), static_argnums=1)):
+        with pytest.warns(UserWarning, match="Pallas"):
+            g = run(SLOPES, None)
+        want = jax.grad(loss)(SLOPES, "xla")
+        assert _rel_err(g, want) < 5e-2, _rel_err(g, want)
 
 
 def test_lse_gradient_is_refused_not_wrong():
