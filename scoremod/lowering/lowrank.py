@@ -181,7 +181,7 @@ def _columns(loads, operands, batch, seq, heads, seq_var):
 
 def _sliced(load, operands, sizes: dict):
     """The load over the grid by slicing, where its indices are the grid's
-    variables (in the grid's order, each spanning its whole axis) and
+    variables (each once, spanning its whole axis, in any order) and
     in-range constants, as in ``q_pe[b, q_idx, h, 3]``; else None. The
     general evaluation gathers on iota indices, which XLA keeps as gathers:
     one per column, 64 for a rank-64 bias. A column may be a load times a
@@ -202,11 +202,12 @@ def _sliced(load, operands, sizes: dict):
             index.append(i.attr)
         else:
             return None
-    order = list(sizes)
-    if axes != sorted(set(axes), key=order.index):  # repeated or out of the grid's order
+    order = [a for a in sizes if a in axes]  # the grid's order
+    if len(set(axes)) != len(axes):  # a variable read twice (a diagonal): not a slice
         return None
     values = jnp.asarray(operands[name])[tuple(index)].astype(jnp.float32)
-    return values.reshape([sizes[a] if a in axes else 1 for a in order])
+    values = jnp.transpose(values, [axes.index(a) for a in order])
+    return values.reshape([sizes[a] if a in axes else 1 for a in sizes])
 
 
 def augment(found: LowRank, query, key, operands: dict, scale):
