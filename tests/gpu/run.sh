@@ -36,7 +36,9 @@ if [ "$N" -gt 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
     # 80% of the GPU split between the workers; the rest is for cuDNN's own
     # allocations (handles, plans), which are outside JAX's pool.
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(awk "BEGIN {printf \"%.3f\", 0.8 / $N}")}
-    PARALLEL=(-n "$N" --dist load --max-worker-restart "$((2 * N))")
+    # worksteal (pytest-xdist 3.2+): idle workers take queued tests from busy ones,
+    # which keeps the slow compiling tests from piling up on one worker.
+    PARALLEL=(-n "$N" --dist worksteal --max-worker-restart "$((2 * N))")
 elif [ "$N" -gt 0 ]; then
     echo "pytest-xdist is not installed: running in one process" >&2
     N=0
