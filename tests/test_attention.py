@@ -10,9 +10,9 @@ import pytest
 import scoremod
 from scoremod import ScoreModTypeError, device
 from scoremod.lowering import registry
-from scoremod.lowering.backend import Backend
 from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.reference import REFERENCE
+from tests.test_sharding import StandIn  # the stand-in fused backend
 
 B, SQ, SKV, HQ, HKV, D = 2, 24, 40, 4, 2, 16
 SLOPES = np.array([2.0 ** (-8 * (i + 1) / HQ) for i in range(HQ)], np.float32)
@@ -374,26 +374,15 @@ def test_a_backend_not_validated_on_a_gpu_runs_by_name_only_with_a_warning(monke
     assert any("not validated on a GPU" in str(w.message) for w in caught)
 
 
-class _StandInFused(Backend):
-    """A fused backend without operand gradients or forward mode (as cuDNN): the
-    reference's numbers through the shared fused call and its tangent primitive."""
+class _StandInFused(StandIn):
+    """test_sharding's stand-in fused backend (no operand gradients, no forward
+    mode: as cuDNN), taking automatic calls too."""
 
     name, title = "fused-standin", "the stand-in fused kernels"
     partitioned = False
 
     def why_not(self, problem, mod, automatic):
         return None
-
-    def plan(self, problem, mod, scale, options, return_lse):
-        return REFERENCE.plan(problem, mod, scale, options, True)
-
-    def forward(self, plan, q, k, v, operands):
-        return REFERENCE.forward(plan, q, k, v, operands)
-
-    def backward(self, plan, q, k, v, o, lse, do, operands):
-        _, vjp = jax.vjp(lambda q, k, v: REFERENCE.forward(plan, q, k, v, operands)[0],
-                         q, k, v)
-        return vjp(do)
 
 
 class _PallasHere(type(PALLAS)):
@@ -408,7 +397,8 @@ def test_operand_gradients_run_on_the_pallas_kernels_under_grad_and_jit(monkeypa
     (as cuDNN): jax.grad and jax.vjp for ALiBi slopes run on the next backend
     that has them, the Pallas kernels (their own backward: the slopes' tangent
     is transposed, never evaluated), jitted or not, under jax.vmap too;
-    jax.jvp in the slopes runs on the reference path. Each with a warning."""
+    jax.jvp in the slopes runs on the reference path. Each with a warning.
+    The document ids, an int operand, get no gradient and a float0 tangent."""
     import warnings
 
     monkeypatch.setattr(registry, "_BACKENDS", [_StandInFused(), _PallasHere(), REFERENCE])
@@ -417,8 +407,11 @@ def test_operand_gradients_run_on_the_pallas_kernels_under_grad_and_jit(monkeypa
     slopes = jnp.linspace(0.1, 0.5, q.shape[2])
     w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
 
+    doc = jnp.arange(q.shape[1], dtype=jnp.int32) // 12  # an int operand beside the slopes
+
     def loss(q, s, impl=None):
-        mod = lambda x, b, h, qi, ki: jnp.where(qi >= ki, x + s[h] * (ki - qi), -jnp.inf)  # noqa: E731
+        mod = lambda x, b, h, qi, ki: jnp.where(  # noqa: E731
+            (qi >= ki) & (doc[qi] == doc[ki]), x + s[h] * (ki - qi), -jnp.inf)
         return jnp.sum(scoremod.attention(q, k, v, mod, implementation=impl) * w)
 
     want = jax.grad(lambda q, s: loss(q, s, "xla"), argnums=(0, 1))(q, slopes)
@@ -461,7 +454,6 @@ def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch
     import warnings
 
     from scoremod.lowering.backend import Backend
-    from scoremod.lowering.reference import REFERENCE
 
     Fused = _StandInFused
 

@@ -304,15 +304,10 @@ def _tangent_value(*args, static, which):
     """``_TANGENT`` evaluated: the tangents of (O, LSE) on the fallback path."""
     q, k, v, o, lse, operands, lin = _split(args, static, which)
     fallback, fallback_plan = _fallback_for(static, _FORWARD_MODE)
-    if any(t is not None for t in lin[3:]):  # operand tangents: differentiate in them too
-        primals = (q, k, v, *operands)
-        tangents = tuple(_zeros_like(x) if t is None else t for x, t in zip(primals, lin))
-        _, (to, tlse) = jax.jvp(
-            lambda q, k, v, *ops: fallback.forward(fallback_plan, q, k, v, ops), primals, tangents)
-    else:
-        tangents = tuple(_zeros_like(x) if t is None else t for x, t in zip((q, k, v), lin))
-        _, (to, tlse) = jax.jvp(
-            lambda q, k, v: fallback.forward(fallback_plan, q, k, v, operands), (q, k, v), tangents)
+    primals = (q, k, v, *operands)
+    tangents = tuple(_zeros_like(x) if t is None else t for x, t in zip(primals, lin))
+    _, (to, tlse) = jax.jvp(
+        lambda q, k, v, *ops: fallback.forward(fallback_plan, q, k, v, ops), primals, tangents)
     return [to.astype(o.dtype), tlse.astype(lse.dtype)]
 
 
@@ -394,9 +389,9 @@ def _tangent_batched(args, dims, *, static, which):
         tangents = [as_mapped(t, f) if t is not None else x
                     for t, f, x in zip(where[3:], alike, values)]
         _, operand_tangents = sharding.fold_batch(static.plan.mod, tangents, alike, n, b)
-        source = dict(zip(names, perturbed))  # a folded operand's tag: its name[_suffix]
-        new_perturbed = [source[tag if tag in source else tag[:tag.rindex("_")]]
-                         for tag in mod.operand_names]
+        source = dict(zip(names, perturbed))
+        new_perturbed = [source[sharding.folded_from(name, source)]
+                         for name in mod.operand_names]
     q, k, v = folded[0], folded[1], folded[2]
     sub = static.refolded(Problem.of(q, k, v), mod,
                           "under jax.vmap (the mapped axes folded into the batch)")

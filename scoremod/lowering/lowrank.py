@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
-from scoremod.dsl.ir import CONST, F32, LOAD, VAR, Node, is_const
+from scoremod.dsl.ir import CONST, F32, I32, LOAD, VAR, Node, is_const
 from scoremod.dsl.ops import apply
 from scoremod.dsl.scoremod import ScoreMod
 
@@ -195,10 +195,10 @@ def _sliced(load, operands, sizes: dict):
     name, shape, _ = load.args[0].attr
     index, axes = [], []
     for i, n in zip(load.args[1:], shape):
-        if i.op == ir.VAR and i.attr in sizes and n == sizes[i.attr]:
+        if i.op == VAR and i.attr in sizes and n == sizes[i.attr]:
             index.append(slice(None))
             axes.append(i.attr)
-        elif i.op == ir.CONST and i.dtype == ir.I32 and 0 <= i.attr < n:
+        elif i.op == CONST and i.dtype == I32 and 0 <= i.attr < n:
             index.append(i.attr)
         else:
             return None

@@ -411,6 +411,12 @@ def fold_batch(mod: ScoreMod | None, operands, batched, n: int, b: int):
     return new, tuple(new_values[name] for name in new.operand_names)
 
 
+def folded_from(name: str, names) -> str:
+    """The operand of the original mod (among ``names``) that ``fold_batch``'s
+    operand ``name`` comes from: itself, or ``<original>_<axis>`` / ``_e``."""
+    return name if name in names else name[:name.rindex("_")]
+
+
 def fold(x, batched, n):
     """``x`` with its mapped leading axis (broadcast first if unmapped) merged
     into the next one."""
