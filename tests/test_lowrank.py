@@ -71,8 +71,11 @@ LAYOUT_ARRAYS = {"per_bh": (A_BH, C_BH), "broadcast_s_r": (A_S, C_S),
 
 
 def _qkv(hkv, dtype=jnp.float32):
-    return _arr(B, S, HQ, D).astype(dtype), _arr(B, S, hkv, D).astype(dtype), \
-        _arr(B, S, hkv, D).astype(dtype)
+    """q, k, v drawn from their own seed: the same whichever tests ran before
+    (under pytest-xdist the order varies)."""
+    rng = np.random.default_rng(11)
+    return tuple(jnp.asarray(rng.normal(size=(B, S, h, D)), jnp.float32).astype(dtype)
+                 for h in (HQ, hkv, hkv))
 
 
 def _attend(make, q, k, v, a, c, options, scale=None):
