@@ -182,7 +182,7 @@ def document_mask(ids, causal):
     return lambda b, h, q, k: ids[b, q] == ids[b, k]
 
 
-def jax_mod(name, a):
+def jax_mod(name, a, dtype="float32"):
     import jax.numpy as jnp
 
     import scoremod
@@ -190,7 +190,7 @@ def jax_mod(name, a):
     t = dict(a, **{n: jnp.asarray(a[n]) for n in ARRAYS})
     score, mask = mod_parts(name, t, jnp.tanh)
     if name == "mla_rope":
-        q_pe, k_pe = rope_arrays(a)
+        q_pe, k_pe = rope_arrays(a, dtype)
         score = lambda sc, b, h, q, k: sc + jnp.dot(q_pe[b, q, h], k_pe[b, k])  # noqa: E731
     score = score or (lambda sc, b, h, q, k: sc)
     if mask is None:
@@ -199,15 +199,17 @@ def jax_mod(name, a):
                                                             -jnp.inf))
 
 
-def rope_arrays(a):
-    """q_pe [B, S, H, ROPE_DIM] and k_pe [B, S, ROPE_DIM] (float32, seeded), built on demand."""
+def rope_arrays(a, dtype="float32"):
+    """q_pe [B, S, H, ROPE_DIM] and k_pe [B, S, ROPE_DIM] (seeded, built on demand), in
+    ``dtype``: the inputs' one, as an MLA layer holds them."""
     import jax
     import jax.numpy as jnp
 
     b, h, s = a["batch"], a["heads"], a["seq"]
     kq, kk = jax.random.split(jax.random.key(1))
-    return (jax.random.normal(kq, (b, s, h, ROPE_DIM), jnp.float32),
-            jax.random.normal(kk, (b, s, ROPE_DIM), jnp.float32))
+    out = (jax.random.normal(kq, (b, s, h, ROPE_DIM), jnp.float32),
+           jax.random.normal(kk, (b, s, ROPE_DIM), jnp.float32))
+    return tuple(x.astype(dtype) for x in out)
 
 
 def rope_augmented(q, k, a):
@@ -216,8 +218,8 @@ def rope_augmented(q, k, a):
     the scores are mla_rope's: q . k / sqrt(D) + q_pe . k_pe."""
     import jax.numpy as jnp
 
-    q_pe, k_pe = rope_arrays(a)
-    q_pe = q_pe * math.sqrt(q.shape[-1])
+    q_pe, k_pe = rope_arrays(a, q.dtype)
+    q_pe = q_pe.astype(jnp.float32) * math.sqrt(q.shape[-1])
     k_pe = jnp.broadcast_to(k_pe[:, :, None], k.shape[:3] + (ROPE_DIM,))
     return tuple(jnp.concatenate([x, pe.astype(x.dtype)], axis=-1)
                  for x, pe in ((q, q_pe), (k, k_pe)))
@@ -330,7 +332,7 @@ class Shape:
 
     def mod(self, name):
         if name not in self._mods:
-            self._mods[name] = jax_mod(name, self.aux)
+            self._mods[name] = jax_mod(name, self.aux, self.dtype)
         return self._mods[name]
 
     def jax_inputs(self):
