@@ -151,12 +151,17 @@ def _fallback(backend, problem, mod, traced_scale, scale, options, can):
 
 
 def _choose(problem, mod, traced_scale=False):
-    """The first backend without objection; warns once per reason when a backend
-    whose hardware is here was passed over."""
+    """The first backend without objection, or the later one it yields this call
+    to (``yields_to``) when that one takes it; warns once per reason when a
+    backend whose hardware is here was passed over for a refusal."""
     passed = []
     for backend in registry.backends():
         reason = _why_not(backend, problem, mod, traced_scale, automatic=True)
         if reason is None:
+            faster, _ = _yielded(backend, problem, mod, lambda b: _why_not(
+                b, problem, mod, traced_scale, automatic=True) is None)
+            if faster is not None:
+                return faster
             present = [r for b, r in passed if b.present()]
             if present:
                 _warn_once(backend, _telling(passed, present))
@@ -164,6 +169,21 @@ def _choose(problem, mod, traced_scale=False):
         passed.append((backend, reason))
     raise ScoreModError("no implementation can run this call: "
                         + "; ".join(f"{b.name}: {r}" for b, r in passed))
+
+
+def _yielded(backend, problem, mod, takes):
+    """``(other, reason)``: the later registered backend ``backend`` yields this
+    call to, when ``takes(other)``; else ``(None, None)``."""
+    target = backend.yields_to(problem, mod)
+    if target is None:
+        return None, None
+    name, reason = target
+    order = registry.backends()
+    later = order[order.index(backend) + 1:]
+    other = next((b for b in later if b.name == name), None)
+    if other is None or not takes(other):
+        return None, None
+    return other, f"{backend.name} yields it to {name}: {reason}"
 
 
 def _telling(passed, reasons):
@@ -214,7 +234,9 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
     not taken: the refusal of the first backend tried before the chosen one
     that is not specialized (cudnn-varlen takes segment masks only), so for
     an ``"xla"`` or ``"pallas"`` choice, why the fused cuDNN path is not
-    (None when the first backend is taken); ``verdicts`` maps every registered
+    (None when the first backend is taken), or, when a backend that could run
+    it yields it to a faster one (cuDNN to the Pallas kernels for masks of
+    captured ids, such as packed documents with a score_mod), why; ``verdicts`` maps every registered
     backend to its reason for refusing this call, or None when it could run
     it; ``low_rank_bias`` says whether a low-rank additive bias of the mod
     runs inside QK^T (head dim and remaining mod), or why it stays in the mod
@@ -237,6 +259,11 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
     verdicts = {b.name: b.why_not(problem, mod, automatic=True) for b in registry.backends()}
     names = list(verdicts)
     chosen = next((name for name, reason in verdicts.items() if reason is None), None)
+    if chosen is not None:
+        faster, why = _yielded(registry.get(chosen), problem, mod,
+                               lambda b: verdicts[b.name] is None)
+        if faster is not None:
+            return Choice(faster.name, why, verdicts, note)
     # The reason: the first general backend's refusal before the chosen one.
     at = names.index(chosen) if chosen is not None else len(names)
     before = [(b, verdicts[b.name]) for b in registry.backends()[:at]]

@@ -497,3 +497,73 @@ def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch
         jax.jvp(lambda q: scoremod.attention(q, k, v, mod), (q,), (q,))
     said = [str(w.message) for w in caught if "jax.jvp" in str(w.message)]
     assert said and "reference path" in said[0], said  # the stand-in has no forward mode
+
+
+class _CudnnHere(type(registry.get("cudnn"))):
+    """The cuDNN backend's planning rules, taking every call (nothing is run on it)."""
+
+    def why_not(self, problem, mod, automatic):
+        return None
+
+
+class _CountingPallas(_PallasHere):
+    plans = 0
+
+    def plan(self, *args):
+        type(self).plans += 1
+        return super().plan(*args)
+
+
+def test_cudnn_yields_masks_of_captured_arrays_to_the_pallas_kernels(monkeypatch):
+    """Masks that read captured arrays at the query and the key (packed documents
+    with a score_mod, which the variable-length route does not take): cuDNN
+    could run them from a mask computed ahead over [Sq, Skv], visiting every
+    tile, so implementation=None picks the Pallas kernels, which compute the
+    mask in the kernel and skip the tiles it empties; which_implementation
+    says so. Dense mods, index masks and masks of captured values read at one
+    side only (key padding, a per-head flag) stay on cuDNN, and so does the
+    call when the Pallas kernels refuse it."""
+    import importlib
+
+    from scoremod.lowering.problem import Problem
+
+    attention_module = importlib.import_module("scoremod.attention")
+    pallas = _CountingPallas()
+    monkeypatch.setattr(registry, "_BACKENDS", [_CudnnHere(), pallas, REFERENCE])
+    q, k, v = (jnp.concatenate([x] * (64 // x.shape[-1]), axis=-1)  # head dim 64
+               for x in _inputs(jnp.float32, sq=64, skv=64))
+    doc = jnp.arange(64, dtype=jnp.int32) // 24
+    lengths = jnp.array([40, 64], jnp.int32)[: q.shape[0]]
+    softcap = lambda s: 30.0 * jnp.tanh(s / 30.0)  # noqa: E731
+    documents = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
+        (qi >= ki) & (doc[qi] == doc[ki]), softcap(s), -jnp.inf)
+    not_other = lambda s, b, h, qi, ki: jnp.where(doc[qi] != doc[ki], -jnp.inf, s)  # noqa: E731
+    stay = {"dense": lambda s, b, h, qi, ki: softcap(s),
+            "causal": lambda s, b, h, qi, ki: jnp.where(qi >= ki, softcap(s), -jnp.inf),
+            "key padding": lambda s, b, h, qi, ki: jnp.where(ki < lengths[b], s, -jnp.inf),
+            "per-head flag": lambda s, b, h, qi, ki: jnp.where(doc[h] == 0, s, -jnp.inf)}
+    start = jnp.array([0, 24, 48], jnp.int32)
+    from_start = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
+        (ki >= start[doc[qi]]) & (qi >= ki), s, -jnp.inf)
+    for name, mod in (("documents", documents), ("written as !=", not_other),
+                      ("from the document's start", from_start)):
+        choice = scoremod.which_implementation(q, k, v, mod)
+        assert choice.implementation == "pallas", (name, choice)
+        assert "cudnn yields it to pallas" in choice.reason and "[q_idx]" in choice.reason
+        assert choice.verdicts["cudnn"] is None and choice.verdicts["pallas"] is None
+        assert attention_module._choose(Problem.of(q, k, v), scoremod.trace(mod)) is pallas
+    for name, mod in stay.items():
+        choice = scoremod.which_implementation(q, k, v, mod)
+        assert choice == ("cudnn", None), (name, choice)
+    before = pallas.plans
+    got = scoremod.attention(q, k, v, documents)  # runs on the Pallas kernels (interpret mode)
+    assert pallas.plans == before + 1
+    want = scoremod.attention(q, k, v, documents, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+    class Refusing(_PallasHere):
+        def why_not(self, problem, mod, automatic, options=None):
+            return "refused for this test"
+
+    monkeypatch.setattr(registry, "_BACKENDS", [_CudnnHere(), Refusing(), REFERENCE])
+    assert scoremod.which_implementation(q, k, v, documents) == ("cudnn", None)

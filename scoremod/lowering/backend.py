@@ -12,6 +12,10 @@ A backend is one object with a small protocol:
   refusals depend on its engine option).
 - ``present()``: whether its hardware is on this machine; passing over a
   present backend warns the user, passing over an absent one does not.
+- ``yields_to(problem, mod)``: ``(name, reason)`` of a later backend that runs
+  this call faster (a measured crossover, docs/performance.md), which
+  ``implementation=None`` picks instead when that one takes the call; None
+  by default.
 - ``plan(problem, mod, scale, options, return_lse)``: a hashable, static
   description of the call (everything but array values), with ``mod`` (the
   expression only) and ``scale`` attributes.
@@ -84,6 +88,9 @@ class Backend:
 
     def why_not(self, problem, mod, automatic: bool) -> str | None:
         raise NotImplementedError
+
+    def yields_to(self, problem, mod) -> tuple | None:
+        return None
 
     def why_not_with(self, problem, mod, automatic: bool, options) -> str | None:
         """``why_not`` for a call under ``options`` (a LoweringOptions): a backend

@@ -540,6 +540,26 @@ def mask_conditions(expr) -> tuple:
     return conds, conflicting
 
 
+def mask_from_data(expr) -> Node | None:
+    """The first mask condition that reads captured arrays and both the query's
+    and the key's index (``doc[b, q_idx] == doc[b, kv_idx]``, ``kv_idx >=
+    start[doc[q_idx]]``), or None: a mask whose empty tiles only the values
+    decide (packed documents empty most of them).
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> doc = jnp.array([0, 0, 1, 1])
+        >>> mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(doc[q] == doc[k], s, -jnp.inf))
+        >>> mask_from_data(mod.expr)
+        <bool c0[q_idx] == c0[kv_idx]>
+    """
+    conds, _ = mask_conditions(expr)
+    deps = _dependencies(expr)
+    for c in conds:
+        if {"q_idx", "kv_idx"} <= deps[c] and any(n.op == LOAD for n in ir.toposort(c)):
+            return c
+    return None
+
+
 def when_full(expr: Node) -> Node:
     """``expr`` with its mask conditions (``mask_conditions``) replaced by the
     values a full tile guarantees: what a kernel computes on full tiles.

@@ -40,7 +40,8 @@ A mask is written as `jnp.where(allowed, s, -jnp.inf)`; `s, b, h, q, k` are
 the score, batch, head, query and key indices. Names in capitals are Python
 numbers, others captured arrays (listed under each mod's code below).
 
-**Verdicts** come from the plan of the fused call (`lowering/cudnn/plan.py`)
+**Verdicts** say which fused route `implementation=None` takes and, on
+cuDNN, how: from the plan of the fused call (`lowering/cudnn/plan.py`)
 at the GPU shape given, bfloat16, head dim 128, on an H200 (132 SMs): the
 query-block split depends on the shape and the GPU, the rest on the mod
 alone. `tests/catalogue/verdict.py` reads them off the plan; for your own
@@ -59,6 +60,13 @@ mods, `python -m scoremod show` prints the cuDNN graphs of a mod and
   index positions); *computed index*: an array read at a computed position
   (`rel[q - k + OFF]`); *computed from arrays*: a number derived from array
   reads ([limitations.md](limitations.md) says when and why).
+- **ragged sequences (cudnn-varlen)**: a segment mask on the plain score
+  runs as cuDNN's variable-length attention, one sequence per document.
+- **block-sparse Pallas kernels, mask in the kernel**: a mask that reads
+  captured arrays at the query and the key (document ids, page tables,
+  tile lists); cuDNN would read it as a materialized [.., Sq, Skv] tensor
+  and visit every tile, so the planner gives it to the Pallas kernels,
+  which compute it per tile and skip the tiles it empties.
 - **not yet**: the mod uses an operation the op table does not have yet;
   the reference path cannot run it either, and the row gives the verdict
   expected once it has.

@@ -186,7 +186,7 @@ entry(
     what="Longformer: a symmetric window plus global tokens that see and are seen by all",
     origin="masks/global_sliding_window.py", setup=_global_window, reference=_global_window_ref,
     code="mod = lambda s, b, h, q, k: jnp.where((jnp.abs(q - k) <= W) | is_global[q] | is_global[k], s, -jnp.inf)",
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, mask in the kernel",
 )
 
 
@@ -302,7 +302,7 @@ entry(
             q_local, k_local = q - offsets[doc[q]], k - offsets[doc[k]]
             return jnp.where((doc[q] == doc[k]) & (q_local >= k_local), s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, mask in the kernel",
 )
 
 
@@ -330,7 +330,7 @@ entry(
     setup=_documents,
     reference=lambda s, g, env: masked(s, _block_diagonal(env["lengths"], True)),
     code="mod = lambda s, b, h, q, k: jnp.where((k >= offsets[doc[q]]) & (q >= k), s, -jnp.inf)",
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, mask in the kernel",
 )
 
 
@@ -368,7 +368,7 @@ entry(
             prompt = (d != p) & (k >= offsets[p]) & (k < offsets[p + 1])
             return jnp.where(own | prompt, s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, mask in the kernel",
 )
 
 
@@ -448,7 +448,7 @@ entry(
             k_logical = page * PS + k % PS
             return jnp.where((page >= 0) & (q >= k_logical), s, -jnp.inf)
         """,
-    verdict="materialized [B,1,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, mask in the kernel",
 )
 
 
@@ -796,7 +796,7 @@ entry(
     origin="masks/vsa.py (generate_vsa_mask_mod)", setup=_vsa,
     reference=lambda s, g, env: masked(s, _vsa_tiles_allowed(env, s)),
     code="mod = lambda s, b, h, q, k: jnp.where((topk[b, h, q // T] == k // T).any(), s, -jnp.inf)",
-    verdict="materialized [B,H,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, mask in the kernel",
 )
 
 entry(
@@ -806,7 +806,7 @@ entry(
     reference=lambda s, g, env: masked(
         s, _vsa_tiles_allowed(env, s) & (g.k % env["T"] < env["sizes"][g.k // env["T"]])),
     code="mod = lambda s, b, h, q, k: jnp.where(block_map[b, h, q // T, k // T] & (k % T < sizes[k // T]), s, -jnp.inf)",
-    verdict="materialized [B,H,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, mask in the kernel",
 )
 
 
@@ -849,7 +849,7 @@ entry(
             image = k // L
             return jnp.where((q >= intervals[image, 0]) & (q < intervals[image, 1]), s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, mask in the kernel",
 )
 
 
@@ -886,7 +886,7 @@ entry(
             in_tree = (k >= P) & (k < P + N)
             return jnp.where((k < P) | (in_tree & ancestor[q, node]), s, -jnp.inf)
         """,
-    verdict="materialized [1,1,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, mask in the kernel",
 )
 
 

@@ -15,7 +15,9 @@ query-block split is the one an H200 (132 SMs) gets.
   ``computed index`` (an array read at a computed position),
   ``computed from arrays`` (a value derived from array reads), ``kv-only
   tensor`` (a [.., 1, Skv] read, laid out [.., Sq, Skv]);
-- ``fused``: one fused kernel, reading captured arrays directly if any.
+- ``fused``: one fused kernel, reading captured arrays directly if any;
+- ``block-sparse Pallas kernels, mask in the kernel``: a mask of captured
+  arrays that cuDNN yields to the Pallas kernels (``yields_to``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import scoremod
 from scoremod.dsl.ir import CONST, LOAD, MATERIALIZE, VAR
 from scoremod.errors import UnsupportedOpError
 from scoremod.lowering.cudnn import rules
+from scoremod.lowering.cudnn.backend import CUDNN
 from scoremod.lowering import lowrank, segments
 from scoremod.lowering.cudnn.plan import Plan
+from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
 
 H200_SMS = 132
@@ -73,7 +77,8 @@ def _dims_text(dims):
 def planned(mod, shape, d=128, sms=H200_SMS):
     """(notes, backend name, the cuDNN plan or None) of ``mod`` at ``shape`` as
     ``attention()`` runs it: a low-rank bias folded into the head dim first,
-    then a segment mask on ``"cudnn-varlen"``, else the fused cuDNN plan."""
+    then a segment mask on ``"cudnn-varlen"``, a mask of captured arrays on
+    ``"pallas"``, else the fused cuDNN plan."""
     notes = []
     found = lowrank.find(mod, problem(shape, d), 1.0 / math.sqrt(d))
     if isinstance(found, lowrank.LowRank):
@@ -83,6 +88,10 @@ def planned(mod, shape, d=128, sms=H200_SMS):
     # tried before "cudnn"); ids that are not runs take the dense route at run time.
     if isinstance(segments.recognize(mod.expr, problem(shape, d)), segments.Segments):
         return notes, "cudnn-varlen", None
+    # A mask of captured arrays (packed documents) cuDNN yields to the Pallas kernels.
+    if (CUDNN.yields_to(problem(shape, d), mod) is not None
+            and PALLAS.why_not(problem(shape, d), mod, automatic=False) is None):
+        return notes, "pallas", None
     return notes, "cudnn", plan_of(mod, shape, d, sms)
 
 
@@ -94,6 +103,8 @@ def verdict(mod, shape, d=128, sms=H200_SMS) -> str:
         op = re.search(r"cannot run `(\w+)`", str(e))
         return f"refused: `{op.group(1) if op else '?'}`"
     said, backend, plan = planned(mod, shape, d, sms)
+    if backend == "pallas":
+        return ", ".join(said + ["block-sparse Pallas kernels, mask in the kernel"])
     if plan is None:
         return ", ".join(said + ["ragged sequences (cudnn-varlen)"])
     band = plan.parts[0].band

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from scoremod import device, kernels_ffi, support
 from scoremod.errors import CudnnUnavailableError, ScoreModError
+from scoremod.dsl.text import format_expr
+from scoremod.lowering import blocks
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn import rules
 from scoremod.lowering.cudnn.plan import plan_for
@@ -70,6 +72,16 @@ class Cudnn(Backend):
                 return unvalidated + "; ask for it by name to run it anyway: implementation=\"cudnn\""
             _warn_once(unvalidated + "; running it because implementation=\"cudnn\" asked for it")
         return None
+
+    def yields_to(self, problem, mod):
+        # Measured (docs/performance.md): 4 documents per row with a softcap, the
+        # Pallas kernels run 2.8x cuDNN's forward and 4x its fwd+bwd at seq 4096.
+        cond = None if mod is None else blocks.mask_from_data(mod.expr)
+        if cond is None:
+            return None
+        return "pallas", (f"the mask `{format_expr(cond)}` reads captured arrays; cuDNN would "
+                          "compute it ahead as a [.., Sq, Skv] tensor and visit every tile, the "
+                          "Pallas kernels compute it in the kernel and skip the tiles it empties")
 
     def plan(self, problem, mod, scale, options, return_lse):
         return plan_for(mod, problem, scale, options)
