@@ -92,6 +92,14 @@ def _divide(a, b):
     return a / b
 
 
+def _integer_pow(x, n):
+    """x ** n as lax.integer_pow computes it (the reciprocal of x ** -n for
+    n < 0): Mosaic GPU lowers n >= 2 and n == -1 only (a derivative's n - 1)."""
+    if n < 0:
+        return 1.0 / lax.integer_pow(x, -n) if n < -1 else 1.0 / x
+    return jnp.ones_like(x) if n == 0 else x if n == 1 else lax.integer_pow(x, n)
+
+
 # The table's ops as Mosaic GPU lowers them: exact respellings of what it
 # cannot lower as written (custom_jvp functions, remainders, bool casts).
 TILE_RULES = {
@@ -103,6 +111,7 @@ TILE_RULES = {
     "mod": _int_mod,
     "floordiv": _int_floordiv,
     "div": _divide,
+    "integer_pow": _integer_pow,
 }
 
 _TILE_VARS = ("score", "q_idx", "kv_idx")
