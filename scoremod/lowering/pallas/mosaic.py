@@ -201,7 +201,7 @@ def _score_factor(expr):
     return ir.substitute(expr, {n: score for n in uses}), c
 
 
-def _uses(expr, name) -> bool:
+def uses_var(expr, name) -> bool:
     return expr is not None and any(n.op == VAR and n.attr == name for n in ir.toposort(expr))
 
 
@@ -220,7 +220,7 @@ class MosaicSpec:
     full_expr: object = None
 
 
-def _scalar_load(ref, flat, dtype):
+def scalar_load(ref, flat, dtype):
     """``ref[flat]`` at a scalar position (Mosaic GPU loads scalars, not gathers)."""
     out = ref[flat]
     if dtype == ir.BOOL:
@@ -246,8 +246,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     general = prepared(spec.expr)
     on_full = None if spec.full_expr is None else prepared(spec.full_expr)
     exprs = [e for e, _, _ in (general, on_full or general)]
-    needs_kv_idx = any(_uses(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
-    needs_q_idx = any(_uses(e, "q_idx") for e in exprs)
+    needs_kv_idx = any(uses_var(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
+    needs_q_idx = any(uses_var(e, "q_idx") for e in exprs)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, operand_refs, o_ref,
                 lse_ref, scoped):
@@ -302,7 +302,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     s = qk * jnp.float32(spec.scale * factor)
                     if expr is not None:
                         (s,) = codegen.evaluate_tile([expr], dict(inputs, score=s), refs,
-                                                     gather=_scalar_load, rules=TILE_RULES)
+                                                     gather=scalar_load, rules=TILE_RULES)
                         s = s.astype(jnp.float32)
                     return s if in_log2 else s * jnp.float32(LOG2E)
 

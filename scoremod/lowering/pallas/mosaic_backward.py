@@ -117,7 +117,7 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape):
         expr, local = variant
         roots = [expr] + ([local] if local is not None else [])
         out = codegen.evaluate_tile(roots, dict(inputs, score=score), refs,
-                                    gather=mosaic._scalar_load, rules=mosaic.TILE_RULES)
+                                    gather=mosaic.scalar_load, rules=mosaic.TILE_RULES)
         value = tile(out[0]) * jnp.float32(LOG2E)
         if not has_local:
             return value, None
@@ -138,9 +138,9 @@ def _tile_inputs(spec, bi, hi, q_idx, kv_idx):
     exprs = [e for e in (spec.expr, spec.full_expr) if e is not None]
     exprs += [local_derivative(e) for e in exprs]
     inputs = {"b": bi, "h": hi}
-    if any(mosaic._uses(e, "q_idx") for e in exprs):
+    if any(mosaic.uses_var(e, "q_idx") for e in exprs):
         inputs["q_idx"] = q_idx()
-    if spec.skv % BLOCK or any(mosaic._uses(e, "kv_idx") for e in exprs):
+    if spec.skv % BLOCK or any(mosaic.uses_var(e, "kv_idx") for e in exprs):
         inputs["kv_idx"] = kv_idx()
     return inputs
 
