@@ -366,6 +366,14 @@ def test_vmap_lowers(hopper_here):
         return scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
 
     assert "mosaic_gpu" in _lower_call(jax.vmap(out), qs, slopes)
+    # Gradients of q and k under vmap: the forward and both backward kernels, batched.
+    def loss(q, k, slopes):
+        mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h] * (ki - qi), -jnp.inf)
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32))
+
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None, 0))
+    assert _kernels(_lower_call(grads, qs, k, slopes)) == {"mosaic": 3, "triton": 0}
 
 
 def test_import_is_lazy():
