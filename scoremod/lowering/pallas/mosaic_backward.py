@@ -234,18 +234,19 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                                                         layout=layout),
                     lambda: k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
                                                         layout=layout))
-                value, local = _tile_terms(spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK))
-                plgpu.barrier_wait(lse_ready.at[slot])
-                lse = plgpu.load(lse_smem.at[slot], layout=along_q)
-                p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [1]))
                 plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(lse_ready.at[slot])
 
-                def products(accs):  # both issued before one wait
-                    dv_acc, dp_acc = accs
-                    plgpu.wgmma(dv_acc, p.astype(dtype), dos)
-                    plgpu.wgmma(dp_acc, v_smem, dos.transpose((1, 0)))
+                def probabilities(dp_acc):
+                    plgpu.wgmma(dp_acc, v_smem, dos.transpose((1, 0)))  # dP^T, while ...
+                    value, local = _tile_terms(spec, s, inputs, refs, is_full,
+                                               shape=(BLOCK, BLOCK))
+                    lse = plgpu.load(lse_smem.at[slot], layout=along_q)
+                    p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [1]))
+                    return p, local, dp_acc[...]  # ... P^T is computed
 
-                dv, dp = pl.run_state(products)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(BLOCK))))
+                p, local, dp = pl.run_scoped(probabilities,
+                                             plgpu.ACC((BLOCK, BLOCK), jnp.float32))
                 plgpu.barrier_wait(delta_ready.at[slot])
                 dd = plgpu.load(delta_smem.at[slot], layout=along_q)
                 ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [1]))
@@ -253,10 +254,12 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     ds = ds * local
                 ds = ds * jnp.float32(spec.scale)
 
-                def key_grad(acc):
-                    plgpu.wgmma(acc, ds.astype(dtype), qs)
+                def gradients(accs):  # both issued before one wait
+                    dv_acc, dk_acc = accs
+                    plgpu.wgmma(dv_acc, p.astype(dtype), dos)
+                    plgpu.wgmma(dk_acc, ds.astype(dtype), qs)
 
-                dk = pl.run_state(key_grad)(plgpu.ACC.init(dk))
+                dv, dk = pl.run_state(gradients)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
@@ -381,15 +384,17 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                                                         layout=layout),
                     lambda: k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1,
                                                         layout=layout))
-                value, local = _tile_terms(spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK))
-                p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
 
-                def grad_p(acc_ref):
-                    plgpu.wgmma(acc_ref, do_smem, vs.transpose((1, 0)))
-                    return acc_ref[...]
+                def probabilities(dp_acc):
+                    plgpu.wgmma(dp_acc, do_smem, vs.transpose((1, 0)))  # dP, while ...
+                    value, local = _tile_terms(spec, s, inputs, refs, is_full,
+                                               shape=(BLOCK, BLOCK))
+                    p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
+                    return p, local, dp_acc[...]  # ... P is computed
 
-                dp = pl.run_scoped(grad_p, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                p, local, dp = pl.run_scoped(probabilities,
+                                             plgpu.ACC((BLOCK, BLOCK), jnp.float32))
                 ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [0]))
                 if local is not None:
                     ds = ds * local
