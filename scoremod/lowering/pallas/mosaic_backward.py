@@ -21,7 +21,10 @@ on the tensor cores (``wgmma``): dK/dV computes the transposed tiles
 The mod's value and its local derivative (the derivative with ``dP = 1``;
 the derivative is linear in ``dP``) are evaluated in one pass over the IR
 (``codegen.evaluate_tile`` with ``mosaic.TILE_RULES``), so a softcap's
-``tanh`` is taken once per score, and ``dS`` is multiplied by it.
+``tanh`` is taken once per score, and ``dS`` is multiplied by it (the
+Triton backward evaluates the derivative at ``dP = dS``: the same terms,
+multiplied in another order). While ``dP`` is on the tensor cores the
+compute warpgroup evaluates the mod and ``P``.
 
 dK and dV come out per query head (float32 when several query heads share a
 key head: the caller sums each group in float32). Gradients of captured
