@@ -31,6 +31,12 @@ key head: the caller sums each group in float32). Gradients of captured
 float arrays are the Triton backward's (``refusal`` is for the mod; the
 backend routes operand gradients).
 
+Off a GPU (the plan's interpret flag) the kernels run in Mosaic GPU's
+interpret mode, a CPU simulation of the warpgroups, barriers, copies and
+wgmma, for tests: there the products add into fresh accumulators and left
+operands pass through shared memory (what it can simulate); the rest is the
+GPU's program.
+
 jax.experimental.pallas.mosaic_gpu is imported when a kernel is built, never
 at import (as ``mosaic``).
 """
@@ -68,6 +74,10 @@ class BackwardSpec:
     skv: int
     groups: int  # query heads per key/value head
     full_expr: object = None  # the mod on full tiles, or None: the mod everywhere
+    # Run in Mosaic GPU's interpret mode (a CPU simulation of the warpgroups,
+    # barriers, copies and wgmma: for tests), where accumulators are added to
+    # fresh ones (it cannot simulate wgmma into an accumulator carried in).
+    interpret: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -148,23 +158,74 @@ def _tile_inputs(spec, bi, hi, q_idx, kv_idx):
     return inputs
 
 
+def _accumulate(spec, issue, accs):
+    """``accs`` plus the products ``issue(acc_refs)`` issues (wgmma), as arrays:
+    on the GPU the products accumulate into ``accs`` in place."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not spec.interpret:
+        return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
+
+    def fresh(*refs):
+        issue(refs)
+        return tuple(r[...] for r in refs)
+
+    products = pl.run_scoped(fresh, *(plgpu.ACC(a.shape, jnp.float32) for a in accs))
+    return tuple(a + x for a, x in zip(accs, products))
+
+
+def _left(spec, x, staging, i):
+    """``x`` (registers) as a wgmma left operand: in interpret mode through slot
+    ``i`` of ``staging`` in shared memory (it multiplies shared-memory operands only)."""
+    if not spec.interpret:
+        return x
+    staging.at[i][...] = x
+    return staging.at[i]
+
+
+def _staging(spec, n, dtype):
+    """Shared memory for ``n`` left operands in interpret mode (none on the GPU)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not spec.interpret:
+        return []
+    return [plgpu.SMEM((n, BLOCK, BLOCK), dtype, transforms=_swizzled())]
+
+
+def _interpret(spec):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams() if spec.interpret else None
+
+
 def _map_index(counts, bi, hi):
     return (0 if counts.shape[0] == 1 else bi), (0 if counts.shape[1] == 1 else hi)
 
 
-def _stream(count, fetches):
-    """The memory warpgroup's loop: for each step, once its slot is free again
-    (``STAGES`` steps later), ``fetch(step, slot, wait)`` copies that step's tiles."""
+def _stream(count, fetch, free):
+    """The memory warpgroup's loop: ``fetch(step, slot)`` copies each step's
+    tiles into slot ``step % STAGES`` once the compute warpgroup has freed it
+    (arrived on ``free`` after step ``step - STAGES``); then it waits out the
+    last frees, so that it has seen every phase of those barriers."""
     import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
 
     for first in range(STAGES):
-        pl.when(first < count)(functools.partial(fetches, first, first, False))
+        pl.when(first < count)(functools.partial(fetch, first, first))
 
     def refill(step, carry):
-        fetches(step, lax.rem(step, STAGES), True)
+        slot = lax.rem(step, STAGES)
+        plgpu.barrier_wait(free.at[slot])
+        fetch(step, slot)
+        return carry
+
+    def drain(step, carry):
+        plgpu.barrier_wait(free.at[lax.rem(step, STAGES)])
         return carry
 
     lax.fori_loop(STAGES, jnp.maximum(count, STAGES), refill, None)
+    lax.fori_loop(jnp.maximum(count - STAGES, 0), count, drain, None)
 
 
 def _swizzled():
@@ -192,7 +253,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, operand_refs, dk_ref, dv_ref, scoped):
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_smem, dv_smem), \
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_smem, dv_smem, *staging), \
             (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -259,10 +320,10 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
                 def gradients(accs):  # both issued before one wait
                     dv_acc, dk_acc = accs
-                    plgpu.wgmma(dv_acc, p.astype(dtype), dos)
-                    plgpu.wgmma(dk_acc, ds.astype(dtype), qs)
+                    plgpu.wgmma(dv_acc, _left(spec, p.astype(dtype), *staging, 0), dos)
+                    plgpu.wgmma(dk_acc, _left(spec, ds.astype(dtype), *staging, 1), qs)
 
-                dv, dk = pl.run_state(gradients)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                dv, dk = _accumulate(spec, gradients, (dv, dk))
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
@@ -280,10 +341,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         def _memory():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            def fetch(step, slot, wait):
+            def fetch(step, slot):
                 rows = pl.ds(q_start(step), BLOCK)
-                if wait:
-                    plgpu.barrier_wait(free.at[slot])
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], q_smem.at[slot],
                                         q_ready.at[slot])
                 plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[slot],
@@ -293,7 +352,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
                                         delta_ready.at[slot])
 
-            _stream(count, fetch)
+            _stream(count, fetch, free)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
@@ -308,6 +367,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 plgpu.SMEM((STAGES, BLOCK), jnp.float32),
                 plgpu.SMEM((BLOCK, d), out_dtype, transforms=out_transforms),
                 plgpu.SMEM((BLOCK, d), out_dtype, transforms=out_transforms)]
+        smem += _staging(spec, 2, dtype)
         ready = (plgpu.Barrier(num_barriers=2),) + (plgpu.Barrier(num_barriers=STAGES),) * 4
         free = plgpu.Barrier(num_barriers=STAGES)
         pl.run_scoped(
@@ -319,7 +379,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     return plgpu.kernel(
         entry, out_type=(out, out), grid=(hq, skv // BLOCK, b),
         grid_names=("heads", "kv_seq", "batch"), num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands)
 
 
@@ -340,7 +400,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, operand_refs, dq_ref, scoped):
-        (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem), \
+        (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, *staging), \
             (own_ready, k_ready, v_ready), free = scoped
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -403,10 +463,10 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     ds = ds * local
                 ds = ds * jnp.float32(spec.scale)
 
-                def query_grad(acc_ref):
-                    plgpu.wgmma(acc_ref, ds.astype(dtype), ks)
+                def query_grad(acc_refs):
+                    plgpu.wgmma(acc_refs[0], _left(spec, ds.astype(dtype), *staging, 0), ks)
 
-                acc = pl.run_state(query_grad)(plgpu.ACC.init(acc))
+                (acc,) = _accumulate(spec, query_grad, (acc,))
                 plgpu.barrier_arrive(free.at[slot])
                 return acc
 
@@ -421,16 +481,14 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             kv_head = lax.div(hi, jnp.int32(spec.groups))
 
-            def fetch(step, slot, wait):
+            def fetch(step, slot):
                 rows = pl.ds(kv_start(step), BLOCK)
-                if wait:
-                    plgpu.barrier_wait(free.at[slot])
                 plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[slot],
                                         k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot],
                                         v_ready.at[slot])
 
-            _stream(count, fetch)
+            _stream(count, fetch, free)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
@@ -442,6 +500,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 plgpu.SMEM((BLOCK,), jnp.float32),
                 plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled),
                 plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)]
+        smem += _staging(spec, 1, dtype)
         ready = (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=STAGES),
                  plgpu.Barrier(num_barriers=STAGES))
         free = plgpu.Barrier(num_barriers=STAGES)
@@ -453,5 +512,5 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     return plgpu.kernel(
         entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(hq, n_tiles, b),
         grid_names=("heads", "q_seq", "batch"), num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands)
