@@ -255,6 +255,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 delta_ref, operand_refs, dk_ref, dv_ref, scoped):
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_smem, dv_smem, *staging), \
             (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
+        staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
         tile = lax.axis_index("kv_seq")
@@ -320,8 +321,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
                 def gradients(accs):  # both issued before one wait
                     dv_acc, dk_acc = accs
-                    plgpu.wgmma(dv_acc, _left(spec, p.astype(dtype), *staging, 0), dos)
-                    plgpu.wgmma(dk_acc, _left(spec, ds.astype(dtype), *staging, 1), qs)
+                    plgpu.wgmma(dv_acc, _left(spec, p.astype(dtype), staging, 0), dos)
+                    plgpu.wgmma(dk_acc, _left(spec, ds.astype(dtype), staging, 1), qs)
 
                 dv, dk = _accumulate(spec, gradients, (dv, dk))
                 plgpu.barrier_arrive(free.at[slot])
@@ -402,6 +403,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 delta_ref, operand_refs, dq_ref, scoped):
         (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, *staging), \
             (own_ready, k_ready, v_ready), free = scoped
+        staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
         tile = n_tiles - 1 - lax.axis_index("q_seq")  # the longest (causal) tiles first
@@ -464,7 +466,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 ds = ds * jnp.float32(spec.scale)
 
                 def query_grad(acc_refs):
-                    plgpu.wgmma(acc_refs[0], _left(spec, ds.astype(dtype), *staging, 0), ks)
+                    plgpu.wgmma(acc_refs[0], _left(spec, ds.astype(dtype), staging, 0), ks)
 
                 (acc,) = _accumulate(spec, query_grad, (acc,))
                 plgpu.barrier_arrive(free.at[slot])
