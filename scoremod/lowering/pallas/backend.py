@@ -133,10 +133,10 @@ class PallasPlan:
         if self.engine != "mosaic":
             engines = ""
         elif self.backward_engine == "mosaic":
-            engines = ("Mosaic GPU forward and backward (gradients of captured arrays: "
-                       "Triton backward), ")
+            engines = ("Mosaic GPU forward and backward, the Triton backward for gradients of "
+                       "captured arrays; ")
         else:
-            engines = f"Mosaic GPU forward, Triton backward ({self.backward_note}), "
+            engines = f"Mosaic GPU forward, Triton backward: {self.backward_note}; "
         return (f"{what} as block-sparse Pallas kernels ({engines}forward tiles "
                 f"{self.forward_blocks}, backward tiles {self.backward_blocks}"
                 f"{', interpret mode' if self.interpret else ''})")

@@ -117,9 +117,9 @@ TILE_RULES = {
 _TILE_VARS = ("score", "q_idx", "kv_idx")
 
 
-def refusal(expr, sources) -> str | None:
+def refusal(expr, sources, advice=True) -> str | None:
     """Why the Mosaic GPU forward cannot evaluate ``expr`` (a sentence naming
-    the op and where it was written), or None."""
+    the op and where it was written, with what runs it if ``advice``), or None."""
     for node in ir.toposort(expr):
         why = NOT_LOWERABLE.get(node.op)
         if node.op in INT_ONLY and any(a.dtype == ir.F32 for a in node.args):
@@ -132,8 +132,8 @@ def refusal(expr, sources) -> str | None:
         if why:
             where = ir.source_of(node, expr, sources)
             return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
-                    f"{' at ' + where if where else ''}: {why}; "
-                    "LoweringOptions(pallas_engine=\"triton\") runs it")
+                    f"{' at ' + where if where else ''}: {why}"
+                    + ("; LoweringOptions(pallas_engine=\"triton\") runs it" if advice else ""))
     return None
 
 

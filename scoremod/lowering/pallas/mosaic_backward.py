@@ -93,10 +93,10 @@ def refusal(expr, sources) -> str | None:
     engine's rules: ``mosaic.refusal``), or None."""
     if expr is None:
         return None
-    why = mosaic.refusal(expr, sources)
+    why = mosaic.refusal(expr, sources, advice=False)
     local = local_derivative(expr)
     if why is None and local is not None:
-        why = mosaic.refusal(local, sources)
+        why = mosaic.refusal(local, sources, advice=False)
         if why:
             why = "in the mod's derivative, " + why
     return why
