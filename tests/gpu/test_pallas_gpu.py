@@ -177,8 +177,10 @@ def test_vmap():
 
 
 # --------------------------------------------------------------------------- #
-# The Mosaic GPU forward engine (pallas_engine="mosaic", Hopper only), with the
-# Triton backward on its O and LSE: the same cases, where the engine runs them.
+# The Mosaic GPU engine (pallas_engine="mosaic", Hopper only): the same cases,
+# where the engine runs them. pc.both learns the captured float arrays too, so
+# cases with such arrays take the Triton backward here, the others the Mosaic
+# one (the tests further down learn q, k, v only).
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
 # Cases the engine refuses: gathers at tile-varying positions, a float remainder.
