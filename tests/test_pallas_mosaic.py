@@ -11,7 +11,8 @@ kernels, exactly when the engine does not refuse it, and whole calls (block
 maps, tails, grouped heads, captured arrays, jax.vmap) lower through
 scoremod.attention: gradients of q, k, v to Mosaic GPU kernels only, those
 of captured float arrays through the Triton backward. The backward kernels
-also run here, in Mosaic GPU's interpret mode, against the reference path. Running the kernel needs a Hopper GPU:
+also run here, in Mosaic GPU's interpret mode, against the reference path.
+Running the kernels needs a Hopper GPU:
 tests/gpu/test_pallas_gpu.py does, against the reference path.
 """
 

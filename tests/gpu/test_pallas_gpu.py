@@ -296,7 +296,8 @@ _MOSAIC_BACKWARD_CASES = [
 
 
 @pytest.mark.parametrize("case,dtype,d", _MOSAIC_BACKWARD_CASES,
-                         ids=[f"{c}-{jnp.dtype(t).name}-d{d}" for c, t, d in _MOSAIC_BACKWARD_CASES])
+                         ids=[f"{c}-{jnp.dtype(t).name}-d{d}"
+                              for c, t, d in _MOSAIC_BACKWARD_CASES])
 def test_mosaic_backward(case, dtype, d, hopper):
     """O, LSE, dQ, dK, dV against the reference path, on the map that skips masked
     tiles; 300 x 260 is no whole number of 64-row tiles (tails on both sides),
