@@ -104,15 +104,12 @@ def refusal(expr, sources) -> str | None:
 
 def _tile_terms(spec, s, inputs, refs, is_full, *, shape):
     """``(modded scores in log2 units, local derivative or None)`` of the
-    tile of raw products ``s`` (q.k), with the tail mask on the keys."""
+    tile of raw products ``s`` (q.k), -inf past the sequences' ends."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     layout = plgpu.Layout.WGMMA
     if spec.expr is None:
-        value = s * jnp.float32(spec.scale * LOG2E)
-        if spec.skv % BLOCK:
-            value = jnp.where(inputs["kv_idx"] < spec.skv, value, NEG_INF)
-        return value, None
+        return _tails(spec, s * jnp.float32(spec.scale * LOG2E), inputs), None
 
     variants = [(spec.expr, local_derivative(spec.expr))]
     if spec.full_expr is not None:
@@ -141,9 +138,17 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape):
     else:
         value, local = lax.cond(is_full != 0, lambda: run(variants[1]),
                                 lambda: run(variants[0]))
+    return _tails(spec, value, inputs), local
+
+
+def _tails(spec, value, inputs):
+    """``value`` with -inf on padded keys and queries: P is 0 there whatever the
+    mod gives (+inf on a padded row would make P NaN, and NaN * 0 reaches dK)."""
     if spec.skv % BLOCK:
         value = jnp.where(inputs["kv_idx"] < spec.skv, value, NEG_INF)
-    return value, local
+    if spec.sq % BLOCK:
+        value = jnp.where(inputs["q_idx"] < spec.sq, value, NEG_INF)
+    return value
 
 
 def _tile_inputs(spec, bi, hi, q_idx, kv_idx):
@@ -151,7 +156,7 @@ def _tile_inputs(spec, bi, hi, q_idx, kv_idx):
     exprs = [e for e in (spec.expr, spec.full_expr) if e is not None]
     exprs += [local_derivative(e) for e in exprs]
     inputs = {"b": bi, "h": hi}
-    if any(mosaic.uses_var(e, "q_idx") for e in exprs):
+    if spec.sq % BLOCK or any(mosaic.uses_var(e, "q_idx") for e in exprs):
         inputs["q_idx"] = q_idx()
     if spec.skv % BLOCK or any(mosaic.uses_var(e, "kv_idx") for e in exprs):
         inputs["kv_idx"] = kv_idx()
