@@ -26,7 +26,8 @@ Same shapes, same run, side by side (``--impls``):
   pallas     scoremod.attention(implementation="pallas"): the block-sparse Pallas kernels
              (Triton); not in the default --impls until they pass their GPU tests
   pallas-mosaic  the same with LoweringOptions(pallas_engine="mosaic"): the Mosaic GPU
-             forward (Hopper; the backward stays Triton's); not in the default --impls
+             kernels (Hopper), forward and backward (fwdbwd_ops: the Triton backward,
+             which learns the captured arrays); not in the default --impls
   jax-cudnn  jax.nn.dot_product_attention(implementation="cudnn") without the mod (upper
              bound), with is_causal / local_window_size (/ a mask) for the mask mods
              (mla_rope: q and k at head dim D + 64, v zero-padded to it, O sliced back)
@@ -71,7 +72,7 @@ IMPLS = {
     "direct": "same graph, cuDNN frontend Python",
     "xla": "scoremod XLA reference",
     "pallas": "scoremod Pallas kernels",
-    "pallas-mosaic": "scoremod Pallas, Mosaic GPU forward",
+    "pallas-mosaic": "scoremod Pallas, Mosaic GPU",
     "jax-cudnn": "jax.nn cuDNN",
     "jax-cudnn-mla": "JAX cuDNN, v at head dim D",
     "jax-bias": "jax.nn cuDNN + bias",

@@ -197,15 +197,17 @@ class _Skipping:
             return mask_block_map(self.mod, self.operands, problem, block_q, block_kv)
 
 
-def run(backend, plan, q, k, v, do, operands):
+def run(backend, plan, q, k, v, do, operands, learn_operands=True):
     """O, LSE and the gradients of <O, dO> + 0.1 * sum(finite LSE) in q, k, v and
-    the operands (the LSE term checks its gradient too), jitted."""
-    return _run(backend, plan, q, k, v, do, tuple(operands))
+    (with ``learn_operands``) the float operands (the LSE term checks its
+    gradient too), jitted."""
+    return _run(backend, plan, bool(learn_operands), q, k, v, do, tuple(operands))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _run(backend, plan, q, k, v, do, operands):
-    learn = [i for i, x in enumerate(operands) if jnp.issubdtype(x.dtype, jnp.floating)]
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run(backend, plan, learn_operands, q, k, v, do, operands):
+    learn = [i for i, x in enumerate(operands)
+             if learn_operands and jnp.issubdtype(x.dtype, jnp.floating)]
 
     def loss(q, k, v, floats):
         ops = list(operands)
@@ -224,17 +226,21 @@ def _run(backend, plan, q, k, v, do, operands):
     return o, lse, grads[0], grads[1], grads[2], tuple(op_grads)
 
 
-def both(case, q, k, v, do, options, skip=False, scale=None, full=None):
+def both(case, q, k, v, do, options, skip=False, scale=None, full=None, learn_operands=True,
+         check_plan=None):
     """(pallas results, reference results) of ``case``; each is
     (O, LSE, dQ, dK, dV, operand gradients). ``full``: a function of the mod's
-    operand nodes giving the mod on full tiles (with ``skip``)."""
+    operand nodes giving the mod on full tiles (with ``skip``); ``learn_operands``:
+    also the float operands' gradients; ``check_plan``: called with the Pallas plan."""
     mod, operands = traced(case, q, k)
     full_expr = None if full is None else full(*mod.operand_nodes)
     plan = pallas_plan(mod, q, k, v, options, skip, scale, full_expr)
+    if check_plan is not None:
+        check_plan(plan)
     ref_plan = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, options, True)
-    return (run(PALLAS, plan, q, k, v, do, operands),
+    return (run(PALLAS, plan, q, k, v, do, operands, learn_operands),
             run(REFERENCE, ref_plan, q.astype(jnp.float32), k.astype(jnp.float32),
-                v.astype(jnp.float32), do.astype(jnp.float32), operands))
+                v.astype(jnp.float32), do.astype(jnp.float32), operands, learn_operands))
 
 
 def relative_errors(got, want) -> dict:

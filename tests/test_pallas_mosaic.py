@@ -1,16 +1,23 @@
-"""The Pallas backend's Mosaic GPU forward engine, on the CPU (no GPU needed).
+"""The Pallas backend's Mosaic GPU engine (forward and backward), on the CPU
+(no GPU needed).
 
 The option and its refusals (why_not names the op, the dtype, the head dims
-or the device); the tile rules the engine evaluates the table's ops with,
-against the reference evaluator; and the kernel's lowering for CUDA, which
-Pallas runs here without a GPU: every op of the table lowers through the
-kernel exactly when the engine does not refuse it, and whole calls (block
-maps, tails, grouped heads, captured arrays, the Triton backward, jax.vmap)
-lower through scoremod.attention. Running the kernel needs a Hopper GPU:
+or the device); the plan's choice of backward (Mosaic's, or Triton's where
+its kernels cannot run the mod's derivative); the tile rules the engine
+evaluates the table's ops with, against the reference evaluator; and the
+kernels' lowering for CUDA, which Pallas runs here without a GPU: every op
+of the table lowers through the forward kernel, and through the backward
+kernels, exactly when the engine does not refuse it, and whole calls (block
+maps, tails, grouped heads, captured arrays, jax.vmap) lower through
+scoremod.attention: gradients of q, k, v to Mosaic GPU kernels only, those
+of captured float arrays through the Triton backward. The backward kernels
+also run here, in Mosaic GPU's interpret mode, against the reference path.
+Running the kernels needs a Hopper GPU:
 tests/gpu/test_pallas_gpu.py does, against the reference path.
 """
 
 import importlib
+import re
 from types import SimpleNamespace
 
 import jax
@@ -24,9 +31,11 @@ from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.errors import ScoreModError
 from scoremod.lowering import blocks
-from scoremod.lowering.pallas import mosaic
+from scoremod.lowering.pallas import mosaic, mosaic_backward
+from scoremod.lowering.pallas import backend as pallas_backend
 from scoremod.lowering.pallas.backend import PALLAS, _map
 from scoremod.lowering.problem import Problem
+from scoremod.lowering.reference import REFERENCE
 from tests import pallas_cases as pc
 from tests.pallas_cases import quiet  # noqa: F401 - the autouse fixture
 from tests.test_pallas import TABLE_OPS, _examples
@@ -215,12 +224,16 @@ def _lower_call(loss, *args):
     ("batch_scale", dict(sq=256, skv=384, hq=2, hkv=2, d=64)),
     ("learnable_softcap", dict(sq=128, skv=128, hq=2, hkv=1, d=128)),
     ("masked_rows", dict(sq=256, skv=256, hq=2, hkv=1, d=128)),
+    ("softcap_causal", dict(sq=300, skv=260, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)),
+    ("sliding_window", dict(sq=200, skv=333, hq=2, hkv=2, d=128, dtype=jnp.float16)),
 ])
 def test_calls_lower(case, shape, hopper_here):
-    """scoremod.attention by name, jitted, forward and gradients (q, k, v and the
-    captured float arrays: the Triton backward), lowers to one Mosaic GPU forward
-    kernel and the Triton backward kernels."""
-    dtype = jnp.float16 if shape["d"] == 64 else jnp.bfloat16
+    """scoremod.attention by name, jitted, forward and gradients of q, k, v lowers
+    to three Mosaic GPU kernels (the forward, dQ, dK/dV) and no Triton one; with the
+    gradients of the captured float arrays too, to the Mosaic forward and the Triton
+    backward kernels (which learn those arrays)."""
+    shape = dict(shape)
+    dtype = shape.pop("dtype", jnp.float16 if shape["d"] == 64 else jnp.bfloat16)
     q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
     fn, operands = pc.CASES[case](shape["hq"], shape["sq"], shape["skv"])
     floats = tuple(x for x in operands if jnp.issubdtype(x.dtype, jnp.floating))
@@ -230,8 +243,183 @@ def test_calls_lower(case, shape, hopper_here):
         o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
-    text = _lower_call(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, floats)
-    assert text.count("mosaic_gpu") >= 1 and "triton" in text
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, floats)) == \
+        {"mosaic": 3, "triton": 0}
+    if floats:
+        assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, floats)) == \
+            {"mosaic": 1, "triton": 2}
+
+
+def _kernels(text):
+    """Kernel calls in a lowered program, by engine."""
+    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    return {"mosaic": sum(c.startswith("mosaic_gpu") for c in calls),
+            "triton": sum("triton" in c for c in calls)}
+
+
+def _lower_backward(expr, q, k, operands=(), full_expr=None, lengths=None):
+    """dQ and dK/dV kernels of ``expr`` on the dense map, lowered for CUDA;
+    ``lengths``: the real (sq, skv) inside the padded arrays."""
+    sq, skv, groups = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    names = tuple(n.attr[0] for n in ir.operands_of(expr)) if expr is not None else ()
+    real = (sq, skv) if lengths is None else lengths
+    spec = mosaic_backward.BackwardSpec(expr, names, 0.125, *real, groups, full_expr)
+    bmap = blocks.dense_block_map(sq=sq, skv=skv, block_q=mosaic_backward.BLOCK,
+                                  block_kv=mosaic_backward.BLOCK)
+    rows = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], sq), jnp.float32)
+    for kernel in (mosaic_backward.dq, mosaic_backward.dkdv):
+        fn = lambda q, k, v, do, lse2, delta, ops, kernel=kernel: kernel(  # noqa: E731
+            spec, bmap, q, k, v, do, lse2, delta, ops)
+        jax.jit(fn).trace(q, k, k, q, rows, rows, operands).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("name", TABLE_OPS)
+def test_op_table_lowers_through_backward(name, lowers):
+    """Every op's examples lower through both backward kernels (the mod and its
+    derivative on the tile) exactly when the backward does not refuse them."""
+    q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    for expr in _examples(name):
+        refused = mosaic_backward.refusal(expr, {})
+        try:
+            _lower_backward(expr, q, q)
+            lowered = None
+        except Exception as e:  # noqa: BLE001
+            lowered = e
+        assert (lowered is not None) == (refused is not None), (expr, refused, lowered)
+
+
+@pytest.mark.parametrize("d,dtype,groups", [(64, jnp.float16, 1), (128, jnp.bfloat16, 2)])
+def test_backward_kernels_lower(d, dtype, groups, lowers):
+    """Both kernels on their own: plain attention, a mask with its full-tile
+    variant, tails on both sides (96 x 160 rows in 128 x 192 padded arrays) and
+    grouped heads (float32 dK/dV per query head)."""
+    causal = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(qi >= ki, 20.0 * jnp.tanh(s / 20.0),
+                                                                -jnp.inf))
+    full = blocks.when_full(causal.expr)
+    assert full is not causal.expr
+    for expr, full_expr in ((None, None), (causal.expr, full)):
+        q = jax.ShapeDtypeStruct((1, 128, 2 * groups, d), dtype)
+        k = jax.ShapeDtypeStruct((1, 192, 2, d), dtype)
+        _lower_backward(expr, q, k, full_expr=full_expr, lengths=(96, 160))
+
+
+def test_backward_plan(monkeypatch):
+    """The plan takes the Mosaic GPU backward with the Mosaic engine (at its own
+    64 x 64 tiles), the Triton one with the Triton engine (the options' tiles) and
+    where the Mosaic kernels cannot evaluate the mod's derivative (saying why)."""
+    problem = _problem()
+    softcap = scoremod.trace(lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0))
+    for mod in (None, softcap):
+        plan = PALLAS.plan(problem, mod, 0.125, MOSAIC, True)
+        assert plan.backward_engine == "mosaic" and plan.backward_note is None
+        assert plan.backward_blocks == (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
+        assert "Mosaic GPU forward and backward" in plan.describe()
+        plain = PALLAS.plan(problem, mod, 0.125, MOSAIC.plain(), True)
+        options = MOSAIC.plain()
+        assert plain.backward_engine == "triton" and "Mosaic" not in plain.describe()
+        assert plain.backward_blocks == (options.pallas_backward_block_q,
+                                         options.pallas_backward_block_kv)
+    # sin's derivative is cos: with cos unlowerable, the forward runs and the backward is Triton's.
+    monkeypatch.setitem(mosaic.NOT_LOWERABLE, "cos", "no rule for cos (a test's)")
+    mosaic_backward.local_derivative.cache_clear()
+    sine = scoremod.trace(lambda s, b, h, qi, ki: jnp.sin(s))
+    assert mosaic.refusal(sine.expr, sine.sources) is None
+    plan = PALLAS.plan(problem, sine, 0.125, MOSAIC, True)
+    assert plan.engine == "mosaic" and plan.backward_engine == "triton"
+    assert "derivative" in plan.backward_note and "`cos`" in plan.backward_note
+    assert "Triton backward" in plan.describe() and "`cos`" in plan.describe()
+
+
+def test_local_derivative():
+    """The derivative at dP = 1, times dP, is the symbolic derivative (it is linear in dP)."""
+    rng = np.random.default_rng(4)
+    s = jnp.asarray(rng.normal(size=(8, 16)) * 3, jnp.float32)
+    dp = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    index = {"b": jnp.int32(0), "h": jnp.int32(1),
+             "q_idx": jnp.arange(8, dtype=jnp.int32)[:, None],
+             "kv_idx": jnp.arange(16, dtype=jnp.int32)[None, :]}
+    from scoremod.lowering.pallas import codegen
+
+    for case in ("softcap", "softcap_causal", "alibi", "masked_rows"):
+        mod, operands = pc.traced(case, jnp.zeros((1, 8, 4, 64)), jnp.zeros((1, 16, 4, 64)))
+        values = dict(zip(mod.operand_names, operands))
+        want = evaluate(codegen.derivatives(mod.expr).score, dict(index, score=s, dP=dp), values)
+        local = mosaic_backward.local_derivative(mod.expr)
+        got = dp if local is None else dp * evaluate(local, dict(index, score=s), values)
+        np.testing.assert_allclose(np.broadcast_to(got, s.shape), np.broadcast_to(want, s.shape),
+                                   rtol=1e-6, atol=1e-6, err_msg=case)
+    plain = scoremod.trace(lambda s, b, h, qi, ki: s + 1.0)
+    assert mosaic_backward.local_derivative(plain.expr) is None
+
+
+def test_integer_pow_rule():
+    """x ** n for every n the IR makes (a derivative's n - 1 goes negative), as lax's."""
+    x = jnp.asarray(np.linspace(0.25, 3.0, 12), jnp.float32)
+    for n in (-3, -2, -1, 0, 1, 2, 3):
+        np.testing.assert_allclose(mosaic._integer_pow(x, n), jax.lax.integer_pow(x, n),
+                                   rtol=1e-6, err_msg=str(n))
+
+
+@pytest.fixture
+def interprets(lowers):
+    """Skips where this jax has no Mosaic GPU interpret mode (a CPU simulation)."""
+    plgpu = importlib.import_module("jax.experimental.pallas.mosaic_gpu")
+    if not hasattr(plgpu, "InterpretGPUParams"):
+        pytest.skip("this jax has no Mosaic GPU interpret mode")
+
+
+@pytest.mark.parametrize("case,shape", [
+    (None, dict(sq=128, skv=128, hq=1, hkv=1, d=64)),
+    ("softcap", dict(sq=128, skv=192, hq=2, hkv=1, d=128)),
+    ("causal", dict(sq=300, skv=260, hq=4, hkv=2, d=64)),
+    ("softcap_causal", dict(sq=200, skv=136, hq=2, hkv=1, d=128, dtype=jnp.float16)),
+    ("alibi", dict(sq=130, skv=190, hq=4, hkv=2, d=64)),
+    ("masked_rows", dict(sq=150, skv=150, hq=2, hkv=2, d=64, dtype=jnp.float16)),
+    ("learnable_softcap", dict(sq=100, skv=70, hq=2, hkv=1, d=128)),
+    ("batch_scale", dict(sq=64, skv=128, hq=2, hkv=1, d=64)),
+    ("inf_past_the_end", dict(sq=80, skv=100, hq=1, hkv=1, d=64)),
+])
+def test_backward_interpreted(case, shape, interprets):
+    """The Mosaic backward kernels run in Mosaic GPU's interpret mode (the plan's
+    interpret flag, off a GPU): dQ, dK and dV through the backend's backward
+    (padding, LSE in log2 units, grouped heads summed) against the reference
+    path's gradients, with an LSE cotangent too; the map skips masked tiles and
+    marks full ones. On the GPU the kernels accumulate in place and take left
+    operands from registers, which the interpreter cannot simulate (staged
+    through fresh accumulators and shared memory here); everything else
+    (the warpgroups, barriers, copies, slots, the mod and its derivative on
+    transposed tiles, tails) runs as on the GPU. Scores have a standard
+    deviation near 3 (scale 0.4 at d64, 0.3 at d128: a softcap's tanh bends);
+    ``inf_past_the_end`` is +inf on keys and queries past the last (the
+    padding's: the kernels mask them, else P is inf or NaN there and the
+    gradients NaN)."""
+    shape = dict(shape)
+    dtype = shape.pop("dtype", jnp.bfloat16)
+    q, k, v, do = pc.inputs(b=2 if case == "batch_scale" else 1, dtype=dtype, **shape)
+    scale = 0.4 if shape["d"] == 64 else 0.3
+    if case is None:
+        mod, operands = None, ()
+        plan = PALLAS.plan(Problem.of(q, k, v), None, scale, MOSAIC, True)
+    else:
+        if case == "inf_past_the_end":
+            last_q, last_k = shape["sq"] - 1, shape["skv"] - 1
+            mod = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(
+                (ki > last_k) | (qi > last_q), jnp.inf, s))
+            operands = ()
+        else:
+            mod, operands = pc.traced(case, q, k)
+        plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=case != "inf_past_the_end", scale=scale)
+    assert plan.interpret and plan.backward_engine == "mosaic", plan.describe()
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False)
+    o, lse = want[0], want[1]
+    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)  # the loss's 0.1 * sum(finite LSE)
+    dq, dk, dv, _ = pallas_backend._backward(plan, q, k, v, o.astype(dtype), lse, do, dlse,
+                                             operands, ())
+    errs = pc.relative_errors((o, lse, dq, dk, dv, ()), want)
+    assert all(e < 3e-2 for e in errs.values()), errs
+    assert dq.dtype == q.dtype and dk.shape == k.shape and dv.shape == v.shape
 
 
 def test_vmap_lowers(hopper_here):
@@ -244,6 +432,14 @@ def test_vmap_lowers(hopper_here):
         return scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
 
     assert "mosaic_gpu" in _lower_call(jax.vmap(out), qs, slopes)
+    # Gradients of q and k under vmap: the forward and both backward kernels, batched.
+    def loss(q, k, slopes):
+        mod = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h] * (ki - qi), -jnp.inf)
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32))
+
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None, 0))
+    assert _kernels(_lower_call(grads, qs, k, slopes)) == {"mosaic": 3, "triton": 0}
 
 
 def test_import_is_lazy():

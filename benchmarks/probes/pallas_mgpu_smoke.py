@@ -1,15 +1,18 @@
-"""Probe: the Pallas backend's Mosaic GPU forward (pallas_engine="mosaic") on a Hopper GPU.
+"""Probe: the Pallas backend's Mosaic GPU engine (pallas_engine="mosaic") on a Hopper GPU.
 
     python benchmarks/probes/pallas_mgpu_smoke.py [--reps 5] [--seq 4096] [--triton] [--backward]
 
-1. Forward times at b4 h16 s4096 d128 bfloat16 of softcap, causal (its block
-   map skips the masked tiles) and ALiBi (slopes captured, read per head):
-   the mosaic engine and cuDNN (scoremod's implementation="cudnn"); for
-   causal also the mosaic engine without the branch on the map's full tiles
-   (the whole mod on every tile), and beside softcap jax.nn's cuDNN on plain
-   attention. Median over --reps repetitions of 10 calls after a warm-up; the
-   first call timed apart. --triton: the Triton engine too; --backward:
-   forward + backward too (the backward is the Triton kernels').
+1. Forward times at b4 h16 s4096 d128 bfloat16 of plain attention, softcap,
+   causal (its block map skips the masked tiles) and ALiBi (slopes
+   captured, read per head): the mosaic engine and cuDNN (scoremod's
+   implementation="cudnn"); for causal also the mosaic engine without the
+   branch on the map's full tiles (the whole mod on every tile), and beside
+   plain attention jax.nn's cuDNN and JAX's own Mosaic GPU attention
+   (attention_mgpu, float16: its kernels are written for it; 64 x 64
+   backward tiles). Median over --reps repetitions of 10 calls after a
+   warm-up; the first call timed apart. --triton: the Triton engine too;
+   --backward: forward + backward too (the mosaic engine's backward kernels:
+   no captured array is learned here).
 2. Errors against the reference path (implementation="xla", float32 inputs):
    O and LSE of the mosaic forward at b2 hq4 hkv2 d128 bfloat16, s512 and
    s1000 (a tail: 1000 is no whole number of tiles), relative to each
@@ -41,6 +44,7 @@ TRITON = scoremod.LoweringOptions(pallas_engine="triton")
 def mods(hq):
     slopes = jnp.asarray([2.0 ** -(8 * (i + 1) / hq) for i in range(hq)], jnp.float32)
     return {
+        "plain": None,
         "softcap": lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0),
         "causal": lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf),
         "alibi": lambda s, b, h, q, k: jnp.where(q >= k, s + slopes[h] * (k - q), -jnp.inf),
@@ -66,6 +70,17 @@ def without_full_branch(mod, q, k, v):
     plan = dataclasses.replace(plan, full_expr=None)
     operands = tuple(jnp.asarray(x) for x in traced.operands)
     return lambda q, k, v: PALLAS.forward(plan, q, k, v, operands)
+
+
+def jax_mgpu(q, k, v):
+    """JAX's Mosaic GPU attention (jax.experimental.pallas.ops.gpu.attention_mgpu)
+    on float16 copies of the inputs, as (O, None)."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+
+    config = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, block_q_dkv=64,
+                             block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+    f16 = lambda x: x.astype(jnp.float16)  # noqa: E731
+    return am.attention(f16(q), f16(k), f16(v), config), None
 
 
 def with_grads(fn, q, k, v, do):
@@ -133,9 +148,10 @@ def speeds(seq, reps, triton, backward):
         impls = {"mosaic": attend(mod, "pallas", MOSAIC), "cudnn": attend(mod, "cudnn")}
         if name == "causal":
             impls["mosaic, no full-tile branch"] = without_full_branch(mod, q, k, v)
-        if name == "softcap":  # plain attention's speed of light, for scale
-            impls["jax.nn cudnn (plain)"] = lambda q, k, v: (jax.nn.dot_product_attention(
+        if name == "plain":  # for scale: cuDNN, and JAX's own Mosaic GPU attention
+            impls["jax.nn cudnn"] = lambda q, k, v: (jax.nn.dot_product_attention(
                 q, k, v, implementation="cudnn"), None)
+            impls["jax attention_mgpu (fp16)"] = jax_mgpu
         if triton:
             impls["triton"] = attend(mod, "pallas", TRITON)
         for label, fn in impls.items():
@@ -143,7 +159,7 @@ def speeds(seq, reps, triton, backward):
             if backward:
                 def step(q, k, v, do, fn=fn):
                     o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v)[0], q, k, v)
-                    return (o, *vjp(do))
+                    return (o, *vjp(do.astype(o.dtype)))
 
                 steps.append(("fwd+bwd", jax.jit(step), (q, k, v, do), 3.5))
             for direction, f, args, factor in steps:

@@ -177,8 +177,10 @@ def test_vmap():
 
 
 # --------------------------------------------------------------------------- #
-# The Mosaic GPU forward engine (pallas_engine="mosaic", Hopper only), with the
-# Triton backward on its O and LSE: the same cases, where the engine runs them.
+# The Mosaic GPU engine (pallas_engine="mosaic", Hopper only): the same cases,
+# where the engine runs them. pc.both learns the captured float arrays too, so
+# cases with such arrays take the Triton backward here, the others the Mosaic
+# one (the tests further down learn q, k, v only).
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
 # Cases the engine refuses: gathers at tile-varying positions, a float remainder.
@@ -272,3 +274,89 @@ def test_mosaic_op_table(hopper, names):
         _check(got, pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), ()), jnp.bfloat16)
 
     _table_check({name: _MOSAIC_EXAMPLES[name] for name in names}, check)
+
+
+# --------------------------------------------------------------------------- #
+# The Mosaic GPU backward (pallas_engine="mosaic": dQ and dK/dV on wgmma), the
+# gradients of q, k and v only (operand gradients run on the Triton backward,
+# checked above): every plan asserts that the Mosaic backward runs.
+
+def _mosaic_backward(plan):
+    assert plan.engine == "mosaic" and plan.backward_engine == "mosaic", plan.describe()
+
+
+# Each case at one of the two dtype/head-dim pairs (alternating), so that both
+# meet masks, modifiers and scalar reads without doubling the compiles.
+_MOSAIC_BACKWARD_CASES = [
+    ("softcap", jnp.bfloat16, 128), ("causal", jnp.float16, 64),
+    ("softcap_causal", jnp.bfloat16, 128), ("sliding_window", jnp.float16, 64),
+    ("alibi", jnp.bfloat16, 128), ("learnable_softcap", jnp.float16, 64),
+    ("batch_scale", jnp.bfloat16, 64), ("masked_rows", jnp.float16, 128),
+]
+
+
+@pytest.mark.parametrize("case,dtype,d", _MOSAIC_BACKWARD_CASES,
+                         ids=[f"{c}-{jnp.dtype(t).name}-d{d}"
+                              for c, t, d in _MOSAIC_BACKWARD_CASES])
+def test_mosaic_backward(case, dtype, d, hopper):
+    """O, LSE, dQ, dK, dV against the reference path, on the map that skips masked
+    tiles; 300 x 260 is no whole number of 64-row tiles (tails on both sides),
+    4 query heads on 2 (dK, dV summed per group)."""
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=d, dtype=dtype)
+    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=True, learn_operands=False,
+                        check_plan=_mosaic_backward)
+    _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("case", ["softcap_causal", "masked_rows"])
+def test_mosaic_backward_full_tiles(case, hopper):
+    """Tiles the map marks full run the mod without its mask and that mod's
+    derivative (a branch per tile), at 512 x 512 (the exact map of the mask)."""
+    q, k, v, do = pc.inputs(b=1, sq=512, skv=512, hq=4, hkv=1, d=128, dtype=jnp.bfloat16)
+    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=True, full=pc.WHEN_FULL[case],
+                        learn_operands=False, check_plan=_mosaic_backward)
+    _check(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [dict(sq=128, skv=1024, hq=8, hkv=1, d=64),
+                                   dict(sq=1000, skv=200, hq=2, hkv=2, d=128),
+                                   dict(sq=1000, skv=1000, hq=4, hkv=4, d=128)],
+                         ids=["mqa-short-q", "long-q", "causal-1000"])
+def test_mosaic_backward_shapes(shape, hopper):
+    """Eight query heads on one (MQA), Sq much longer than Skv, causal at 1000
+    (the analysed map: its full tiles and the skipped upper triangle)."""
+    q, k, v, do = pc.inputs(b=1, dtype=jnp.bfloat16, **shape)
+    case = "causal" if shape["sq"] == shape["skv"] else "softcap"
+    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=False, learn_operands=False,
+                        check_plan=_mosaic_backward)
+    _check(got, want, jnp.bfloat16)
+
+
+def test_mosaic_backward_plain(hopper):
+    """No mod: scoremod.attention by name, jitted, against implementation="xla"."""
+    q, k, v, do = pc.inputs(b=2, sq=384, skv=256, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    plan = PALLAS.plan(Problem.of(q, k, v), None, 0.125, MOSAIC, True)
+    _mosaic_backward(plan)
+
+    def grads(impl, *a):
+        def loss(q, k, v):
+            o = scoremod.attention(q, k, v, implementation=impl, options=MOSAIC)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*a)
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = grads("xla", f32(q), f32(k), f32(v))
+    got = grads("pallas", q, k, v)
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        err = np.max(np.abs(a - b)) / np.max(np.abs(b))
+        assert err < TOL[jnp.bfloat16], (name, err)
+
+
+def test_mosaic_backward_deterministic(hopper):
+    """Two runs give the same bits (no atomics: each program owns its rows)."""
+    q, k, v, do = pc.inputs(b=2, sq=256, skv=320, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)
+    runs = [pc.both("softcap_causal", q, k, v, do, MOSAIC, skip=True, learn_operands=False,
+                    check_plan=_mosaic_backward)[0] for _ in range(2)]
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)

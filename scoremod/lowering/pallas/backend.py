@@ -13,7 +13,11 @@ The forward runs on one of two engines, ``LoweringOptions.pallas_engine``:
 off one; float32 too) or ``"mosaic"`` (``mosaic``: Pallas's Mosaic GPU
 lowering for Hopper, wgmma and TMA; float16 and bfloat16, head dim 64 or 128,
 captured arrays read at scalar positions only). Both return the same O and
-natural-log LSE, and the backward is the Triton kernels' on either.
+natural-log LSE. The backward follows: with the Mosaic engine it runs on
+Mosaic GPU kernels too (``mosaic_backward``) where they can evaluate the
+mod's derivative, decided when the call is planned; gradients of captured
+float arrays, and everything under the Triton engine, run on the Triton
+backward kernels.
 
 The forward is a ``jax.custom_vjp`` whose backward runs the backward
 kernels: JAX differentiates the backend's forward itself (``differentiable``),
@@ -39,7 +43,7 @@ from scoremod.dsl.scoremod import ScoreMod
 from scoremod.errors import ScoreModError
 from scoremod.lowering import blocks, nonfinite
 from scoremod.lowering.backend import Backend, forward_mode
-from scoremod.lowering.pallas import codegen, kernels, mosaic
+from scoremod.lowering.pallas import codegen, kernels, mosaic, mosaic_backward
 from scoremod.lowering.problem import Problem
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -88,6 +92,12 @@ class PallasPlan:
     # the whole mod everywhere. It must equal the mod on every such tile.
     full_expr: object = None
     engine: str = "triton"  # the forward's: LoweringOptions.pallas_engine
+    # The backward's engine: "mosaic" where the Mosaic GPU forward runs and its
+    # backward kernels can evaluate the mod's derivative, else "triton" (with
+    # ``backward_note`` saying why). Gradients of captured float arrays run on
+    # the Triton backward either way.
+    backward_engine: str = "triton"
+    backward_note: str | None = None
     # The masked-key rule for non-finite V (lowering/nonfinite.py) around the
     # kernels: LoweringOptions.check_values.
     check_values: bool = True
@@ -110,11 +120,25 @@ class PallasPlan:
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
             full_expr=None if self.mod is None else self.full_expr)
 
+    def mosaic_backward_spec(self) -> mosaic_backward.BackwardSpec:
+        p = self.problem
+        return mosaic_backward.BackwardSpec(
+            expr=None if self.mod is None else self.mod.expr,
+            operand_names=() if self.mod is None else self.mod.operand_names,
+            scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
+            full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret)
+
     def describe(self):
         what = "plain attention" if self.mod is None else f"score_mod `{self.mod}`"
-        engine = "Mosaic GPU forward, " if self.engine == "mosaic" else ""
-        return (f"{what} as block-sparse Pallas kernels ({engine}forward tiles {self.forward_blocks}, "
-                f"backward tiles {self.backward_blocks}"
+        if self.engine != "mosaic":
+            engines = ""
+        elif self.backward_engine == "mosaic":
+            engines = ("Mosaic GPU forward and backward, the Triton backward for gradients of "
+                       "captured arrays; ")
+        else:
+            engines = f"Mosaic GPU forward, Triton backward: {self.backward_note}; "
+        return (f"{what} as block-sparse Pallas kernels ({engines}forward tiles "
+                f"{self.forward_blocks}, backward tiles {self.backward_blocks}"
                 f"{', interpret mode' if self.interpret else ''})")
 
 
@@ -156,7 +180,8 @@ class Pallas(Backend):
         return self.why_not(problem, mod, automatic, options)
 
     def _why_not_mosaic(self, problem, mod):
-        """The Mosaic GPU forward's refusals (its backward is the Triton one's)."""
+        """The Mosaic GPU forward's refusals (its backward falls back to the Triton
+        kernels, chosen in ``plan``, where its own cannot run the mod)."""
         if mod is not None:
             why = mosaic.refusal(mod.expr, mod.sources)
             if why:
@@ -199,10 +224,16 @@ class Pallas(Backend):
             block_map = AnalysedMap(mod.expr)
             full = blocks.when_full(mod.expr)
             full_expr = None if full is mod.expr else full
+        backward_engine, backward_note = "triton", None
+        if options.pallas_engine == "mosaic":
+            backward_note = _mosaic_backward_refusal(mod, full_expr)
+            if backward_note is None:  # its tiles are fixed by its warpgroups too
+                backward_engine = "mosaic"
+                bwd = (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
         return PallasPlan(None if mod is None else ScoreMod(mod.expr), float(scale),
                           bool(return_lse), problem, fwd, bwd, warps, options.pallas_num_stages,
                           interpret, block_map, full_expr, options.pallas_engine,
-                          options.check_values)
+                          backward_engine, backward_note, options.check_values)
 
     def forward(self, plan, q, k, v, operands):
         if forward_mode((q, k, v, operands)):
@@ -221,6 +252,17 @@ class Pallas(Backend):
 
 
 PALLAS = Pallas()
+
+
+def _mosaic_backward_refusal(mod, full_expr):
+    """Why the Mosaic GPU backward kernels cannot run ``mod`` (its derivative,
+    or the mod on full tiles), or None: the plan then takes the Triton backward."""
+    if mod is None:
+        return None
+    why = mosaic_backward.refusal(mod.expr, mod.sources)
+    if why is None and full_expr is not None:
+        why = mosaic_backward.refusal(full_expr, mod.sources)
+    return why
 
 
 class _Kernels:
@@ -377,8 +419,16 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     dop, deltap = _pad(do, 1, sq), _pad(delta, 2, sq)
     kops = _kernel_operands(plan, operands)
     windows = _windows(plan, wanted)
-    dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
-    dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, windows)
+    if plan.backward_engine == "mosaic" and not windows:
+        # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
+        lse2 = jnp.where(lse_p == -jnp.inf, jnp.inf, lse_p * jnp.float32(mosaic_backward.LOG2E))
+        mspec = plan.mosaic_backward_spec()
+        dq = mosaic_backward.dq(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
+        dk, dv = mosaic_backward.dkdv(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
+        parts = {}
+    else:  # the Triton backward: it also learns captured float arrays (``windows``)
+        dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
+        dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, windows)
     g = p.hq // p.hkv
 
     def per_kv_head(x, like):  # sum the query heads of each group, in float32

@@ -161,8 +161,9 @@ def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None):
         elif node.op == LOAD:
             flat = flat_index(node, [vals[a] for a in node.args[1:]])
             vals[node] = gather(refs[node.args[0].attr[0]], flat, node.dtype)
-        elif node.op in rules:
-            vals[node] = rules[node.op](*[vals[a] for a in node.args])
+        elif node.op in rules:  # an op's attribute (integer_pow's n) follows its arguments
+            attr = () if node.attr is None else (node.attr,)
+            vals[node] = rules[node.op](*[vals[a] for a in node.args], *attr)
         else:
             vals[node] = OPS[node.op].evaluate([vals[a] for a in node.args], node.attr)
     return [vals[r] for r in roots]

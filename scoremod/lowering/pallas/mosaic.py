@@ -92,6 +92,14 @@ def _divide(a, b):
     return a / b
 
 
+def _integer_pow(x, n):
+    """x ** n as lax.integer_pow computes it (the reciprocal of x ** -n for
+    n < 0): Mosaic GPU lowers n >= 2 and n == -1 only (a derivative's n - 1)."""
+    if n < 0:
+        return 1.0 / lax.integer_pow(x, -n) if n < -1 else 1.0 / x
+    return jnp.ones_like(x) if n == 0 else x if n == 1 else lax.integer_pow(x, n)
+
+
 # The table's ops as Mosaic GPU lowers them: exact respellings of what it
 # cannot lower as written (custom_jvp functions, remainders, bool casts).
 TILE_RULES = {
@@ -103,14 +111,15 @@ TILE_RULES = {
     "mod": _int_mod,
     "floordiv": _int_floordiv,
     "div": _divide,
+    "integer_pow": _integer_pow,
 }
 
 _TILE_VARS = ("score", "q_idx", "kv_idx")
 
 
-def refusal(expr, sources) -> str | None:
+def refusal(expr, sources, advice=True) -> str | None:
     """Why the Mosaic GPU forward cannot evaluate ``expr`` (a sentence naming
-    the op and where it was written), or None."""
+    the op and where it was written, with what runs it if ``advice``), or None."""
     for node in ir.toposort(expr):
         why = NOT_LOWERABLE.get(node.op)
         if node.op in INT_ONLY and any(a.dtype == ir.F32 for a in node.args):
@@ -123,8 +132,8 @@ def refusal(expr, sources) -> str | None:
         if why:
             where = ir.source_of(node, expr, sources)
             return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
-                    f"{' at ' + where if where else ''}: {why}; "
-                    "LoweringOptions(pallas_engine=\"triton\") runs it")
+                    f"{' at ' + where if where else ''}: {why}"
+                    + ("; LoweringOptions(pallas_engine=\"triton\") runs it" if advice else ""))
     return None
 
 
@@ -192,7 +201,7 @@ def _score_factor(expr):
     return ir.substitute(expr, {n: score for n in uses}), c
 
 
-def _uses(expr, name) -> bool:
+def uses_var(expr, name) -> bool:
     return expr is not None and any(n.op == VAR and n.attr == name for n in ir.toposort(expr))
 
 
@@ -211,7 +220,7 @@ class MosaicSpec:
     full_expr: object = None
 
 
-def _scalar_load(ref, flat, dtype):
+def scalar_load(ref, flat, dtype):
     """``ref[flat]`` at a scalar position (Mosaic GPU loads scalars, not gathers)."""
     out = ref[flat]
     if dtype == ir.BOOL:
@@ -237,8 +246,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     general = prepared(spec.expr)
     on_full = None if spec.full_expr is None else prepared(spec.full_expr)
     exprs = [e for e, _, _ in (general, on_full or general)]
-    needs_kv_idx = any(_uses(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
-    needs_q_idx = any(_uses(e, "q_idx") for e in exprs)
+    needs_kv_idx = any(uses_var(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
+    needs_q_idx = any(uses_var(e, "q_idx") for e in exprs)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, operand_refs, o_ref,
                 lse_ref, scoped):
@@ -293,7 +302,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     s = qk * jnp.float32(spec.scale * factor)
                     if expr is not None:
                         (s,) = codegen.evaluate_tile([expr], dict(inputs, score=s), refs,
-                                                     gather=_scalar_load, rules=TILE_RULES)
+                                                     gather=scalar_load, rules=TILE_RULES)
                         s = s.astype(jnp.float32)
                     return s if in_log2 else s * jnp.float32(LOG2E)
 

@@ -1,0 +1,523 @@
+"""The backward as Mosaic GPU kernels for Hopper: dK/dV and dQ on wgmma and TMA.
+
+The same FlashAttention-2 backward as the Triton kernels (``kernels.dkdv``,
+``kernels.dq``; the same semantics): scores ``s = scale * q.k``, the mod on
+the tile, ``P = exp(mod(s) - LSE)`` (0 on rows whose LSE is -inf),
+``dP = dO.V^T``, ``dS = P * (dP - D)`` and the score's gradient through the
+mod's symbolic derivative; on tiles the map marks full, the mod without its
+mask and that mod's derivative. Both kernels visit the tiles the block map
+lists, at ``BLOCK`` x ``BLOCK`` (the map's tiles).
+
+Each program runs two warpgroups: a compute warpgroup that owns ``BLOCK``
+rows (keys for dK/dV, queries for dQ) and keeps their gradients in
+registers, and a memory warpgroup that streams the other side's tiles (the
+query, dO, LSE and D tiles for dK/dV; the key and value tiles for dQ) into
+``STAGES`` shared-memory slots with the copy engine. All five products run
+on the tensor cores (``wgmma``): dK/dV computes the transposed tiles
+``S^T = K.Q^T`` and ``dP^T = V.dO^T``, so that ``dV += P^T.dO`` and
+``dK += dS^T.Q`` take their left operand from registers; dQ computes
+``S = Q.K^T``, ``dP = dO.V^T`` and ``dQ += dS.K``.
+
+The mod's value and its local derivative (the derivative with ``dP = 1``;
+the derivative is linear in ``dP``) are evaluated in one pass over the IR
+(``codegen.evaluate_tile`` with ``mosaic.TILE_RULES``), so a softcap's
+``tanh`` is taken once per score, and ``dS`` is multiplied by it (the
+Triton backward evaluates the derivative at ``dP = dS``: the same terms,
+multiplied in another order). While ``dP`` is on the tensor cores the
+compute warpgroup evaluates the mod and ``P``.
+
+dK and dV come out per query head (float32 when several query heads share a
+key head: the caller sums each group in float32). Gradients of captured
+float arrays are the Triton backward's (``refusal`` is for the mod; the
+backend routes operand gradients).
+
+Off a GPU (the plan's interpret flag) the kernels run in Mosaic GPU's
+interpret mode, a CPU simulation of the warpgroups, barriers, copies and
+wgmma, for tests: there the products add into fresh accumulators and left
+operands pass through shared memory (what it can simulate); the rest is the
+GPU's program.
+
+jax.experimental.pallas.mosaic_gpu is imported when a kernel is built, never
+at import (as ``mosaic``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from scoremod.dsl import ir
+from scoremod.dsl.ir import F32
+from scoremod.lowering.pallas import codegen, mosaic
+
+BLOCK = 64  # rows per tile on both sides: the block map's (block_q, block_kv)
+STAGES = 2  # streamed tiles in flight
+# Registers per thread: one compute warpgroup takes what the memory warpgroup gives up.
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 256, 40
+
+LOG2E = mosaic.LOG2E
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardSpec:
+    """Everything static about one call's backward kernels (hashable)."""
+
+    expr: object  # the mod's IR node, or None for plain attention
+    operand_names: tuple  # in the order the operand arrays are passed
+    scale: float
+    sq: int  # real lengths (the arrays are padded to whole tiles)
+    skv: int
+    groups: int  # query heads per key/value head
+    full_expr: object = None  # the mod on full tiles, or None: the mod everywhere
+    # Run in Mosaic GPU's interpret mode (a CPU simulation of the warpgroups,
+    # barriers, copies and wgmma: for tests), where accumulators are added to
+    # fresh ones (it cannot simulate wgmma into an accumulator carried in).
+    interpret: bool = False
+
+
+@functools.lru_cache(maxsize=256)
+def local_derivative(expr):
+    """d(mod)/d(score) as an expression without ``dP`` (the symbolic derivative at
+    ``dP = 1``), or None where it is the constant 1."""
+    local = ir.substitute(codegen.derivatives(expr).score, {ir.cotangent(): ir.const(1.0, F32)})
+    return None if ir.is_const(local, 1.0) else local
+
+
+def refusal(expr, sources) -> str | None:
+    """Why these kernels cannot evaluate the mod or its derivative (the forward
+    engine's rules: ``mosaic.refusal``), or None."""
+    if expr is None:
+        return None
+    why = mosaic.refusal(expr, sources, advice=False)
+    local = local_derivative(expr)
+    if why is None and local is not None:
+        why = mosaic.refusal(local, sources, advice=False)
+        if why:
+            why = "in the mod's derivative, " + why
+    return why
+
+
+def _tile_terms(spec, s, inputs, refs, is_full, *, shape):
+    """``(modded scores in log2 units, local derivative or None)`` of the
+    tile of raw products ``s`` (q.k), -inf past the sequences' ends."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    layout = plgpu.Layout.WGMMA
+    if spec.expr is None:
+        return _tails(spec, s * jnp.float32(spec.scale * LOG2E), inputs), None
+
+    variants = [(spec.expr, local_derivative(spec.expr))]
+    if spec.full_expr is not None:
+        variants.append((spec.full_expr, local_derivative(spec.full_expr)))
+    has_local = any(local is not None for _, local in variants)
+    score = s * jnp.float32(spec.scale)
+
+    def tile(x):  # float32 on the whole tile (a constant or a per-program scalar, broadcast)
+        x = jnp.asarray(x).astype(jnp.float32)
+        if x.ndim == 0:
+            x = plgpu.layout_cast(jnp.broadcast_to(x, shape), layout)
+        return x
+
+    def run(variant):
+        expr, local = variant
+        roots = [expr] + ([local] if local is not None else [])
+        out = codegen.evaluate_tile(roots, dict(inputs, score=score), refs,
+                                    gather=mosaic.scalar_load, rules=mosaic.TILE_RULES)
+        value = tile(out[0]) * jnp.float32(LOG2E)
+        if not has_local:
+            return value, None
+        return value, tile(out[1] if local is not None else 1.0)
+
+    if len(variants) == 1:
+        value, local = run(variants[0])
+    else:
+        value, local = lax.cond(is_full != 0, lambda: run(variants[1]),
+                                lambda: run(variants[0]))
+    return _tails(spec, value, inputs), local
+
+
+def _tails(spec, value, inputs):
+    """``value`` with -inf on padded keys and queries: P is 0 there whatever the
+    mod gives (+inf on a padded row would make P NaN, and NaN * 0 reaches dK)."""
+    if spec.skv % BLOCK:
+        value = jnp.where(inputs["kv_idx"] < spec.skv, value, NEG_INF)
+    if spec.sq % BLOCK:
+        value = jnp.where(inputs["q_idx"] < spec.sq, value, NEG_INF)
+    return value
+
+
+def _tile_inputs(spec, bi, hi, q_idx, kv_idx):
+    """The variables a mod may read; ``q_idx``/``kv_idx`` are thunks (built when used)."""
+    exprs = [e for e in (spec.expr, spec.full_expr) if e is not None]
+    exprs += [local_derivative(e) for e in exprs]
+    inputs = {"b": bi, "h": hi}
+    if spec.sq % BLOCK or any(mosaic.uses_var(e, "q_idx") for e in exprs):
+        inputs["q_idx"] = q_idx()
+    if spec.skv % BLOCK or any(mosaic.uses_var(e, "kv_idx") for e in exprs):
+        inputs["kv_idx"] = kv_idx()
+    return inputs
+
+
+def _accumulate(spec, issue, accs):
+    """``accs`` plus the products ``issue(acc_refs)`` issues (wgmma), as arrays:
+    on the GPU the products accumulate into ``accs`` in place."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not spec.interpret:
+        return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
+
+    def fresh(*refs):
+        issue(refs)
+        return tuple(r[...] for r in refs)
+
+    products = pl.run_scoped(fresh, *(plgpu.ACC(a.shape, jnp.float32) for a in accs))
+    return tuple(a + x for a, x in zip(accs, products))
+
+
+def _left(spec, x, staging, i):
+    """``x`` (registers) as a wgmma left operand: in interpret mode through slot
+    ``i`` of ``staging`` in shared memory (it multiplies shared-memory operands only)."""
+    if not spec.interpret:
+        return x
+    staging.at[i][...] = x
+    return staging.at[i]
+
+
+def _staging(spec, n, dtype):
+    """Shared memory for ``n`` left operands in interpret mode (none on the GPU)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not spec.interpret:
+        return []
+    return [plgpu.SMEM((n, BLOCK, BLOCK), dtype, transforms=_swizzled())]
+
+
+def _interpret(spec):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams() if spec.interpret else None
+
+
+def _map_index(counts, bi, hi):
+    return (0 if counts.shape[0] == 1 else bi), (0 if counts.shape[1] == 1 else hi)
+
+
+def _stream(count, fetch, free):
+    """The memory warpgroup's loop: ``fetch(step, slot)`` copies each step's
+    tiles into slot ``step % STAGES`` once the compute warpgroup has freed it
+    (arrived on ``free`` after step ``step - STAGES``); then it waits out the
+    last frees, so that it has seen every phase of those barriers."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    for first in range(STAGES):
+        pl.when(first < count)(functools.partial(fetch, first, first))
+
+    def refill(step, carry):
+        slot = lax.rem(step, STAGES)
+        plgpu.barrier_wait(free.at[slot])
+        fetch(step, slot)
+        return carry
+
+    def drain(step, carry):
+        plgpu.barrier_wait(free.at[lax.rem(step, STAGES)])
+        return carry
+
+    lax.fori_loop(STAGES, jnp.maximum(count, STAGES), refill, None)
+    lax.fori_loop(jnp.maximum(count - STAGES, 0), count, drain, None)
+
+
+def _swizzled():
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
+    """Per query head dK, dV [B, Skv, Hq, D] (q's dtype, or float32 where query
+    heads share key heads) on arrays padded to whole tiles. ``lse2``: the LSE
+    in log2 units, +inf on rows that see no key; ``delta``: D [B, Hq, Sq]."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, sq, hq, d = q.shape
+    skv = k.shape[1]
+    dtype = q.dtype
+    out_dtype = dtype if spec.groups == 1 else jnp.float32
+    n_ops = len(operands)
+    counts, blocks_, full = bmap.kv_counts, bmap.kv_blocks, bmap.kv_full.astype(jnp.int32)
+    layout = plgpu.Layout.WGMMA
+    along_q = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tile's columns (queries)
+    with_full = spec.full_expr is not None
+
+    def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                delta_ref, operand_refs, dk_ref, dv_ref, scoped):
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_smem, dv_smem, *staging), \
+            (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
+        staging = staging[0] if staging else None  # interpret mode's
+        wg = lax.axis_index("wg")
+        bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
+        tile = lax.axis_index("kv_seq")
+        mb, mh = _map_index(counts, bi, hi)
+        count = counts_ref[mb, mh, tile]
+        k0 = tile * BLOCK
+
+        def q_start(step):
+            return blocks_ref[mb, mh, tile, step] * BLOCK
+
+        @pl.when(wg == 0)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            kv_head = lax.div(hi, jnp.int32(spec.groups))
+            own = (bi, pl.ds(k0, BLOCK), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, kv_ready.at[0])
+            plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, kv_ready.at[1])
+            plgpu.barrier_wait(kv_ready.at[0])
+            plgpu.barrier_wait(kv_ready.at[1])
+            refs = dict(zip(spec.operand_names, operand_refs))
+            zeros = lambda cols: plgpu.layout_cast(  # noqa: E731
+                jnp.zeros((BLOCK, cols), jnp.float32), layout)
+
+            def step_fn(step, carry):
+                dk, dv = carry
+                slot = lax.rem(step, STAGES)
+                q0 = q_start(step)
+                is_full = full_ref[mb, mh, tile, step] if with_full else None
+                qs, dos = q_smem.at[slot], do_smem.at[slot]
+                plgpu.barrier_wait(q_ready.at[slot])
+
+                def scores(acc):
+                    plgpu.wgmma(acc, k_smem, qs.transpose((1, 0)))
+                    return acc[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                # The tile is [keys, queries]: kv_idx runs down, q_idx across.
+                inputs = _tile_inputs(
+                    spec, bi, hi,
+                    lambda: q0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1,
+                                                        layout=layout),
+                    lambda: k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
+                                                        layout=layout))
+                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(lse_ready.at[slot])
+
+                def probabilities(dp_acc):
+                    plgpu.wgmma(dp_acc, v_smem, dos.transpose((1, 0)))  # dP^T, while ...
+                    value, local = _tile_terms(spec, s, inputs, refs, is_full,
+                                               shape=(BLOCK, BLOCK))
+                    lse = plgpu.load(lse_smem.at[slot], layout=along_q)
+                    p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [1]))
+                    return p, local, dp_acc[...]  # ... P^T is computed
+
+                p, local, dp = pl.run_scoped(probabilities,
+                                             plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                plgpu.barrier_wait(delta_ready.at[slot])
+                dd = plgpu.load(delta_smem.at[slot], layout=along_q)
+                ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [1]))
+                if local is not None:
+                    ds = ds * local
+                ds = ds * jnp.float32(spec.scale)
+
+                def gradients(accs):  # both issued before one wait
+                    dv_acc, dk_acc = accs
+                    plgpu.wgmma(dv_acc, _left(spec, p.astype(dtype), staging, 0), dos)
+                    plgpu.wgmma(dk_acc, _left(spec, ds.astype(dtype), staging, 1), qs)
+
+                dv, dk = _accumulate(spec, gradients, (dv, dk))
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            dk, dv = lax.fori_loop(0, count, step_fn, (zeros(d), zeros(d)))
+            dk_smem[...] = dk.astype(out_dtype)
+            dv_smem[...] = dv.astype(out_dtype)
+            plgpu.commit_smem()
+            rows = (bi, pl.ds(k0, BLOCK), hi)
+            plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[rows], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            def fetch(step, slot):
+                rows = pl.ds(q_start(step), BLOCK)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], q_smem.at[slot],
+                                        q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[slot],
+                                        lse_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], do_smem.at[slot],
+                                        do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
+                                        delta_ready.at[slot])
+
+            _stream(count, fetch, free)
+
+    def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+              *rest):
+        operand_refs, (dk_ref, dv_ref) = rest[:n_ops], rest[n_ops:]
+        swizzled = _swizzled()
+        out_transforms = swizzled if out_dtype == dtype else ()
+        smem = [plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
+                plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
+                plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled),
+                plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled),
+                plgpu.SMEM((STAGES, BLOCK), jnp.float32),
+                plgpu.SMEM((STAGES, BLOCK), jnp.float32),
+                plgpu.SMEM((BLOCK, d), out_dtype, transforms=out_transforms),
+                plgpu.SMEM((BLOCK, d), out_dtype, transforms=out_transforms)]
+        smem += _staging(spec, 2, dtype)
+        ready = (plgpu.Barrier(num_barriers=2),) + (plgpu.Barrier(num_barriers=STAGES),) * 4
+        free = plgpu.Barrier(num_barriers=STAGES)
+        pl.run_scoped(
+            lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
+                                    lse_ref, delta_ref, operand_refs, dk_ref, dv_ref, scoped),
+            smem, ready, free, collective_axes="wg")
+
+    out = jax.ShapeDtypeStruct((b, skv, hq, d), out_dtype)
+    return plgpu.kernel(
+        entry, out_type=(out, out), grid=(hq, skv // BLOCK, b),
+        grid_names=("heads", "kv_seq", "batch"), num_threads=2, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret(spec),
+    )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands)
+
+
+def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
+    """dQ [B, Sq, Hq, D] in q's dtype on arrays padded to whole tiles (``lse2``,
+    ``delta`` as for ``dkdv``)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, sq, hq, d = q.shape
+    dtype = q.dtype
+    n_tiles = sq // BLOCK
+    n_ops = len(operands)
+    counts, blocks_, full = bmap.q_counts, bmap.q_blocks, bmap.q_full.astype(jnp.int32)
+    layout = plgpu.Layout.WGMMA
+    along_rows = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows (queries)
+    with_full = spec.full_expr is not None
+
+    def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                delta_ref, operand_refs, dq_ref, scoped):
+        (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, *staging), \
+            (own_ready, k_ready, v_ready), free = scoped
+        staging = staging[0] if staging else None  # interpret mode's
+        wg = lax.axis_index("wg")
+        bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
+        tile = n_tiles - 1 - lax.axis_index("q_seq")  # the longest (causal) tiles first
+        mb, mh = _map_index(counts, bi, hi)
+        count = counts_ref[mb, mh, tile]
+        q0 = tile * BLOCK
+
+        def kv_start(step):
+            return blocks_ref[mb, mh, tile, step] * BLOCK
+
+        @pl.when(wg == 0)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            rows = (bi, pl.ds(q0, BLOCK), hi)
+            vec = (bi, hi, pl.ds(q0, BLOCK))
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, own_ready.at[0])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, own_ready.at[1])
+            plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, own_ready.at[2])
+            plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, own_ready.at[3])
+            for i in range(4):
+                plgpu.barrier_wait(own_ready.at[i])
+            lse = plgpu.load(lse_smem, layout=along_rows)
+            dd = plgpu.load(delta_smem, layout=along_rows)
+            refs = dict(zip(spec.operand_names, operand_refs))
+            zeros = lambda cols: plgpu.layout_cast(  # noqa: E731
+                jnp.zeros((BLOCK, cols), jnp.float32), layout)
+
+            def step_fn(step, acc):
+                slot = lax.rem(step, STAGES)
+                k0 = kv_start(step)
+                is_full = full_ref[mb, mh, tile, step] if with_full else None
+                ks, vs = k_smem.at[slot], v_smem.at[slot]
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, ks.transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                inputs = _tile_inputs(
+                    spec, bi, hi,
+                    lambda: q0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
+                                                        layout=layout),
+                    lambda: k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1,
+                                                        layout=layout))
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def probabilities(dp_acc):
+                    plgpu.wgmma(dp_acc, do_smem, vs.transpose((1, 0)))  # dP, while ...
+                    value, local = _tile_terms(spec, s, inputs, refs, is_full,
+                                               shape=(BLOCK, BLOCK))
+                    p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
+                    return p, local, dp_acc[...]  # ... P is computed
+
+                p, local, dp = pl.run_scoped(probabilities,
+                                             plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [0]))
+                if local is not None:
+                    ds = ds * local
+                ds = ds * jnp.float32(spec.scale)
+
+                def query_grad(acc_refs):
+                    plgpu.wgmma(acc_refs[0], _left(spec, ds.astype(dtype), staging, 0), ks)
+
+                (acc,) = _accumulate(spec, query_grad, (acc,))
+                plgpu.barrier_arrive(free.at[slot])
+                return acc
+
+            acc = lax.fori_loop(0, count, step_fn, zeros(d))
+            q_smem[...] = acc.astype(dtype)  # the queries' tile is free: dQ leaves through it
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+            kv_head = lax.div(hi, jnp.int32(spec.groups))
+
+            def fetch(step, slot):
+                rows = pl.ds(kv_start(step), BLOCK)
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[slot],
+                                        k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot],
+                                        v_ready.at[slot])
+
+            _stream(count, fetch, free)
+
+    def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+              *rest):
+        operand_refs, (dq_ref,) = rest[:n_ops], rest[n_ops:]
+        swizzled = _swizzled()
+        smem = [plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
+                plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
+                plgpu.SMEM((BLOCK,), jnp.float32),
+                plgpu.SMEM((BLOCK,), jnp.float32),
+                plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled),
+                plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)]
+        smem += _staging(spec, 1, dtype)
+        ready = (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=STAGES),
+                 plgpu.Barrier(num_barriers=STAGES))
+        free = plgpu.Barrier(num_barriers=STAGES)
+        pl.run_scoped(
+            lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
+                                    lse_ref, delta_ref, operand_refs, dq_ref, scoped),
+            smem, ready, free, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(hq, n_tiles, b),
+        grid_names=("heads", "q_seq", "batch"), num_threads=2, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret(spec),
+    )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands)
