@@ -534,6 +534,7 @@ def test_cudnn_yields_masks_of_captured_arrays_to_the_pallas_kernels(monkeypatch
                for x in _inputs(jnp.float32, sq=64, skv=64))
     doc = jnp.arange(64, dtype=jnp.int32) // 24
     lengths = jnp.array([40, 64], jnp.int32)[: q.shape[0]]
+    is_global = jnp.arange(64) % 9 == 0
     softcap = lambda s: 30.0 * jnp.tanh(s / 30.0)  # noqa: E731
     documents = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
         (qi >= ki) & (doc[qi] == doc[ki]), softcap(s), -jnp.inf)
@@ -541,7 +542,10 @@ def test_cudnn_yields_masks_of_captured_arrays_to_the_pallas_kernels(monkeypatch
     stay = {"dense": lambda s, b, h, qi, ki: softcap(s),
             "causal": lambda s, b, h, qi, ki: jnp.where(qi >= ki, softcap(s), -jnp.inf),
             "key padding": lambda s, b, h, qi, ki: jnp.where(ki < lengths[b], s, -jnp.inf),
-            "per-head flag": lambda s, b, h, qi, ki: jnp.where(doc[h] == 0, s, -jnp.inf)}
+            "per-head flag": lambda s, b, h, qi, ki: jnp.where(doc[h] == 0, s, -jnp.inf),
+            # refused by the Pallas kernels (a bool array read along one tile axis)
+            "global tokens": lambda s, b, h, qi, ki: jnp.where(
+                (jnp.abs(qi - ki) <= 4) | (doc[qi] == 0) | is_global[ki], s, -jnp.inf)}
     start = jnp.array([0, 24, 48], jnp.int32)
     from_start = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
         (ki >= start[doc[qi]]) & (qi >= ki), s, -jnp.inf)

@@ -200,6 +200,32 @@ def test_refusals():
         scoremod.attention(q, q, q, implementation="pallas")
 
 
+def test_bool_flags_read_along_one_tile_axis_are_refused():
+    """The H200 gave wrong gradients for `g[q_idx]`, `g[kv_idx]` of a bool array
+    (codegen.ONE_AXIS_BOOL_READ): refused, naming the read and the user's line;
+    bool arrays read along both axes and int arrays along one are not."""
+    flags = jnp.arange(64) % 7 == 0
+    ids = jnp.arange(64, dtype=jnp.int32) // 16
+    tile_map = jnp.eye(4, dtype=bool)
+    refused = {
+        "at q": lambda s, b, h, q, k: jnp.where(flags[q] | (q >= k), s, -jnp.inf),
+        "at kv": lambda s, b, h, q, k: jnp.where(flags[k], s, -jnp.inf),
+        "at kv, shifted": lambda s, b, h, q, k: s + jnp.where(flags[k // 2 + 3], 1.0, 0.0)}
+    taken = {
+        "bool tile map": lambda s, b, h, q, k: jnp.where(tile_map[q // 16, k // 16], s, -jnp.inf),
+        "int ids at q": lambda s, b, h, q, k: jnp.where(ids[q] == ids[k], s, -jnp.inf),
+        "bool per head": lambda s, b, h, q, k: jnp.where(flags[h], s, -jnp.inf)}
+    for name, fn in refused.items():
+        why = PALLAS.why_not(_problem(), scoremod.trace(fn), automatic=False)
+        assert why and codegen.ONE_AXIS_BOOL_READ in why and "`load`" in why, name
+        assert "test_pallas.py" in why, name  # the user's line
+    for name, fn in taken.items():
+        assert PALLAS.why_not(_problem(), scoremod.trace(fn), automatic=False) is None, name
+    q = jnp.ones((1, 64, 2, 64), jnp.float32)
+    with pytest.raises(ScoreModError, match="read along one tile axis"):
+        scoremod.attention(q, q, q, refused["at q"], implementation="pallas")
+
+
 def test_jvp_refused_clearly():
     q, k, v, _ = pc.inputs(b=1, sq=32, skv=32, hq=2, hkv=1)
     f = lambda q: scoremod.attention(q, k, v, implementation="pallas", options=SMALL)

@@ -186,7 +186,7 @@ entry(
     what="Longformer: a symmetric window plus global tokens that see and are seen by all",
     origin="masks/global_sliding_window.py", setup=_global_window, reference=_global_window_ref,
     code="mod = lambda s, b, h, q, k: jnp.where((jnp.abs(q - k) <= W) | is_global[q] | is_global[k], s, -jnp.inf)",
-    verdict="block-sparse Pallas kernels, mask in the kernel",
+    verdict="materialized [1,1,Sq,Skv]: data mask",
 )
 
 
