@@ -24,10 +24,11 @@ Same shapes, same run, side by side (``--impls``):
              document mods, the ragged graphs on offsets computed once beforehand
   xla        scoremod.attention(implementation="xla"): the reference path
   pallas     scoremod.attention(implementation="pallas"): the block-sparse Pallas kernels
-             (Triton); not in the default --impls until they pass their GPU tests
+             (Triton); asked for by name (not in the default --impls, which compare the
+             planner's route, scoremod, against the other libraries)
   pallas-mosaic  the same with LoweringOptions(pallas_engine="mosaic"): the Mosaic GPU
              kernels (Hopper), forward and backward (fwdbwd_ops: the Triton backward,
-             which learns the captured arrays); not in the default --impls
+             which learns the captured arrays); by name too
   jax-cudnn  jax.nn.dot_product_attention(implementation="cudnn") without the mod (upper
              bound), with is_causal / local_window_size (/ a mask) for the mask mods
              (mla_rope: q and k at head dim D + 64, v zero-padded to it, O sliced back)
