@@ -58,3 +58,61 @@ def test_watchdog_ends_a_hanging_test_with_its_stack(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode != 0
     assert "Timeout" in run.stderr and "test_hangs_forever" in run.stderr, run.stderr[-2000:]
+
+
+def _junit(path, cases):
+    """A JUnit file as pytest writes it: ``cases`` of (classname, name, outcome),
+    plus the nameless entry a run stopped at its limit leaves."""
+    body = []
+    for classname, name, outcome in cases:
+        inner = {"passed": "", "skipped": '<skipped message="needs two GPUs"/>',
+                 "failed": '<failure message="AssertionError: dV off by 0.7&#10;more">x</failure>',
+                 "error": '<error message="worker crashed"/>'}[outcome]
+        body.append(f'<testcase classname="{classname}" name="{name}" time="1.0">{inner}</testcase>')
+    body.append('<testcase time="0.000"/>')
+    path.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest">'
+                    + "".join(body) + "</testsuite></testsuites>")
+    return path
+
+
+def test_junit_reads_what_a_run_finished_and_left(tmp_path):
+    from tests.gpu import junit
+
+    assert junit.key_of_node("tests/gpu/test_x.py::test_y[a-b]") == ("tests.gpu.test_x", "test_y[a-b]")
+    assert junit.key_of_node("tests/test_z.py::TestK::test_w") == ("tests.test_z.TestK", "test_w")
+    xml = _junit(tmp_path / "prev.xml", [
+        ("tests.gpu.test_x", "test_y[a-b]", "passed"),
+        ("tests.gpu.test_x", "test_y[c-d]", "failed"),
+        ("tests.gpu.test_x", "test_crash", "error"),
+        ("tests.test_z.TestK", "test_w", "skipped")])
+    collected = ["tests/gpu/test_x.py::test_y[a-b]", "tests/gpu/test_x.py::test_y[c-d]",
+                 "tests/gpu/test_x.py::test_crash", "tests/test_z.py::TestK::test_w",
+                 "tests/gpu/test_x.py::test_not_reached"]
+    assert junit.left(xml, collected) == collected[1:3] + collected[4:]
+    assert junit.failures(xml) == [
+        "tests.gpu.test_x::test_y[c-d]: AssertionError: dV off by 0.7",
+        "tests.gpu.test_x::test_crash: worker crashed"]
+
+
+def test_gpu_runner_resumes_a_run(tmp_path):
+    """RESUME=<an earlier run's JUnit file>: only the tests it did not pass or skip
+    run (here one of the two collected); with none left, nothing runs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(OUT=str(out), N="0", PYTHON=sys.executable, TESTS="tests/gpu/test_fused.py",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
+    cases = [("tests.gpu.test_fused", "test_each_op_in_text[offset-bfloat16]", "passed"),
+             ("tests.gpu.test_fused", "test_each_op_in_text[offset-float16]", "failed")]
+    run = lambda xml: subprocess.run(  # noqa: E731
+        ["bash", str(REPO / "tests" / "gpu" / "run.sh"), "-k", "each_op_in_text"],
+        env=_env(RESUME=str(xml), **env), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path)
+    first = run(_junit(out / "gpu-suite.xml", cases))  # the earlier run's file, in OUT itself
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "resuming: 1 tests not passed or skipped" in first.stdout, first.stdout
+    assert (out / "resumed.txt").read_text().split() == [
+        "tests/gpu/test_fused.py::test_each_op_in_text[offset-float16]"]
+    suites = ET.parse(out / "gpu-suite.xml").getroot()
+    assert sum(int(s.get("tests")) for s in suites.iter("testsuite")) == 1
+    done = run(_junit(tmp_path / "all.xml", [(c, n, "passed") for c, n, _ in cases]))
+    assert done.returncode == 0 and "nothing left to run" in done.stdout, done.stdout

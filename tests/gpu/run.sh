@@ -16,7 +16,9 @@
 # stacks; OUT defaults to ./gpu-results), then prints the failures and one
 # summary line. Environment: N (0: one process, no xdist), PYTHON (default
 # python3), SCOREMOD_TEST_TIMEOUT, LIMIT, JAX_COMPILATION_CACHE_DIR, TESTS
-# (the paths to collect, default tests).
+# (the paths to collect, default tests), RESUME (the JUnit file of an
+# earlier run: run only the tests it did not pass or skip, e.g. the rest of
+# a run its LIMIT stopped; tests/gpu/junit.py).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
@@ -26,6 +28,9 @@ N=${N:-8}
 LIMIT=${LIMIT:-2400}
 XML="$OUT/gpu-suite.xml"
 LOG="$OUT/gpu-suite.log"
+if [ -n "${RESUME:-}" ]; then  # kept before this run's reports replace it
+    cp "$RESUME" "$OUT/previous.xml" || exit 2
+fi
 rm -f "$XML" "$LOG" "$OUT/doctor.txt"
 
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -48,13 +53,34 @@ fi
 "$PY" -m scoremod doctor > "$OUT/doctor.txt" 2>&1
 grep -E "^fused path:" "$OUT/doctor.txt" || tail -n 3 "$OUT/doctor.txt"
 
+SELECT=(${TESTS:-tests} "$@")
+if [ -n "${RESUME:-}" ]; then
+    # Only the tests the resumed run did not pass or skip (its time limit
+    # stopped it, or they failed); extra arguments select when collecting.
+    "$PY" -m pytest -m gpu --collect-only -q -p no:cacheprovider "${SELECT[@]}" \
+        > "$OUT/collected.txt" 2>&1
+    "$PY" -m tests.gpu.junit left "$OUT/previous.xml" "$OUT/collected.txt" > "$OUT/resumed.txt" \
+        || exit 2
+    if [ ! -s "$OUT/resumed.txt" ]; then
+        echo "gpu suite: nothing left to run (every collected test passed or was skipped in $RESUME)"
+        exit 0
+    fi
+    mapfile -t SELECT < "$OUT/resumed.txt"
+    echo "resuming: ${#SELECT[@]} tests not passed or skipped in $RESUME"
+fi
+
 start=$(date +%s)
 timeout -s INT -k 30 "$LIMIT" "$PY" -m pytest -m gpu -v -rfE -p no:cacheprovider \
-    --junitxml="$XML" "${PARALLEL[@]}" ${TESTS:-tests} "$@" > "$LOG" 2>&1
+    --junitxml="$XML" "${PARALLEL[@]}" "${SELECT[@]}" > "$LOG" 2>&1
 rc=$?
 seconds=$(( $(date +%s) - start ))
 
-grep -E "^(FAILED|ERROR) " "$LOG" | head -n 40
+# Each failure with the first line of its message (the log has the rest).
+if [ -s "$XML" ]; then
+    "$PY" -m tests.gpu.junit failures "$XML" | head -n 40
+else
+    grep -E "^(FAILED|ERROR) " "$LOG" | head -n 40
+fi
 "$PY" - "$XML" "$LOG" "$rc" "$seconds" "$N" "$LIMIT" <<'PY'
 import re, sys, xml.etree.ElementTree as ET
 xml, log, rc, seconds, n, limit = sys.argv[1:]
