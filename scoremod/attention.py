@@ -100,7 +100,7 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
             raise asked.refused(reason)
         backend = asked
     else:
-        backend = _choose(problem, mod, traced_scale)
+        backend = _choose(problem, mod, traced_scale, options)
     plan = backend.plan(problem, mod, scale, options, return_lse)
     fallback = forward_mode_fallback = None
     if implementation is None:
@@ -145,21 +145,24 @@ def _fallback(backend, problem, mod, traced_scale, scale, options, can):
     order = registry.backends()
     later = order[order.index(backend) + 1:] if backend in order else order
     for other in later:
-        if can(other) and _why_not(other, problem, mod, traced_scale, automatic=True) is None:
+        if can(other) and _why_not(other, problem, mod, traced_scale, automatic=True,
+                                   options=options) is None:
             return other, other.plan(problem, mod, scale, options, True)
     return None
 
 
-def _choose(problem, mod, traced_scale=False):
+def _choose(problem, mod, traced_scale=False, options=None):
     """The first backend without objection, or the later one it yields this call
-    to (``yields_to``) when that one takes it; warns once per reason when a
-    backend whose hardware is here was passed over for a refusal."""
+    to (``yields_to``) when that one takes it, each judged under the call's
+    ``options`` (the Pallas engine's refusals depend on them); warns once per
+    reason when a backend whose hardware is here was passed over for a
+    refusal."""
     passed = []
     for backend in registry.backends():
-        reason = _why_not(backend, problem, mod, traced_scale, automatic=True)
+        reason = _why_not(backend, problem, mod, traced_scale, automatic=True, options=options)
         if reason is None:
             faster, _ = _yielded(backend, problem, mod, lambda b: _why_not(
-                b, problem, mod, traced_scale, automatic=True) is None)
+                b, problem, mod, traced_scale, automatic=True, options=options) is None)
             if faster is not None:
                 return faster
             present = [r for b, r in passed if b.present()]
