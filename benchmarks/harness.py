@@ -193,7 +193,8 @@ def jax_mod(name, a, dtype="float32"):
     score, mask = mod_parts(name, t, jnp.tanh)
     if name == "mla_rope":
         q_pe, k_pe = rope_arrays(a, dtype)
-        score = lambda sc, b, h, q, k: sc + jnp.dot(q_pe[b, q, h], k_pe[b, k])  # noqa: E731
+        score = lambda sc, b, h, q, k: sc + jnp.dot(  # noqa: E731
+            q_pe[b, q, h].astype(jnp.float32), k_pe[b, k].astype(jnp.float32))
     score = score or (lambda sc, b, h, q, k: sc)
     if mask is None:
         return scoremod.trace(score)

@@ -347,6 +347,19 @@ def test_mla_rope_baseline_pads_v_and_computes_the_same_attention():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def test_mla_rope_factors_take_the_inputs_dtype_and_fold():
+    """At bfloat16 (the benchmark's dtype) the factors are bfloat16, the mod
+    traces (its products in float32) and its bias folds into the head dim."""
+    from scoremod.lowering import lowrank
+    from scoremod.lowering.problem import Problem
+
+    shape = bench.Shape(1, 2, 64, 16, "bfloat16", window=8)
+    mod = shape.mod("mla_rope")
+    assert {str(x.dtype) for x in mod.operands} == {"bfloat16"}
+    found = lowrank.find(mod, Problem(1, 64, 64, 2, 2, 16, 16, "bfloat16"), 0.25)
+    assert isinstance(found, lowrank.LowRank) and found.rank == bench.ROPE_DIM
+
+
 # --- document_softcap and the operand-gradient direction (fwdbwd_ops) -------------
 
 
