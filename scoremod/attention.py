@@ -142,13 +142,18 @@ def _why_not(backend, problem, mod, traced_scale, automatic, options=None):
 def _fallback(backend, problem, mod, traced_scale, scale, options, can):
     """``(backend, plan)`` of the first backend after ``backend`` (in the
     registry's order) that ``can`` and takes the call, or None."""
-    order = registry.backends()
-    later = order[order.index(backend) + 1:] if backend in order else order
-    for other in later:
+    for other in _after(backend):
         if can(other) and _why_not(other, problem, mod, traced_scale, automatic=True,
                                    options=options) is None:
             return other, other.plan(problem, mod, scale, options, True)
     return None
+
+
+def _after(backend) -> tuple:
+    """The backends ``implementation=None`` tries after ``backend`` (all of them
+    for one asked for by name only)."""
+    order = registry.backends()
+    return order[order.index(backend) + 1:] if backend in order else order
 
 
 def _choose(problem, mod, traced_scale=False, options=None):
@@ -181,9 +186,7 @@ def _yielded(backend, problem, mod, takes):
     if target is None:
         return None, None
     name, reason = target
-    order = registry.backends()
-    later = order[order.index(backend) + 1:]
-    other = next((b for b in later if b.name == name), None)
+    other = next((b for b in _after(backend) if b.name == name), None)
     if other is None or not takes(other):
         return None, None
     return other, f"{backend.name} yields it to {name}: {reason}"

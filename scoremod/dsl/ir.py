@@ -325,6 +325,11 @@ def operands_of(root: Node) -> list[Node]:
     return [n for n in toposort(root) if n.op == OPERAND]
 
 
+def variables(*roots: Node) -> frozenset:
+    """The names of the variables (``score``, ``b``, ``q_idx``, ...) ``roots`` read."""
+    return frozenset(n.attr for n in toposort(*roots) if n.op == VAR)
+
+
 def depends_on(root: Node, leaf: Node) -> set:
     """The set of nodes under ``root`` whose value depends on ``leaf``."""
     dep = set()

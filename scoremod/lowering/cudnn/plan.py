@@ -167,7 +167,7 @@ class Part:
 
     def _plan_materialized(self, node, uid):
         dims, strides = [1, 1, 1, 1], [1, 1, 1, 1]
-        used = {n.attr for n in ir.toposort(node) if n.op == VAR}
+        used = ir.variables(node)
         for v in AXES:
             if v in used:
                 dims[AXIS[v]] = self.shape.extent(v)

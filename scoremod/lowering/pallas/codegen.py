@@ -84,8 +84,7 @@ ONE_AXIS_BOOL_READ = ("a bool array read along one tile axis gave wrong gradient
 def _one_axis_bool_read(node) -> bool:
     if node.op != LOAD or node.dtype != BOOL:
         return False
-    used = {n.attr for n in ir.toposort(*node.args[1:]) if n.op == VAR}
-    return len(used & {"q_idx", "kv_idx"}) == 1
+    return len(ir.variables(*node.args[1:]) & {"q_idx", "kv_idx"}) == 1
 
 
 def refusal(expr, sources) -> str | None:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from scoremod.dsl import ir
-from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE, VAR
+from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE
 from scoremod.dsl.text import format_expr
 from scoremod.lowering.pallas import codegen
 
@@ -138,7 +138,7 @@ def refusal(expr, sources, advice=True) -> str | None:
 
 
 def _varies_over_tile(indices) -> bool:
-    return any(n.op == VAR and n.attr in _TILE_VARS for n in ir.toposort(*indices))
+    return not ir.variables(*indices).isdisjoint(_TILE_VARS)
 
 
 def prepared(expr):
@@ -202,7 +202,7 @@ def _score_factor(expr):
 
 
 def uses_var(expr, name) -> bool:
-    return expr is not None and any(n.op == VAR and n.attr == name for n in ir.toposort(expr))
+    return expr is not None and name in ir.variables(expr)
 
 
 @dataclasses.dataclass(frozen=True)
