@@ -259,6 +259,45 @@ def test_columns_read_by_slicing_equal_the_gathered_ones(name, monkeypatch):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.parametrize("name", ["mla_causal", "gqa_keys_shared_by_heads", "scaled_terms"]
+                         + sorted(LAYOUT_ARRAYS))
+def test_runs_of_columns_taken_as_one_slice_equal_column_by_column(name, monkeypatch):
+    """Columns reading one operand at consecutive positions (q_pe[b, q_idx, h, 0..R-1])
+    are one slice of it; column by column (runs of one) they are the same, bit
+    for bit. ``scaled_terms`` (a constant per column) is not a run."""
+    if name in LAYOUT_ARRAYS:
+        make, (a, c), hkv = _other_layouts()[name], LAYOUT_ARRAYS[name], HQ
+    else:
+        kind, a, c, hkv = CASES[name]
+        make = lambda a, c: _mods(a, c)[kind]  # noqa: E731
+    f, args = _augmented(make, a, c, hkv)
+    whole = f(*args)
+    hlo = f.lower(*args).compile().as_text()
+    slices = hlo.count(" slice(")
+    assert slices <= (2 * R if name == "scaled_terms" else 4), slices
+    monkeypatch.setattr(lowrank, "_runs", lambda loads: [[x] for x in loads])
+    f, args = _augmented(make, a, c, hkv)
+    for x, y in zip(whole, f(*args)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_runs_of_columns():
+    """Runs: one operand, every index the same but one constant counting up."""
+    a = ir.operand("a", (2, 8), "float32")
+    c = ir.operand("c", (2, 8), "float32")
+    qv = ir.var("q_idx")
+
+    def load(op, *idx):
+        return apply(ir.LOAD, op, *idx)
+
+    def at(op, j, row=qv):
+        return load(op, row, ir.const(j, ir.I32))
+
+    loads = [at(a, 0), at(a, 1), at(a, 2), at(a, 4), at(c, 5), at(c, 6), at(a, 7, ir.const(1, ir.I32))]
+    runs = lowrank._runs(loads)
+    assert [len(r) for r in runs] == [3, 1, 2, 1]
+
+
 @pytest.mark.parametrize("name", ["mla_causal", "per_bh"])
 def test_mla_factors_are_sliced_not_gathered(name):
     """MLA's q_pe[b, q_idx, h, :] and k_pe[b, kv_idx, :] (or q_pe[b, h, q_idx, :])
