@@ -118,7 +118,7 @@ class PallasPlan:
             expr=None if self.mod is None else self.mod.expr,
             operand_names=() if self.mod is None else self.mod.operand_names,
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
-            full_expr=None if self.mod is None else self.full_expr)
+            full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret)
 
     def mosaic_backward_spec(self) -> mosaic_backward.BackwardSpec:
         p = self.problem

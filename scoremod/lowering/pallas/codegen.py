@@ -157,7 +157,7 @@ def program_axes(expr, name) -> dict:
     return out
 
 
-def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None):
+def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None, known=None):
     """Values of ``roots`` on a tile.
 
     ``inputs``: arrays for the variables (``score``, ``b``, ``h``, ``q_idx``,
@@ -166,12 +166,17 @@ def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None):
     ``gather``: ``(ref, flat positions, IR dtype) -> values``, the kernel's
     read of a captured array (default: ``_gather`` below, Triton's);
     ``rules``: op name -> a jax.numpy spelling that replaces ``TILE_RULES``'
-    and the op table's (another lowering's)."""
+    and the op table's (another lowering's);
+    ``known``: node -> its value on the tile, computed by the caller (what
+    it read ahead: the nodes under it are not evaluated)."""
     gather = _gather if gather is None else gather
     rules = TILE_RULES if rules is None else {**TILE_RULES, **rules}
+    known = {} if known is None else known
     vals = {}
-    for node in ir.toposort(*roots):
-        if node.op == CONST:
+    for node in ir.toposort(*roots, stop=known.__contains__):
+        if node in known:
+            vals[node] = known[node]
+        elif node.op == CONST:
             vals[node] = jnp.asarray(node.attr, JNP_DTYPE[node.dtype])
         elif node.op == VAR:
             vals[node] = inputs[node.attr]
