@@ -74,6 +74,16 @@ def document(hq, sq, skv):
         (jnp.asarray(ids),)
 
 
+def document_softcap(hq, sq, skv):
+    # Document masking with a softcap: per-batch ids of random lengths (int32), causal.
+    rng = np.random.default_rng(6)
+    n = max(sq, skv)
+    ids = np.sort(rng.integers(0, 5, size=(2, n)), axis=1).astype(np.int32)
+    return (lambda s, b, h, q, k, d: jnp.where((d[b, q] == d[b, k]) & (q >= k),
+                                               30.0 * jnp.tanh(s / 30.0), NEG)), \
+        (jnp.asarray(ids),)
+
+
 def float_compare(hq, sq, skv):
     # Comparisons on floats (the score) and a float modulo.
     return (lambda s, b, h, q, k: jnp.where(s > 0.25, s, jnp.where(s < -1.0, 0.5 * s,
@@ -94,9 +104,13 @@ def _score():
 
 
 def _full_softcap_causal():
+    return ops_softcap(20.0)
+
+
+def ops_softcap(cap):
     from scoremod.dsl import ops
 
-    return ops.apply("tanh", _score() / 20.0) * 20.0
+    return ops.apply("tanh", _score() / cap) * cap
 
 
 WHEN_FULL = {
@@ -104,12 +118,13 @@ WHEN_FULL = {
     "softcap_causal": _full_softcap_causal,
     "sliding_window": lambda: _score(),
     "document": lambda ids: _score(),
+    "document_softcap": lambda ids: ops_softcap(30.0),
     "masked_rows": lambda: _score(),
 }
 
 CASES = {f.__name__: f for f in (softcap, causal, softcap_causal, sliding_window, alibi,
                                   relative_bias, learnable_softcap, batch_scale, document,
-                                  float_compare, masked_rows)}
+                                  document_softcap, float_compare, masked_rows)}
 
 
 def inputs(b=2, sq=80, skv=72, hq=4, hkv=2, d=64, dv=None, dtype=jnp.float32, seed=0):

@@ -40,6 +40,7 @@ from scoremod import device
 from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
+from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError
 from scoremod.lowering import blocks, nonfinite
 from scoremod.lowering.backend import Backend, forward_mode
@@ -154,11 +155,16 @@ class Pallas(Backend):
         return device.current().family is not None
 
     def why_not(self, problem, mod, automatic, options=None):
+        options = lowering_options.current() if options is None else options
         if mod is not None:
-            why = codegen.refusal(mod.expr, mod.sources)
+            # Bool arrays read along one tile axis: where the Mosaic GPU kernels
+            # run the forward and the backward (the Triton backward gets them wrong).
+            on_mosaic = (options.pallas_engine == "mosaic"
+                         and mosaic.refusal(mod.expr, mod.sources) is None
+                         and _mosaic_backward_refusal(mod, _full_expr(mod)) is None)
+            why = codegen.refusal(mod.expr, mod.sources, one_axis_bool=on_mosaic)
             if why:
                 return why
-        options = lowering_options.current() if options is None else options
         if options.pallas_engine == "mosaic":
             return self._why_not_mosaic(problem, mod)
         if problem.dtype not in DTYPES:
@@ -222,8 +228,7 @@ class Pallas(Backend):
         block_map, full_expr = dense_map, None
         if mod is not None:
             block_map = AnalysedMap(mod.expr)
-            full = blocks.when_full(mod.expr)
-            full_expr = None if full is mod.expr else full
+            full_expr = _full_expr(mod)
         backward_engine, backward_note = "triton", None
         if options.pallas_engine == "mosaic":
             backward_note = _mosaic_backward_refusal(mod, full_expr)
@@ -252,6 +257,12 @@ class Pallas(Backend):
 
 
 PALLAS = Pallas()
+
+
+def _full_expr(mod):
+    """The mod on tiles the block map marks full, or None where that is the mod."""
+    full = blocks.when_full(mod.expr)
+    return None if full is mod.expr else full
 
 
 def _mosaic_backward_refusal(mod, full_expr):
@@ -401,6 +412,23 @@ def _operand_gradient(part, node, expr, b, hq):
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def _check_triton_backward(plan):
+    """The Triton backward gets bool arrays read along one tile axis wrong
+    (``codegen.ONE_AXIS_BOOL_READ``): a plan that takes them (the Mosaic GPU
+    engine's) reaches it only when a captured float array's gradient is wanted."""
+    if plan.mod is None:
+        return
+    for node in ir.toposort(plan.mod.expr):
+        if codegen.one_axis_bool_read(node):
+            where = ir.source_of(node, plan.mod.expr, plan.mod.sources)
+            raise ScoreModError(
+                f"implementation=\"pallas\" learns captured float arrays on its Triton "
+                f"backward, which cannot run `{format_expr(node)}`"
+                f"{' at ' + where if where else ''}: {codegen.ONE_AXIS_BOOL_READ}. Wrap the "
+                "float arrays in jax.lax.stop_gradient (the Mosaic GPU backward then runs the "
+                "call), read the flags as an int array, or use implementation=\"xla\".")
+
+
 def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     """dQ, dK, dV and {operand name: gradient} (those in ``wanted`` that are float)."""
     p = plan.problem
@@ -427,6 +455,7 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         dk, dv = mosaic_backward.dkdv(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
         parts = {}
     else:  # the Triton backward: it also learns captured float arrays (``windows``)
+        _check_triton_backward(plan)
         dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
         dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, windows)
     g = p.hq // p.hkv

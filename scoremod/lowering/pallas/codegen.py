@@ -75,24 +75,28 @@ def kernel_operand(value, node):
 # the right O and LSE but wrong dQ, dK and dV (up to 1.4x the gradient's size)
 # for the catalogue's global_sliding_window, `where(|q - kv| <= W | g[q] | g[kv],
 # s, -inf)`, while the same kernels in interpret mode match the reference.
-# Refused until the cause is found; reads of bool arrays along both axes
-# (a tile map) and of int arrays along one ran right there.
+# Refused on the Triton kernels until the cause is found; reads of bool arrays
+# along both axes (a tile map) and of int arrays along one ran right there.
+# The Mosaic GPU kernels broadcast such a vector's int32 values and compare
+# after (mosaic.tile_reads): they take it where they run forward and backward.
 ONE_AXIS_BOOL_READ = ("a bool array read along one tile axis gave wrong gradients on the H200 "
                       "(the forward was right; the cause is not found yet)")
 
 
-def _one_axis_bool_read(node) -> bool:
+def one_axis_bool_read(node) -> bool:
     if node.op != LOAD or node.dtype != BOOL:
         return False
     return len(ir.variables(*node.args[1:]) & {"q_idx", "kv_idx"}) == 1
 
 
-def refusal(expr, sources) -> str | None:
+def refusal(expr, sources, one_axis_bool=False) -> str | None:
     """Why the Pallas kernels cannot evaluate ``expr`` or its derivatives (a
-    sentence naming the op and where it was written), or None."""
+    sentence naming the op and where it was written), or None.
+    ``one_axis_bool``: bool arrays read along one tile axis are taken (the
+    Mosaic GPU kernels run the whole call)."""
     for node in ir.toposort(*all_expressions(expr)):
         why = NOT_LOWERABLE.get(node.op)
-        if _one_axis_bool_read(node):
+        if not one_axis_bool and one_axis_bool_read(node):
             why = ONE_AXIS_BOOL_READ
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"

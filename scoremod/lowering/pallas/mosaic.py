@@ -16,10 +16,21 @@ The outputs are the Triton forward's: O in the inputs' dtype and the
 natural-log LSE (float32, -inf on rows that see no key, whose O is 0), so
 the Triton FA2 backward (``kernels``) runs on them unchanged.
 
+Captured arrays are read at scalar positions (indices built from b, h and
+constants: ``slopes[h]``, one load per program) or along one tile axis
+(indices built from those and one of q_idx or kv_idx: ``doc[b, q_idx]``,
+``doc[b, kv_idx]``): the wrapper evaluates such a read at every position of
+its axis (``vector_arrays``, the reference path's clamped reads, so the
+tiles' padding reads in bounds), the kernel copies a tile's slice into
+shared memory with TMA (the query rows' once per program, each key tile's
+beside its key and value tiles) and broadcasts it over the tile.
+
 What this engine cannot evaluate is refused up front (``refusal``): ops
-Mosaic GPU has no lowering for, and reads of a captured array at an index
-that varies over the tile (a gather; Mosaic GPU loads scalars only, so
-``slopes[h]`` runs and ``bias[h, kv_idx - q_idx]`` does not).
+Mosaic GPU has no lowering for, and reads at an index that varies with both
+q_idx and kv_idx, or with the score (a gather: ``bias[h, kv_idx - q_idx]``).
+
+Off a GPU (the plan's interpret flag) the kernel runs in Mosaic GPU's
+interpret mode, a CPU simulation, for tests (see ``mosaic_backward``).
 
 jax.experimental.pallas.mosaic_gpu is imported when a kernel is built, never
 at import (jax versions without it import this module too).
@@ -128,10 +139,11 @@ def refusal(expr, sources, advice=True) -> str | None:
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
         if node.op == LOAD and read_axis(node) is False:
-            why = ("it reads captured arrays at indices built from b, h and constants (a scalar "
-                   "per program) and from at most one of q_idx or kv_idx (a vector per tile, "
-                   "such as doc[b, q_idx] or bias[h, kv_idx + 1]); this index mixes q_idx and "
-                   "kv_idx, or reads the score (a gather)")
+            tile = sorted(ir.variables(*node.args[1:]) - _PROGRAM_VARS)
+            why = ("it reads captured arrays at indices built from b, h, constants and at most "
+                   "one of q_idx or kv_idx (a scalar per program, or a vector along one tile "
+                   "axis such as doc[b, q_idx]); this index varies over the tile with "
+                   f"{' and '.join(tile)} (a gather)")
         if why:
             where = ir.source_of(node, expr, sources)
             return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
