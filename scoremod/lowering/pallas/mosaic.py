@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from scoremod.dsl import ir
+from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE
 from scoremod.dsl.text import format_expr
 from scoremod.lowering.pallas import codegen
@@ -192,8 +193,6 @@ def vector_arrays(sources, names, operands, b, hq, length) -> tuple:
     the kernels a tile's slice at a time. Computed as the reference path reads
     (indices clamped), so positions past the arrays' ends (the tiles' padding)
     read what the mod reads there."""
-    from scoremod.dsl.evaluate import evaluate
-
     named = dict(zip(names, operands))
     out = []
     for src in sources:
