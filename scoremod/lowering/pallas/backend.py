@@ -12,7 +12,10 @@ The forward runs on one of two engines, ``LoweringOptions.pallas_engine``:
 ``"triton"`` (``kernels``: Pallas's Triton lowering, any GPU, interpret mode
 off one; float32 too) or ``"mosaic"`` (``mosaic``: Pallas's Mosaic GPU
 lowering for Hopper, wgmma and TMA; float16 and bfloat16, head dim 64 or 128,
-captured arrays read at scalar positions only). Both return the same O and
+captured arrays read at scalar positions or along one tile axis, as document
+ids are, not gathered); ``"auto"``, the default, takes the Mosaic engine where
+it runs the call and the Triton one elsewhere (``Pallas.engine``; the plan's
+description says which and why). Both return the same O and
 natural-log LSE. The backward follows: with the Mosaic engine it runs on
 Mosaic GPU kernels too (``mosaic_backward``) where they can evaluate the
 mod's derivative, decided when the call is planned; gradients of captured
@@ -102,6 +105,10 @@ class PallasPlan:
     # The masked-key rule for non-finite V (lowering/nonfinite.py) around the
     # kernels: LoweringOptions.check_values.
     check_values: bool = True
+    # Whether pallas_engine="auto" chose ``engine``; where it chose the Triton
+    # engine, why the Mosaic GPU engine does not take the call.
+    auto_engine: bool = False
+    engine_note: str | None = None
 
     def spec(self, blocks_, warps) -> kernels.KernelSpec:
         p = self.problem
@@ -131,13 +138,15 @@ class PallasPlan:
 
     def describe(self):
         what = "plain attention" if self.mod is None else f"score_mod `{self.mod}`"
+        chosen = ("" if not self.auto_engine else
+                  "pallas_engine=\"auto\": " + (self.engine_note or "it takes the call") + "; ")
         if self.engine != "mosaic":
-            engines = ""
+            engines = f"Triton engine, {chosen}" if self.auto_engine else ""
         elif self.backward_engine == "mosaic":
             engines = ("Mosaic GPU forward and backward, the Triton backward for gradients of "
-                       "captured arrays; ")
+                       f"captured arrays; {chosen}")
         else:
-            engines = f"Mosaic GPU forward, Triton backward: {self.backward_note}; "
+            engines = f"Mosaic GPU forward, Triton backward: {self.backward_note}; {chosen}"
         return (f"{what} as block-sparse Pallas kernels ({engines}forward tiles "
                 f"{self.forward_blocks}, backward tiles {self.backward_blocks}"
                 f"{', interpret mode' if self.interpret else ''})")
@@ -156,16 +165,17 @@ class Pallas(Backend):
 
     def why_not(self, problem, mod, automatic, options=None):
         options = lowering_options.current() if options is None else options
+        engine, _ = self.engine(problem, mod, options)
         if mod is not None:
             # Bool arrays read along one tile axis: where the Mosaic GPU kernels
             # run the forward and the backward (the Triton backward gets them wrong).
-            on_mosaic = (options.pallas_engine == "mosaic"
+            on_mosaic = (engine == "mosaic"
                          and mosaic.refusal(mod.expr, mod.sources) is None
                          and _mosaic_backward_refusal(mod, _full_expr(mod)) is None)
             why = codegen.refusal(mod.expr, mod.sources, one_axis_bool=on_mosaic)
             if why:
                 return why
-        if options.pallas_engine == "mosaic":
+        if engine == "mosaic":
             return self._why_not_mosaic(problem, mod)
         if problem.dtype not in DTYPES:
             return f"it takes float16, bfloat16 or float32 inputs, got {problem.dtype}"
@@ -182,40 +192,60 @@ class Pallas(Backend):
             return "off a GPU the kernels run in Pallas's interpret mode (slow); ask by name"
         return None
 
+    def engine(self, problem, mod, options):
+        """``(engine, note)``: the engine that runs the call under ``options``
+        (``"triton"`` or ``"mosaic"``) and, where ``pallas_engine="auto"`` gave it to
+        the Triton engine, why the Mosaic GPU engine does not take it (else None)."""
+        if options.pallas_engine != "auto":
+            return options.pallas_engine, None
+        why = self._why_not_mosaic(problem, mod, advice=False)
+        return ("triton", why) if why else ("mosaic", None)
+
+    def variant(self, problem, mod, options):
+        engine, note = self.engine(problem, mod, options)
+        how = ("the Mosaic GPU engine" if engine == "mosaic" else "the Triton engine")
+        if options.pallas_engine != "auto":
+            return f"{how} (pallas_engine=\"{engine}\")"
+        if note:
+            return f"{how} (pallas_engine=\"auto\": {note})"
+        return f"{how} (pallas_engine=\"auto\": it takes the call)"
+
     def why_not_with(self, problem, mod, automatic, options):
         return self.why_not(problem, mod, automatic, options)
 
-    def _why_not_mosaic(self, problem, mod):
+    def _why_not_mosaic(self, problem, mod, advice=True):
         """The Mosaic GPU forward's refusals (its backward falls back to the Triton
-        kernels, chosen in ``plan``, where its own cannot run the mod)."""
+        kernels, chosen in ``plan``, where its own cannot run the mod); ``advice``:
+        saying that the Triton engine runs the call."""
         if mod is not None:
-            why = mosaic.refusal(mod.expr, mod.sources)
+            why = mosaic.refusal(mod.expr, mod.sources, advice=advice)
             if why:
                 return why
-        switch = "LoweringOptions(pallas_engine=\"triton\") runs it"
+        switch = "; LoweringOptions(pallas_engine=\"triton\") runs it" if advice else ""
         if problem.dtype not in mosaic.DTYPES:
             return (f"its Mosaic GPU engine takes float16 or bfloat16 inputs (wgmma), got "
-                    f"{problem.dtype}; {switch}")
+                    f"{problem.dtype}{switch}")
         if problem.d != problem.dv or problem.d not in mosaic.HEAD_DIMS:
             return (f"its Mosaic GPU engine is built for equal query and value head dims of "
                     f"{' or '.join(map(str, mosaic.HEAD_DIMS))}, got {problem.d} (queries, keys) "
-                    f"and {problem.dv} (values); {switch}")
+                    f"and {problem.dv} (values){switch}")
         have = tuple(int(x) for x in jax.__version__.split(".")[:2])
         if have < mosaic.JAX_VERSION:
             return (f"its Mosaic GPU engine is written for jax "
-                    f"{'.'.join(map(str, mosaic.JAX_VERSION))} or later, found {jax.__version__}; "
+                    f"{'.'.join(map(str, mosaic.JAX_VERSION))} or later, found {jax.__version__}"
                     f"{switch}")
         here = device.current()
         if here.platform != "gpu" or here.family != 9:
             found = f"compute capability {here.family}.x" if here.family else here.platform
-            return (f"its Mosaic GPU engine needs a Hopper GPU (compute capability 9.x; it has no "
-                    f"interpret mode), found {found}; {switch}")
+            return (f"its Mosaic GPU engine needs a Hopper GPU (compute capability 9.x), "
+                    f"found {found}{switch}")
         return None
 
     def plan(self, problem, mod, scale, options, return_lse):
         interpret = device.current().platform != "gpu"
+        engine, engine_note = self.engine(problem, mod, options)
         fwd = (options.pallas_block_q, options.pallas_block_kv)
-        if options.pallas_engine == "mosaic":  # its tiles are fixed by its warpgroups
+        if engine == "mosaic":  # its tiles are fixed by its warpgroups
             fwd = (mosaic.TILE_Q, mosaic.BLOCK_KV)
         bwd = (options.pallas_backward_block_q, options.pallas_backward_block_kv)
         warps = options.pallas_num_warps
@@ -230,15 +260,16 @@ class Pallas(Backend):
             block_map = AnalysedMap(mod.expr)
             full_expr = _full_expr(mod)
         backward_engine, backward_note = "triton", None
-        if options.pallas_engine == "mosaic":
+        if engine == "mosaic":
             backward_note = _mosaic_backward_refusal(mod, full_expr)
             if backward_note is None:  # its tiles are fixed by its warpgroups too
                 backward_engine = "mosaic"
                 bwd = (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
         return PallasPlan(None if mod is None else ScoreMod(mod.expr), float(scale),
                           bool(return_lse), problem, fwd, bwd, warps, options.pallas_num_stages,
-                          interpret, block_map, full_expr, options.pallas_engine,
-                          backward_engine, backward_note, options.check_values)
+                          interpret, block_map, full_expr, engine,
+                          backward_engine, backward_note, options.check_values,
+                          options.pallas_engine == "auto", engine_note)
 
     def forward(self, plan, q, k, v, operands):
         if forward_mode((q, k, v, operands)):
