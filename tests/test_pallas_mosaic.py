@@ -612,35 +612,6 @@ def test_prepared_folds():
 # Captured arrays read along one tile axis (document ids, per-key flags and biases)
 
 
-def _doc_ids(b, n, docs=4, seed=11):
-    """Document ids per batch: sorted random ids, so documents of random lengths."""
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(np.sort(rng.integers(0, docs, size=(b, n)), axis=1), jnp.int32)
-
-
-def _vector_mod(name, b, hq, sq, skv):
-    """(mod_fn, operands) as pc.CASES gives them, for mods that read vectors."""
-    n = max(sq, skv)
-    doc = _doc_ids(b, n)
-    if name == "document_bidirectional":
-        return (lambda s, b, h, q, k, d: jnp.where(d[b, q] == d[b, k], s, -jnp.inf)), (doc,)
-    if name == "global_window":  # bool flags at q_idx and at kv_idx (Longformer's globals)
-        flags = jnp.arange(n) % 37 == 5
-        return (lambda s, b, h, q, k, g: jnp.where((jnp.abs(q - k) <= 16) | g[q] | g[k], s,
-                                                   -jnp.inf)), (flags,)
-    if name == "shifted_bias":  # an offset index, and a float vector per head along kv
-        bias = jnp.asarray(np.random.default_rng(12).normal(size=(hq, n)), jnp.float32)
-        return (lambda s, b, h, q, k, d, w: jnp.where(d[b, q] >= d[b, k + 1], s + w[h, k],
-                                                      -jnp.inf)), (doc, bias)
-    return pc.CASES[name](hq, sq, skv)
-
-
-def _traced_vector_mod(name, q, k):
-    fn, operands = _vector_mod(name, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-    mod = scoremod.trace(lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, *operands))
-    return mod, tuple(mod.operands)
-
-
 @pytest.mark.parametrize("case,b,shape,dtype", [
     ("document_softcap", 2, dict(sq=300, skv=260, hq=4, hkv=2, d=64), jnp.bfloat16),
     ("document", 2, dict(sq=130, skv=190, hq=2, hkv=1, d=128), jnp.float16),
@@ -658,7 +629,7 @@ def test_vector_reads_interpreted(case, b, shape, dtype, interprets):
     heads share key heads; bool flags at q_idx and kv_idx; an offset index and a
     float vector per head."""
     q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
-    mod, operands = _traced_vector_mod(case, q, k)
+    mod, operands = pc.tracedpc.vector_mod(case, q, k)
     assert mosaic.vector_reads(mod.expr), case
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.4 if shape["d"] == 64 else 0.3)
     assert plan.interpret and plan.engine == "mosaic" and plan.backward_engine == "mosaic"
@@ -680,7 +651,7 @@ def test_vector_reads_lower(case, hopper_here):
     """Vector reads lower for CUDA: gradients of q, k, v to the three Mosaic GPU
     kernels; with a float vector learned, its gradient on the Triton backward."""
     q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
-    fn, operands = _vector_mod(case, 2, 4, 300, 260)
+    fn, operands = pc.vector_mod(case, 2, 4, 300, 260)
 
     def loss(q, k, v, operands):
         mod = lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, *operands)  # noqa: E731

@@ -370,8 +370,6 @@ def test_mosaic_backward_deterministic(hopper):
 # per-key flags and biases): forward and backward on Mosaic GPU kernels, the
 # plan's own map (documents skip tiles), gradients of q, k and v.
 
-from tests.test_pallas_mosaic import _doc_ids, _traced_vector_mod  # noqa: E402
-
 _VECTOR_CASES = [
     ("document_softcap", 4, dict(sq=512, skv=512, hq=4, hkv=4, d=128), jnp.bfloat16),
     ("document_softcap", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
@@ -395,7 +393,7 @@ def test_mosaic_vector_reads(case, b, shape, dtype, hopper):
     number of tiles), query heads sharing key heads (GQA, MQA), float16; bool flags
     at q_idx and kv_idx; an offset index and a float vector per head."""
     q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
-    mod, operands = _traced_vector_mod(case, q, k)
+    mod, operands = pc.traced_vector_mod(case, q, k)
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
     _mosaic_backward(plan)
     got = pc.run(PALLAS, plan, q, k, v, do, operands, False)
@@ -408,7 +406,7 @@ def test_mosaic_document_through_attention(hopper):
     """The motivating mod by scoremod.attention, jitted with gradients, against
     implementation="xla": document ids per batch, causal, softcap 30."""
     q, k, v, do = pc.inputs(b=2, sq=1000, skv=1000, hq=8, hkv=2, d=128, dtype=jnp.bfloat16)
-    doc = _doc_ids(2, 1000, docs=6, seed=3)
+    doc = pc.doc_ids(2, 1000, docs=6, seed=3)
 
     def mod(score, b, h, q_idx, kv_idx):
         same = (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)

@@ -431,7 +431,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     return plgpu.kernel(
         entry, out_type=(out, out), grid=(hq, skv // BLOCK, b),
         grid_names=("heads", "kv_seq", "batch"), num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=mosaic.interpret_params(spec),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
 
 
@@ -523,7 +524,8 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 ds = ds * jnp.float32(spec.scale)
 
                 def query_grad(acc_refs):
-                    plgpu.wgmma(acc_refs[0], mosaic.left_operand(spec, ds.astype(dtype), staging, 0), ks)
+                    ds_left = mosaic.left_operand(spec, ds.astype(dtype), staging, 0)
+                    plgpu.wgmma(acc_refs[0], ds_left, ks)
 
                 (acc,) = mosaic.accumulate(spec, query_grad, (acc,))
                 plgpu.barrier_arrive(free.at[slot])
@@ -573,5 +575,6 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     return plgpu.kernel(
         entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(hq, n_tiles, b),
         grid_names=("heads", "q_seq", "batch"), num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=mosaic.interpret_params(spec),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
