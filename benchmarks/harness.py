@@ -23,8 +23,10 @@ Same shapes, same run, side by side (``--impls``):
              (torch buffers, CUDA events), as in benchmarks/ffi_overhead.py; for the
              document mods, the ragged graphs on offsets computed once beforehand
   xla        scoremod.attention(implementation="xla"): the reference path
-  pallas     scoremod.attention(implementation="pallas"): the block-sparse Pallas kernels
-             (Triton); asked for by name (not in the default --impls, which compare the
+  pallas     scoremod.attention(implementation="pallas") with
+             LoweringOptions(pallas_engine="triton"): the block-sparse Pallas kernels on
+             the Triton engine (the default engine, "auto", takes the Mosaic one where
+             it runs the call); asked for by name (not in the default --impls, which compare the
              planner's route, scoremod, against the other libraries)
   pallas-mosaic  the same with LoweringOptions(pallas_engine="mosaic"): the Mosaic GPU
              kernels (Hopper), forward and backward (fwdbwd_ops: the Triton backward,
@@ -404,6 +406,7 @@ def make_call(impl, name, shape, direction):
         how = ("xla" if impl == "xla" else "pallas" if impl in PALLAS_IMPLS
                else fused_backend(name, shape).name if impl == "scoremod-plain" else None)
         options = {"scoremod-plain": scoremod.LoweringOptions.plain(),
+                   "pallas": scoremod.LoweringOptions(pallas_engine="triton"),
                    "pallas-mosaic": scoremod.LoweringOptions(pallas_engine="mosaic")}.get(impl)
         with_learned = (lambda learned: mod) if direction != OPS else learned_operands(name, mod)
         learned = () if direction != OPS else tuple(x for x in mod.operands if _is_float(x))

@@ -212,10 +212,11 @@ def _warn_once(backend, reason: str) -> None:
 class Choice(tuple):
     """``(implementation, reason)``, with every backend's verdict in ``verdicts``."""
 
-    def __new__(cls, implementation, reason, verdicts, low_rank_bias=None):
+    def __new__(cls, implementation, reason, verdicts, low_rank_bias=None, variant=None):
         self = super().__new__(cls, (implementation, reason))
         self.verdicts = verdicts
         self.low_rank_bias = low_rank_bias
+        self.variant = variant
         return self
 
     @property
@@ -246,8 +247,10 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
     backend to its reason for refusing this call, or None when it could run
     it; ``low_rank_bias`` says whether a low-rank additive bias of the mod
     runs inside QK^T (head dim and remaining mod), or why it stays in the mod
-    (None: the mod has none). Only the IR and the shapes are looked at;
-    nothing is compiled or run.
+    (None: the mod has none); ``variant`` says which of the chosen backend's
+    ways runs it and why, where it has several (the Pallas kernels' engine,
+    ``LoweringOptions.pallas_engine``), else None. Only the IR and the shapes
+    are looked at; nothing is compiled or run.
     """
     mod = as_score_mod(score_mod)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
@@ -265,15 +268,19 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
     verdicts = {b.name: b.why_not(problem, mod, automatic=True) for b in registry.backends()}
     names = list(verdicts)
     chosen = next((name for name, reason in verdicts.items() if reason is None), None)
+    options = lowering_options.current()
     if chosen is not None:
         faster, why = _yielded(registry.get(chosen), problem, mod,
                                lambda b: verdicts[b.name] is None)
         if faster is not None:
-            return Choice(faster.name, why, verdicts, note)
+            return Choice(faster.name, why, verdicts, note,
+                          faster.variant(problem, mod, options))
     # The reason: the first general backend's refusal before the chosen one.
     at = names.index(chosen) if chosen is not None else len(names)
     before = [(b, verdicts[b.name]) for b in registry.backends()[:at]]
-    return Choice(chosen, _telling(before, [r for _, r in before]) if at else None, verdicts, note)
+    variant = registry.get(chosen).variant(problem, mod, options) if chosen else None
+    return Choice(chosen, _telling(before, [r for _, r in before]) if at else None, verdicts, note,
+                  variant)
 
 
 def check_implementation(implementation) -> None:

@@ -33,7 +33,7 @@ from scoremod.errors import ScoreModError
 
 __all__ = ["LoweringOptions", "defaults", "current", "lowering_options"]
 
-PALLAS_ENGINES = ("triton", "mosaic")  # LoweringOptions.pallas_engine
+PALLAS_ENGINES = ("auto", "triton", "mosaic")  # LoweringOptions.pallas_engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +64,18 @@ class LoweringOptions:
       pallas_backward_block_q, pallas_backward_block_kv: its backward tile.
       pallas_num_warps: warps per Pallas program (None: 4 for head dim 64,
         8 for 128); pallas_num_stages: Triton's software-pipelining depth.
-      pallas_engine: the Pallas backend's forward kernel: ``"triton"``
-        (Pallas's Triton lowering: any NVIDIA GPU, interpret mode elsewhere,
-        every dtype and op of the table) or ``"mosaic"`` (Pallas's Mosaic GPU
-        lowering for Hopper: wgmma, TMA and warp specialization; float16 and
-        bfloat16, head dim 64 or 128, fixed 128 x 128 tiles, captured arrays
-        read at positions built from ``b``, ``h`` and constants only). The
-        backward is the Triton kernels' on either; the pallas_* tile and warp
-        options above are the Triton kernels'.
+      pallas_engine: the Pallas backend's kernels: ``"triton"`` (Pallas's
+        Triton lowering: any NVIDIA GPU, interpret mode elsewhere, every dtype
+        and op of the table), ``"mosaic"`` (Pallas's Mosaic GPU lowering for
+        Hopper: wgmma, TMA and warp specialization; float16 and bfloat16, head
+        dim 64 or 128, fixed tiles, captured arrays read at positions built
+        from ``b``, ``h``, constants and at most one of ``q_idx`` or
+        ``kv_idx``; refused elsewhere) or ``"auto"``, the default: the Mosaic
+        GPU engine where it takes the call, else the Triton one (the plan's
+        description says which ran and why). The backward follows the
+        forward's engine (gradients of captured float arrays run on the
+        Triton backward); the pallas_* tile and warp options above are the
+        Triton kernels'.
       check_values: the fused paths follow the masked-key rule for NaN and
         inf in V (docs/guide.md, "Fully masked rows") as the reference path
         does: each kernel call tests V (a reduction, and a conditional whose
@@ -83,7 +87,7 @@ class LoweringOptions:
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='triton', check_values=False)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='auto', check_values=False)
     """
 
     native_masks: bool = True
@@ -98,7 +102,7 @@ class LoweringOptions:
     pallas_backward_block_kv: int = 64
     pallas_num_warps: int | None = None
     pallas_num_stages: int = 2
-    pallas_engine: str = "triton"
+    pallas_engine: str = "auto"
     check_values: bool = False
 
     def __post_init__(self):

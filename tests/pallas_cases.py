@@ -74,6 +74,16 @@ def document(hq, sq, skv):
         (jnp.asarray(ids),)
 
 
+def document_softcap(hq, sq, skv):
+    # Document masking with a softcap: per-batch ids of random lengths (int32), causal.
+    rng = np.random.default_rng(6)
+    n = max(sq, skv)
+    ids = np.sort(rng.integers(0, 5, size=(2, n)), axis=1).astype(np.int32)
+    return (lambda s, b, h, q, k, d: jnp.where((d[b, q] == d[b, k]) & (q >= k),
+                                               30.0 * jnp.tanh(s / 30.0), NEG)), \
+        (jnp.asarray(ids),)
+
+
 def float_compare(hq, sq, skv):
     # Comparisons on floats (the score) and a float modulo.
     return (lambda s, b, h, q, k: jnp.where(s > 0.25, s, jnp.where(s < -1.0, 0.5 * s,
@@ -94,9 +104,13 @@ def _score():
 
 
 def _full_softcap_causal():
+    return ops_softcap(20.0)
+
+
+def ops_softcap(cap):
     from scoremod.dsl import ops
 
-    return ops.apply("tanh", _score() / 20.0) * 20.0
+    return ops.apply("tanh", _score() / cap) * cap
 
 
 WHEN_FULL = {
@@ -104,12 +118,43 @@ WHEN_FULL = {
     "softcap_causal": _full_softcap_causal,
     "sliding_window": lambda: _score(),
     "document": lambda ids: _score(),
+    "document_softcap": lambda ids: ops_softcap(30.0),
     "masked_rows": lambda: _score(),
 }
 
 CASES = {f.__name__: f for f in (softcap, causal, softcap_causal, sliding_window, alibi,
                                   relative_bias, learnable_softcap, batch_scale, document,
-                                  float_compare, masked_rows)}
+                                  document_softcap, float_compare, masked_rows)}
+
+
+def doc_ids(b, n, docs=4, seed=11):
+    """Document ids per batch: sorted random ids, so documents of random lengths."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.sort(rng.integers(0, docs, size=(b, n)), axis=1), jnp.int32)
+
+
+def vector_mod(name, b, hq, sq, skv):
+    """(mod_fn, operands) as CASES gives them, for the mods below and CASES' own:
+    reads of captured arrays along one tile axis (the Mosaic GPU engine's vectors)."""
+    n = max(sq, skv)
+    doc = doc_ids(b, n)
+    if name == "document_bidirectional":
+        return (lambda s, b, h, q, k, d: jnp.where(d[b, q] == d[b, k], s, -jnp.inf)), (doc,)
+    if name == "global_window":  # bool flags at q_idx and at kv_idx (Longformer's globals)
+        flags = jnp.arange(n) % 37 == 5
+        return (lambda s, b, h, q, k, g: jnp.where((jnp.abs(q - k) <= 16) | g[q] | g[k], s,
+                                                   -jnp.inf)), (flags,)
+    if name == "shifted_bias":  # an offset index, and a float vector per head along kv
+        bias = jnp.asarray(np.random.default_rng(12).normal(size=(hq, n)), jnp.float32)
+        return (lambda s, b, h, q, k, d, w: jnp.where(d[b, q] >= d[b, k + 1], s + w[h, k],
+                                                      -jnp.inf)), (doc, bias)
+    return CASES[name](hq, sq, skv)
+
+
+def traced_vector_mod(name, q, k):
+    fn, operands = vector_mod(name, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    mod = scoremod.trace(lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, *operands))
+    return mod, tuple(mod.operands)
 
 
 def inputs(b=2, sq=80, skv=72, hq=4, hkv=2, d=64, dv=None, dtype=jnp.float32, seed=0):

@@ -556,8 +556,8 @@ def test_cudnn_yields_masks_of_captured_arrays_to_the_pallas_kernels(monkeypatch
         assert "cudnn yields it to pallas" in choice.reason and "[q_idx]" in choice.reason
         assert choice.verdicts["cudnn"] is None and choice.verdicts["pallas"] is None
         assert attention_module._choose(Problem.of(q, k, v), scoremod.trace(mod)) is pallas
-        # under options whose Pallas engine refuses the call (Mosaic: no reads that
-        # vary over the tile, and no GPU here), it stays on cuDNN
+        # under options whose Pallas engine refuses the call (Mosaic: no Hopper GPU
+        # here), it stays on cuDNN
         mosaic = scoremod.LoweringOptions(pallas_engine="mosaic")
         assert attention_module._choose(Problem.of(q, k, v), scoremod.trace(mod),
                                         options=mosaic).name == "cudnn"

@@ -29,8 +29,10 @@ from scoremod.lowering.problem import Problem
 from tests import pallas_cases as pc
 from tests.pallas_cases import quiet  # noqa: F401 - the autouse fixture
 
-SMALL = scoremod.LoweringOptions(pallas_block_q=32, pallas_block_kv=16,
-                                 pallas_backward_block_q=16, pallas_backward_block_kv=32)
+# The Triton engine's kernels (the default engine, "auto", takes Mosaic GPU's on Hopper).
+TRITON = scoremod.LoweringOptions(pallas_engine="triton")
+SMALL = TRITON.replace(pallas_block_q=32, pallas_block_kv=16,
+                       pallas_backward_block_q=16, pallas_backward_block_kv=32)
 TOL = 2e-5  # float32 inputs: relative to each result's largest magnitude
 
 
@@ -362,7 +364,7 @@ def fake_hopper(monkeypatch):
 def _lower_for_cuda(mod, q, operands=(), full_expr=None):
     from jax import export
 
-    plan = dataclasses.replace(pc.pallas_plan(mod, q, q, q, scoremod.LoweringOptions(),
+    plan = dataclasses.replace(pc.pallas_plan(mod, q, q, q, TRITON,
                                               full_expr=full_expr), interpret=False)
 
     def grads(q, k, v, ops):  # every gradient the backward computes, operands' too
@@ -427,7 +429,7 @@ def test_vmap_lowers_to_triton(fake_hopper):
 
     q = jnp.zeros((2, 1, 128, 2, 64), jnp.bfloat16)
     mod, operands = pc.traced("alibi", q[0], q[0])
-    plan = dataclasses.replace(pc.pallas_plan(mod, q[0], q[0], q[0], scoremod.LoweringOptions()),
+    plan = dataclasses.replace(pc.pallas_plan(mod, q[0], q[0], q[0], TRITON),
                                interpret=False)
 
     def grads(q, k, v, slopes):

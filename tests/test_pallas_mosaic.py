@@ -41,6 +41,7 @@ from tests.pallas_cases import quiet  # noqa: F401 - the autouse fixture
 from tests.test_pallas import TABLE_OPS, _examples
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
+TRITON = scoremod.LoweringOptions(pallas_engine="triton")
 HOPPER = device.Device("gpu", "NVIDIA H200", 9, 132)
 
 
@@ -49,12 +50,13 @@ def _problem(d=128, dv=128, dtype="bfloat16", sq=256, skv=256):
 
 
 def test_option():
-    assert scoremod.LoweringOptions().pallas_engine == "triton"
+    assert scoremod.LoweringOptions().pallas_engine == "auto"
     assert MOSAIC != scoremod.LoweringOptions() and hash(MOSAIC.replace(pallas_engine="mosaic"))
-    with pytest.raises(ScoreModError, match="pallas_engine must be one of 'triton', 'mosaic'"):
+    with pytest.raises(ScoreModError,
+                       match="pallas_engine must be one of 'auto', 'triton', 'mosaic'"):
         scoremod.LoweringOptions(pallas_engine="cuda")
     problem = _problem()
-    plans = [PALLAS.plan(problem, None, 0.125, o, True) for o in (MOSAIC, MOSAIC.plain())]
+    plans = [PALLAS.plan(problem, None, 0.125, o, True) for o in (MOSAIC, TRITON)]
     assert plans[0].engine == "mosaic" and plans[1].engine == "triton"
     assert plans[0] != plans[1]  # options are part of the plan (and so of every cache key)
     assert plans[0].forward_blocks == (mosaic.TILE_Q, mosaic.BLOCK_KV)
@@ -70,20 +72,26 @@ def test_refusals(monkeypatch):
     assert why(_problem(d=64, dv=64, dtype="float16", sq=1000, skv=333)) is None
     # The dtype, head dims: the Triton engine runs them.
     assert "float16 or bfloat16" in why(_problem(dtype="float32"))
-    assert why(_problem(dtype="float32"), options=MOSAIC.plain()) is None
+    assert why(_problem(dtype="float32"), options=TRITON) is None
     assert "head dims of 64 or 128" in why(_problem(d=96, dv=96))
     assert "head dims" in why(_problem(d=128, dv=64))
-    assert why(_problem(d=128, dv=64), options=MOSAIC.plain()) is None
+    assert why(_problem(d=128, dv=64), options=TRITON) is None
     # A gather (a read at an index that varies over the tile), named with its line.
     q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
     mod, _ = pc.traced("relative_bias", q, q)
     reason = why(_problem(), mod)
     assert "`load`" in reason and "varies over the tile" in reason
     assert "pallas_cases.py" in reason and 'pallas_engine="triton"' in reason
-    assert why(_problem(), mod, options=MOSAIC.plain()) is None
-    # Scalar reads run: per head, per batch, and a 0-d array.
-    for case in ("alibi", "batch_scale", "learnable_softcap"):
+    assert why(_problem(), mod, options=TRITON) is None
+    # Scalar reads run: per head, per batch, and a 0-d array; reads along one tile axis too.
+    for case in ("alibi", "batch_scale", "learnable_softcap", "document", "document_softcap"):
         assert why(_problem(), pc.traced(case, q, q)[0]) is None, case
+    # Bool flags read along one tile axis: on the Mosaic kernels, not on the Triton ones.
+    flags = jnp.arange(256) % 7 == 0
+    global_window = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(
+        (jnp.abs(qi - ki) <= 16) | flags[qi] | flags[ki], s, -jnp.inf))
+    assert why(_problem(), global_window) is None
+    assert "the cause is not found yet" in why(_problem(), global_window, TRITON)
     # An op Mosaic GPU cannot lower, and float remainders (int ones run).
     log1p = scoremod.trace(lambda s, b, h, qi, ki: jnp.log1p(jnp.abs(s) + 0.0625))  # its own line
     assert "`log1p`" in why(_problem(), log1p) and "test_pallas_mosaic.py" in why(_problem(), log1p)
@@ -104,7 +112,8 @@ def test_refused_on_old_jax(monkeypatch):
 
 
 def test_refused_off_hopper(monkeypatch):
-    """Off a Hopper GPU (here: the CPU) the engine refuses by name; it has no interpret mode."""
+    """Off a Hopper GPU (here: the CPU) the engine refuses by name (its interpret
+    mode is for tests)."""
     monkeypatch.setattr(jax, "__version__", "0.11.2")  # past the version check (jax 0.10: CI)
     if device.current().family == 9:
         pytest.skip("runs on a Hopper GPU here")
@@ -226,6 +235,8 @@ def _lower_call(loss, *args):
     ("masked_rows", dict(sq=256, skv=256, hq=2, hkv=1, d=128)),
     ("softcap_causal", dict(sq=300, skv=260, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)),
     ("sliding_window", dict(sq=200, skv=333, hq=2, hkv=2, d=128, dtype=jnp.float16)),
+    ("document", dict(sq=256, skv=256, hq=2, hkv=1, d=64)),
+    ("document_softcap", dict(sq=300, skv=260, hq=4, hkv=2, d=128)),
 ])
 def test_calls_lower(case, shape, hopper_here):
     """scoremod.attention by name, jitted, forward and gradients of q, k, v lowers
@@ -239,7 +250,9 @@ def test_calls_lower(case, shape, hopper_here):
     floats = tuple(x for x in operands if jnp.issubdtype(x.dtype, jnp.floating))
 
     def loss(q, k, v, floats):
-        mod = lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, *floats)  # noqa: E731
+        given = iter(floats)  # the float arrays as arguments, the int ones captured
+        ops = [next(given) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in operands]
+        mod = lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, *ops)  # noqa: E731
         o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
@@ -314,8 +327,8 @@ def test_backward_plan(monkeypatch):
         assert plan.backward_engine == "mosaic" and plan.backward_note is None
         assert plan.backward_blocks == (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
         assert "Mosaic GPU forward and backward" in plan.describe()
-        plain = PALLAS.plan(problem, mod, 0.125, MOSAIC.plain(), True)
-        options = MOSAIC.plain()
+        plain = PALLAS.plan(problem, mod, 0.125, TRITON, True)
+        options = TRITON
         assert plain.backward_engine == "triton" and "Mosaic" not in plain.describe()
         assert plain.backward_blocks == (options.pallas_backward_block_q,
                                          options.pallas_backward_block_kv)
@@ -455,14 +468,113 @@ def test_import_is_lazy():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-def test_scalar_reads_only():
-    """A captured array indexed by b, h and constants is a scalar read; one indexed
-    by q_idx or kv_idx (even through arithmetic and a clip) is refused."""
+def test_read_axes():
+    """A captured array indexed by b, h and constants is a scalar read; by those and
+    one of q_idx or kv_idx (through any arithmetic), a vector along that axis; by
+    both, or by the score, a gather: refused, naming the variables."""
     t = jnp.ones((4, 8), jnp.float32)
-    ok = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, 3] * t[b, h + 1])
-    bad = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi + 4, 0, 7)])
-    assert mosaic.refusal(ok.expr, ok.sources) is None
-    assert "varies over the tile" in mosaic.refusal(bad.expr, bad.sources)
+    doc = jnp.zeros((2, 300), jnp.int32)
+    flags = jnp.arange(300) % 3 == 0
+
+    def read(fn):
+        mod = scoremod.trace(fn)
+        (node,) = [n for n in ir.toposort(mod.expr) if n.op == ir.LOAD]
+        return mod, mosaic.read_axis(node)
+
+    taken = {
+        "scalar": (lambda s, b, h, qi, ki: s + t[h, 3], None),
+        "scalar, computed": (lambda s, b, h, qi, ki: s * t[b, h + 1], None),
+        "doc[b, q_idx]": (lambda s, b, h, qi, ki: jnp.where(doc[b, qi] > 0, s, 0.0), "q_idx"),
+        "doc[b, kv_idx]": (lambda s, b, h, qi, ki: jnp.where(doc[b, ki] > 0, s, 0.0), "kv_idx"),
+        "doc[b, kv_idx + 1]": (lambda s, b, h, qi, ki: s + doc[b, ki + 1], "kv_idx"),
+        "t[h, q_idx // 64]": (lambda s, b, h, qi, ki: s + t[h, qi // 64], "q_idx"),
+        "bool flags[kv_idx]": (lambda s, b, h, qi, ki: jnp.where(flags[ki], s, -jnp.inf),
+                               "kv_idx"),
+    }
+    for name, (fn, axis) in taken.items():
+        mod, got = read(fn)
+        assert got == axis, name
+        assert mosaic.refusal(mod.expr, mod.sources) is None, name
+        assert mosaic_backward.refusal(mod.expr, mod.sources) is None, name
+    refused = {
+        "relative position": (lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi + 4, 0, 7)],
+                              "kv_idx and q_idx"),
+        "at the score": (lambda s, b, h, qi, ki: s + t[h, jnp.where(s > 0, 1, 0)], "score"),
+    }
+    for name, (fn, names) in refused.items():
+        mod, got = read(fn)
+        assert got is False, name
+        why = mosaic.refusal(mod.expr, mod.sources)
+        assert f"varies over the tile with {names} (a gather)" in why, (name, why)
+        assert "`load`" in why and "test_pallas_mosaic.py" in why, why
+    # A read whose index is another read: the outer read's axes decide.
+    nested = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, doc[b, qi] - doc[b, ki]])
+    assert "kv_idx and q_idx" in mosaic.refusal(nested.expr, nested.sources)
+    inner = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, doc[b, qi]])
+    assert mosaic.refusal(inner.expr, inner.sources) is None
+    assert len(mosaic.vector_reads(inner.expr)) == 1  # the outer one, read whole
+
+
+def test_vector_sources_and_uses():
+    """doc[b, q_idx] and doc[b, kv_idx] share one vector array; an index read only
+    inside vector reads needs no index tile of its own."""
+    doc = jnp.zeros((2, 300), jnp.int32)
+    same = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(doc[b, qi] == doc[b, ki], s, -1e9))
+    reads = mosaic.vector_reads(same.expr)
+    assert len(reads) == 2 and len(mosaic.vector_sources(reads)) == 1
+    assert not mosaic.uses_var(same.expr, "q_idx") and not mosaic.uses_var(same.expr, "kv_idx")
+    causal = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(
+        (doc[b, qi] == doc[b, ki]) & (qi >= ki), s, -1e9))
+    assert mosaic.uses_var(causal.expr, "q_idx") and mosaic.uses_var(causal.expr, "kv_idx")
+    shifted = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(doc[b, qi] == doc[b, ki + 1],
+                                                               s, -1e9))
+    assert len(mosaic.vector_sources(mosaic.vector_reads(shifted.expr))) == 2
+
+
+def test_vector_arrays():
+    """Each source's values at every position of the (padded) axis, per batch if it
+    reads b and per query head if it reads h: the reference path's reads, clamped
+    past the arrays' ends; bool arrays as int32, compared with 0 on the tile."""
+    rng = np.random.default_rng(7)
+    doc = jnp.asarray(rng.integers(0, 5, size=(2, 100)), jnp.int32)
+    bias = jnp.asarray(rng.normal(size=(3, 90)), jnp.float32)
+    flags = jnp.asarray(rng.integers(0, 2, size=(100,)) == 1)
+    mods = [lambda s, b, h, qi, ki: jnp.where(doc[b, ki + 1] > 2, s + bias[h, qi], s),
+            lambda s, b, h, qi, ki: jnp.where(flags[ki], s, -jnp.inf)]
+    for fn in mods:
+        mod = scoremod.trace(fn)
+        names, values = mod.operand_names, tuple(mod.operands)
+        from scoremod.lowering.pallas import codegen
+
+        flat = tuple(codegen.kernel_operand(x, n) for x, n in zip(values, mod.operand_nodes))
+        reads = mosaic.vector_reads(mod.expr)
+        sources = mosaic.vector_sources(reads)
+        arrays = mosaic.vector_arrays(sources, names, flat, 2, 3, 128)
+        for src, arr in zip(sources, arrays):
+            used = ir.variables(src)
+            assert arr.shape == (2 if "b" in used else 1, 3 if "h" in used else 1, 128)
+            assert arr.dtype == (jnp.float32 if src.dtype == ir.F32 else jnp.int32)
+            for bi in range(arr.shape[0]):
+                for hi in range(arr.shape[1]):
+                    want = evaluate(src, {"b": bi, "h": hi, "q_idx": jnp.arange(128)},
+                                    dict(zip(names, values)))
+                    np.testing.assert_array_equal(np.asarray(arr[bi, hi]),
+                                                  np.asarray(want).astype(arr.dtype))
+        # On a tile: each read broadcast along its axis, bool flags compared after.
+        own = {"q_idx": {}, "kv_idx": {}}
+        for src, arr in zip(sources, arrays):
+            for read in reads:
+                if mosaic.vector_source(read) is src:
+                    axis = mosaic.read_axis(read)
+                    start = 0 if axis == "q_idx" else 64
+                    own[axis][src] = arr[0, 0, start:start + 64]
+        tiles = mosaic.tile_reads(reads, own, {"q_idx": 0, "kv_idx": 1}, (64, 64))
+        index = {"b": 0, "h": 0, "q_idx": jnp.arange(64)[:, None],
+                 "kv_idx": 64 + jnp.arange(64)[None, :]}
+        for read, got in tiles.items():
+            want = evaluate(read, index, dict(zip(names, values)))
+            assert got.dtype == jnp.asarray(want).dtype
+            np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(want, (64, 64)))
 
 
 @pytest.mark.parametrize("case", sorted(pc.CASES))
@@ -494,3 +606,165 @@ def test_prepared_folds():
     (e, c, log2) = mosaic.prepared(causal.expr)
     assert log2 and c == pytest.approx(mosaic.LOG2E) and str(e) == str(causal.expr)
     assert mosaic.prepared(square.expr) == (square.expr, 1.0, False)
+
+
+# --------------------------------------------------------------------------- #
+# Captured arrays read along one tile axis (document ids, per-key flags and biases)
+
+
+@pytest.mark.parametrize("case,b,shape,dtype", [
+    ("document_softcap", 2, dict(sq=300, skv=260, hq=4, hkv=2, d=64), jnp.bfloat16),
+    ("document", 2, dict(sq=130, skv=190, hq=2, hkv=1, d=128), jnp.float16),
+    ("document_bidirectional", 2, dict(sq=200, skv=200, hq=2, hkv=2, d=64), jnp.bfloat16),
+    ("global_window", 1, dict(sq=192, skv=160, hq=2, hkv=1, d=64), jnp.float16),
+    ("shifted_bias", 2, dict(sq=150, skv=170, hq=4, hkv=2, d=64), jnp.bfloat16),
+])
+def test_vector_reads_interpreted(case, b, shape, dtype, interprets):
+    """Mods that read captured arrays along one tile axis, forward and backward
+    on the Mosaic kernels in Mosaic GPU's interpret mode (the plan's own map:
+    documents skip tiles), through the backend's custom_vjp, against the
+    reference path: O, LSE, dQ, dK, dV with an LSE cotangent too. Document ids
+    differ per batch and leave some rows of a tile in another document than
+    others; lengths are no whole number of tiles (the vectors' padding); query
+    heads share key heads; bool flags at q_idx and kv_idx; an offset index and a
+    float vector per head."""
+    q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
+    mod, operands = pc.tracedpc.vector_mod(case, q, k)
+    assert mosaic.vector_reads(mod.expr), case
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.4 if shape["d"] == 64 else 0.3)
+    assert plan.interpret and plan.engine == "mosaic" and plan.backward_engine == "mosaic"
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False)
+    # The kernels one after another, outside jit: under one jit XLA may start the
+    # dQ and dK/dV kernels together, and two interpreted kernels can starve each
+    # other's simulated warpgroups of the CPU runtime's threads (a hang, not a result).
+    o, lse = pallas_backend._forward(plan, q, k, v, operands)
+    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)  # the loss's 0.1 * sum(finite LSE)
+    dq, dk, dv, _ = pallas_backend._backward(plan, q, k, v, o, lse, do, dlse, operands, ())
+    errs = pc.relative_errors((o, lse, dq, dk, dv, ()), want)
+    assert all(e < 3e-2 for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("case", ["document_bidirectional", "global_window", "shifted_bias"])
+def test_vector_reads_lower(case, hopper_here):
+    """Vector reads lower for CUDA: gradients of q, k, v to the three Mosaic GPU
+    kernels; with a float vector learned, its gradient on the Triton backward."""
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    fn, operands = pc.vector_mod(case, 2, 4, 300, 260)
+
+    def loss(q, k, v, operands):
+        mod = lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, *operands)  # noqa: E731
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, operands)) == \
+        {"mosaic": 3, "triton": 0}
+    if case == "shifted_bias":
+        learn = lambda q, k, v, w: loss(q, k, v, (operands[0], w))  # noqa: E731
+        assert _kernels(_lower_call(jax.grad(learn, argnums=(0, 3)), q, k, v, operands[1])) == \
+            {"mosaic": 1, "triton": 2}
+
+
+def test_bool_vectors_never_reach_the_triton_backward(hopper_here):
+    """The Mosaic engine takes bool flags read along one tile axis; learning a float
+    array as well would send the call to the Triton backward, which gets them
+    wrong (codegen.ONE_AXIS_BOOL_READ): refused when the gradient is traced."""
+    q, k, v, do = pc.inputs(b=1, sq=128, skv=128, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
+    flags = jnp.arange(128) % 9 == 0
+    slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+
+    def loss(q, k, v, slopes):
+        mod = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
+            flags[ki] | (qi >= ki), s + slopes[h], -jnp.inf)
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32))
+
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, slopes)) == \
+        {"mosaic": 3, "triton": 0}
+    with pytest.raises(ScoreModError, match="stop_gradient") as e:
+        _lower_call(jax.grad(loss, argnums=(0, 3)), q, k, v, slopes)
+    assert "c0[kv_idx]" in str(e.value) and "test_pallas_mosaic.py" in str(e.value)
+
+
+# --------------------------------------------------------------------------- #
+# pallas_engine="auto" (the default): the Mosaic GPU engine where it takes the call
+
+
+def test_auto_engine(monkeypatch):
+    """On a Hopper GPU with jax 0.11, "auto" plans the Mosaic engine (its tiles, its
+    backward) for what it runs; the Triton engine for float32, other head dims,
+    gathers and bool flags with a derivative it cannot run, saying why; off Hopper
+    and on older jax, the Triton engine. The plan's description and
+    which_implementation's ``variant`` name the engine and the reason."""
+    auto = scoremod.LoweringOptions()
+    monkeypatch.setattr(device, "current", lambda: HOPPER)
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    softcap = pc.traced("softcap", q, q)[0]
+    document = pc.traced("document_softcap", q, q)[0]
+    for mod in (None, softcap, document):
+        assert PALLAS.why_not(_problem(), mod, False, auto) is None
+        plan = PALLAS.plan(_problem(), mod, 0.125, auto, True)
+        assert plan.engine == "mosaic" and plan.backward_engine == "mosaic", plan.describe()
+        assert plan.forward_blocks == (mosaic.TILE_Q, mosaic.BLOCK_KV)
+        assert 'Mosaic GPU forward and backward' in plan.describe()
+        assert 'pallas_engine="auto": it takes the call' in plan.describe()
+        assert PALLAS.variant(_problem(), mod, auto) == (
+            'the Mosaic GPU engine (pallas_engine="auto": it takes the call)')
+    relative = pc.traced("relative_bias", q, q)[0]
+    triton = {"float32": (_problem(dtype="float32"), None, "float16 or bfloat16"),
+              "dv64": (_problem(d=128, dv=64), softcap, "head dims of 64 or 128"),
+              "gather": (_problem(), relative, "(a gather)")}
+    for name, (problem, mod, why) in triton.items():
+        assert PALLAS.why_not(problem, mod, False, auto) is None, name
+        plan = PALLAS.plan(problem, mod, 0.125, auto, True)
+        assert plan.engine == "triton" and plan.backward_engine == "triton", name
+        assert plan.forward_blocks == (auto.pallas_block_q, auto.pallas_block_kv), name
+        assert why in plan.describe() and "Triton engine" in plan.describe(), plan.describe()
+        assert 'pallas_engine="triton") runs it' not in plan.describe()  # it does, already
+        assert why in PALLAS.variant(problem, mod, auto), name
+        assert PALLAS.variant(problem, mod, auto).startswith("the Triton engine"), name
+    # which_implementation: the engine of the Pallas kernels when they take the call.
+    qs = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    choice = scoremod.which_implementation(qs, qs, qs, lambda s, b, h, qi, ki: 30.0 * jnp.tanh(
+        s / 30.0) + jnp.sin(s))
+    if choice.implementation == "pallas":
+        assert choice.variant == 'the Mosaic GPU engine (pallas_engine="auto": it takes the call)'
+    # float32 asked for automatically: the Triton engine's own refusal.
+    assert "float32" in PALLAS.why_not(_problem(dtype="float32"), None, True, auto)
+    # Bool flags along one tile axis: taken where the Mosaic kernels run them whole.
+    flags = jnp.arange(256) % 7 == 0
+    global_window = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(
+        (jnp.abs(qi - ki) <= 16) | flags[qi] | flags[ki], s, -jnp.inf))
+    assert PALLAS.why_not(_problem(), global_window, False, auto) is None
+    assert "the cause is not found yet" in PALLAS.why_not(
+        _problem(dtype="float32"), global_window, False, auto)
+    # Named engines stay as they were.
+    assert PALLAS.plan(_problem(), softcap, 0.125, TRITON, True).engine == "triton"
+    assert PALLAS.variant(_problem(), softcap, TRITON) == \
+        'the Triton engine (pallas_engine="triton")'
+    assert "Mosaic" not in PALLAS.plan(_problem(), softcap, 0.125, TRITON, True).describe()
+    # Older jax: the Triton engine, saying so.
+    monkeypatch.setattr(jax, "__version__", "0.10.2")
+    plan = PALLAS.plan(_problem(), softcap, 0.125, auto, True)
+    assert plan.engine == "triton" and "written for jax 0.11 or later" in plan.describe()
+
+
+def test_auto_engine_off_hopper():
+    """Off a Hopper GPU (here: the CPU) "auto" runs the Triton engine, and
+    which_implementation says which engine and why."""
+    if device.current().family == 9:
+        pytest.skip("runs on a Hopper GPU here")
+    q = jnp.ones((1, 128, 2, 64), jnp.float32)
+    plan = PALLAS.plan(Problem.of(q, q, q), None, 0.125, scoremod.LoweringOptions(), True)
+    assert plan.engine == "triton" and plan.backward_engine == "triton"
+    variant = PALLAS.variant(Problem.of(q, q, q), None, scoremod.LoweringOptions())
+    assert variant.startswith('the Triton engine (pallas_engine="auto": ')
+    choice = scoremod.which_implementation(q, q, q)
+    assert choice.implementation == "xla" and choice.variant is None  # one way: no variant
+    with scoremod.lowering_options(pallas_engine="mosaic"):
+        assert scoremod.which_implementation(q, q, q).verdicts["pallas"]
+    got = scoremod.attention(q, q, q, implementation="pallas")
+    want = scoremod.attention(q, q, q, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -97,6 +97,11 @@ class Backend:
         whose refusals depend on the options (the Pallas engine) overrides it."""
         return self.why_not(problem, mod, automatic)
 
+    def variant(self, problem, mod, options) -> str | None:
+        """Which of its ways runs the call under ``options`` and why, for a backend
+        with more than one (the Pallas engines); None for one way."""
+        return None
+
     def plan(self, problem, mod, scale, options, return_lse):
         raise NotImplementedError
 

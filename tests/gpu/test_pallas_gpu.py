@@ -31,7 +31,9 @@ pytestmark = pytest.mark.gpu
 
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 1e-2, jnp.float32: 1e-3}
 OPERAND_TOL = 5e-2  # an operand's gradient sums every score's share, with cancellation
-OPTIONS = scoremod.LoweringOptions()  # the Hopper defaults: 128x64 forward, 64x64 backward
+# The Triton engine by name (the default, "auto", takes the Mosaic one on Hopper):
+# 128x64 forward, 64x64 backward tiles.
+OPTIONS = scoremod.LoweringOptions(pallas_engine="triton")
 
 
 def _check(got, want, dtype):
@@ -183,8 +185,9 @@ def test_vmap():
 # one (the tests further down learn q, k, v only).
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
-# Cases the engine refuses: gathers at tile-varying positions, a float remainder.
-MOSAIC_REFUSED = ("document", "float_compare", "relative_bias")
+# Cases the engine refuses: a gather at a position varying with q_idx and kv_idx, a
+# float remainder.
+MOSAIC_REFUSED = ("float_compare", "relative_bias")
 MOSAIC_CASES = sorted(set(pc.CASES) - set(MOSAIC_REFUSED))
 
 
@@ -360,3 +363,66 @@ def test_mosaic_backward_deterministic(hopper):
                     check_plan=_mosaic_backward)[0] for _ in range(2)]
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
         assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
+# --------------------------------------------------------------------------- #
+# Captured arrays read along one tile axis on the Mosaic engine (document ids,
+# per-key flags and biases): forward and backward on Mosaic GPU kernels, the
+# plan's own map (documents skip tiles), gradients of q, k and v.
+
+_VECTOR_CASES = [
+    ("document_softcap", 4, dict(sq=512, skv=512, hq=4, hkv=4, d=128), jnp.bfloat16),
+    ("document_softcap", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("document_softcap", 2, dict(sq=300, skv=260, hq=8, hkv=2, d=64), jnp.float16),
+    ("document", 2, dict(sq=1000, skv=1000, hq=2, hkv=1, d=64), jnp.float16),
+    ("document_bidirectional", 2, dict(sq=640, skv=640, hq=4, hkv=1, d=128), jnp.bfloat16),
+    ("document_bidirectional", 1, dict(sq=1000, skv=777, hq=2, hkv=2, d=64), jnp.float16),
+    ("global_window", 2, dict(sq=512, skv=512, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("global_window", 1, dict(sq=1000, skv=1000, hq=2, hkv=1, d=64), jnp.float16),
+    ("shifted_bias", 2, dict(sq=300, skv=260, hq=4, hkv=2, d=128), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    "case,b,shape,dtype", _VECTOR_CASES,
+    ids=[f"{c}-b{b}-{s['sq']}x{s['skv']}-h{s['hq']}on{s['hkv']}-{jnp.dtype(t).name}-d{s['d']}"
+         for c, b, s, t in _VECTOR_CASES])
+def test_mosaic_vector_reads(case, b, shape, dtype, hopper):
+    """O, LSE, dQ, dK, dV against the reference path: document masks with a softcap,
+    causal and not, random document lengths differing per batch, 1000 (no whole
+    number of tiles), query heads sharing key heads (GQA, MQA), float16; bool flags
+    at q_idx and kv_idx; an offset index and a float vector per head."""
+    q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
+    mod, operands = pc.traced_vector_mod(case, q, k)
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
+    _mosaic_backward(plan)
+    got = pc.run(PALLAS, plan, q, k, v, do, operands, False)
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    _check(got, pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False), dtype)
+
+
+def test_mosaic_document_through_attention(hopper):
+    """The motivating mod by scoremod.attention, jitted with gradients, against
+    implementation="xla": document ids per batch, causal, softcap 30."""
+    q, k, v, do = pc.inputs(b=2, sq=1000, skv=1000, hq=8, hkv=2, d=128, dtype=jnp.bfloat16)
+    doc = pc.doc_ids(2, 1000, docs=6, seed=3)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        same = (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+        return jnp.where(same, 30 * jnp.tanh(score / 30), -jnp.inf)
+
+    def grads(impl, *a):
+        def loss(q, k, v):
+            o = scoremod.attention(q, k, v, mod, implementation=impl, options=MOSAIC)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*a)
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = grads("xla", f32(q), f32(k), f32(v))
+    got = grads("pallas", q, k, v)
+    _mosaic_backward(PALLAS.plan(Problem.of(q, k, v), scoremod.trace(mod), 0.125, MOSAIC, True))
+    for name, a, b in zip(("loss", "dQ", "dK", "dV"), jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        err = np.max(np.abs(a - b)) / np.max(np.abs(b))
+        assert err < TOL[jnp.bfloat16], (name, err)

@@ -12,7 +12,10 @@ The forward runs on one of two engines, ``LoweringOptions.pallas_engine``:
 ``"triton"`` (``kernels``: Pallas's Triton lowering, any GPU, interpret mode
 off one; float32 too) or ``"mosaic"`` (``mosaic``: Pallas's Mosaic GPU
 lowering for Hopper, wgmma and TMA; float16 and bfloat16, head dim 64 or 128,
-captured arrays read at scalar positions only). Both return the same O and
+captured arrays read at scalar positions or along one tile axis, as document
+ids are, not gathered); ``"auto"``, the default, takes the Mosaic engine where
+it runs the call and the Triton one elsewhere (``Pallas.engine``; the plan's
+description says which and why). Both return the same O and
 natural-log LSE. The backward follows: with the Mosaic engine it runs on
 Mosaic GPU kernels too (``mosaic_backward``) where they can evaluate the
 mod's derivative, decided when the call is planned; gradients of captured
@@ -40,6 +43,7 @@ from scoremod import device
 from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
+from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError
 from scoremod.lowering import blocks, nonfinite
 from scoremod.lowering.backend import Backend, forward_mode
@@ -101,6 +105,10 @@ class PallasPlan:
     # The masked-key rule for non-finite V (lowering/nonfinite.py) around the
     # kernels: LoweringOptions.check_values.
     check_values: bool = True
+    # Whether pallas_engine="auto" chose ``engine``; where it chose the Triton
+    # engine, why the Mosaic GPU engine does not take the call.
+    auto_engine: bool = False
+    engine_note: str | None = None
 
     def spec(self, blocks_, warps) -> kernels.KernelSpec:
         p = self.problem
@@ -118,7 +126,7 @@ class PallasPlan:
             expr=None if self.mod is None else self.mod.expr,
             operand_names=() if self.mod is None else self.mod.operand_names,
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
-            full_expr=None if self.mod is None else self.full_expr)
+            full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret)
 
     def mosaic_backward_spec(self) -> mosaic_backward.BackwardSpec:
         p = self.problem
@@ -130,13 +138,15 @@ class PallasPlan:
 
     def describe(self):
         what = "plain attention" if self.mod is None else f"score_mod `{self.mod}`"
+        chosen = ("" if not self.auto_engine else
+                  "pallas_engine=\"auto\": " + (self.engine_note or "it takes the call") + "; ")
         if self.engine != "mosaic":
-            engines = ""
+            engines = f"Triton engine, {chosen}" if self.auto_engine else ""
         elif self.backward_engine == "mosaic":
             engines = ("Mosaic GPU forward and backward, the Triton backward for gradients of "
-                       "captured arrays; ")
+                       f"captured arrays; {chosen}")
         else:
-            engines = f"Mosaic GPU forward, Triton backward: {self.backward_note}; "
+            engines = f"Mosaic GPU forward, Triton backward: {self.backward_note}; {chosen}"
         return (f"{what} as block-sparse Pallas kernels ({engines}forward tiles "
                 f"{self.forward_blocks}, backward tiles {self.backward_blocks}"
                 f"{', interpret mode' if self.interpret else ''})")
@@ -154,12 +164,18 @@ class Pallas(Backend):
         return device.current().family is not None
 
     def why_not(self, problem, mod, automatic, options=None):
+        options = lowering_options.current() if options is None else options
+        engine, _ = self.engine(problem, mod, options)
         if mod is not None:
-            why = codegen.refusal(mod.expr, mod.sources)
+            # Bool arrays read along one tile axis: where the Mosaic GPU kernels
+            # run the forward and the backward (the Triton backward gets them wrong).
+            on_mosaic = (engine == "mosaic"
+                         and mosaic.refusal(mod.expr, mod.sources) is None
+                         and _mosaic_backward_refusal(mod, _full_expr(mod)) is None)
+            why = codegen.refusal(mod.expr, mod.sources, one_axis_bool=on_mosaic)
             if why:
                 return why
-        options = lowering_options.current() if options is None else options
-        if options.pallas_engine == "mosaic":
+        if engine == "mosaic":
             return self._why_not_mosaic(problem, mod)
         if problem.dtype not in DTYPES:
             return f"it takes float16, bfloat16 or float32 inputs, got {problem.dtype}"
@@ -176,40 +192,60 @@ class Pallas(Backend):
             return "off a GPU the kernels run in Pallas's interpret mode (slow); ask by name"
         return None
 
+    def engine(self, problem, mod, options):
+        """``(engine, note)``: the engine that runs the call under ``options``
+        (``"triton"`` or ``"mosaic"``) and, where ``pallas_engine="auto"`` gave it to
+        the Triton engine, why the Mosaic GPU engine does not take it (else None)."""
+        if options.pallas_engine != "auto":
+            return options.pallas_engine, None
+        why = self._why_not_mosaic(problem, mod, advice=False)
+        return ("triton", why) if why else ("mosaic", None)
+
+    def variant(self, problem, mod, options):
+        engine, note = self.engine(problem, mod, options)
+        how = ("the Mosaic GPU engine" if engine == "mosaic" else "the Triton engine")
+        if options.pallas_engine != "auto":
+            return f"{how} (pallas_engine=\"{engine}\")"
+        if note:
+            return f"{how} (pallas_engine=\"auto\": {note})"
+        return f"{how} (pallas_engine=\"auto\": it takes the call)"
+
     def why_not_with(self, problem, mod, automatic, options):
         return self.why_not(problem, mod, automatic, options)
 
-    def _why_not_mosaic(self, problem, mod):
+    def _why_not_mosaic(self, problem, mod, advice=True):
         """The Mosaic GPU forward's refusals (its backward falls back to the Triton
-        kernels, chosen in ``plan``, where its own cannot run the mod)."""
+        kernels, chosen in ``plan``, where its own cannot run the mod); ``advice``:
+        saying that the Triton engine runs the call."""
         if mod is not None:
-            why = mosaic.refusal(mod.expr, mod.sources)
+            why = mosaic.refusal(mod.expr, mod.sources, advice=advice)
             if why:
                 return why
-        switch = "LoweringOptions(pallas_engine=\"triton\") runs it"
+        switch = "; LoweringOptions(pallas_engine=\"triton\") runs it" if advice else ""
         if problem.dtype not in mosaic.DTYPES:
             return (f"its Mosaic GPU engine takes float16 or bfloat16 inputs (wgmma), got "
-                    f"{problem.dtype}; {switch}")
+                    f"{problem.dtype}{switch}")
         if problem.d != problem.dv or problem.d not in mosaic.HEAD_DIMS:
             return (f"its Mosaic GPU engine is built for equal query and value head dims of "
                     f"{' or '.join(map(str, mosaic.HEAD_DIMS))}, got {problem.d} (queries, keys) "
-                    f"and {problem.dv} (values); {switch}")
+                    f"and {problem.dv} (values){switch}")
         have = tuple(int(x) for x in jax.__version__.split(".")[:2])
         if have < mosaic.JAX_VERSION:
             return (f"its Mosaic GPU engine is written for jax "
-                    f"{'.'.join(map(str, mosaic.JAX_VERSION))} or later, found {jax.__version__}; "
+                    f"{'.'.join(map(str, mosaic.JAX_VERSION))} or later, found {jax.__version__}"
                     f"{switch}")
         here = device.current()
         if here.platform != "gpu" or here.family != 9:
             found = f"compute capability {here.family}.x" if here.family else here.platform
-            return (f"its Mosaic GPU engine needs a Hopper GPU (compute capability 9.x; it has no "
-                    f"interpret mode), found {found}; {switch}")
+            return (f"its Mosaic GPU engine needs a Hopper GPU (compute capability 9.x), "
+                    f"found {found}{switch}")
         return None
 
     def plan(self, problem, mod, scale, options, return_lse):
         interpret = device.current().platform != "gpu"
+        engine, engine_note = self.engine(problem, mod, options)
         fwd = (options.pallas_block_q, options.pallas_block_kv)
-        if options.pallas_engine == "mosaic":  # its tiles are fixed by its warpgroups
+        if engine == "mosaic":  # its tiles are fixed by its warpgroups
             fwd = (mosaic.TILE_Q, mosaic.BLOCK_KV)
         bwd = (options.pallas_backward_block_q, options.pallas_backward_block_kv)
         warps = options.pallas_num_warps
@@ -222,18 +258,18 @@ class Pallas(Backend):
         block_map, full_expr = dense_map, None
         if mod is not None:
             block_map = AnalysedMap(mod.expr)
-            full = blocks.when_full(mod.expr)
-            full_expr = None if full is mod.expr else full
+            full_expr = _full_expr(mod)
         backward_engine, backward_note = "triton", None
-        if options.pallas_engine == "mosaic":
+        if engine == "mosaic":
             backward_note = _mosaic_backward_refusal(mod, full_expr)
             if backward_note is None:  # its tiles are fixed by its warpgroups too
                 backward_engine = "mosaic"
                 bwd = (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
         return PallasPlan(None if mod is None else ScoreMod(mod.expr), float(scale),
                           bool(return_lse), problem, fwd, bwd, warps, options.pallas_num_stages,
-                          interpret, block_map, full_expr, options.pallas_engine,
-                          backward_engine, backward_note, options.check_values)
+                          interpret, block_map, full_expr, engine,
+                          backward_engine, backward_note, options.check_values,
+                          options.pallas_engine == "auto", engine_note)
 
     def forward(self, plan, q, k, v, operands):
         if forward_mode((q, k, v, operands)):
@@ -252,6 +288,12 @@ class Pallas(Backend):
 
 
 PALLAS = Pallas()
+
+
+def _full_expr(mod):
+    """The mod on tiles the block map marks full, or None where that is the mod."""
+    full = blocks.when_full(mod.expr)
+    return None if full is mod.expr else full
 
 
 def _mosaic_backward_refusal(mod, full_expr):
@@ -401,6 +443,23 @@ def _operand_gradient(part, node, expr, b, hq):
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def _check_triton_backward(plan):
+    """The Triton backward gets bool arrays read along one tile axis wrong
+    (``codegen.ONE_AXIS_BOOL_READ``): a plan that takes them (the Mosaic GPU
+    engine's) reaches it only when a captured float array's gradient is wanted."""
+    if plan.mod is None:
+        return
+    for node in ir.toposort(plan.mod.expr):
+        if codegen.one_axis_bool_read(node):
+            where = ir.source_of(node, plan.mod.expr, plan.mod.sources)
+            raise ScoreModError(
+                f"implementation=\"pallas\" learns captured float arrays on its Triton "
+                f"backward, which cannot run `{format_expr(node)}`"
+                f"{' at ' + where if where else ''}: {codegen.ONE_AXIS_BOOL_READ}. Wrap the "
+                "float arrays in jax.lax.stop_gradient (the Mosaic GPU backward then runs the "
+                "call), read the flags as an int array, or use implementation=\"xla\".")
+
+
 def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     """dQ, dK, dV and {operand name: gradient} (those in ``wanted`` that are float)."""
     p = plan.problem
@@ -427,6 +486,7 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         dk, dv = mosaic_backward.dkdv(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
         parts = {}
     else:  # the Triton backward: it also learns captured float arrays (``windows``)
+        _check_triton_backward(plan)
         dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
         dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, windows)
     g = p.hq // p.hkv

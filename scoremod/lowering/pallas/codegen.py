@@ -75,24 +75,28 @@ def kernel_operand(value, node):
 # the right O and LSE but wrong dQ, dK and dV (up to 1.4x the gradient's size)
 # for the catalogue's global_sliding_window, `where(|q - kv| <= W | g[q] | g[kv],
 # s, -inf)`, while the same kernels in interpret mode match the reference.
-# Refused until the cause is found; reads of bool arrays along both axes
-# (a tile map) and of int arrays along one ran right there.
+# Refused on the Triton kernels until the cause is found; reads of bool arrays
+# along both axes (a tile map) and of int arrays along one ran right there.
+# The Mosaic GPU kernels broadcast such a vector's int32 values and compare
+# after (mosaic.tile_reads): they take it where they run forward and backward.
 ONE_AXIS_BOOL_READ = ("a bool array read along one tile axis gave wrong gradients on the H200 "
                       "(the forward was right; the cause is not found yet)")
 
 
-def _one_axis_bool_read(node) -> bool:
+def one_axis_bool_read(node) -> bool:
     if node.op != LOAD or node.dtype != BOOL:
         return False
     return len(ir.variables(*node.args[1:]) & {"q_idx", "kv_idx"}) == 1
 
 
-def refusal(expr, sources) -> str | None:
+def refusal(expr, sources, one_axis_bool=False) -> str | None:
     """Why the Pallas kernels cannot evaluate ``expr`` or its derivatives (a
-    sentence naming the op and where it was written), or None."""
+    sentence naming the op and where it was written), or None.
+    ``one_axis_bool``: bool arrays read along one tile axis are taken (the
+    Mosaic GPU kernels run the whole call)."""
     for node in ir.toposort(*all_expressions(expr)):
         why = NOT_LOWERABLE.get(node.op)
-        if _one_axis_bool_read(node):
+        if not one_axis_bool and one_axis_bool_read(node):
             why = ONE_AXIS_BOOL_READ
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
@@ -157,7 +161,7 @@ def program_axes(expr, name) -> dict:
     return out
 
 
-def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None):
+def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None, known=None):
     """Values of ``roots`` on a tile.
 
     ``inputs``: arrays for the variables (``score``, ``b``, ``h``, ``q_idx``,
@@ -166,12 +170,17 @@ def evaluate_tile(roots, inputs: dict, refs: dict, gather=None, rules=None):
     ``gather``: ``(ref, flat positions, IR dtype) -> values``, the kernel's
     read of a captured array (default: ``_gather`` below, Triton's);
     ``rules``: op name -> a jax.numpy spelling that replaces ``TILE_RULES``'
-    and the op table's (another lowering's)."""
+    and the op table's (another lowering's);
+    ``known``: node -> its value on the tile, computed by the caller (what
+    it read ahead: the nodes under it are not evaluated)."""
     gather = _gather if gather is None else gather
     rules = TILE_RULES if rules is None else {**TILE_RULES, **rules}
+    known = {} if known is None else known
     vals = {}
-    for node in ir.toposort(*roots):
-        if node.op == CONST:
+    for node in ir.toposort(*roots, stop=known.__contains__):
+        if node in known:
+            vals[node] = known[node]
+        elif node.op == CONST:
             vals[node] = jnp.asarray(node.attr, JNP_DTYPE[node.dtype])
         elif node.op == VAR:
             vals[node] = inputs[node.attr]

@@ -16,10 +16,21 @@ The outputs are the Triton forward's: O in the inputs' dtype and the
 natural-log LSE (float32, -inf on rows that see no key, whose O is 0), so
 the Triton FA2 backward (``kernels``) runs on them unchanged.
 
+Captured arrays are read at scalar positions (indices built from b, h and
+constants: ``slopes[h]``, one load per program) or along one tile axis
+(indices built from those and one of q_idx or kv_idx: ``doc[b, q_idx]``,
+``doc[b, kv_idx]``): the wrapper evaluates such a read at every position of
+its axis (``vector_arrays``, the reference path's clamped reads, so the
+tiles' padding reads in bounds), the kernel copies a tile's slice into
+shared memory with TMA (the query rows' once per program, each key tile's
+beside its key and value tiles) and broadcasts it over the tile.
+
 What this engine cannot evaluate is refused up front (``refusal``): ops
-Mosaic GPU has no lowering for, and reads of a captured array at an index
-that varies over the tile (a gather; Mosaic GPU loads scalars only, so
-``slopes[h]`` runs and ``bias[h, kv_idx - q_idx]`` does not).
+Mosaic GPU has no lowering for, and reads at an index that varies with both
+q_idx and kv_idx, or with the score (a gather: ``bias[h, kv_idx - q_idx]``).
+
+Off a GPU (the plan's interpret flag) the kernel runs in Mosaic GPU's
+interpret mode, a CPU simulation, for tests (see ``mosaic_backward``).
 
 jax.experimental.pallas.mosaic_gpu is imported when a kernel is built, never
 at import (jax versions without it import this module too).
@@ -36,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from scoremod.dsl import ir
+from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE
 from scoremod.dsl.text import format_expr
 from scoremod.lowering.pallas import codegen
@@ -114,7 +126,8 @@ TILE_RULES = {
     "integer_pow": _integer_pow,
 }
 
-_TILE_VARS = ("score", "q_idx", "kv_idx")
+_TILE_AXES = ("q_idx", "kv_idx")
+_PROGRAM_VARS = frozenset(("b", "h"))
 
 
 def refusal(expr, sources, advice=True) -> str | None:
@@ -126,9 +139,12 @@ def refusal(expr, sources, advice=True) -> str | None:
             why = INT_ONLY[node.op]
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
-        if node.op == LOAD and _varies_over_tile(node.args[1:]):
-            why = ("it reads captured arrays at indices built from b, h and constants only "
-                   "(a scalar per program); this index varies over the tile (a gather)")
+        if node.op == LOAD and read_axis(node) is False:
+            tile = sorted(ir.variables(*node.args[1:]) - _PROGRAM_VARS)
+            why = ("it reads captured arrays at indices built from b, h, constants and at most "
+                   "one of q_idx or kv_idx (a scalar per program, or a vector along one tile "
+                   "axis such as doc[b, q_idx]); this index varies over the tile with "
+                   f"{' and '.join(tile)} (a gather)")
         if why:
             where = ir.source_of(node, expr, sources)
             return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
@@ -137,8 +153,78 @@ def refusal(expr, sources, advice=True) -> str | None:
     return None
 
 
-def _varies_over_tile(indices) -> bool:
-    return not ir.variables(*indices).isdisjoint(_TILE_VARS)
+def read_axis(load):
+    """How the kernels read captured array ``load`` (a LOAD node): None, a scalar
+    per program (its indices use b, h and constants only); ``"q_idx"`` or
+    ``"kv_idx"``, a vector along that tile axis (they use that index too, and
+    no other); False, a gather they cannot make."""
+    used = ir.variables(*load.args[1:])
+    axes = [a for a in _TILE_AXES if a in used]
+    if not used - _PROGRAM_VARS - set(axes) and len(axes) <= 1:
+        return axes[0] if axes else None
+    return False
+
+
+def _is_vector_read(node) -> bool:
+    return node.op == LOAD and read_axis(node) in _TILE_AXES
+
+
+def vector_reads(*exprs) -> tuple:
+    """The reads of ``exprs`` along one tile axis (a read inside another's index
+    is the outer read's business: the kernels take the outer one's values whole)."""
+    return tuple(n for n in ir.toposort(*(e for e in exprs if e is not None),
+                                        stop=_is_vector_read) if _is_vector_read(n))
+
+
+def vector_source(read):
+    """The read as a function of ``b``, ``h`` and ``q_idx`` (its axis renamed):
+    ``doc[b, q_idx]`` and ``doc[b, kv_idx]`` share one vector array."""
+    return ir.substitute(read, {ir.var("kv_idx"): ir.var("q_idx")})
+
+
+def vector_sources(reads) -> tuple:
+    return tuple(dict.fromkeys(vector_source(r) for r in reads))
+
+
+def vector_arrays(sources, names, operands, b, hq, length) -> tuple:
+    """Per source, its values at every position ``0..length-1`` of the axis, for
+    every batch (if it reads ``b``) and query head (if it reads ``h``): an array
+    ``[B or 1, Hq or 1, length]`` (int32 for int and bool arrays, float32), read by
+    the kernels a tile's slice at a time. Computed as the reference path reads
+    (indices clamped), so positions past the arrays' ends (the tiles' padding)
+    read what the mod reads there."""
+    named = dict(zip(names, operands))
+    out = []
+    for src in sources:
+        used = ir.variables(src)
+        values = {n.attr[0]: jnp.reshape(named[n.attr[0]], n.attr[1])
+                  for n in ir.operands_of(src)}
+        inputs = {"b": jnp.arange(b, dtype=jnp.int32)[:, None, None] if "b" in used else 0,
+                  "h": jnp.arange(hq, dtype=jnp.int32)[None, :, None] if "h" in used else 0,
+                  "q_idx": jnp.arange(length, dtype=jnp.int32)[None, None, :]}
+        x = evaluate(src, inputs, values).astype(codegen.KERNEL_DTYPE[src.dtype])
+        out.append(jnp.broadcast_to(x, (b if "b" in used else 1, hq if "h" in used else 1,
+                                        length)))
+    return tuple(out)
+
+
+def vector_row(src, bi, hi):
+    """The (batch, head) row of a source's array that program (bi, hi) reads."""
+    used = ir.variables(src)
+    return (bi if "b" in used else 0), (hi if "h" in used else 0)
+
+
+def tile_reads(reads, vectors, dims, shape) -> dict:
+    """``{read: its values on the tile}``: each read's vector (``vectors[axis][source]``,
+    laid out along the tile's dimension ``dims[axis]``) broadcast over the other
+    dimension; a bool array compared with 0 after the broadcast (the int values
+    broadcast, not bits)."""
+    out = {}
+    for read in reads:
+        axis = read_axis(read)
+        x = lax.broadcast_in_dim(vectors[axis][vector_source(read)], shape, [dims[axis]])
+        out[read] = x != 0 if read.dtype == ir.BOOL else x
+    return out
 
 
 def prepared(expr):
@@ -202,7 +288,10 @@ def _score_factor(expr):
 
 
 def uses_var(expr, name) -> bool:
-    return expr is not None and name in ir.variables(expr)
+    """Whether ``expr`` reads variable ``name`` other than in a vector read's index
+    (the kernels take a vector read's values whole)."""
+    return expr is not None and any(n.op == ir.VAR and n.attr == name
+                                    for n in ir.toposort(expr, stop=_is_vector_read))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +307,10 @@ class MosaicSpec:
     # The mod on tiles the map marks full (every score live: the mask
     # conditions dropped), or None: the whole mod everywhere.
     full_expr: object = None
+    # Run in Mosaic GPU's interpret mode (a CPU simulation: for tests), where
+    # products add into fresh accumulators and left operands pass through
+    # shared memory (what it can simulate).
+    interpret: bool = False
 
 
 def scalar_load(ref, flat, dtype):
@@ -228,9 +321,62 @@ def scalar_load(ref, flat, dtype):
     return out.astype(codegen.JNP_DTYPE[dtype])
 
 
+def accumulate(spec, issue, accs):
+    """``accs`` plus the products ``issue(acc_refs)`` issues (wgmma), as arrays:
+    on the GPU the products accumulate into ``accs`` in place."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not spec.interpret:
+        return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
+
+    def fresh(*refs):
+        issue(refs)
+        return tuple(r[...] for r in refs)
+
+    products = pl.run_scoped(fresh, *(plgpu.ACC(a.shape, jnp.float32) for a in accs))
+    return tuple(a + x for a, x in zip(accs, products))
+
+
+def left_operand(spec, x, staging, i):
+    """``x`` (registers) as a wgmma left operand: in interpret mode through slot
+    ``i`` of ``staging`` in shared memory (it multiplies shared-memory operands only)."""
+    if not spec.interpret:
+        return x
+    staging.at[i][...] = x
+    return staging.at[i]
+
+
+def staging(spec, n, rows, cols, dtype):
+    """Shared memory for ``n`` left operands in interpret mode (none on the GPU)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not spec.interpret:
+        return []
+    return [plgpu.SMEM((n, rows, cols), dtype, transforms=swizzled())]
+
+
+def interpret_params(spec):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams() if spec.interpret else None
+
+
+def swizzled():
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
 def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     """O [B, Sq, Hq, Dv] (q's dtype) and LSE [B, Hq, Sq] (float32, natural log)
-    on arrays padded to whole tiles (Sq to ``TILE_Q``, Skv to ``BLOCK_KV``)."""
+    on arrays padded to whole tiles (Sq to ``TILE_Q``, Skv to ``BLOCK_KV``).
+
+    Reads of captured arrays along one tile axis (``vector_reads``) come from
+    arrays of their values over the whole axis (``vector_arrays``): a compute
+    warpgroup copies its rows' slice once, the memory warpgroup copies each key
+    tile's slice beside the key and value tiles, and the mod takes them
+    broadcast over the tile (one shared-memory vector load per key tile)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -243,16 +389,24 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     shared_b, shared_h = counts.shape[0] == 1, counts.shape[1] == 1
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
     general = prepared(spec.expr)
     on_full = None if spec.full_expr is None else prepared(spec.full_expr)
     exprs = [e for e, _, _ in (general, on_full or general)]
     needs_kv_idx = any(uses_var(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
     needs_q_idx = any(uses_var(e, "q_idx") for e in exprs)
+    reads = vector_reads(*exprs)
+    sources = vector_sources(reads)
+    side = {axis: tuple(dict.fromkeys(vector_source(r) for r in reads if read_axis(r) == axis))
+            for axis in _TILE_AXES}
+    vectors = vector_arrays(sources, spec.operand_names, operands, b, hq, max(sq, k.shape[1]))
+    n_vec = len(vectors)
 
-    def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, operand_refs, o_ref,
-                lse_ref, scoped):
-        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
-            (k_free, v_free), turn = scoped
+    def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, operand_refs,
+                vector_refs, o_ref, lse_ref, scoped):
+        (qo_smem2, k_smem, v_smem, lse_smem2, *staged), (k_ready, v_ready, q_ready), \
+            (k_free, v_free), turn, (qvec_smem, kvvec_smem), (qvec_ready, kvvec_ready) = scoped
+        staged = staged[0] if staged else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
         tile = n_tiles - 1 - lax.axis_index("q_seq")  # the last (under causal masks, the
@@ -260,6 +414,10 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
         mb = 0 if shared_b else bi
         mh = 0 if shared_h else hi
         count = counts_ref[mb, mh, tile]
+        by_source = dict(zip(sources, vector_refs))
+
+        def vector_slice(src, start, n):
+            return by_source[src].at[(*vector_row(src, bi, hi), pl.ds(start, n))]
 
         def kv_start(step):
             return blocks_ref[mb, mh, tile, step] * BLOCK_KV
@@ -275,7 +433,15 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             row0 = tile * TILE_Q + wg * BLOCK_Q
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK_Q), hi], qo_smem,
                                     q_ready.at[wg])
+            for src, smem, ready in zip(side["q_idx"], qvec_smem, qvec_ready):
+                plgpu.copy_gmem_to_smem(vector_slice(src, row0, BLOCK_Q), smem.at[wg],
+                                        ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
+            # The query rows' vectors, held in registers for the whole loop.
+            own = {}
+            for src, smem, ready in zip(side["q_idx"], qvec_smem, qvec_ready):
+                plgpu.barrier_wait(ready.at[wg])
+                own[src] = plgpu.load(smem.at[wg], layout=row_layout)
             refs = dict(zip(spec.operand_names, operand_refs))
 
             @pl.when(count > 0)
@@ -284,7 +450,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
             pl.when(wg == 1)(take_turn)
 
-            def modded(qk, kv0, is_full):
+            def modded(qk, kv0, is_full, slot):
                 """The score tile of keys kv0.. after the mod (on a full tile, the
                 mod without its mask) and the tail mask, in log2 units."""
                 if general[0] is None and not needs_kv_idx:
@@ -296,13 +462,23 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 if needs_kv_idx:
                     inputs["kv_idx"] = kv0 + plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=wgmma_layout)
+                for ready in kvvec_ready:  # every step (each wait takes one phase)
+                    plgpu.barrier_wait(ready.at[slot])
 
                 def run(variant):
                     expr, factor, in_log2 = variant
                     s = qk * jnp.float32(spec.scale * factor)
                     if expr is not None:
+                        mine = vector_reads(expr)
+                        known = {}
+                        if mine:  # the key tile's vectors, loaded where this variant reads them
+                            keys = {src: plgpu.load(smem.at[slot], layout=col_layout)
+                                    for src, smem in zip(side["kv_idx"], kvvec_smem)}
+                            known = tile_reads(mine, {"q_idx": own, "kv_idx": keys},
+                                               {"q_idx": 0, "kv_idx": 1}, (BLOCK_Q, BLOCK_KV))
                         (s,) = codegen.evaluate_tile([expr], dict(inputs, score=s), refs,
-                                                     gather=scalar_load, rules=TILE_RULES)
+                                                     gather=scalar_load, rules=TILE_RULES,
+                                                     known=known)
                         s = s.astype(jnp.float32)
                     return s if in_log2 else s * jnp.float32(LOG2E)
 
@@ -328,7 +504,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
                 s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = modded(s, kv0, is_full)
+                s = modded(s, kv0, is_full, slot)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 # A row masked so far has m = -inf: shift by 0 so that it adds nothing.
                 shift = jnp.where(m_new == NEG_INF, 0.0, m_new)
@@ -343,15 +519,15 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)
 
-                def products(acc_ref):
-                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                def products(acc_refs):
+                    plgpu.wgmma(acc_refs[0], left_operand(spec, p, staged, wg), v_smem.at[slot])
                     nxt = step + 1
 
                     @pl.when(nxt < count)
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(nxt, STAGES)])
 
-                acc = pl.run_state(products)(plgpu.ACC.init(acc))
+                (acc,) = accumulate(spec, products, (acc,))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
@@ -378,7 +554,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             kv_head = lax.div(hi, jnp.int32(spec.groups))
 
             def fetch(step, slot, wait):
-                rows = pl.ds(kv_start(step), BLOCK_KV)
+                start = kv_start(step)
+                rows = pl.ds(start, BLOCK_KV)
                 if wait:
                     plgpu.barrier_wait(k_free.at[slot])
                 plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[slot],
@@ -387,6 +564,10 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     plgpu.barrier_wait(v_free.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot],
                                         v_ready.at[slot])
+                # The key tile's vectors: read by the mod before the slot's v_free.
+                for src, smem, ready in zip(side["kv_idx"], kvvec_smem, kvvec_ready):
+                    plgpu.copy_gmem_to_smem(vector_slice(src, start, BLOCK_KV), smem.at[slot],
+                                            ready.at[slot])
 
             for first in range(STAGES):
                 pl.when(first < count)(functools.partial(fetch, first, first, False))
@@ -398,20 +579,26 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             lax.fori_loop(STAGES, jnp.maximum(count, STAGES), refill, None)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest):
-        operand_refs, (o_ref, lse_ref) = rest[:n_ops], rest[n_ops:]
-        swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled),
-                plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=swizzled),
-                plgpu.SMEM((STAGES, BLOCK_KV, dv), dtype, transforms=swizzled),
+        operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
+        o_ref, lse_ref = rest[n_ops + n_vec:]
+        smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled()),
+                plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=swizzled()),
+                plgpu.SMEM((STAGES, BLOCK_KV, dv), dtype, transforms=swizzled()),
                 plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32)]
+        smem += staging(spec, COMPUTE_WGS, BLOCK_Q, BLOCK_KV, dtype)
         ready = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
                  plgpu.Barrier(num_barriers=COMPUTE_WGS))
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),) * 2
         turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+        kernel_dtype = {src: vectors[sources.index(src)].dtype for src in sources}
+        vec_smem = ([plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), kernel_dtype[s]) for s in side["q_idx"]],
+                    [plgpu.SMEM((STAGES, BLOCK_KV), kernel_dtype[s]) for s in side["kv_idx"]])
+        vec_ready = ([plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in side["q_idx"]],
+                     [plgpu.Barrier(num_barriers=STAGES) for _ in side["kv_idx"]])
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref,
-                                    operand_refs, o_ref, lse_ref, scoped),
-            smem, ready, free, turn, collective_axes="wg")
+                                    operand_refs, vector_refs, o_ref, lse_ref, scoped),
+            smem, ready, free, turn, vec_smem, vec_ready, collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((b, sq, hq, dv), dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
@@ -419,4 +606,5 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
         entry, out_type=out_type, grid=(hq, n_tiles, b), grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(counts, blocks, full, q, k, v, *operands)
+        interpret=interpret_params(spec),
+    )(counts, blocks, full, q, k, v, *operands, *vectors)

@@ -102,9 +102,11 @@ def refusal(expr, sources) -> str | None:
     return why
 
 
-def _tile_terms(spec, s, inputs, refs, is_full, *, shape):
+def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}):
     """``(modded scores in log2 units, local derivative or None)`` of the
-    tile of raw products ``s`` (q.k), -inf past the sequences' ends."""
+    tile of raw products ``s`` (q.k), -inf past the sequences' ends;
+    ``reads(roots)``: the values of the vector reads under ``roots`` on the tile
+    (``Vectors.tile``)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     layout = plgpu.Layout.WGMMA
@@ -127,7 +129,8 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape):
         expr, local = variant
         roots = [expr] + ([local] if local is not None else [])
         out = codegen.evaluate_tile(roots, dict(inputs, score=score), refs,
-                                    gather=mosaic.scalar_load, rules=mosaic.TILE_RULES)
+                                    gather=mosaic.scalar_load, rules=mosaic.TILE_RULES,
+                                    known=reads(roots))
         value = tile(out[0]) * jnp.float32(LOG2E)
         if not has_local:
             return value, None
@@ -139,6 +142,87 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape):
         value, local = lax.cond(is_full != 0, lambda: run(variants[1]),
                                 lambda: run(variants[0]))
     return _tails(spec, value, inputs), local
+
+
+class _Vectors:
+    """The reads of captured arrays along one tile axis in a backward kernel's
+    expressions (``mosaic.vector_reads``): the program's own rows' slice (``own``,
+    the axis down the tile) is copied once, the streamed side's slice per step
+    beside its tiles (into the step's slot); the tile's values load where an
+    expression reads them."""
+
+    def __init__(self, spec, operands, b, hq, length, own):
+        exprs = [e for e in (spec.expr, spec.full_expr) if e is not None]
+        exprs += [local_derivative(e) for e in exprs]
+        self.reads = mosaic.vector_reads(*exprs)
+        self.sources = mosaic.vector_sources(self.reads)
+        self.arrays = mosaic.vector_arrays(self.sources, spec.operand_names, operands, b, hq,
+                                           length)
+        self.own, self.streamed = own, ("kv_idx" if own == "q_idx" else "q_idx")
+        self.side = {axis: tuple(dict.fromkeys(
+            mosaic.vector_source(r) for r in self.reads if mosaic.read_axis(r) == axis))
+            for axis in (own, self.streamed)}
+
+    def scratch(self):
+        """(shared memory, barriers) for the own and the streamed slices."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        dtype = dict(zip(self.sources, (x.dtype for x in self.arrays)))
+        own, streamed = self.side[self.own], self.side[self.streamed]
+        smem = ([plgpu.SMEM((BLOCK,), dtype[src]) for src in own],
+                [plgpu.SMEM((STAGES, BLOCK), dtype[src]) for src in streamed])
+        ready = ([plgpu.Barrier() for _ in own],
+                 [plgpu.Barrier(num_barriers=STAGES) for _ in streamed])
+        return smem, ready
+
+    def slice(self, refs, src, bi, hi, start):
+        import jax.experimental.pallas as pl
+
+        ref = dict(zip(self.sources, refs))[src]
+        return ref.at[(*mosaic.vector_row(src, bi, hi), pl.ds(start, BLOCK))]
+
+    def load_own(self, refs, smem, ready, bi, hi, start):
+        """The program's own rows' vectors, in registers (along the tile's rows)."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        for src, buf, bar in zip(self.side[self.own], smem, ready):
+            plgpu.copy_gmem_to_smem(self.slice(refs, src, bi, hi, start), buf, bar)
+        out = {}
+        for src, buf, bar in zip(self.side[self.own], smem, ready):
+            plgpu.barrier_wait(bar)
+            out[src] = plgpu.load(buf, layout=plgpu.Layout.WGMMA.reduce(1))
+        return out
+
+    def fetch(self, refs, smem, ready, bi, hi, start, slot):
+        """The memory warpgroup's copies of one step's streamed slices."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        for src, buf, bar in zip(self.side[self.streamed], smem, ready):
+            plgpu.copy_gmem_to_smem(self.slice(refs, src, bi, hi, start), buf.at[slot],
+                                    bar.at[slot])
+
+    def wait(self, ready, slot):
+        """Every step, whether or not the step reads them (each wait takes one phase)."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        for bar in ready:
+            plgpu.barrier_wait(bar.at[slot])
+
+    def tile(self, own_values, smem, slot):
+        """``reads(roots)`` for ``_tile_terms``: the streamed slices load (along
+        the tile's columns) only where ``roots`` read them."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        def reads(roots):
+            mine = mosaic.vector_reads(*roots)
+            if not mine:
+                return {}
+            streamed = {src: plgpu.load(buf.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        for src, buf in zip(self.side[self.streamed], smem)}
+            return mosaic.tile_reads(mine, {self.own: own_values, self.streamed: streamed},
+                                     {self.own: 0, self.streamed: 1}, (BLOCK, BLOCK))
+
+        return reads
 
 
 def _tails(spec, value, inputs):
@@ -161,47 +245,6 @@ def _tile_inputs(spec, bi, hi, q_idx, kv_idx):
     if spec.skv % BLOCK or any(mosaic.uses_var(e, "kv_idx") for e in exprs):
         inputs["kv_idx"] = kv_idx()
     return inputs
-
-
-def _accumulate(spec, issue, accs):
-    """``accs`` plus the products ``issue(acc_refs)`` issues (wgmma), as arrays:
-    on the GPU the products accumulate into ``accs`` in place."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if not spec.interpret:
-        return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
-
-    def fresh(*refs):
-        issue(refs)
-        return tuple(r[...] for r in refs)
-
-    products = pl.run_scoped(fresh, *(plgpu.ACC(a.shape, jnp.float32) for a in accs))
-    return tuple(a + x for a, x in zip(accs, products))
-
-
-def _left(spec, x, staging, i):
-    """``x`` (registers) as a wgmma left operand: in interpret mode through slot
-    ``i`` of ``staging`` in shared memory (it multiplies shared-memory operands only)."""
-    if not spec.interpret:
-        return x
-    staging.at[i][...] = x
-    return staging.at[i]
-
-
-def _staging(spec, n, dtype):
-    """Shared memory for ``n`` left operands in interpret mode (none on the GPU)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if not spec.interpret:
-        return []
-    return [plgpu.SMEM((n, BLOCK, BLOCK), dtype, transforms=_swizzled())]
-
-
-def _interpret(spec):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    return plgpu.InterpretGPUParams() if spec.interpret else None
 
 
 def _map_index(counts, bi, hi):
@@ -233,12 +276,6 @@ def _stream(count, fetch, free):
     lax.fori_loop(jnp.maximum(count - STAGES, 0), count, drain, None)
 
 
-def _swizzled():
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-
 def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     """Per query head dK, dV [B, Skv, Hq, D] (q's dtype, or float32 where query
     heads share key heads) on arrays padded to whole tiles. ``lse2``: the LSE
@@ -255,11 +292,14 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     layout = plgpu.Layout.WGMMA
     along_q = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tile's columns (queries)
     with_full = spec.full_expr is not None
+    vectors = _Vectors(spec, operands, b, hq, max(sq, skv), own="kv_idx")
+    n_vec = len(vectors.arrays)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, operand_refs, dk_ref, dv_ref, scoped):
+                delta_ref, operand_refs, vector_refs, dk_ref, dv_ref, scoped):
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_smem, dv_smem, *staging), \
-            (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
+            (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, \
+            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready) = scoped
         staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -278,6 +318,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             own = (bi, pl.ds(k0, BLOCK), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, kv_ready.at[0])
             plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, kv_ready.at[1])
+            own_vectors = vectors.load_own(vector_refs, own_vec_smem, own_vec_ready, bi, hi, k0)
             plgpu.barrier_wait(kv_ready.at[0])
             plgpu.barrier_wait(kv_ready.at[1])
             refs = dict(zip(spec.operand_names, operand_refs))
@@ -306,11 +347,13 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                                                         layout=layout))
                 plgpu.barrier_wait(do_ready.at[slot])
                 plgpu.barrier_wait(lse_ready.at[slot])
+                vectors.wait(vec_ready, slot)
 
                 def probabilities(dp_acc):
                     plgpu.wgmma(dp_acc, v_smem, dos.transpose((1, 0)))  # dP^T, while ...
                     value, local = _tile_terms(spec, s, inputs, refs, is_full,
-                                               shape=(BLOCK, BLOCK))
+                                               shape=(BLOCK, BLOCK),
+                                               reads=vectors.tile(own_vectors, vec_smem, slot))
                     lse = plgpu.load(lse_smem.at[slot], layout=along_q)
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [1]))
                     return p, local, dp_acc[...]  # ... P^T is computed
@@ -326,10 +369,10 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
                 def gradients(accs):  # both issued before one wait
                     dv_acc, dk_acc = accs
-                    plgpu.wgmma(dv_acc, _left(spec, p.astype(dtype), staging, 0), dos)
-                    plgpu.wgmma(dk_acc, _left(spec, ds.astype(dtype), staging, 1), qs)
+                    plgpu.wgmma(dv_acc, mosaic.left_operand(spec, p.astype(dtype), staging, 0), dos)
+                    plgpu.wgmma(dk_acc, mosaic.left_operand(spec, ds.astype(dtype), staging, 1), qs)
 
-                dv, dk = _accumulate(spec, gradients, (dv, dk))
+                dv, dk = mosaic.accumulate(spec, gradients, (dv, dk))
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
@@ -357,13 +400,15 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                                         do_ready.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
                                         delta_ready.at[slot])
+                vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, q_start(step), slot)
 
             _stream(count, fetch, free)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
-        operand_refs, (dk_ref, dv_ref) = rest[:n_ops], rest[n_ops:]
-        swizzled = _swizzled()
+        operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
+        dk_ref, dv_ref = rest[n_ops + n_vec:]
+        swizzled = mosaic.swizzled()
         out_transforms = swizzled if out_dtype == dtype else ()
         smem = [plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
                 plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
@@ -373,20 +418,22 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 plgpu.SMEM((STAGES, BLOCK), jnp.float32),
                 plgpu.SMEM((BLOCK, d), out_dtype, transforms=out_transforms),
                 plgpu.SMEM((BLOCK, d), out_dtype, transforms=out_transforms)]
-        smem += _staging(spec, 2, dtype)
+        smem += mosaic.staging(spec, 2, BLOCK, BLOCK, dtype)
         ready = (plgpu.Barrier(num_barriers=2),) + (plgpu.Barrier(num_barriers=STAGES),) * 4
         free = plgpu.Barrier(num_barriers=STAGES)
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
-                                    lse_ref, delta_ref, operand_refs, dk_ref, dv_ref, scoped),
-            smem, ready, free, collective_axes="wg")
+                                    lse_ref, delta_ref, operand_refs, vector_refs, dk_ref,
+                                    dv_ref, scoped),
+            smem, ready, free, *vectors.scratch(), collective_axes="wg")
 
     out = jax.ShapeDtypeStruct((b, skv, hq, d), out_dtype)
     return plgpu.kernel(
         entry, out_type=(out, out), grid=(hq, skv // BLOCK, b),
         grid_names=("heads", "kv_seq", "batch"), num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret(spec),
-    )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands)
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mosaic.interpret_params(spec),
+    )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
 
 
 def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
@@ -403,11 +450,14 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     layout = plgpu.Layout.WGMMA
     along_rows = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows (queries)
     with_full = spec.full_expr is not None
+    vectors = _Vectors(spec, operands, b, hq, max(sq, k.shape[1]), own="q_idx")
+    n_vec = len(vectors.arrays)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, operand_refs, dq_ref, scoped):
+                delta_ref, operand_refs, vector_refs, dq_ref, scoped):
         (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, *staging), \
-            (own_ready, k_ready, v_ready), free = scoped
+            (own_ready, k_ready, v_ready), free, \
+            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready) = scoped
         staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -428,6 +478,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, own_ready.at[1])
             plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, own_ready.at[2])
             plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, own_ready.at[3])
+            own_vectors = vectors.load_own(vector_refs, own_vec_smem, own_vec_ready, bi, hi, q0)
             for i in range(4):
                 plgpu.barrier_wait(own_ready.at[i])
             lse = plgpu.load(lse_smem, layout=along_rows)
@@ -455,11 +506,13 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     lambda: k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1,
                                                         layout=layout))
                 plgpu.barrier_wait(v_ready.at[slot])
+                vectors.wait(vec_ready, slot)
 
                 def probabilities(dp_acc):
                     plgpu.wgmma(dp_acc, do_smem, vs.transpose((1, 0)))  # dP, while ...
                     value, local = _tile_terms(spec, s, inputs, refs, is_full,
-                                               shape=(BLOCK, BLOCK))
+                                               shape=(BLOCK, BLOCK),
+                                               reads=vectors.tile(own_vectors, vec_smem, slot))
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
                     return p, local, dp_acc[...]  # ... P is computed
 
@@ -471,9 +524,10 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 ds = ds * jnp.float32(spec.scale)
 
                 def query_grad(acc_refs):
-                    plgpu.wgmma(acc_refs[0], _left(spec, ds.astype(dtype), staging, 0), ks)
+                    ds_left = mosaic.left_operand(spec, ds.astype(dtype), staging, 0)
+                    plgpu.wgmma(acc_refs[0], ds_left, ks)
 
-                (acc,) = _accumulate(spec, query_grad, (acc,))
+                (acc,) = mosaic.accumulate(spec, query_grad, (acc,))
                 plgpu.barrier_arrive(free.at[slot])
                 return acc
 
@@ -494,30 +548,33 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                                         k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot],
                                         v_ready.at[slot])
+                vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, kv_start(step), slot)
 
             _stream(count, fetch, free)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
-        operand_refs, (dq_ref,) = rest[:n_ops], rest[n_ops:]
-        swizzled = _swizzled()
+        operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
+        (dq_ref,) = rest[n_ops + n_vec:]
+        swizzled = mosaic.swizzled()
         smem = [plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
                 plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
                 plgpu.SMEM((BLOCK,), jnp.float32),
                 plgpu.SMEM((BLOCK,), jnp.float32),
                 plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled),
                 plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)]
-        smem += _staging(spec, 1, dtype)
+        smem += mosaic.staging(spec, 1, BLOCK, BLOCK, dtype)
         ready = (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=STAGES),
                  plgpu.Barrier(num_barriers=STAGES))
         free = plgpu.Barrier(num_barriers=STAGES)
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
-                                    lse_ref, delta_ref, operand_refs, dq_ref, scoped),
-            smem, ready, free, collective_axes="wg")
+                                    lse_ref, delta_ref, operand_refs, vector_refs, dq_ref, scoped),
+            smem, ready, free, *vectors.scratch(), collective_axes="wg")
 
     return plgpu.kernel(
         entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(hq, n_tiles, b),
         grid_names=("heads", "q_seq", "batch"), num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret(spec),
-    )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands)
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mosaic.interpret_params(spec),
+    )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
