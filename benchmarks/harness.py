@@ -27,8 +27,9 @@ Same shapes, same run, side by side (``--impls``):
              (Triton); asked for by name (not in the default --impls, which compare the
              planner's route, scoremod, against the other libraries)
   pallas-mosaic  the same with LoweringOptions(pallas_engine="mosaic"): the Mosaic GPU
-             kernels (Hopper), forward and backward (fwdbwd_ops: the Triton backward,
-             which learns the captured arrays); by name too
+             kernels (Hopper), forward and backward (fwdbwd_ops too: its dK/dV kernel
+             learns arrays read at b, h and constants, ALiBi's slopes; a relbias table,
+             read at a tile-varying index, is refused by its forward); by name too
   jax-cudnn  jax.nn.dot_product_attention(implementation="cudnn") without the mod (upper
              bound), with is_causal / local_window_size (/ a mask) for the mask mods
              (mla_rope: q and k at head dim D + 64, v zero-padded to it, O sliced back)

@@ -115,8 +115,8 @@ WHEN_FULL = {
 }
 
 CASES = {f.__name__: f for f in (softcap, causal, softcap_causal, sliding_window, alibi,
-                                  relative_bias, learnable_softcap, head_bias, batch_scale, document,
-                                  float_compare, masked_rows)}
+                                  relative_bias, learnable_softcap, head_bias, batch_scale,
+                                  document, float_compare, masked_rows)}
 
 
 def inputs(b=2, sq=80, skv=72, hq=4, hkv=2, d=64, dv=None, dtype=jnp.float32, seed=0):
