@@ -382,10 +382,12 @@ _MOSAIC_LEARNED_CASES = [(c, t, d) for c in ("alibi", "learnable_softcap", "head
                               for c, t, d in _MOSAIC_LEARNED_CASES])
 def test_mosaic_backward_learns_operands(case, dtype, d, hopper):
     """O, LSE, dQ, dK, dV and the captured arrays' gradients against the reference
-    path, on the map that skips masked tiles and marks full ones: 300 x 260 (tails
-    on both sides), 4 query heads on 2."""
-    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=d, dtype=dtype)
-    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=True, learn_operands=True,
+    path, on the plan's own map (alibi's full tiles run the mod without its mask,
+    the slopes read there too): 333 x 270 (tails on both sides), 8 query heads on
+    2. (test_mosaic_cases runs these cases at 300 x 260 on the map that skips
+    masked tiles, learning the arrays too.)"""
+    q, k, v, do = pc.inputs(b=2, sq=333, skv=270, hq=8, hkv=2, d=d, dtype=dtype)
+    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=False, learn_operands=True,
                         check_plan=_mosaic_learns)
     assert all(g is not None for g in got[5]), "no operand gradient"
     _check(got, want, dtype)
