@@ -29,8 +29,9 @@ Same shapes, same run, side by side (``--impls``):
              it runs the call); asked for by name (not in the default --impls, which compare the
              planner's route, scoremod, against the other libraries)
   pallas-mosaic  the same with LoweringOptions(pallas_engine="mosaic"): the Mosaic GPU
-             kernels (Hopper), forward and backward (fwdbwd_ops: the Triton backward,
-             which learns the captured arrays); by name too
+             kernels (Hopper), forward and backward (fwdbwd_ops too: its dK/dV kernel
+             learns arrays read at b, h and constants, ALiBi's slopes; a relbias table,
+             read at a tile-varying index, is refused by its forward); by name too
   jax-cudnn  jax.nn.dot_product_attention(implementation="cudnn") without the mod (upper
              bound), with is_causal / local_window_size (/ a mask) for the mask mods
              (mla_rope: q and k at head dim D + 64, v zero-padded to it, O sliced back)
@@ -445,6 +446,8 @@ def make_call(impl, name, shape, direction):
     q, k, v, do = shape.jax_inputs()
     if impl in ("jax-cudnn", "jax-cudnn-mla") and name in ROPE_MODS:
         q, k = rope_augmented(q, k, shape.aux)  # q_pe and k_pe as extra head-dim columns
+    if impl == "pallas-mosaic" and direction != "fwd":
+        variant = mosaic_backward_variant(mod, q, k, v, options, direction)
     if direction == "fwd":
         f, args = jax.jit(fn), (q, k, v, *extra, *learned)
     else:  # extra: fixed arguments; learned (OPS): the captured arrays differentiated
@@ -455,6 +458,18 @@ def make_call(impl, name, shape, direction):
 
         f, args = jax.jit(step), (q, k, v, do, extra, learned)
     return (lambda: f(*args)), wall_clock, variant
+
+
+def mosaic_backward_variant(mod, q, k, v, options, direction):
+    """Which backward the Mosaic engine's call runs, as its plan decides (for the row)."""
+    from scoremod.lowering.pallas.backend import PALLAS
+    from scoremod.lowering.problem import Problem
+
+    plan = PALLAS.plan(Problem.of(q, k, v), mod, 1.0 / math.sqrt(q.shape[-1]), options, False)
+    learned = direction == OPS and any(_is_float(x) for x in mod.operands)
+    if plan.backward_engine != "mosaic" or (learned and plan.triton_operands):
+        return "Triton backward"
+    return "Mosaic backward" + (", operand gradients included" if learned else "")
 
 
 def _is_float(x):

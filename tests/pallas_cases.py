@@ -59,6 +59,13 @@ def learnable_softcap(hq, sq, skv):
     return (lambda s, b, h, q, k, c: c * jnp.tanh(s / c)), (cap,)
 
 
+def head_bias(hq, sq, skv):
+    # A learned row per head, read at two constant columns (a scale and a bias).
+    w = jnp.asarray(np.random.default_rng(7).normal(size=(hq, 3)) * 0.25 + [1.0, 0.0, 0.5],
+                    jnp.float32)
+    return (lambda s, b, h, q, k, w: s * w[h, 0] + w[h, 2]), (w,)
+
+
 def batch_scale(hq, sq, skv):
     # A learned factor per batch, shared by the heads (read at h, clamped to its one column).
     w = jnp.asarray([[0.75], [1.25]], jnp.float32)
@@ -123,8 +130,8 @@ WHEN_FULL = {
 }
 
 CASES = {f.__name__: f for f in (softcap, causal, softcap_causal, sliding_window, alibi,
-                                  relative_bias, learnable_softcap, batch_scale, document,
-                                  document_softcap, float_compare, masked_rows)}
+                                  relative_bias, learnable_softcap, head_bias, batch_scale,
+                                  document, document_softcap, float_compare, masked_rows)}
 
 
 def doc_ids(b, n, docs=4, seed=11):

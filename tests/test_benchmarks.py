@@ -545,3 +545,13 @@ def test_scoremod_row_records_the_backend_that_ran_and_its_warnings(tmp_path, mo
     page = (tmp_path / "p.md").read_text()
     assert ("scoremod fused (fwd+bwd: bench-standin; fwd+bwd, operand grads: xla (fallback from "
             "bench-standin))") in page
+
+
+def test_mosaic_rows_name_the_backward_that_runs():
+    """pallas-mosaic rows say which backward their plan runs: ALiBi's slopes'
+    gradient (read at h) on the Mosaic backward too."""
+    shape = bench.Shape(1, 2, 64, 64, "bfloat16", window=8)
+    variants = {d: bench.make_call("pallas-mosaic", "alibi", shape, d)[2]
+                for d in ("fwd", "fwdbwd", bench.OPS)}
+    assert variants == {"fwd": "", "fwdbwd": "Mosaic backward",
+                        bench.OPS: "Mosaic backward, operand gradients included"}

@@ -9,8 +9,9 @@ kernels' lowering for CUDA, which Pallas runs here without a GPU: every op
 of the table lowers through the forward kernel, and through the backward
 kernels, exactly when the engine does not refuse it, and whole calls (block
 maps, tails, grouped heads, captured arrays, jax.vmap) lower through
-scoremod.attention: gradients of q, k, v to Mosaic GPU kernels only, those
-of captured float arrays through the Triton backward. The backward kernels
+scoremod.attention to Mosaic GPU kernels only, gradients of captured float
+arrays read at one position per program included (those read at an index
+that varies over the tile take the Triton backward). The backward kernels
 also run here, in Mosaic GPU's interpret mode, against the reference path.
 Running the kernels needs a Hopper GPU:
 tests/gpu/test_pallas_gpu.py does, against the reference path.
@@ -232,6 +233,7 @@ def _lower_call(loss, *args):
     ("alibi", dict(sq=300, skv=260, hq=4, hkv=2, d=64)),
     ("batch_scale", dict(sq=256, skv=384, hq=2, hkv=2, d=64)),
     ("learnable_softcap", dict(sq=128, skv=128, hq=2, hkv=1, d=128)),
+    ("head_bias", dict(sq=192, skv=320, hq=4, hkv=1, d=128)),
     ("masked_rows", dict(sq=256, skv=256, hq=2, hkv=1, d=128)),
     ("softcap_causal", dict(sq=300, skv=260, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)),
     ("sliding_window", dict(sq=200, skv=333, hq=2, hkv=2, d=128, dtype=jnp.float16)),
@@ -241,8 +243,8 @@ def _lower_call(loss, *args):
 def test_calls_lower(case, shape, hopper_here):
     """scoremod.attention by name, jitted, forward and gradients of q, k, v lowers
     to three Mosaic GPU kernels (the forward, dQ, dK/dV) and no Triton one; with the
-    gradients of the captured float arrays too, to the Mosaic forward and the Triton
-    backward kernels (which learn those arrays)."""
+    gradients of the captured float arrays too (read at b, h and constants: the
+    dK/dV kernel sums them), to the same three."""
     shape = dict(shape)
     dtype = shape.pop("dtype", jnp.float16 if shape["d"] == 64 else jnp.bfloat16)
     q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
@@ -260,7 +262,7 @@ def test_calls_lower(case, shape, hopper_here):
         {"mosaic": 3, "triton": 0}
     if floats:
         assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, floats)) == \
-            {"mosaic": 1, "triton": 2}
+            {"mosaic": 3, "triton": 0}
 
 
 def _kernels(text):
@@ -435,6 +437,91 @@ def test_backward_interpreted(case, shape, interprets):
     assert dq.dtype == q.dtype and dk.shape == k.shape and dv.shape == v.shape
 
 
+def _learned_backward(case, shape, runs=1):
+    """The backend's backward in interpret mode with the float operands' gradients
+    asked for (``runs`` times), and the reference path's results."""
+    shape = dict(shape)
+    dtype = shape.pop("dtype", jnp.bfloat16)
+    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
+    mod, operands = pc.traced(case, q, k)
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
+    assert plan.interpret and plan.backward_engine == "mosaic", plan.describe()
+    assert plan.triton_operands == () and "gradients of captured arrays included" in \
+        plan.describe()
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
+    o, lse = want[0], want[1]
+    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)  # the loss's 0.1 * sum(finite LSE)
+    names = tuple(n for n, x in zip(mod.operand_names, operands)
+                  if jnp.issubdtype(x.dtype, jnp.floating))
+    assert names
+    got = [pallas_backend._backward(plan, q, k, v, o.astype(dtype), lse, do, dlse, operands,
+                                    names) for _ in range(runs)]
+    return mod, got, want
+
+
+@pytest.mark.parametrize("case,shape", [
+    ("alibi", dict(sq=300, skv=260, hq=4, hkv=2, d=64)),
+    ("learnable_softcap", dict(sq=100, skv=70, hq=2, hkv=1, d=128, dtype=jnp.float16)),
+    ("head_bias", dict(sq=130, skv=190, hq=4, hkv=1, d=64)),
+    ("batch_scale", dict(sq=64, skv=128, hq=2, hkv=1, d=64)),
+])
+def test_backward_learns_operands_interpreted(case, shape, interprets):
+    """Gradients of captured float arrays read at one position per program
+    (ALiBi's slopes[h] under a causal mask, a learned softcap's scalar, two
+    columns of a per-head row, a per-batch factor) from the Mosaic dK/dV kernel
+    in interpret mode, through the backend (its partial rows and their sum),
+    against the reference path: grouped heads, tails on both sides, the map
+    skipping masked tiles and marking full ones (alibi's full tiles run the mod
+    without its mask and read the slopes there too)."""
+    mod, (got,), want = _learned_backward(case, shape)
+    dq, dk, dv, grads = got
+    op_grads = tuple(grads.get(name) for name in mod.operand_names)
+    errs = pc.relative_errors((want[0], want[1], dq, dk, dv, op_grads), want)
+    assert set(errs) >= {"d_operand0"} and all(e < 3e-2 for e in errs.values()), errs
+    for name, g, x in zip(mod.operand_names, op_grads, want[5]):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+    if case == "head_bias":  # column 1 is never read: exactly 0
+        assert np.all(np.asarray(op_grads[0])[:, 1] == 0.0)
+
+
+def test_backward_learned_operands_deterministic(interprets):
+    """Two runs of the backward with the slopes' gradient give the same bits."""
+    _, runs, _ = _learned_backward("alibi", dict(sq=130, skv=190, hq=4, hkv=2, d=64), runs=2)
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
+def test_learning_refusal(monkeypatch, hopper_here):
+    """A read at an index that varies over the tile, or one whose derivative the
+    engine cannot evaluate, is not learned by the Mosaic backward: the plan names
+    the operand and why, and a call that asks for its gradient lowers to the
+    Triton backward (one that does not, to the Mosaic one)."""
+    t = jnp.ones((4, 8), jnp.float32)
+    gather = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi + 4, 0, 7)])
+    why = mosaic_backward.learning_refusal(gather.expr, gather.operand_names[0], gather.sources)
+    assert "varies over the tile" in why and "test_pallas_mosaic.py" in why
+    monkeypatch.setitem(mosaic.NOT_LOWERABLE, "cos", "no rule for cos (a test's)")
+    c = jnp.asarray([0.5, 1.0, 1.5, 2.0], jnp.float32)
+    q, k, v, do = pc.inputs(b=1, sq=128, skv=128, hq=4, hkv=2, d=64, dtype=jnp.float16)
+    sine = scoremod.trace(lambda s, b, h, qi, ki: s + jnp.sin(c[h]))
+    plan = PALLAS.plan(Problem.of(q, k, v), sine, 0.125, MOSAIC, True)
+    assert plan.backward_engine == "mosaic" and len(plan.triton_operands) == 1
+    name, why = plan.triton_operands[0]
+    assert "`cos`" in why and f"`{name}`" in plan.describe() and "Triton" in plan.describe()
+
+    def loss(q, k, c):
+        mod = lambda s, b, h, qi, ki: s + jnp.sin(c[h])  # noqa: E731
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1)), q, k, c)) == \
+        {"mosaic": 3, "triton": 0}
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, c)) == \
+        {"mosaic": 1, "triton": 2}
+
+
 def test_vmap_lowers(hopper_here):
     q, k, v, do = pc.inputs(b=1, sq=256, skv=256, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
     qs = jnp.stack([q, q])
@@ -452,6 +539,9 @@ def test_vmap_lowers(hopper_here):
         return jnp.sum(o.astype(jnp.float32))
 
     grads = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None, 0))
+    assert _kernels(_lower_call(grads, qs, k, slopes)) == {"mosaic": 3, "triton": 0}
+    # The slopes' gradients too (per example): the same three kernels.
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, None, 0))
     assert _kernels(_lower_call(grads, qs, k, slopes)) == {"mosaic": 3, "triton": 0}
 
 

@@ -180,9 +180,9 @@ def test_vmap():
 
 # --------------------------------------------------------------------------- #
 # The Mosaic GPU engine (pallas_engine="mosaic", Hopper only): the same cases,
-# where the engine runs them. pc.both learns the captured float arrays too, so
-# cases with such arrays take the Triton backward here, the others the Mosaic
-# one (the tests further down learn q, k, v only).
+# where the engine runs them. pc.both learns the captured float arrays too: the
+# engine reads them at b, h and constants only, so its backward (the Mosaic
+# one) learns them; the tests further down check that it runs.
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
 # Cases the engine refuses: a gather at a position varying with q_idx and kv_idx, a
@@ -281,8 +281,8 @@ def test_mosaic_op_table(hopper, names):
 
 # --------------------------------------------------------------------------- #
 # The Mosaic GPU backward (pallas_engine="mosaic": dQ and dK/dV on wgmma), the
-# gradients of q, k and v only (operand gradients run on the Triton backward,
-# checked above): every plan asserts that the Mosaic backward runs.
+# gradients of q, k and v, then those of captured float arrays too: every plan
+# asserts that the Mosaic backward runs.
 
 def _mosaic_backward(plan):
     assert plan.engine == "mosaic" and plan.backward_engine == "mosaic", plan.describe()
@@ -426,3 +426,45 @@ def test_mosaic_document_through_attention(hopper):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         err = np.max(np.abs(a - b)) / np.max(np.abs(b))
         assert err < TOL[jnp.bfloat16], (name, err)
+
+
+# Gradients of captured float arrays on the Mosaic backward: arrays read at b, h
+# and constants (ALiBi's slopes[h] under a causal mask, a learned softcap's
+# scalar, two columns of a per-head row w[h, 0], w[h, 2]), summed by its dK/dV
+# kernel; the plan asserts that no operand is left to the Triton backward.
+
+def _mosaic_learns(plan):
+    _mosaic_backward(plan)
+    assert plan.triton_operands == (), plan.describe()
+    assert "gradients of captured arrays included" in plan.describe()
+
+
+_MOSAIC_LEARNED_CASES = [(c, t, d) for c in ("alibi", "learnable_softcap", "head_bias")
+                         for t, d in ((jnp.bfloat16, 128), (jnp.float16, 64))]
+
+
+@pytest.mark.parametrize("case,dtype,d", _MOSAIC_LEARNED_CASES,
+                         ids=[f"{c}-{jnp.dtype(t).name}-d{d}"
+                              for c, t, d in _MOSAIC_LEARNED_CASES])
+def test_mosaic_backward_learns_operands(case, dtype, d, hopper):
+    """O, LSE, dQ, dK, dV and the captured arrays' gradients against the reference
+    path, on the plan's own map (alibi's full tiles run the mod without its mask,
+    the slopes read there too): 333 x 270 (tails on both sides), 8 query heads on
+    2. (test_mosaic_cases runs these cases at 300 x 260 on the map that skips
+    masked tiles, learning the arrays too.)"""
+    q, k, v, do = pc.inputs(b=2, sq=333, skv=270, hq=8, hkv=2, d=d, dtype=dtype)
+    got, want = pc.both(case, q, k, v, do, MOSAIC, skip=False, learn_operands=True,
+                        check_plan=_mosaic_learns)
+    assert all(g is not None for g in got[5]), "no operand gradient"
+    _check(got, want, dtype)
+
+
+def test_mosaic_backward_learned_deterministic(hopper):
+    """Two runs with the slopes' gradient give the same bits, the slopes' included
+    (no atomics: each program writes its own sums), on the analysed causal map."""
+    q, k, v, do = pc.inputs(b=2, sq=512, skv=448, hq=8, hkv=2, d=128, dtype=jnp.bfloat16)
+    runs = [pc.both("alibi", q, k, v, do, MOSAIC, skip=False, learn_operands=True,
+                    check_plan=_mosaic_learns)[0] for _ in range(2)]
+    assert runs[0][5][0] is not None
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)

@@ -18,9 +18,11 @@ it runs the call and the Triton one elsewhere (``Pallas.engine``; the plan's
 description says which and why). Both return the same O and
 natural-log LSE. The backward follows: with the Mosaic engine it runs on
 Mosaic GPU kernels too (``mosaic_backward``) where they can evaluate the
-mod's derivative, decided when the call is planned; gradients of captured
-float arrays, and everything under the Triton engine, run on the Triton
-backward kernels.
+mod's derivative, decided when the call is planned, gradients of captured
+float arrays read at one position per program (``slopes[h]``, a learned
+scalar) included; a call that asks for the gradient of an array read at an
+index that varies over the tile (a gather), and everything under the Triton
+engine, runs on the Triton backward kernels.
 
 The forward is a ``jax.custom_vjp`` whose backward runs the backward
 kernels: JAX differentiates the backend's forward itself (``differentiable``),
@@ -98,10 +100,14 @@ class PallasPlan:
     engine: str = "triton"  # the forward's: LoweringOptions.pallas_engine
     # The backward's engine: "mosaic" where the Mosaic GPU forward runs and its
     # backward kernels can evaluate the mod's derivative, else "triton" (with
-    # ``backward_note`` saying why). Gradients of captured float arrays run on
-    # the Triton backward either way.
+    # ``backward_note`` saying why). It learns captured float arrays too, except
+    # those in ``triton_operands``.
     backward_engine: str = "triton"
     backward_note: str | None = None
+    # ((name, why), ...): float operands whose gradients the Mosaic backward
+    # cannot compute (a read that varies over the tile); a call asking for one
+    # runs the Triton backward.
+    triton_operands: tuple = ()
     # The masked-key rule for non-finite V (lowering/nonfinite.py) around the
     # kernels: LoweringOptions.check_values.
     check_values: bool = True
@@ -128,13 +134,14 @@ class PallasPlan:
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
             full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret)
 
-    def mosaic_backward_spec(self) -> mosaic_backward.BackwardSpec:
+    def mosaic_backward_spec(self, learned=()) -> mosaic_backward.BackwardSpec:
         p = self.problem
         return mosaic_backward.BackwardSpec(
             expr=None if self.mod is None else self.mod.expr,
             operand_names=() if self.mod is None else self.mod.operand_names,
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
-            full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret)
+            full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret,
+            learned=tuple(learned))
 
     def describe(self):
         what = "plain attention" if self.mod is None else f"score_mod `{self.mod}`"
@@ -142,9 +149,13 @@ class PallasPlan:
                   "pallas_engine=\"auto\": " + (self.engine_note or "it takes the call") + "; ")
         if self.engine != "mosaic":
             engines = f"Triton engine, {chosen}" if self.auto_engine else ""
+        elif self.backward_engine == "mosaic" and not self.triton_operands:
+            engines = ("Mosaic GPU forward and backward, gradients of captured arrays included; "
+                       f"{chosen}")
         elif self.backward_engine == "mosaic":
-            engines = ("Mosaic GPU forward and backward, the Triton backward for gradients of "
-                       f"captured arrays; {chosen}")
+            names = ", ".join(f"`{name}`" for name, _ in self.triton_operands)
+            engines = (f"Mosaic GPU forward and backward, the Triton backward where the gradient "
+                       f"of {names} is asked for: {self.triton_operands[0][1]}; {chosen}")
         else:
             engines = f"Mosaic GPU forward, Triton backward: {self.backward_note}; {chosen}"
         return (f"{what} as block-sparse Pallas kernels ({engines}forward tiles "
@@ -259,16 +270,17 @@ class Pallas(Backend):
         if mod is not None:
             block_map = AnalysedMap(mod.expr)
             full_expr = _full_expr(mod)
-        backward_engine, backward_note = "triton", None
+        backward_engine, backward_note, triton_operands = "triton", None, ()
         if engine == "mosaic":
             backward_note = _mosaic_backward_refusal(mod, full_expr)
             if backward_note is None:  # its tiles are fixed by its warpgroups too
                 backward_engine = "mosaic"
                 bwd = (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
+                triton_operands = _mosaic_unlearnable(mod, full_expr)
         return PallasPlan(None if mod is None else ScoreMod(mod.expr), float(scale),
                           bool(return_lse), problem, fwd, bwd, warps, options.pallas_num_stages,
                           interpret, block_map, full_expr, engine,
-                          backward_engine, backward_note, options.check_values,
+                          backward_engine, backward_note, triton_operands, options.check_values,
                           options.pallas_engine == "auto", engine_note)
 
     def forward(self, plan, q, k, v, operands):
@@ -305,6 +317,21 @@ def _mosaic_backward_refusal(mod, full_expr):
     if why is None and full_expr is not None:
         why = mosaic_backward.refusal(full_expr, mod.sources)
     return why
+
+
+def _mosaic_unlearnable(mod, full_expr) -> tuple:
+    """((name, why), ...) for the float operands of ``mod`` whose gradients the
+    Mosaic GPU backward cannot compute (``mosaic_backward.learning_refusal``)."""
+    out = []
+    for name, node in zip(mod.operand_names, mod.operand_nodes) if mod is not None else ():
+        if node.dtype != ir.F32:
+            continue
+        why = mosaic_backward.learning_refusal(mod.expr, name, mod.sources)
+        if why is None and full_expr is not None:
+            why = mosaic_backward.learning_refusal(full_expr, name, mod.sources)
+        if why:
+            out.append((name, why))
+    return tuple(out)
 
 
 class _Kernels:
@@ -478,14 +505,15 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     dop, deltap = _pad(do, 1, sq), _pad(delta, 2, sq)
     kops = _kernel_operands(plan, operands)
     windows = _windows(plan, wanted)
-    if plan.backward_engine == "mosaic" and not windows:
+    on_triton = dict(plan.triton_operands)
+    if plan.backward_engine == "mosaic" and not any(w[0] in on_triton for w in windows):
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
         lse2 = jnp.where(lse_p == -jnp.inf, jnp.inf, lse_p * jnp.float32(mosaic_backward.LOG2E))
-        mspec = plan.mosaic_backward_spec()
+        mspec = plan.mosaic_backward_spec(learned=(w[0] for w in windows))
         dq = mosaic_backward.dq(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
-        dk, dv = mosaic_backward.dkdv(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
-        parts = {}
-    else:  # the Triton backward: it also learns captured float arrays (``windows``)
+        dk, dv, sums = mosaic_backward.dkdv(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
+        parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, windows)
+    else:  # the Triton backward: it learns any captured float array (``windows``)
         _check_triton_backward(plan)
         dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
         dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, windows)

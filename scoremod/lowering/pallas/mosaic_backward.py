@@ -27,9 +27,20 @@ multiplied in another order). While ``dP`` is on the tensor cores the
 compute warpgroup evaluates the mod and ``P``.
 
 dK and dV come out per query head (float32 when several query heads share a
-key head: the caller sums each group in float32). Gradients of captured
-float arrays are the Triton backward's (``refusal`` is for the mod; the
-backend routes operand gradients).
+key head: the caller sums each group in float32).
+
+Gradients of captured float arrays read at one position per program (indices
+built from b, h and constants: ``slopes[h]``, a learned cap, ``w[h, 2]``):
+the cotangent of such a read is its local derivative (at ``dP = 1``, from
+``codegen.derivatives``) times ``dS``, evaluated in the same pass as the mod.
+The dK/dV kernel sums it over each tile's queries into one float32 per key,
+carried across the query tiles in registers, and writes those sums per
+(batch, query head, read) ``[B, Hq, reads, Skv]``; ``operand_parts`` sums
+them per key block and places each read's total at the position it read,
+in the Triton kernels' partial rows, which the backend reduces as it does
+theirs. No atomics: the same bits on every run. Reads at an index that
+varies over the tile (a gather) are the Triton backward's
+(``learning_refusal``; the backend routes them).
 
 Off a GPU (the plan's interpret flag) the kernels run in Mosaic GPU's
 interpret mode, a CPU simulation of the warpgroups, barriers, copies and
@@ -52,6 +63,7 @@ from jax import lax
 
 from scoremod.dsl import ir
 from scoremod.dsl.ir import F32
+from scoremod.dsl.text import format_expr
 from scoremod.lowering.pallas import codegen, mosaic
 
 BLOCK = 64  # rows per tile on both sides: the block map's (block_q, block_kv)
@@ -78,6 +90,9 @@ class BackwardSpec:
     # barriers, copies and wgmma: for tests), where accumulators are added to
     # fresh ones (it cannot simulate wgmma into an accumulator carried in).
     interpret: bool = False
+    # Float operands whose gradients the dK/dV kernel computes (their reads
+    # at one position per program: ``learning_refusal`` is None for each).
+    learned: tuple = ()
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,11 +117,48 @@ def refusal(expr, sources) -> str | None:
     return why
 
 
-def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}):
+def learned_loads(expr, names) -> tuple:
+    """The reads (LOAD nodes) of the float operands ``names`` in ``expr``, in
+    ``codegen.derivatives`` order: the dK/dV kernel's sums, one per read."""
+    if expr is None or not names:
+        return ()
+    return tuple(n for n, _ in codegen.derivatives(expr).loads if n.args[0].attr[0] in names)
+
+
+@functools.lru_cache(maxsize=256)
+def load_derivatives(expr, loads) -> tuple:
+    """Per read in ``loads``: its cotangent at ``dP = 1`` (linear in ``dP``, so
+    times dS it is the read's cotangent; 0 for a read ``expr`` does not make:
+    the full-tile mod may drop one)."""
+    cts = dict(codegen.derivatives(expr).loads)
+    one = {ir.cotangent(): ir.const(1.0, F32)}
+    return tuple(ir.substitute(cts[n], one) if n in cts else ir.const(0.0, F32) for n in loads)
+
+
+def learning_refusal(expr, name, sources) -> str | None:
+    """Why the dK/dV kernel cannot compute the gradient of float operand ``name``
+    of ``expr`` (a read at an index that varies over the tile, or a read's
+    derivative it cannot evaluate), or None."""
+    loads = learned_loads(expr, (name,))
+    for node in loads:
+        if not ir.variables(*node.args[1:]) <= {"b", "h"}:
+            where = ir.source_of(node, expr, sources)
+            return (f"it sums the gradients of reads at indices built from b, h and constants "
+                    f"only; `{format_expr(node)}`{' at ' + where if where else ''} varies over "
+                    f"the tile (a gather)")
+    for local in load_derivatives(expr, loads):
+        why = mosaic.refusal(local, sources, advice=False)
+        if why:
+            return f"in the derivative of a read of `{name}`, " + why
+    return None
+
+
+def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}, loads=()):
     """``(modded scores in log2 units, local derivative or None)`` of the
     tile of raw products ``s`` (q.k), -inf past the sequences' ends;
     ``reads(roots)``: the values of the vector reads under ``roots`` on the tile
-    (``Vectors.tile``)."""
+    (``Vectors.tile``); with ``loads`` (reads of float operands), a third item:
+    each read's cotangent at ``dP = 1`` on the tile (``load_derivatives``)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     layout = plgpu.Layout.WGMMA
@@ -117,6 +169,7 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}
     if spec.full_expr is not None:
         variants.append((spec.full_expr, local_derivative(spec.full_expr)))
     has_local = any(local is not None for _, local in variants)
+    load_terms = {expr: load_derivatives(expr, loads) for expr, _ in variants}
     score = s * jnp.float32(spec.scale)
 
     def tile(x):  # float32 on the whole tile (a constant or a per-program scalar, broadcast)
@@ -128,19 +181,23 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}
     def run(variant):
         expr, local = variant
         roots = [expr] + ([local] if local is not None else [])
-        out = codegen.evaluate_tile(roots, dict(inputs, score=score), refs,
+        extra = list(load_terms[expr])
+        out = codegen.evaluate_tile(roots + extra, dict(inputs, score=score), refs,
                                     gather=mosaic.scalar_load, rules=mosaic.TILE_RULES,
-                                    known=reads(roots))
+                                    known=reads(roots + extra))
         value = tile(out[0]) * jnp.float32(LOG2E)
+        terms = tuple(tile(x) for x in out[len(roots):])
         if not has_local:
-            return value, None
-        return value, tile(out[1] if local is not None else 1.0)
+            return value, None, terms
+        return value, tile(out[1] if local is not None else 1.0), terms
 
     if len(variants) == 1:
-        value, local = run(variants[0])
+        value, local, terms = run(variants[0])
     else:
-        value, local = lax.cond(is_full != 0, lambda: run(variants[1]),
-                                lambda: run(variants[0]))
+        value, local, terms = lax.cond(is_full != 0, lambda: run(variants[1]),
+                                       lambda: run(variants[0]))
+    if loads:
+        return _tails(spec, value, inputs), local, terms
     return _tails(spec, value, inputs), local
 
 
@@ -154,6 +211,9 @@ class _Vectors:
     def __init__(self, spec, operands, b, hq, length, own):
         exprs = [e for e in (spec.expr, spec.full_expr) if e is not None]
         exprs += [local_derivative(e) for e in exprs]
+        exprs += [t for e in exprs[:2] for t in load_derivatives(
+            e, learned_loads(spec.expr, spec.learned))]  # the learned reads' cotangents
+        exprs = [e for e in exprs if e is not None]
         self.reads = mosaic.vector_reads(*exprs)
         self.sources = mosaic.vector_sources(self.reads)
         self.arrays = mosaic.vector_arrays(self.sources, spec.operand_names, operands, b, hq,
@@ -278,8 +338,10 @@ def _stream(count, fetch, free):
 
 def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     """Per query head dK, dV [B, Skv, Hq, D] (q's dtype, or float32 where query
-    heads share key heads) on arrays padded to whole tiles. ``lse2``: the LSE
-    in log2 units, +inf on rows that see no key; ``delta``: D [B, Hq, Sq]."""
+    heads share key heads) on arrays padded to whole tiles, and the sums of the
+    cotangents of the reads of ``spec.learned`` per key [B, Hq, reads, Skv]
+    (float32; None without such reads). ``lse2``: the LSE in log2 units, +inf
+    on rows that see no key; ``delta``: D [B, Hq, Sq]."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -291,15 +353,18 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     counts, blocks_, full = bmap.kv_counts, bmap.kv_blocks, bmap.kv_full.astype(jnp.int32)
     layout = plgpu.Layout.WGMMA
     along_q = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tile's columns (queries)
+    along_kv = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows (keys)
     with_full = spec.full_expr is not None
     vectors = _Vectors(spec, operands, b, hq, max(sq, skv), own="kv_idx")
     n_vec = len(vectors.arrays)
+    loads = learned_loads(spec.expr, spec.learned)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, operand_refs, vector_refs, dk_ref, dv_ref, scoped):
+                delta_ref, operand_refs, vector_refs, dk_ref, dv_ref, sums_ref, scoped):
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_smem, dv_smem, *staging), \
             (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, \
-            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready) = scoped
+            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem = scoped
+        sums_smem = sums_smem[0] if sums_smem else None  # with learned reads only
         staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -326,7 +391,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 jnp.zeros((BLOCK, cols), jnp.float32), layout)
 
             def step_fn(step, carry):
-                dk, dv = carry
+                dk, dv, sums = carry
                 slot = lax.rem(step, STAGES)
                 q0 = q_start(step)
                 is_full = full_ref[mb, mh, tile, step] if with_full else None
@@ -351,18 +416,21 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
                 def probabilities(dp_acc):
                     plgpu.wgmma(dp_acc, v_smem, dos.transpose((1, 0)))  # dP^T, while ...
-                    value, local = _tile_terms(spec, s, inputs, refs, is_full,
-                                               shape=(BLOCK, BLOCK),
-                                               reads=vectors.tile(own_vectors, vec_smem, slot))
+                    value, local, *terms = _tile_terms(
+                        spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK),
+                        reads=vectors.tile(own_vectors, vec_smem, slot), loads=loads)
+                    terms = terms[0] if loads else ()  # the learned reads' cotangents at dP = 1
                     lse = plgpu.load(lse_smem.at[slot], layout=along_q)
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [1]))
-                    return p, local, dp_acc[...]  # ... P^T is computed
+                    return p, local, terms, dp_acc[...]  # ... P^T is computed
 
-                p, local, dp = pl.run_scoped(probabilities,
-                                             plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                p, local, terms, dp = pl.run_scoped(probabilities,
+                                                    plgpu.ACC((BLOCK, BLOCK), jnp.float32))
                 plgpu.barrier_wait(delta_ready.at[slot])
                 dd = plgpu.load(delta_smem.at[slot], layout=along_q)
                 ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [1]))
+                # Each learned read's cotangent, summed over the tile's queries (per key).
+                sums = tuple(acc + (term * ds).sum(axis=1) for acc, term in zip(sums, terms))
                 if local is not None:
                     ds = ds * local
                 ds = ds * jnp.float32(spec.scale)
@@ -374,15 +442,22 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
                 dv, dk = mosaic.accumulate(spec, gradients, (dv, dk))
                 plgpu.barrier_arrive(free.at[slot])
-                return dk, dv
+                return dk, dv, sums
 
-            dk, dv = lax.fori_loop(0, count, step_fn, (zeros(d), zeros(d)))
+            no_sums = tuple(plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), along_kv)
+                            for _ in loads)
+            dk, dv, sums = lax.fori_loop(0, count, step_fn, (zeros(d), zeros(d), no_sums))
             dk_smem[...] = dk.astype(out_dtype)
             dv_smem[...] = dv.astype(out_dtype)
+            for i, total in enumerate(sums):
+                sums_smem.at[i][...] = total
             plgpu.commit_smem()
             rows = (bi, pl.ds(k0, BLOCK), hi)
             plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[rows], commit_group=False)
             plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[rows], commit_group=False)
+            for i in range(len(sums)):
+                plgpu.copy_smem_to_gmem(sums_smem.at[i], sums_ref.at[bi, hi, i, pl.ds(k0, BLOCK)],
+                                        commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
 
@@ -407,7 +482,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
-        dk_ref, dv_ref = rest[n_ops + n_vec:]
+        dk_ref, dv_ref, *sums_ref = rest[n_ops + n_vec:]
         swizzled = mosaic.swizzled()
         out_transforms = swizzled if out_dtype == dtype else ()
         smem = [plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
@@ -421,19 +496,48 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         smem += mosaic.staging(spec, 2, BLOCK, BLOCK, dtype)
         ready = (plgpu.Barrier(num_barriers=2),) + (plgpu.Barrier(num_barriers=STAGES),) * 4
         free = plgpu.Barrier(num_barriers=STAGES)
+        sums_smem = [plgpu.SMEM((len(loads), BLOCK), jnp.float32)] if loads else []
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
                                     lse_ref, delta_ref, operand_refs, vector_refs, dk_ref,
-                                    dv_ref, scoped),
-            smem, ready, free, *vectors.scratch(), collective_axes="wg")
+                                    dv_ref, sums_ref[0] if sums_ref else None, scoped),
+            smem, ready, free, *vectors.scratch(), sums_smem, collective_axes="wg")
 
     out = jax.ShapeDtypeStruct((b, skv, hq, d), out_dtype)
-    return plgpu.kernel(
-        entry, out_type=(out, out), grid=(hq, skv // BLOCK, b),
+    sums = (jax.ShapeDtypeStruct((b, hq, len(loads), skv), jnp.float32),) if loads else ()
+    outs = plgpu.kernel(
+        entry, out_type=(out, out) + sums, grid=(hq, skv // BLOCK, b),
         grid_names=("heads", "kv_seq", "batch"), num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
+    return outs[0], outs[1], (outs[2] if loads else None)
+
+
+def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
+    """The partial rows [B, Hq, key blocks, window] of each learned operand
+    (``windows``: the backend's (name, axes, size)) from ``dkdv``'s sums per
+    key: summed per key block, each read's total placed at the position it
+    reads within the window (one-hot products: the same sum on every run).
+    ``operands``: the kernel's flat operand arrays (index math may read them)."""
+    b, hq, n_loads, skv = sums.shape
+    loads = learned_loads(spec.expr, spec.learned)
+    totals = sums.reshape(b, hq, n_loads, skv // BLOCK, BLOCK).sum(-1)
+    refs = dict(zip(spec.operand_names, operands))
+    grid = {"b": jnp.arange(b, dtype=jnp.int32)[:, None],
+            "h": jnp.arange(hq, dtype=jnp.int32)[None, :]}
+    parts = {}
+    for name, axes, size in windows:
+        part = jnp.zeros((b, hq, skv // BLOCK, size), jnp.float32)
+        for i, node in enumerate(loads):
+            if node.args[0].attr[0] != name:
+                continue
+            index = codegen.evaluate_tile(list(node.args[1:]), grid, refs)
+            at = jnp.broadcast_to(codegen.flat_index(node, index, axes), (b, hq))
+            hot = (at[:, :, None] == jnp.arange(size)[None, None, :]).astype(jnp.float32)
+            part = part + totals[:, :, i, :, None] * hot[:, :, None, :]
+        parts[name] = part
+    return parts
 
 
 def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
