@@ -757,23 +757,26 @@ def test_vector_reads_lower(case, hopper_here):
 
 
 def test_bool_vectors_never_reach_the_triton_backward(hopper_here):
-    """The Mosaic engine takes bool flags read along one tile axis; learning a float
-    array as well would send the call to the Triton backward, which gets them
-    wrong (codegen.ONE_AXIS_BOOL_READ): refused when the gradient is traced."""
+    """The Mosaic engine takes bool flags read along one tile axis, and its backward
+    learns arrays read per program (slopes[h]); learning an array read along the
+    tile would send the call to the Triton backward, which gets the flags wrong
+    (codegen.ONE_AXIS_BOOL_READ): refused when the gradient is traced."""
     q, k, v, do = pc.inputs(b=1, sq=128, skv=128, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
     flags = jnp.arange(128) % 9 == 0
     slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+    bias = jnp.linspace(-1.0, 1.0, 128)
 
-    def loss(q, k, v, slopes):
+    def loss(q, k, v, slopes, bias):
         mod = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
-            flags[ki] | (qi >= ki), s + slopes[h], -jnp.inf)
+            flags[ki] | (qi >= ki), s + slopes[h] + bias[ki], -jnp.inf)
         o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
         return jnp.sum(o.astype(jnp.float32))
 
-    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, slopes)) == \
-        {"mosaic": 3, "triton": 0}
+    for wrt in ((0, 1, 2), (0, 3)):
+        assert _kernels(_lower_call(jax.grad(loss, argnums=wrt), q, k, v, slopes, bias)) == \
+            {"mosaic": 3, "triton": 0}, wrt
     with pytest.raises(ScoreModError, match="stop_gradient") as e:
-        _lower_call(jax.grad(loss, argnums=(0, 3)), q, k, v, slopes)
+        _lower_call(jax.grad(loss, argnums=(0, 4)), q, k, v, slopes, bias)
     assert "c0[kv_idx]" in str(e.value) and "test_pallas_mosaic.py" in str(e.value)
 
 

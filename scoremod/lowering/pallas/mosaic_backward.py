@@ -209,10 +209,10 @@ class _Vectors:
     expression reads them."""
 
     def __init__(self, spec, operands, b, hq, length, own):
-        exprs = [e for e in (spec.expr, spec.full_expr) if e is not None]
-        exprs += [local_derivative(e) for e in exprs]
-        exprs += [t for e in exprs[:2] for t in load_derivatives(
-            e, learned_loads(spec.expr, spec.learned))]  # the learned reads' cotangents
+        mods = [e for e in (spec.expr, spec.full_expr) if e is not None]
+        learned = learned_loads(spec.expr, spec.learned)
+        exprs = mods + [local_derivative(e) for e in mods]
+        exprs += [t for e in mods for t in load_derivatives(e, learned)]  # learned reads' cotangents
         exprs = [e for e in exprs if e is not None]
         self.reads = mosaic.vector_reads(*exprs)
         self.sources = mosaic.vector_sources(self.reads)
