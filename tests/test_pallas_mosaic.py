@@ -719,7 +719,7 @@ def test_vector_reads_interpreted(case, b, shape, dtype, interprets):
     heads share key heads; bool flags at q_idx and kv_idx; an offset index and a
     float vector per head."""
     q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
-    mod, operands = pc.tracedpc.vector_mod(case, q, k)
+    mod, operands = pc.traced_vector_mod(case, q, k)
     assert mosaic.vector_reads(mod.expr), case
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.4 if shape["d"] == 64 else 0.3)
     assert plan.interpret and plan.engine == "mosaic" and plan.backward_engine == "mosaic"
