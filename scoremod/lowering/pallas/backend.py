@@ -178,12 +178,7 @@ class Pallas(Backend):
         options = lowering_options.current() if options is None else options
         engine, _ = self.engine(problem, mod, options)
         if mod is not None:
-            # Bool arrays read along one tile axis: where the Mosaic GPU kernels
-            # run the forward and the backward (the Triton backward gets them wrong).
-            on_mosaic = (engine == "mosaic"
-                         and mosaic.refusal(mod.expr, mod.sources) is None
-                         and _mosaic_backward_refusal(mod, _full_expr(mod)) is None)
-            why = codegen.refusal(mod.expr, mod.sources, one_axis_bool=on_mosaic)
+            why = codegen.refusal(mod.expr, mod.sources)
             if why:
                 return why
         if engine == "mosaic":
@@ -470,23 +465,6 @@ def _operand_gradient(part, node, expr, b, hq):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _check_triton_backward(plan):
-    """The Triton backward gets bool arrays read along one tile axis wrong
-    (``codegen.ONE_AXIS_BOOL_READ``): a plan that takes them (the Mosaic GPU
-    engine's) reaches it only when a captured float array's gradient is wanted."""
-    if plan.mod is None:
-        return
-    for node in ir.toposort(plan.mod.expr):
-        if codegen.one_axis_bool_read(node):
-            where = ir.source_of(node, plan.mod.expr, plan.mod.sources)
-            raise ScoreModError(
-                f"implementation=\"pallas\" learns captured float arrays on its Triton "
-                f"backward, which cannot run `{format_expr(node)}`"
-                f"{' at ' + where if where else ''}: {codegen.ONE_AXIS_BOOL_READ}. Wrap the "
-                "float arrays in jax.lax.stop_gradient (the Mosaic GPU backward then runs the "
-                "call), read the flags as an int array, or use implementation=\"xla\".")
-
-
 def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     """dQ, dK, dV and {operand name: gradient} (those in ``wanted`` that are float)."""
     p = plan.problem
@@ -514,7 +492,6 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         dk, dv, sums = mosaic_backward.dkdv(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
         parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, windows)
     else:  # the Triton backward: it learns any captured float array (``windows``)
-        _check_triton_backward(plan)
         dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
         dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, windows)
     g = p.hq // p.hkv

@@ -75,12 +75,14 @@ def kernel_operand(value, node):
 # the right O and LSE but wrong dQ, dK and dV (up to 1.4x the gradient's size)
 # for the catalogue's global_sliding_window, `where(|q - kv| <= W | g[q] | g[kv],
 # s, -inf)`, while the same kernels in interpret mode match the reference.
-# Refused on the Triton kernels until the cause is found; reads of bool arrays
-# along both axes (a tile map) and of int arrays along one ran right there.
-# The Mosaic GPU kernels broadcast such a vector's int32 values and compare
-# after (mosaic.tile_reads): they take it where they run forward and backward.
-ONE_AXIS_BOOL_READ = ("a bool array read along one tile axis gave wrong gradients on the H200 "
-                      "(the forward was right; the cause is not found yet)")
+# Reads of bool arrays along both axes (a tile map) and of int arrays along one
+# ran right there. Gathering the flags at the whole tile's positions (no i1
+# broadcast) left the errors as they were; the Mosaic GPU kernels, which
+# broadcast the flags' int32 values and compare after, got the same mod wrong
+# on the H200 too (O as well, at 512 x 512), while their interpret mode matched
+# the reference. Refused on both engines until the cause is found.
+ONE_AXIS_BOOL_READ = ("a bool array read along one tile axis gave wrong results on the H200 on "
+                      "both engines (the cause is not found yet); read the flags as an int array")
 
 
 def one_axis_bool_read(node) -> bool:
@@ -89,14 +91,12 @@ def one_axis_bool_read(node) -> bool:
     return len(ir.variables(*node.args[1:]) & {"q_idx", "kv_idx"}) == 1
 
 
-def refusal(expr, sources, one_axis_bool=False) -> str | None:
+def refusal(expr, sources) -> str | None:
     """Why the Pallas kernels cannot evaluate ``expr`` or its derivatives (a
-    sentence naming the op and where it was written), or None.
-    ``one_axis_bool``: bool arrays read along one tile axis are taken (the
-    Mosaic GPU kernels run the whole call)."""
+    sentence naming the op and where it was written), or None."""
     for node in ir.toposort(*all_expressions(expr)):
         why = NOT_LOWERABLE.get(node.op)
-        if not one_axis_bool and one_axis_bool_read(node):
+        if one_axis_bool_read(node):
             why = ONE_AXIS_BOOL_READ
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
