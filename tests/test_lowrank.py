@@ -233,6 +233,14 @@ def test_the_text_form_of_a_sum_of_products_is_found_too():
     assert found.rank == 4 and str(found.mod) == "where(q_idx >= kv_idx, score, -inf)"
 
 
+def _case(name):
+    """(make, a, c, hkv) of a CASES or LAYOUT_ARRAYS entry."""
+    if name in LAYOUT_ARRAYS:
+        return (_other_layouts()[name], *LAYOUT_ARRAYS[name], HQ)
+    kind, a, c, hkv = CASES[name]
+    return (lambda a, c: _mods(a, c)[kind]), a, c, hkv
+
+
 def _augmented(make, a, c, hkv):
     """augment, jitted, and its arguments (q, k: zeros; the columns are the test)."""
     q, k = jnp.zeros((B, S, HQ, D)), jnp.zeros((B, S, hkv, D))
@@ -246,11 +254,7 @@ def _augmented(make, a, c, hkv):
 def test_columns_read_by_slicing_equal_the_gathered_ones(name, monkeypatch):
     """Factors laid out as the grid (q_pe[b, q_idx, h, j]) are sliced, others
     gathered: the same columns either way, bit for bit."""
-    if name in LAYOUT_ARRAYS:
-        make, (a, c), hkv = _other_layouts()[name], LAYOUT_ARRAYS[name], HQ
-    else:
-        kind, a, c, hkv = CASES[name]
-        make = lambda a, c: _mods(a, c)[kind]  # noqa: E731
+    make, a, c, hkv = _case(name)
     f, args = _augmented(make, a, c, hkv)
     sliced = f(*args)
     monkeypatch.setattr(lowrank, "_sliced", lambda *_: None)
@@ -265,17 +269,13 @@ def test_runs_of_columns_taken_as_one_slice_equal_column_by_column(name, monkeyp
     """Columns reading one operand at consecutive positions (q_pe[b, q_idx, h, 0..R-1])
     are one slice of it; column by column (runs of one) they are the same, bit
     for bit. ``scaled_terms`` (a constant per column) is not a run."""
-    if name in LAYOUT_ARRAYS:
-        make, (a, c), hkv = _other_layouts()[name], LAYOUT_ARRAYS[name], HQ
-    else:
-        kind, a, c, hkv = CASES[name]
-        make = lambda a, c: _mods(a, c)[kind]  # noqa: E731
+    make, a, c, hkv = _case(name)
     f, args = _augmented(make, a, c, hkv)
     whole = f(*args)
     hlo = f.lower(*args).compile().as_text()
     slices = hlo.count(" slice(")
     assert slices <= (2 * R if name == "scaled_terms" else 4), slices
-    monkeypatch.setattr(lowrank, "_runs", lambda loads: [[x] for x in loads])
+    monkeypatch.setattr(lowrank, "_runs", lambda loads: [(None, [x]) for x in loads])
     f, args = _augmented(make, a, c, hkv)
     for x, y in zip(whole, f(*args)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -295,7 +295,23 @@ def test_runs_of_columns():
 
     loads = [at(a, 0), at(a, 1), at(a, 2), at(a, 4), at(c, 5), at(c, 6), at(a, 7, ir.const(1, ir.I32))]
     runs = lowrank._runs(loads)
-    assert [len(r) for r in runs] == [3, 1, 2, 1]
+    assert [(axis, len(r)) for axis, r in runs] == [(1, 3), (None, 1), (1, 2), (None, 1)]
+    # A run stays on one axis: w[q, 0, 0], w[q, 0, 1] then w[q, 1, 1], w[q, 1, 2] are two
+    # runs (one slice along the last axis would read w[q, 0, 2] for the third), and the
+    # columns are the loads' values.
+    w_values = jnp.arange(4 * 3 * 3, dtype=jnp.float32).reshape(4, 3, 3)
+    w = ir.operand("w", (4, 3, 3), "float32")
+    at3 = [load(w, qv, ir.const(i, ir.I32), ir.const(j, ir.I32))
+           for i, j in ((0, 0), (0, 1), (1, 1), (1, 2))]
+    assert [(axis, len(r)) for axis, r in lowrank._runs(at3)] == [(2, 2), (2, 2)]
+    got = lowrank._columns(at3, {"w": w_values}, 1, 4, 1, "q_idx")
+    want = np.stack([np.asarray(w_values)[:, i, j] for i, j in ((0, 0), (0, 1), (1, 1), (1, 2))],
+                    axis=-1)
+    np.testing.assert_array_equal(np.asarray(got)[0, :, 0], want)
+    # A run past the operand's end reads clamped positions, as the reference does.
+    past = [load(w, qv, ir.const(0, ir.I32), ir.const(j, ir.I32)) for j in (2, 3)]
+    got = lowrank._columns(past, {"w": w_values}, 1, 4, 1, "q_idx")
+    np.testing.assert_array_equal(np.asarray(got)[0, :, 0, 1], np.asarray(w_values)[:, 0, 2])
 
 
 @pytest.mark.parametrize("name", ["mla_causal", "per_bh"])

@@ -176,11 +176,9 @@ def _columns(loads, operands, batch, seq, heads, seq_var):
             seq_var: jnp.arange(seq, dtype=jnp.int32)[None, :, None],
             "h": jnp.arange(heads, dtype=jnp.int32)[None, None, :]}
     blocks = []
-    for run in _runs(loads):
+    for axis, run in _runs(loads):
         values = None
         if len(run) > 1:
-            axis = next(i for i, (a, b) in enumerate(zip(run[0].args[1:], run[1].args[1:]))
-                        if a is not b)
             values = _sliced(run[0], operands, sizes, (axis, len(run)))
         if values is None:
             columns = []
@@ -196,25 +194,31 @@ def _columns(loads, operands, batch, seq, heads, seq_var):
 
 
 def _runs(loads):
-    """``loads`` cut into runs that read one operand at the same indices but
-    one, a constant counting up by one (each run at least one load)."""
+    """``loads`` cut into runs ``(axis, [load, ...])`` that read one operand at
+    the same indices but the one along ``axis``, a constant counting up by one
+    (each run at least one load; ``axis`` None for a run of one)."""
     runs = []
     for load in loads:
-        if runs and _next_in_run(runs[-1][-1], load):
-            runs[-1].append(load)
+        axis = _run_axis(runs[-1][1][-1], load) if runs else None
+        if axis is not None and runs[-1][0] in (None, axis):
+            runs[-1] = (axis, runs[-1][1] + [load])
         else:
-            runs.append([load])
+            runs.append((None, [load]))
     return runs
 
 
-def _next_in_run(prev: Node, load: Node) -> bool:
+def _run_axis(prev: Node, load: Node):
+    """The index axis along which ``load`` reads the position after ``prev``'s
+    (the same operand, every other index the same), or None."""
     if prev.op != LOAD or load.op != LOAD or prev.args[0] is not load.args[0]:
-        return False
-    differ = [(a, b) for a, b in zip(prev.args[1:], load.args[1:]) if a is not b]
+        return None
+    differ = [i for i, (a, b) in enumerate(zip(prev.args[1:], load.args[1:])) if a is not b]
     if len(differ) != 1:
-        return False
-    (a, b), = differ
-    return a.op == CONST == b.op and a.dtype == I32 == b.dtype and b.attr == a.attr + 1
+        return None
+    a, b = prev.args[1 + differ[0]], load.args[1 + differ[0]]
+    if a.op == CONST == b.op and a.dtype == I32 == b.dtype and b.attr == a.attr + 1:
+        return differ[0]
+    return None
 
 
 def _sliced(load, operands, sizes: dict, run=None):
@@ -242,7 +246,9 @@ def _sliced(load, operands, sizes: dict, run=None):
         if i.op == VAR and i.attr in sizes and n == sizes[i.attr]:
             index.append(slice(None))
             axes.append(i.attr)
-        elif run and position == run[0] and 0 <= i.attr and i.attr + run[1] <= n:
+        elif run and position == run[0]:
+            if not 0 <= i.attr <= n - run[1]:  # past the end: reads clamp, column by column
+                return None
             index.append(slice(i.attr, i.attr + run[1]))
             axes.append("columns")
         elif i.op == CONST and i.dtype == I32 and 0 <= i.attr < n:
