@@ -73,9 +73,10 @@ class LoweringOptions:
         ``kv_idx``; refused elsewhere) or ``"auto"``, the default: the Mosaic
         GPU engine where it takes the call, else the Triton one (the plan's
         description says which ran and why). The backward follows the
-        forward's engine (gradients of captured float arrays run on the
-        Triton backward); the pallas_* tile and warp options above are the
-        Triton kernels'.
+        forward's engine (on the Mosaic one, gradients of captured float
+        arrays read at an index that varies over the tile run on the Triton
+        backward); the pallas_* tile and warp options above are the Triton
+        kernels'.
       check_values: the fused paths follow the masked-key rule for NaN and
         inf in V (docs/guide.md, "Fully masked rows") as the reference path
         does: each kernel call tests V (a reduction, and a conditional whose

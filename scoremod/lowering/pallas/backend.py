@@ -181,8 +181,8 @@ class Pallas(Backend):
             why = codegen.refusal(mod.expr, mod.sources)
             if why:
                 return why
-        if engine == "mosaic":
-            return self._why_not_mosaic(problem, mod)
+        if engine == "mosaic":  # "auto" chose it because it has no refusal
+            return None if options.pallas_engine == "auto" else self._why_not_mosaic(problem, mod)
         if problem.dtype not in DTYPES:
             return f"it takes float16, bfloat16 or float32 inputs, got {problem.dtype}"
         if problem.d not in HEAD_DIMS or problem.dv not in HEAD_DIMS:

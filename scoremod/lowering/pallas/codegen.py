@@ -85,7 +85,7 @@ ONE_AXIS_BOOL_READ = ("a bool array read along one tile axis gave wrong results 
                       "both engines (the cause is not found yet); read the flags as an int array")
 
 
-def one_axis_bool_read(node) -> bool:
+def _one_axis_bool_read(node) -> bool:
     if node.op != LOAD or node.dtype != BOOL:
         return False
     return len(ir.variables(*node.args[1:]) & {"q_idx", "kv_idx"}) == 1
@@ -96,7 +96,7 @@ def refusal(expr, sources) -> str | None:
     sentence naming the op and where it was written), or None."""
     for node in ir.toposort(*all_expressions(expr)):
         why = NOT_LOWERABLE.get(node.op)
-        if one_axis_bool_read(node):
+        if _one_axis_bool_read(node):
             why = ONE_AXIS_BOOL_READ
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
