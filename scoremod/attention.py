@@ -167,7 +167,7 @@ def _choose(problem, mod, traced_scale=False, options=None):
         reason = _why_not(backend, problem, mod, traced_scale, automatic=True, options=options)
         if reason is None:
             faster, _ = _yielded(backend, problem, mod, lambda b: _why_not(
-                b, problem, mod, traced_scale, automatic=True, options=options) is None)
+                b, problem, mod, traced_scale, automatic=True, options=options) is None, options)
             if faster is not None:
                 return faster
             present = [r for b, r in passed if b.present()]
@@ -179,11 +179,16 @@ def _choose(problem, mod, traced_scale=False, options=None):
                         + "; ".join(f"{b.name}: {r}" for b, r in passed))
 
 
-def _yielded(backend, problem, mod, takes):
+def _yielded(backend, problem, mod, takes, options):
     """``(other, reason)``: the later registered backend ``backend`` yields this
-    call to, when ``takes(other)``; else ``(None, None)``."""
+    call to, or the first later one that claims it (under ``options``), when
+    ``takes(other)``; else ``(None, None)``."""
     target = backend.yields_to(problem, mod)
     if target is None:
+        for other in _after(backend):
+            why = other.claims(problem, mod, options)
+            if why is not None and takes(other):
+                return other, f"{other.name} claims it from {backend.name}: {why}"
         return None, None
     name, reason = target
     other = next((b for b in _after(backend) if b.name == name), None)
@@ -271,7 +276,7 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
     options = lowering_options.current()
     if chosen is not None:
         faster, why = _yielded(registry.get(chosen), problem, mod,
-                               lambda b: verdicts[b.name] is None)
+                               lambda b: verdicts[b.name] is None, options)
         if faster is not None:
             return Choice(faster.name, why, verdicts, note,
                           faster.variant(problem, mod, options))

@@ -155,6 +155,19 @@ def vector_mod(name, b, hq, sq, skv):
         bias = jnp.asarray(np.random.default_rng(12).normal(size=(hq, n)), jnp.float32)
         return (lambda s, b, h, q, k, d, w: jnp.where(d[b, q] >= d[b, k + 1], s + w[h, k],
                                                       -jnp.inf)), (doc, bias)
+    if name == "grid_bias":  # a 2-D relative position (an 8 x 8 grid): a gather
+        table = jnp.asarray(np.random.default_rng(13).normal(size=(hq, 15, 15)), jnp.float32)
+        return (lambda s, b, h, q, k, t: s + t[h, q // 8 % 8 - k // 8 % 8 + 7,
+                                               q % 8 - k % 8 + 7]), (table,)
+    if name == "relative_softcap":  # relbias's index (jax.numpy wraps negatives) under a softcap
+        table = jnp.asarray(np.random.default_rng(14).normal(size=(hq, sq + skv - 1)),
+                            jnp.float32)
+        return (lambda s, b, h, q, k, t: 20.0 * jnp.tanh((s + t[h, q - k + skv - 1]) / 20.0)
+                ), (table,)
+    if name == "relative_buckets":  # T5's: an int bucket table at kv - q, then a float table
+        buckets = jnp.asarray(np.clip(np.arange(-n + 1, n) // 16, -8, 8) + 8, jnp.int32)
+        table = jnp.asarray(np.random.default_rng(15).normal(size=(17, hq)), jnp.float32)
+        return (lambda s, b, h, q, k, u, t: s + t[u[k - q + n - 1], h]), (buckets, table)
     return CASES[name](hq, sq, skv)
 
 

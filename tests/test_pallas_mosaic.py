@@ -79,13 +79,15 @@ def test_refusals(monkeypatch):
     assert why(_problem(d=128, dv=64), options=TRITON) is None
     # A gather (a read at an index that varies over the tile), named with its line.
     q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
-    mod, _ = pc.traced("relative_bias", q, q)
+    mod, _ = pc.traced_vector_mod("grid_bias", q, q)
     reason = why(_problem(), mod)
     assert "`load`" in reason and "varies over the tile" in reason
     assert "pallas_cases.py" in reason and 'pallas_engine="triton"' in reason
     assert why(_problem(), mod, options=TRITON) is None
-    # Scalar reads run: per head, per batch, and a 0-d array; reads along one tile axis too.
-    for case in ("alibi", "batch_scale", "learnable_softcap", "document", "document_softcap"):
+    # Scalar reads run: per head, per batch, and a 0-d array; reads along one tile axis
+    # and at q_idx - kv_idx (a relative-position table) too.
+    for case in ("alibi", "batch_scale", "learnable_softcap", "document", "document_softcap",
+                 "relative_bias"):
         assert why(_problem(), pc.traced(case, q, q)[0]) is None, case
     # Bool flags read along one tile axis: wrong on the H200 on both engines, refused.
     flags = jnp.arange(256) % 7 == 0
@@ -499,9 +501,11 @@ def test_learning_refusal(monkeypatch, hopper_here):
     the operand and why, and a call that asks for its gradient lowers to the
     Triton backward (one that does not, to the Mosaic one)."""
     t = jnp.ones((4, 8), jnp.float32)
-    gather = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi + 4, 0, 7)])
-    why = mosaic_backward.learning_refusal(gather.expr, gather.operand_names[0], gather.sources)
-    assert "varies over the tile" in why and "test_pallas_mosaic.py" in why
+    for fn in (lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi + 4, 0, 7)],  # relative
+               lambda s, b, h, qi, ki: s + t[h, (qi + ki) % 8]):  # a gather
+        read = scoremod.trace(fn)
+        why = mosaic_backward.learning_refusal(read.expr, read.operand_names[0], read.sources)
+        assert "varies over the tile" in why and "test_pallas_mosaic.py" in why
     monkeypatch.setitem(mosaic.NOT_LOWERABLE, "cos", "no rule for cos (a test's)")
     c = jnp.asarray([0.5, 1.0, 1.5, 2.0], jnp.float32)
     q, k, v, do = pc.inputs(b=1, sq=128, skv=128, hq=4, hkv=2, d=64, dtype=jnp.float16)
@@ -587,15 +591,16 @@ def test_read_axes():
         assert mosaic.refusal(mod.expr, mod.sources) is None, name
         assert mosaic_backward.refusal(mod.expr, mod.sources) is None, name
     refused = {
-        "relative position": (lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi + 4, 0, 7)],
-                              "kv_idx and q_idx"),
+        "both indices": (lambda s, b, h, qi, ki: s + t[h, (qi + ki) % 8], "kv_idx and q_idx"),
+        "difference and q_idx": (lambda s, b, h, qi, ki: s + t[qi % 4, ki - qi],
+                                 "kv_idx and q_idx"),
         "at the score": (lambda s, b, h, qi, ki: s + t[h, jnp.where(s > 0, 1, 0)], "score"),
     }
     for name, (fn, names) in refused.items():
         mod, got = read(fn)
         assert got is False, name
         why = mosaic.refusal(mod.expr, mod.sources)
-        assert f"varies over the tile with {names} (a gather)" in why, (name, why)
+        assert f"varies over the tile with {names} otherwise (a gather)" in why, (name, why)
         assert "`load`" in why and "test_pallas_mosaic.py" in why, why
     # A read whose index is another read: the outer read's axes decide.
     nested = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, doc[b, qi] - doc[b, ki]])
@@ -755,6 +760,122 @@ def test_vector_reads_lower(case, hopper_here):
             {"mosaic": 1, "triton": 2}
 
 
+# --------------------------------------------------------------------------- #
+# Captured arrays read at q_idx - kv_idx (relative-position tables): tiles per diagonal
+
+
+def test_offset_reads():
+    """A read whose index sees q_idx and kv_idx only as their difference (either
+    sign, through any arithmetic, inside another read's index too) is read per
+    diagonal; the index of such a read needs no index tile; a second table read
+    at q_idx - kv_idx is refused (shared memory holds one), naming its line."""
+    t = jnp.ones((4, 300), jnp.float32)
+    u = jnp.ones((300,), jnp.int32)
+    for fn in (lambda s, b, h, qi, ki: s + t[h, qi - ki + 150],
+               lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi, -8, 8) * 2 + 20],
+               lambda s, b, h, qi, ki: s + t[h, u[ki - qi + 150]]):
+        mod = scoremod.trace(fn)
+        (read,) = mosaic.offset_reads(mod.expr)
+        assert mosaic.read_axis(read) == mosaic.OFFSET and not mosaic.vector_reads(mod.expr)
+        assert not mosaic.uses_var(mod.expr, "q_idx") and not mosaic.uses_var(mod.expr, "kv_idx")
+        assert ir.variables(mosaic.offset_source(read)) <= {"h", "q_idx"}
+        assert mosaic.refusal(mod.expr, mod.sources) is None
+    two = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, qi - ki + 150] + t[0, ki - qi + 7])
+    why = mosaic.refusal(two.expr, two.sources)
+    assert "one array read at q_idx - kv_idx per mod" in why and "test_pallas_mosaic.py" in why
+    same = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(t[h, qi - ki + 150] > 0,
+                                                            s + t[h, qi - ki + 150], s))
+    assert mosaic.refusal(same.expr, same.sources) is None  # one source, read twice
+
+
+@pytest.mark.parametrize("queries_down", [True, False])
+def test_offset_tiles(queries_down):
+    """Each tile of the per-diagonal arrays is the read evaluated by the reference
+    path on the score tile it stands for (rows, columns, every offset; keys down
+    the tile for the dK/dV kernel), per batch and head where the read uses them;
+    int arrays as int32."""
+    rng = np.random.default_rng(5)
+    table = jnp.asarray(rng.normal(size=(3, 90)), jnp.float32)
+    buckets = jnp.asarray(rng.integers(0, 7, size=(2, 200)), jnp.int32)
+    mods = [lambda s, b, h, qi, ki: s + table[h, qi - ki + 40],
+            lambda s, b, h, qi, ki: jnp.where(buckets[b, ki - qi + 100] > 3, s, -jnp.inf)]
+    sq, skv, rows, cols = 192, 128, 64, 32  # padded lengths, the kernel's tile
+    for fn in mods:
+        mod = scoremod.trace(fn)
+        names, values = mod.operand_names, tuple(mod.operands)
+        from scoremod.lowering.pallas import codegen
+
+        flat = tuple(codegen.kernel_operand(x, n) for x, n in zip(values, mod.operand_nodes))
+        (read,) = mosaic.offset_reads(mod.expr)
+        row_len, col_len = (sq, skv) if queries_down else (skv, sq)
+        tiles = mosaic.OffsetTiles.build(mosaic.offset_sources((read,)), names, flat, 2, 3,
+                                         rows, cols, row_len, col_len, queries_down)
+        (arr,) = tiles.arrays
+        used = ir.variables(read)
+        assert arr.dtype == (jnp.float32 if read.dtype == ir.F32 else jnp.int32)
+        assert arr.shape[:2] == (2 if "b" in used else 1, 3 if "h" in used else 1)
+        assert arr.shape[3:] == (rows, cols) and tiles.step == 32
+        seen = set()
+        for row0 in range(0, row_len, rows):
+            for col0 in range(0, col_len, cols):
+                t = (row0 - col0 - tiles.first) // tiles.step
+                seen.add(t)
+                r = row0 + jnp.arange(rows)[:, None]
+                c = col0 + jnp.arange(cols)[None, :]
+                qi, ki = (r, c) if queries_down else (c, r)
+                for bi in range(arr.shape[0]):
+                    for hi in range(arr.shape[1]):
+                        want = evaluate(read, {"b": bi, "h": hi, "q_idx": qi, "kv_idx": ki},
+                                        dict(zip(names, values)))
+                        np.testing.assert_array_equal(
+                            np.asarray(arr[bi, hi, t]),
+                            np.broadcast_to(np.asarray(want).astype(arr.dtype), (rows, cols)))
+        assert seen == set(range(arr.shape[2]))  # every tile is some tile's, none missing
+
+
+@pytest.mark.parametrize("case,b,shape,dtype", [
+    ("relative_bias", 2, dict(sq=300, skv=260, hq=4, hkv=2, d=64), jnp.bfloat16),
+    ("relative_softcap", 1, dict(sq=130, skv=200, hq=2, hkv=1, d=128), jnp.float16),
+    ("relative_buckets", 1, dict(sq=200, skv=136, hq=2, hkv=2, d=64), jnp.bfloat16),
+])
+def test_offset_reads_interpreted(case, b, shape, dtype, interprets):
+    """Relative-position tables forward and backward on the Mosaic kernels in
+    Mosaic GPU's interpret mode, against the reference path (O, LSE, dQ, dK, dV
+    with an LSE cotangent): a table per head with a clamped index, grouped heads
+    and tails; jax.numpy's wrapped negative index under a softcap, float16, Sq <
+    Skv; T5's int buckets at kv_idx - q_idx indexing a float table."""
+    q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
+    mod, operands = pc.traced_vector_mod(case, q, k)
+    assert mosaic.offset_reads(mod.expr), case
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.4 if shape["d"] == 64 else 0.3)
+    assert plan.interpret and plan.engine == "mosaic" and plan.backward_engine == "mosaic"
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False)
+    o, lse = pallas_backend._forward(plan, q, k, v, operands)  # eagerly: see above
+    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
+    dq, dk, dv, _ = pallas_backend._backward(plan, q, k, v, o, lse, do, dlse, operands, ())
+    errs = pc.relative_errors((o, lse, dq, dk, dv, ()), want)
+    assert all(e < 3e-2 for e in errs.values()), errs
+
+
+def test_offset_reads_lower(hopper_here):
+    """A relative-position table lowers for CUDA to the three Mosaic GPU kernels;
+    with the table learned, its gradient on the Triton backward."""
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    fn, operands = pc.vector_mod("relative_softcap", 2, 4, 300, 260)
+
+    def loss(q, k, v, table):
+        mod = lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, table)  # noqa: E731
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, *operands)) == \
+        {"mosaic": 3, "triton": 0}
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 3)), q, k, v, *operands)) == \
+        {"mosaic": 1, "triton": 2}
+
+
 def test_flags_along_one_tile_axis(hopper_here):
     """Bool flags read along one tile axis are refused on both engines (wrong on
     the H200, codegen.ONE_AXIS_BOOL_READ), naming the read and the line; as an int
@@ -811,9 +932,23 @@ def test_auto_engine(monkeypatch):
         assert PALLAS.variant(_problem(), mod, auto) == (
             'the Mosaic GPU engine (pallas_engine="auto": it takes the call)')
     relative = pc.traced("relative_bias", q, q)[0]
+    assert PALLAS.plan(_problem(), relative, 0.125, auto, True).engine == "mosaic"
+    gather = pc.traced_vector_mod("grid_bias", q, q)[0]
+    # A relative-position table: implementation=None takes it from cuDNN (which would
+    # materialize it) to the Mosaic engine, not to the Triton engine (slower than cuDNN).
+    from scoremod import attention as api
+    from scoremod.lowering.cudnn.backend import CUDNN
+
+    assert "table at q_idx - kv_idx" in PALLAS.claims(_problem(), relative, auto)
+    chosen, why = api._yielded(CUDNN, _problem(), relative, lambda b: True, auto)
+    assert chosen is PALLAS and "pallas claims it from cudnn" in why, why
+    for problem, mod, options in ((_problem(), relative, TRITON), (_problem(), gather, auto),
+                                  (_problem(dtype="float32"), relative, auto), (_problem(), None, auto)):
+        assert PALLAS.claims(problem, mod, options) is None
+        assert api._yielded(CUDNN, problem, mod, lambda b: True, options) == (None, None)
     triton = {"float32": (_problem(dtype="float32"), None, "float16 or bfloat16"),
               "dv64": (_problem(d=128, dv=64), softcap, "head dims of 64 or 128"),
-              "gather": (_problem(), relative, "(a gather)")}
+              "gather": (_problem(), gather, "(a gather)")}
     for name, (problem, mod, why) in triton.items():
         assert PALLAS.why_not(problem, mod, False, auto) is None, name
         plan = PALLAS.plan(problem, mod, 0.125, auto, True)

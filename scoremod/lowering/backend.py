@@ -16,6 +16,9 @@ A backend is one object with a small protocol:
   this call faster (a measured crossover, docs/performance.md), which
   ``implementation=None`` picks instead when that one takes the call; None
   by default.
+- ``claims(problem, mod, options)``: why this backend runs the call faster
+  than the earlier backends that take it (a measured crossover), so that
+  ``implementation=None`` picks it when it takes the call; None by default.
 - ``plan(problem, mod, scale, options, return_lse)``: a hashable, static
   description of the call (everything but array values), with ``mod`` (the
   expression only) and ``scale`` attributes.
@@ -90,6 +93,9 @@ class Backend:
         raise NotImplementedError
 
     def yields_to(self, problem, mod) -> tuple | None:
+        return None
+
+    def claims(self, problem, mod, options) -> str | None:
         return None
 
     def why_not_with(self, problem, mod, automatic: bool, options) -> str | None:

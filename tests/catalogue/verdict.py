@@ -17,7 +17,11 @@ query-block split is the one an H200 (132 SMs) gets.
   tensor`` (a [.., 1, Skv] read, laid out [.., Sq, Skv]);
 - ``fused``: one fused kernel, reading captured arrays directly if any;
 - ``block-sparse Pallas kernels, mask in the kernel``: a mask of captured
-  arrays that cuDNN yields to the Pallas kernels (``yields_to``).
+  arrays that cuDNN yields to the Pallas kernels (``yields_to``);
+- ``block-sparse Pallas kernels, table per diagonal tile``: a table read at
+  q_idx - kv_idx that cuDNN yields to the Pallas kernels' Mosaic GPU engine
+  on an H200 (decided from the IR here: the engine's own refusals, not this
+  machine's GPU or jax).
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import scoremod
 from scoremod.dsl.ir import CONST, LOAD, MATERIALIZE, VAR
 from scoremod.errors import UnsupportedOpError
 from scoremod.lowering.cudnn import rules
-from scoremod.lowering.cudnn.backend import CUDNN
+from scoremod.lowering import blocks
 from scoremod.lowering import lowrank, segments
 from scoremod.lowering.cudnn.plan import Plan
+from scoremod.lowering.pallas import mosaic
 from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
 
@@ -89,9 +94,12 @@ def planned(mod, shape, d=128, sms=H200_SMS):
     if isinstance(segments.recognize(mod.expr, problem(shape, d)), segments.Segments):
         return notes, "cudnn-varlen", None
     # A mask of captured arrays (packed documents) cuDNN yields to the Pallas kernels.
-    if (CUDNN.yields_to(problem(shape, d), mod) is not None
+    if (blocks.mask_from_data(mod.expr) is not None
             and PALLAS.why_not(problem(shape, d), mod, automatic=False) is None):
         return notes, "pallas", None
+    # A relative-position table: to the Mosaic GPU engine, where it reads the mod.
+    if mosaic.offset_reads(mod.expr) and mosaic.refusal(mod.expr, mod.sources) is None:
+        return notes + ["table per diagonal tile"], "pallas", None
     return notes, "cudnn", plan_of(mod, shape, d, sms)
 
 
@@ -104,7 +112,8 @@ def verdict(mod, shape, d=128, sms=H200_SMS) -> str:
         return f"refused: `{op.group(1) if op else '?'}`"
     said, backend, plan = planned(mod, shape, d, sms)
     if backend == "pallas":
-        return ", ".join(said + ["block-sparse Pallas kernels, mask in the kernel"])
+        what = said[-1] if said[-1:] == ["table per diagonal tile"] else "mask in the kernel"
+        return ", ".join([n for n in said if n != what] + [f"block-sparse Pallas kernels, {what}"])
     if plan is None:
         return ", ".join(said + ["ragged sequences (cudnn-varlen)"])
     band = plan.parts[0].band

@@ -185,9 +185,9 @@ def test_vmap():
 # one) learns them; the tests further down check that it runs.
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
-# Cases the engine refuses: a gather at a position varying with q_idx and kv_idx, a
-# float remainder.
-MOSAIC_REFUSED = ("float_compare", "relative_bias")
+# Cases the engine refuses: a float remainder. (relative_bias runs, its table a tile per
+# diagonal; pc.both learns the table too, on the Triton backward.)
+MOSAIC_REFUSED = ("float_compare",)
 MOSAIC_CASES = sorted(set(pc.CASES) - set(MOSAIC_REFUSED))
 
 
@@ -398,6 +398,63 @@ def test_mosaic_vector_reads(case, b, shape, dtype, hopper):
     ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     _check(got, pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False), dtype)
+
+
+# Relative-position tables (reads at q_idx - kv_idx) on the Mosaic engine: a tile per
+# diagonal, forward and backward on Mosaic GPU kernels.
+
+_OFFSET_CASES = [
+    ("relative_bias", 2, dict(sq=300, skv=260, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("relative_softcap", 2, dict(sq=1000, skv=1000, hq=4, hkv=1, d=64), jnp.float16),
+    ("relative_softcap", 1, dict(sq=384, skv=1024, hq=2, hkv=2, d=128), jnp.bfloat16),
+    ("relative_buckets", 2, dict(sq=512, skv=512, hq=8, hkv=2, d=128), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    "case,b,shape,dtype", _OFFSET_CASES,
+    ids=[f"{c}-b{b}-{s['sq']}x{s['skv']}-h{s['hq']}on{s['hkv']}-{jnp.dtype(t).name}-d{s['d']}"
+         for c, b, s, t in _OFFSET_CASES])
+def test_mosaic_offset_reads(case, b, shape, dtype, hopper):
+    """O, LSE, dQ, dK, dV against the reference path: a table per head (grouped
+    heads, tails), jax.numpy's wrapped negative index under a softcap (MQA,
+    float16 d64 at 1000; Sq < Skv), T5's int buckets indexing a float table."""
+    q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
+    mod, operands = pc.traced_vector_mod(case, q, k)
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
+    _mosaic_backward(plan)
+    got = pc.run(PALLAS, plan, q, k, v, do, operands, False)
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    _check(got, pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False), dtype)
+
+
+def test_relative_table_through_attention(hopper):
+    """implementation=None runs a relative-bias table (the harness's form, the index
+    wrapped by jax.numpy) on the Mosaic engine, jitted, with the table's gradient
+    too (the Triton backward), against implementation="xla"."""
+    q, k, v, do = pc.inputs(b=2, sq=1024, skv=1024, hq=8, hkv=2, d=128, dtype=jnp.bfloat16)
+    table = jax.random.normal(jax.random.PRNGKey(4), (8, 2047), jnp.float32)
+
+    def grads(impl, q, k, v, table, argnums):
+        def loss(q, k, v, table):
+            o = scoremod.attention(q, k, v, lambda s, b, h, qi, ki: s + table[h, qi - ki + 1023],
+                                   implementation=impl)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return jax.jit(jax.value_and_grad(loss, argnums=argnums))(q, k, v, table)
+
+    choice = scoremod.which_implementation(
+        q, k, v, lambda s, b, h, qi, ki: s + table[h, qi - ki + 1023])
+    assert choice.implementation == "pallas" and "Mosaic GPU" in choice.variant, choice
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    for argnums in ((0, 1, 2), (0, 3)):
+        want = grads("xla", f32(q), f32(k), f32(v), table, argnums)
+        got = grads(None, q, k, v, table, argnums)
+        leaves = list(zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+        for i, (g, w) in enumerate(leaves):
+            err = float(jnp.max(jnp.abs(f32(g) - w)) / jnp.max(jnp.abs(w)))
+            learned = 3 in argnums and i == len(leaves) - 1  # the table's gradient
+            assert err < (OPERAND_TOL if learned else TOL[jnp.bfloat16]), (argnums, i, err)
 
 
 def test_mosaic_document_through_attention(hopper):

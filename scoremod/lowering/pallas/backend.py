@@ -219,6 +219,18 @@ class Pallas(Backend):
     def why_not_with(self, problem, mod, automatic, options):
         return self.why_not(problem, mod, automatic, options)
 
+    def claims(self, problem, mod, options):
+        # A relative-position table (a read at q_idx - kv_idx): cuDNN materializes it as a
+        # [.., Sq, Skv] bias (O(S^2) memory); the Mosaic GPU engine reads it per diagonal
+        # tile (measured in docs/performance.md; the Triton engine's gather is slower than
+        # cuDNN there, so only for the Mosaic engine).
+        reads = () if mod is None else mosaic.offset_reads(mod.expr)
+        if reads and self.engine(problem, mod, options)[0] == "mosaic":
+            return (f"`{format_expr(reads[0])}` reads a table at q_idx - kv_idx, which other "
+                    "backends compute ahead as a [.., Sq, Skv] tensor; the Mosaic GPU engine "
+                    "reads it a tile per diagonal")
+        return None
+
     def _why_not_mosaic(self, problem, mod, advice=True):
         """The Mosaic GPU forward's refusals (its backward falls back to the Triton
         kernels, chosen in ``plan``, where its own cannot run the mod); ``advice``:

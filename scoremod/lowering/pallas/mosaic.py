@@ -25,9 +25,18 @@ tiles' padding reads in bounds), the kernel copies a tile's slice into
 shared memory with TMA (the query rows' once per program, each key tile's
 beside its key and value tiles) and broadcasts it over the tile.
 
+A read whose index sees q_idx and kv_idx only as their difference (a
+relative position: ``bias[h, q_idx - kv_idx + S - 1]``) is the same on
+every tile along one diagonal of the score matrix: the wrapper evaluates it
+once per diagonal offset of the tiles (``OffsetTiles``: ``(Sq + Skv) / 64``
+tiles of float32 per batch and head it reads, O(S) memory, never S x S),
+and each compute warpgroup copies its tile of them into shared memory
+(TMA) beside the key tile. One such table per mod: its tiles take the shared
+memory a second stage of them would need.
+
 What this engine cannot evaluate is refused up front (``refusal``): ops
-Mosaic GPU has no lowering for, and reads at an index that varies with both
-q_idx and kv_idx, or with the score (a gather: ``bias[h, kv_idx - q_idx]``).
+Mosaic GPU has no lowering for, and other reads at an index that varies with
+both q_idx and kv_idx, or with the score (a gather: ``t[q_idx % 8, kv_idx]``).
 
 Off a GPU (the plan's interpret flag) the kernel runs in Mosaic GPU's
 interpret mode, a CPU simulation, for tests (see ``mosaic_backward``).
@@ -128,6 +137,8 @@ TILE_RULES = {
 
 _TILE_AXES = ("q_idx", "kv_idx")
 _PROGRAM_VARS = frozenset(("b", "h"))
+# ``read_axis`` of a read at an index that sees q_idx and kv_idx only as q_idx - kv_idx.
+OFFSET = "offset"
 
 
 def refusal(expr, sources, advice=True) -> str | None:
@@ -143,8 +154,12 @@ def refusal(expr, sources, advice=True) -> str | None:
             tile = sorted(ir.variables(*node.args[1:]) - _PROGRAM_VARS)
             why = ("it reads captured arrays at indices built from b, h, constants and at most "
                    "one of q_idx or kv_idx (a scalar per program, or a vector along one tile "
-                   "axis such as doc[b, q_idx]); this index varies over the tile with "
-                   f"{' and '.join(tile)} (a gather)")
+                   "axis such as doc[b, q_idx]), or from q_idx - kv_idx as a whole (a relative "
+                   "position, such as bias[h, q_idx - kv_idx + S - 1]); this index varies over "
+                   f"the tile with {' and '.join(tile)} otherwise (a gather)")
+        if node.op == LOAD and node is _second_offset_source(expr):
+            why = ("it holds the tiles of one array read at q_idx - kv_idx per mod in shared "
+                   "memory; this mod reads another one here")
         if why:
             where = ir.source_of(node, expr, sources)
             return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
@@ -157,23 +172,130 @@ def read_axis(load):
     """How the kernels read captured array ``load`` (a LOAD node): None, a scalar
     per program (its indices use b, h and constants only); ``"q_idx"`` or
     ``"kv_idx"``, a vector along that tile axis (they use that index too, and
-    no other); False, a gather they cannot make."""
+    no other); ``OFFSET``, a tile per diagonal (they use q_idx and kv_idx only
+    as ``q_idx - kv_idx`` or ``kv_idx - q_idx``); False, a gather they cannot make."""
     used = ir.variables(*load.args[1:])
     axes = [a for a in _TILE_AXES if a in used]
-    if not used - _PROGRAM_VARS - set(axes) and len(axes) <= 1:
+    if used - _PROGRAM_VARS - set(_TILE_AXES):
+        return False  # the score
+    if len(axes) <= 1:
         return axes[0] if axes else None
-    return False
+    outside = {n.attr for n in ir.toposort(*load.args[1:], stop=_is_difference)
+               if n.op == ir.VAR}
+    return False if outside & set(_TILE_AXES) else OFFSET
+
+
+def _is_difference(node) -> bool:
+    return (node.op == "sub" and all(a.op == ir.VAR for a in node.args)
+            and {a.attr for a in node.args} == set(_TILE_AXES))
+
+
+def _is_tile_read(node) -> bool:
+    return node.op == LOAD and read_axis(node) in (*_TILE_AXES, OFFSET)
 
 
 def _is_vector_read(node) -> bool:
     return node.op == LOAD and read_axis(node) in _TILE_AXES
 
 
+def _tile_reads_of(exprs, kind) -> tuple:
+    return tuple(n for n in ir.toposort(*(e for e in exprs if e is not None),
+                                        stop=_is_tile_read) if kind(n))
+
+
 def vector_reads(*exprs) -> tuple:
     """The reads of ``exprs`` along one tile axis (a read inside another's index
     is the outer read's business: the kernels take the outer one's values whole)."""
-    return tuple(n for n in ir.toposort(*(e for e in exprs if e is not None),
-                                        stop=_is_vector_read) if _is_vector_read(n))
+    return _tile_reads_of(exprs, _is_vector_read)
+
+
+def offset_reads(*exprs) -> tuple:
+    """The reads of ``exprs`` at q_idx - kv_idx (``read_axis`` ``OFFSET``)."""
+    return _tile_reads_of(exprs, lambda n: n.op == LOAD and read_axis(n) == OFFSET)
+
+
+def offset_source(read):
+    """The read as a function of ``b``, ``h`` and ``q_idx`` standing for
+    ``q_idx - kv_idx`` (the value every tile evaluates on its diagonals)."""
+    q = ir.var("q_idx")
+    return ir.substitute(read, {n: q if n.args[0] is q else ir.build("neg", q)
+                                for n in ir.toposort(read) if _is_difference(n)})
+
+
+def offset_sources(reads) -> tuple:
+    return tuple(dict.fromkeys(offset_source(r) for r in reads))
+
+
+def _second_offset_source(expr):
+    """The first read of ``expr`` at q_idx - kv_idx whose source is not the first's, or None."""
+    reads = offset_reads(expr)
+    first = offset_source(reads[0]) if reads else None
+    return next((r for r in reads if offset_source(r) is not first), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffsetTiles:
+    """Reads at q_idx - kv_idx, as tiles per diagonal offset.
+
+    A kernel's tile of ``rows`` x ``cols`` scores starting at (row0, col0) sees
+    ``row - col = row0 - col0 + i - j``; ``row0 - col0`` is a multiple of
+    ``step`` (the smaller tile side), from ``first`` (the last column tile
+    against the first row tile) on. ``arrays[k][bb, hh, t]`` is source ``k``
+    on the tile whose ``row0 - col0`` is ``first + t * step``: ``[B or 1, Hq or 1,
+    tiles, rows, cols]`` (float32, or int32 for int and bool arrays), evaluated
+    as the reference path reads (clamped). ``rows`` run along queries
+    (``queries_down``) or along keys (the dK/dV kernel's transposed tiles)."""
+
+    sources: tuple
+    arrays: tuple
+    first: int
+    step: int
+
+    @classmethod
+    def build(cls, sources, names, operands, b, hq, rows, cols, row_len, col_len,
+              queries_down=True):
+        step = min(rows, cols)
+        first = cols - col_len
+        n = (row_len - rows - first) // step + 1
+        diff = (first + step * jnp.arange(n, dtype=jnp.int32)[:, None, None]
+                + jnp.arange(rows, dtype=jnp.int32)[None, :, None]
+                - jnp.arange(cols, dtype=jnp.int32)[None, None, :])
+        named = dict(zip(names, operands))
+        arrays = []
+        for src in sources:
+            used = ir.variables(src)
+            values = {o.attr[0]: jnp.reshape(named[o.attr[0]], o.attr[1])
+                      for o in ir.operands_of(src)}
+            inputs = {"b": jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1, 1, 1) if "b" in used
+                      else 0,
+                      "h": jnp.arange(hq, dtype=jnp.int32).reshape(1, hq, 1, 1, 1) if "h" in used
+                      else 0,
+                      "q_idx": (diff if queries_down else -diff)[None, None]}
+            x = evaluate(src, inputs, values).astype(codegen.KERNEL_DTYPE[src.dtype])
+            arrays.append(jnp.broadcast_to(x, (b if "b" in used else 1,
+                                               hq if "h" in used else 1, n, rows, cols)))
+        return cls(tuple(sources), tuple(arrays), first, step)
+
+    def at(self, ref, src, bi, hi, row0, col0):
+        """The tile of ``ref`` (source ``src``'s array) that the tile at (row0, col0) reads."""
+        t = lax.div(row0 - col0 - jnp.int32(self.first), jnp.int32(self.step))
+        return ref.at[(*vector_row(src, bi, hi), t)]
+
+    def scratch(self, slots):
+        """Shared memory for ``slots`` tiles of each source (swizzled for the tiled load)."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        return [plgpu.SMEM((slots,) + x.shape[-2:], x.dtype, transforms=swizzled(x.dtype))
+                for x in self.arrays]
+
+    def values(self, reads, tiles):
+        """``{read: its values on the tile}`` from ``tiles`` (``{source: the loaded
+        tile}``); a bool array compared with 0."""
+        out = {}
+        for read in reads:
+            x = tiles[offset_source(read)]
+            out[read] = x != 0 if read.dtype == ir.BOOL else x
+        return out
 
 
 def vector_source(read):
@@ -288,10 +410,10 @@ def _score_factor(expr):
 
 
 def uses_var(expr, name) -> bool:
-    """Whether ``expr`` reads variable ``name`` other than in a vector read's index
-    (the kernels take a vector read's values whole)."""
+    """Whether ``expr`` reads variable ``name`` other than in the index of a vector
+    read or a read at q_idx - kv_idx (the kernels take their values whole)."""
     return expr is not None and any(n.op == ir.VAR and n.attr == name
-                                    for n in ir.toposort(expr, stop=_is_vector_read))
+                                    for n in ir.toposort(expr, stop=_is_tile_read))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,10 +484,13 @@ def interpret_params(spec):
     return plgpu.InterpretGPUParams() if spec.interpret else None
 
 
-def swizzled():
+def swizzled(dtype=jnp.bfloat16):
+    """Shared-memory transforms of a 2-byte (or, by ``dtype``, 4-byte) tile for
+    TMA and wgmma: 128-byte rows of the tiling, swizzled."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(128))
 
 
 def forward(spec: MosaicSpec, bmap, q, k, v, operands):
@@ -400,12 +525,17 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     side = {axis: tuple(dict.fromkeys(vector_source(r) for r in reads if read_axis(r) == axis))
             for axis in _TILE_AXES}
     vectors = vector_arrays(sources, spec.operand_names, operands, b, hq, max(sq, k.shape[1]))
+    # Reads at q_idx - kv_idx: each compute warpgroup's [BLOCK_Q, BLOCK_KV] tile of them.
+    offsets = OffsetTiles.build(offset_sources(offset_reads(*exprs)), spec.operand_names,
+                                operands, b, hq, BLOCK_Q, BLOCK_KV, sq, k.shape[1])
+    vectors += offsets.arrays
     n_vec = len(vectors)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, operand_refs,
                 vector_refs, o_ref, lse_ref, scoped):
-        (qo_smem2, k_smem, v_smem, lse_smem2, *staged), (k_ready, v_ready, q_ready), \
-            (k_free, v_free), turn, (qvec_smem, kvvec_smem), (qvec_ready, kvvec_ready) = scoped
+        (qo_smem2, k_smem, v_smem, off_smem, lse_smem2, *staged), \
+            (k_ready, v_ready, q_ready), (k_free, v_free), turn, (qvec_smem, kvvec_smem), \
+            (qvec_ready, kvvec_ready), (off_ready, off_free) = scoped
         staged = staged[0] if staged else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -415,6 +545,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
         mh = 0 if shared_h else hi
         count = counts_ref[mb, mh, tile]
         by_source = dict(zip(sources, vector_refs))
+        offset_refs = vector_refs[len(sources):]
 
         def vector_slice(src, start, n):
             return by_source[src].at[(*vector_row(src, bi, hi), pl.ds(start, n))]
@@ -450,9 +581,10 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
             pl.when(wg == 1)(take_turn)
 
-            def modded(qk, kv0, is_full, slot):
+            def modded(qk, kv0, is_full, slot, diagonal):
                 """The score tile of keys kv0.. after the mod (on a full tile, the
-                mod without its mask) and the tail mask, in log2 units."""
+                mod without its mask) and the tail mask, in log2 units;
+                ``diagonal``: the tile's values of the reads at q_idx - kv_idx."""
                 if general[0] is None and not needs_kv_idx:
                     return qk * jnp.float32(spec.scale * LOG2E)
                 inputs = {"b": bi, "h": hi}
@@ -470,12 +602,13 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     s = qk * jnp.float32(spec.scale * factor)
                     if expr is not None:
                         mine = vector_reads(expr)
-                        known = {}
+                        known = offsets.values(offset_reads(expr), diagonal)
                         if mine:  # the key tile's vectors, loaded where this variant reads them
                             keys = {src: plgpu.load(smem.at[slot], layout=col_layout)
                                     for src, smem in zip(side["kv_idx"], kvvec_smem)}
-                            known = tile_reads(mine, {"q_idx": own, "kv_idx": keys},
-                                               {"q_idx": 0, "kv_idx": 1}, (BLOCK_Q, BLOCK_KV))
+                            known.update(tile_reads(
+                                mine, {"q_idx": own, "kv_idx": keys}, {"q_idx": 0, "kv_idx": 1},
+                                (BLOCK_Q, BLOCK_KV)))
                         (s,) = codegen.evaluate_tile([expr], dict(inputs, score=s), refs,
                                                      gather=scalar_load, rules=TILE_RULES,
                                                      known=known)
@@ -504,7 +637,15 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
                 s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = modded(s, kv0, is_full, slot)
+                # This warpgroup's tile of the reads at q_idx - kv_idx, into registers; its
+                # one slot is free for the next step's as soon as every thread has read it.
+                diagonal = {}
+                for src, smem, ready, free in zip(offsets.sources, off_smem, off_ready,
+                                                  off_free):
+                    plgpu.barrier_wait(ready.at[wg])
+                    diagonal[src] = smem.at[wg][...]
+                    plgpu.barrier_arrive(free.at[wg])
+                s = modded(s, kv0, is_full, slot, diagonal)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 # A row masked so far has m = -inf: shift by 0 so that it adds nothing.
                 shift = jnp.where(m_new == NEG_INF, 0.0, m_new)
@@ -568,6 +709,16 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 for src, smem, ready in zip(side["kv_idx"], kvvec_smem, kvvec_ready):
                     plgpu.copy_gmem_to_smem(vector_slice(src, start, BLOCK_KV), smem.at[slot],
                                             ready.at[slot])
+                # Each compute warpgroup's diagonal tile, into its one slot once it has
+                # read the previous step's (no wait for the first step).
+                for ref, src, smem, ready, free in zip(offset_refs, offsets.sources, off_smem,
+                                                       off_ready, off_free):
+                    for w in range(COMPUTE_WGS):
+                        if not (isinstance(step, int) and step == 0):
+                            plgpu.barrier_wait(free.at[w])
+                        row0 = tile * TILE_Q + w * BLOCK_Q
+                        plgpu.copy_gmem_to_smem(offsets.at(ref, src, bi, hi, row0, start),
+                                                smem.at[w], ready.at[w])
 
             for first in range(STAGES):
                 pl.when(first < count)(functools.partial(fetch, first, first, False))
@@ -578,12 +729,30 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
             lax.fori_loop(STAGES, jnp.maximum(count, STAGES), refill, None)
 
+            # Wait out the frees no fetch waited for, so that this warpgroup has seen
+            # every phase of those barriers (Mosaic GPU's interpret mode checks it).
+            def drain(step, carry):
+                plgpu.barrier_wait(k_free.at[lax.rem(step, STAGES)])
+                plgpu.barrier_wait(v_free.at[lax.rem(step, STAGES)])
+                return carry
+
+            lax.fori_loop(jnp.maximum(count - STAGES, 0), count, drain, None)
+
+            @pl.when(count > 0)
+            def _():  # the last step's frees of the diagonal tiles
+                for free in off_free:
+                    for w in range(COMPUTE_WGS):
+                        plgpu.barrier_wait(free.at[w])
+
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest):
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
         o_ref, lse_ref = rest[n_ops + n_vec:]
+        # The diagonal tiles beside the other tiles, the small buffers after them: at head
+        # dim 128 they take all but ~2 KiB of the 227 KiB, with no room for alignment gaps.
         smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled()),
                 plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=swizzled()),
                 plgpu.SMEM((STAGES, BLOCK_KV, dv), dtype, transforms=swizzled()),
+                offsets.scratch(COMPUTE_WGS),
                 plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32)]
         smem += staging(spec, COMPUTE_WGS, BLOCK_Q, BLOCK_KV, dtype)
         ready = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
@@ -595,16 +764,22 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     [plgpu.SMEM((STAGES, BLOCK_KV), kernel_dtype[s]) for s in side["kv_idx"]])
         vec_ready = ([plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in side["q_idx"]],
                      [plgpu.Barrier(num_barriers=STAGES) for _ in side["kv_idx"]])
+        diagonal = ([plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in offsets.sources],
+                    [plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in offsets.sources])
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref,
                                     operand_refs, vector_refs, o_ref, lse_ref, scoped),
-            smem, ready, free, turn, vec_smem, vec_ready, collective_axes="wg")
+            smem, ready, free, turn, vec_smem, vec_ready, diagonal, collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((b, sq, hq, dv), dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
     return plgpu.kernel(
         entry, out_type=out_type, grid=(hq, n_tiles, b), grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # No shared memory kept for cross-warp reductions where the diagonal tiles need it:
+        # the softmax's reductions run along the WGMMA layout's rows, within a warp (a
+        # reduction that needs it fails to lower).
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **({"reduction_scratch_bytes": 0} if offsets.sources else {})),
         interpret=interpret_params(spec),
     )(counts, blocks, full, q, k, v, *operands, *vectors)

@@ -206,9 +206,11 @@ class _Vectors:
     expressions (``mosaic.vector_reads``): the program's own rows' slice (``own``,
     the axis down the tile) is copied once, the streamed side's slice per step
     beside its tiles (into the step's slot); the tile's values load where an
-    expression reads them."""
+    expression reads them. Reads at q_idx - kv_idx (``mosaic.offset_reads``)
+    come the same way, a whole tile per step (``mosaic.OffsetTiles``, transposed
+    in the dK/dV kernel, whose tiles run down the keys)."""
 
-    def __init__(self, spec, operands, b, hq, length, own):
+    def __init__(self, spec, operands, b, hq, sq, skv, own):
         mods = [e for e in (spec.expr, spec.full_expr) if e is not None]
         learned = learned_loads(spec.expr, spec.learned)
         exprs = mods + [local_derivative(e) for e in mods]
@@ -217,7 +219,12 @@ class _Vectors:
         self.reads = mosaic.vector_reads(*exprs)
         self.sources = mosaic.vector_sources(self.reads)
         self.arrays = mosaic.vector_arrays(self.sources, spec.operand_names, operands, b, hq,
-                                           length)
+                                           max(sq, skv))
+        rows, cols = (sq, skv) if own == "q_idx" else (skv, sq)
+        self.offsets = mosaic.OffsetTiles.build(
+            mosaic.offset_sources(mosaic.offset_reads(*exprs)), spec.operand_names, operands, b,
+            hq, BLOCK, BLOCK, rows, cols, queries_down=own == "q_idx")
+        self.arrays += self.offsets.arrays
         self.own, self.streamed = own, ("kv_idx" if own == "q_idx" else "q_idx")
         self.side = {axis: tuple(dict.fromkeys(
             mosaic.vector_source(r) for r in self.reads if mosaic.read_axis(r) == axis))
@@ -230,9 +237,11 @@ class _Vectors:
         dtype = dict(zip(self.sources, (x.dtype for x in self.arrays)))
         own, streamed = self.side[self.own], self.side[self.streamed]
         smem = ([plgpu.SMEM((BLOCK,), dtype[src]) for src in own],
-                [plgpu.SMEM((STAGES, BLOCK), dtype[src]) for src in streamed])
+                [plgpu.SMEM((STAGES, BLOCK), dtype[src]) for src in streamed]
+                + self.offsets.scratch(STAGES))
         ready = ([plgpu.Barrier() for _ in own],
-                 [plgpu.Barrier(num_barriers=STAGES) for _ in streamed])
+                 [plgpu.Barrier(num_barriers=STAGES)
+                  for _ in streamed + self.offsets.sources])
         return smem, ready
 
     def slice(self, refs, src, bi, hi, start):
@@ -253,13 +262,19 @@ class _Vectors:
             out[src] = plgpu.load(buf, layout=plgpu.Layout.WGMMA.reduce(1))
         return out
 
-    def fetch(self, refs, smem, ready, bi, hi, start, slot):
-        """The memory warpgroup's copies of one step's streamed slices."""
+    def fetch(self, refs, smem, ready, bi, hi, row0, start, slot):
+        """The memory warpgroup's copies of one step's streamed slices (the tile's
+        columns from ``start``) and diagonal tiles (its rows from ``row0``)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         for src, buf, bar in zip(self.side[self.streamed], smem, ready):
             plgpu.copy_gmem_to_smem(self.slice(refs, src, bi, hi, start), buf.at[slot],
                                     bar.at[slot])
+        n = len(self.side[self.streamed])
+        for ref, src, buf, bar in zip(refs[len(self.sources):], self.offsets.sources, smem[n:],
+                                      ready[n:]):
+            plgpu.copy_gmem_to_smem(self.offsets.at(ref, src, bi, hi, row0, start),
+                                    buf.at[slot], bar.at[slot])
 
     def wait(self, ready, slot):
         """Every step, whether or not the step reads them (each wait takes one phase)."""
@@ -274,13 +289,19 @@ class _Vectors:
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         def reads(roots):
+            n = len(self.side[self.streamed])
+            diagonal = mosaic.offset_reads(*roots)
+            out = self.offsets.values(diagonal, {
+                src: buf.at[slot][...] for src, buf in zip(self.offsets.sources, smem[n:])
+            } if diagonal else {})
             mine = mosaic.vector_reads(*roots)
             if not mine:
-                return {}
+                return out
             streamed = {src: plgpu.load(buf.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                         for src, buf in zip(self.side[self.streamed], smem)}
-            return mosaic.tile_reads(mine, {self.own: own_values, self.streamed: streamed},
-                                     {self.own: 0, self.streamed: 1}, (BLOCK, BLOCK))
+            out.update(mosaic.tile_reads(mine, {self.own: own_values, self.streamed: streamed},
+                                         {self.own: 0, self.streamed: 1}, (BLOCK, BLOCK)))
+            return out
 
         return reads
 
@@ -355,7 +376,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     along_q = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tile's columns (queries)
     along_kv = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows (keys)
     with_full = spec.full_expr is not None
-    vectors = _Vectors(spec, operands, b, hq, max(sq, skv), own="kv_idx")
+    vectors = _Vectors(spec, operands, b, hq, sq, skv, own="kv_idx")
     n_vec = len(vectors.arrays)
     loads = learned_loads(spec.expr, spec.learned)
 
@@ -475,7 +496,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                                         do_ready.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
                                         delta_ready.at[slot])
-                vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, q_start(step), slot)
+                vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, k0, q_start(step), slot)
 
             _stream(count, fetch, free)
 
@@ -554,7 +575,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     layout = plgpu.Layout.WGMMA
     along_rows = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows (queries)
     with_full = spec.full_expr is not None
-    vectors = _Vectors(spec, operands, b, hq, max(sq, k.shape[1]), own="q_idx")
+    vectors = _Vectors(spec, operands, b, hq, sq, k.shape[1], own="q_idx")
     n_vec = len(vectors.arrays)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
@@ -652,7 +673,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                                         k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot],
                                         v_ready.at[slot])
-                vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, kv_start(step), slot)
+                vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, q0, kv_start(step), slot)
 
             _stream(count, fetch, free)
 
