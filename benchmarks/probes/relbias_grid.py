@@ -1,0 +1,63 @@
+"""Where a relative-bias table's time goes on the Mosaic GPU engine (needs a Hopper
+GPU): relbias forward and fwd+bwd with the kernels' two launch orders for diagonal
+tiles (``mosaic.TILES_FIRST_WITH_OFFSETS``), ALiBi on the same engine as the
+engine's speed without them, and the cost of building the diagonal tiles.
+
+    python benchmarks/probes/relbias_grid.py [--seq 4096]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ffi_overhead import time_jax  # noqa: E402
+
+import scoremod  # noqa: E402
+from scoremod.lowering.pallas import codegen, mosaic  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=4096)
+    a = ap.parse_args(argv)
+    b, s, h, d = a.batch, a.seq, a.heads, 128
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+               for kk in ks[:3])
+    table = jax.random.normal(ks[3], (h, 2 * s - 1), jnp.float32)
+    slopes = jnp.asarray([2.0 ** -(i + 1) for i in range(h)], jnp.float32)
+    mods = {"relbias": lambda sc, bi, hi, qi, ki: sc + table[hi, qi - ki + s - 1],
+            "alibi": lambda sc, bi, hi, qi, ki: sc + slopes[hi] * (ki - qi)}
+
+    def timed(name):
+        mod = mods[name]
+        fwd = jax.jit(lambda q, k, v: scoremod.attention(q, k, v, mod, implementation="pallas"))
+        bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(scoremod.attention(
+            q, k, v, mod, implementation="pallas").astype(jnp.float32)), argnums=(0, 1, 2)))
+        return time_jax(fwd, q, k, v, iters=20, reps=5), time_jax(bwd, q, k, v, iters=10, reps=5)
+
+    for tiles_first in (True, False):
+        mosaic.TILES_FIRST_WITH_OFFSETS = tiles_first
+        (f, _, _), (fb, _, _) = timed("relbias")
+        print(f"relbias, tiles first={tiles_first}: fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms", flush=True)
+    (f, _, _), (fb, _, _) = timed("alibi")
+    print(f"alibi (no diagonal tiles): fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms")
+    read = mosaic.offset_reads(scoremod.trace(mods["relbias"]).expr)
+    src = mosaic.offset_sources(read)
+    flat = (codegen.kernel_operand(table, scoremod.trace(mods["relbias"]).operand_nodes[0]),)
+    for rows, cols, what in ((64, 128, "forward"), (64, 64, "dQ, dK/dV each")):
+        build = jax.jit(lambda t: mosaic.OffsetTiles.build(
+            src, ("c0",), (t,), 1, h, rows, cols, s, s).arrays[0])
+        med, _, _ = time_jax(build, flat[0], iters=20, reps=5)
+        print(f"diagonal tiles for the {what}: {med:.3f} ms, "
+              f"{build(flat[0]).nbytes / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
