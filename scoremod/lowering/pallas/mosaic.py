@@ -478,20 +478,6 @@ def staging(spec, n, rows, cols, dtype):
     return [plgpu.SMEM((n, rows, cols), dtype, transforms=swizzled())]
 
 
-# Where a kernel reads diagonal tiles, its row tiles and then the batch are launched
-# fastest: the programs in flight then share one head, whose tiles stay in L2 (all
-# heads' at once are larger than it at seq 4096). A module switch for probes.
-TILES_FIRST_WITH_OFFSETS = True
-
-
-def launch_grid(tiles_name, n_tiles, hq, b, with_offsets):
-    """``(grid, grid_names)`` of a kernel: (heads, row tiles, batch), or with
-    diagonal tiles (``TILES_FIRST_WITH_OFFSETS``) (row tiles, batch, heads)."""
-    if with_offsets and TILES_FIRST_WITH_OFFSETS:
-        return (n_tiles, b, hq), (tiles_name, "batch", "heads")
-    return (hq, n_tiles, b), ("heads", tiles_name, "batch")
-
-
 def interpret_params(spec):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -788,8 +774,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     out_type = (jax.ShapeDtypeStruct((b, sq, hq, dv), dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
     return plgpu.kernel(
-        entry, out_type=out_type, **dict(zip(("grid", "grid_names"), launch_grid(
-            "q_seq", n_tiles, hq, b, bool(offsets.sources)))),
+        entry, out_type=out_type, grid=(hq, n_tiles, b), grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         # No shared memory kept for cross-warp reductions where the diagonal tiles need it:
         # the softmax's reductions run along the WGMMA layout's rows, within a warp (a

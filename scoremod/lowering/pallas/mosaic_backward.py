@@ -527,9 +527,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     out = jax.ShapeDtypeStruct((b, skv, hq, d), out_dtype)
     sums = (jax.ShapeDtypeStruct((b, hq, len(loads), skv), jnp.float32),) if loads else ()
     outs = plgpu.kernel(
-        entry, out_type=(out, out) + sums, **dict(zip(("grid", "grid_names"), mosaic.launch_grid(
-            "kv_seq", skv // BLOCK, hq, b, bool(vectors.offsets.sources)))),
-        num_threads=2, thread_name="wg",
+        entry, out_type=(out, out) + sums, grid=(hq, skv // BLOCK, b),
+        grid_names=("heads", "kv_seq", "batch"), num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
@@ -699,10 +698,8 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             smem, ready, free, *vectors.scratch(), collective_axes="wg")
 
     return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), **dict(zip(
-            ("grid", "grid_names"), mosaic.launch_grid("q_seq", n_tiles, hq, b,
-                                                        bool(vectors.offsets.sources)))),
-        num_threads=2, thread_name="wg",
+        entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(hq, n_tiles, b),
+        grid_names=("heads", "q_seq", "batch"), num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)

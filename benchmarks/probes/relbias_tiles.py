@@ -1,9 +1,8 @@
 """Where a relative-bias table's time goes on the Mosaic GPU engine (needs a Hopper
-GPU): relbias forward and fwd+bwd with the kernels' two launch orders for diagonal
-tiles (``mosaic.TILES_FIRST_WITH_OFFSETS``), ALiBi on the same engine as the
-engine's speed without them, and the cost of building the diagonal tiles.
+GPU): relbias forward and fwd+bwd (its table a tile per diagonal), ALiBi on the
+same engine as the engine's speed without such tiles, and the cost of building them.
 
-    python benchmarks/probes/relbias_grid.py [--seq 4096]
+    python benchmarks/probes/relbias_tiles.py [--seq 4096]
 """
 
 import argparse
@@ -42,12 +41,9 @@ def main(argv=None):
             q, k, v, mod, implementation="pallas").astype(jnp.float32)), argnums=(0, 1, 2)))
         return time_jax(fwd, q, k, v, iters=20, reps=5), time_jax(bwd, q, k, v, iters=10, reps=5)
 
-    for tiles_first in (True, False):
-        mosaic.TILES_FIRST_WITH_OFFSETS = tiles_first
-        (f, _, _), (fb, _, _) = timed("relbias")
-        print(f"relbias, tiles first={tiles_first}: fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms", flush=True)
-    (f, _, _), (fb, _, _) = timed("alibi")
-    print(f"alibi (no diagonal tiles): fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms")
+    for name in ("relbias", "alibi"):
+        (f, _, _), (fb, _, _) = timed(name)
+        print(f"{name}: fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms", flush=True)
     read = mosaic.offset_reads(scoremod.trace(mods["relbias"]).expr)
     src = mosaic.offset_sources(read)
     flat = (codegen.kernel_operand(table, scoremod.trace(mods["relbias"]).operand_nodes[0]),)
