@@ -837,13 +837,15 @@ def test_offset_tiles(queries_down):
     ("relative_bias", 2, dict(sq=300, skv=260, hq=4, hkv=2, d=64), jnp.bfloat16),
     ("relative_softcap", 1, dict(sq=130, skv=200, hq=2, hkv=1, d=128), jnp.float16),
     ("relative_buckets", 1, dict(sq=200, skv=136, hq=2, hkv=2, d=64), jnp.bfloat16),
+    ("relative_causal", 1, dict(sq=320, skv=320, hq=2, hkv=1, d=64), jnp.bfloat16),
 ])
 def test_offset_reads_interpreted(case, b, shape, dtype, interprets):
     """Relative-position tables forward and backward on the Mosaic kernels in
     Mosaic GPU's interpret mode, against the reference path (O, LSE, dQ, dK, dV
     with an LSE cotangent): a table per head with a clamped index, grouped heads
     and tails; jax.numpy's wrapped negative index under a softcap, float16, Sq <
-    Skv; T5's int buckets at kv_idx - q_idx indexing a float table."""
+    Skv; T5's int buckets at kv_idx - q_idx indexing a float table; a causal
+    table (the map skips tiles and marks full ones, whose mod drops the mask)."""
     q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
     mod, operands = pc.traced_vector_mod(case, q, k)
     assert mosaic.offset_reads(mod.expr), case

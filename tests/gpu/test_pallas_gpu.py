@@ -408,6 +408,7 @@ _OFFSET_CASES = [
     ("relative_softcap", 2, dict(sq=1000, skv=1000, hq=4, hkv=1, d=64), jnp.float16),
     ("relative_softcap", 1, dict(sq=384, skv=1024, hq=2, hkv=2, d=128), jnp.bfloat16),
     ("relative_buckets", 2, dict(sq=512, skv=512, hq=8, hkv=2, d=128), jnp.bfloat16),
+    ("relative_causal", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
 ]
 
 
@@ -418,7 +419,8 @@ _OFFSET_CASES = [
 def test_mosaic_offset_reads(case, b, shape, dtype, hopper):
     """O, LSE, dQ, dK, dV against the reference path: a table per head (grouped
     heads, tails), jax.numpy's wrapped negative index under a softcap (MQA,
-    float16 d64 at 1000; Sq < Skv), T5's int buckets indexing a float table."""
+    float16 d64 at 1000; Sq < Skv), T5's int buckets indexing a float table, a
+    causal table (tiles skipped, full ones without the mask)."""
     q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
     mod, operands = pc.traced_vector_mod(case, q, k)
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
