@@ -722,9 +722,16 @@ def test_vector_reads_interpreted(case, b, shape, dtype, interprets):
     others; lengths are no whole number of tiles (the vectors' padding); query
     heads share key heads; an offset index and a
     float vector per head."""
+    _interpreted_against_reference(case, b, shape, dtype, mosaic.vector_reads)
+
+
+def _interpreted_against_reference(case, b, shape, dtype, reads):
+    """``case`` (pc.vector_mod's) forward and backward on the Mosaic kernels in
+    interpret mode against the reference path; ``reads(expr)`` must find the
+    reads the case is about."""
     q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
     mod, operands = pc.traced_vector_mod(case, q, k)
-    assert mosaic.vector_reads(mod.expr), case
+    assert reads(mod.expr), case
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.4 if shape["d"] == 64 else 0.3)
     assert plan.interpret and plan.engine == "mosaic" and plan.backward_engine == "mosaic"
     ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
@@ -846,19 +853,7 @@ def test_offset_reads_interpreted(case, b, shape, dtype, interprets):
     and tails; jax.numpy's wrapped negative index under a softcap, float16, Sq <
     Skv; T5's int buckets at kv_idx - q_idx indexing a float table; a causal
     table (the map skips tiles and marks full ones, whose mod drops the mask)."""
-    q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
-    mod, operands = pc.traced_vector_mod(case, q, k)
-    assert mosaic.offset_reads(mod.expr), case
-    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.4 if shape["d"] == 64 else 0.3)
-    assert plan.interpret and plan.engine == "mosaic" and plan.backward_engine == "mosaic"
-    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False)
-    o, lse = pallas_backend._forward(plan, q, k, v, operands)  # eagerly: see above
-    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
-    dq, dk, dv, _ = pallas_backend._backward(plan, q, k, v, o, lse, do, dlse, operands, ())
-    errs = pc.relative_errors((o, lse, dq, dk, dv, ()), want)
-    assert all(e < 3e-2 for e in errs.values()), errs
+    _interpreted_against_reference(case, b, shape, dtype, mosaic.offset_reads)
 
 
 def test_offset_reads_lower(hopper_here):

@@ -390,6 +390,12 @@ def test_mosaic_vector_reads(case, b, shape, dtype, hopper):
     causal and not, random document lengths differing per batch, 1000 (no whole
     number of tiles), query heads sharing key heads (GQA, MQA), float16; an offset
     index and a float vector per head."""
+    _vector_mod_against_reference(case, b, shape, dtype)
+
+
+def _vector_mod_against_reference(case, b, shape, dtype):
+    """``case`` (pc.vector_mod's) on the Mosaic kernels, forward and backward,
+    against the reference path (O, LSE, dQ, dK, dV)."""
     q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
     mod, operands = pc.traced_vector_mod(case, q, k)
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
@@ -421,14 +427,7 @@ def test_mosaic_offset_reads(case, b, shape, dtype, hopper):
     heads, tails), jax.numpy's wrapped negative index under a softcap (MQA,
     float16 d64 at 1000; Sq < Skv), T5's int buckets indexing a float table, a
     causal table (tiles skipped, full ones without the mask)."""
-    q, k, v, do = pc.inputs(b=b, dtype=dtype, **shape)
-    mod, operands = pc.traced_vector_mod(case, q, k)
-    plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
-    _mosaic_backward(plan)
-    got = pc.run(PALLAS, plan, q, k, v, do, operands, False)
-    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    _check(got, pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False), dtype)
+    _vector_mod_against_reference(case, b, shape, dtype)
 
 
 def test_relative_table_through_attention(hopper):

@@ -260,21 +260,8 @@ class OffsetTiles:
         diff = (first + step * jnp.arange(n, dtype=jnp.int32)[:, None, None]
                 + jnp.arange(rows, dtype=jnp.int32)[None, :, None]
                 - jnp.arange(cols, dtype=jnp.int32)[None, None, :])
-        named = dict(zip(names, operands))
-        arrays = []
-        for src in sources:
-            used = ir.variables(src)
-            values = {o.attr[0]: jnp.reshape(named[o.attr[0]], o.attr[1])
-                      for o in ir.operands_of(src)}
-            inputs = {"b": jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1, 1, 1) if "b" in used
-                      else 0,
-                      "h": jnp.arange(hq, dtype=jnp.int32).reshape(1, hq, 1, 1, 1) if "h" in used
-                      else 0,
-                      "q_idx": (diff if queries_down else -diff)[None, None]}
-            x = evaluate(src, inputs, values).astype(codegen.KERNEL_DTYPE[src.dtype])
-            arrays.append(jnp.broadcast_to(x, (b if "b" in used else 1,
-                                               hq if "h" in used else 1, n, rows, cols)))
-        return cls(tuple(sources), tuple(arrays), first, step)
+        arrays = per_program(sources, names, operands, b, hq, diff if queries_down else -diff)
+        return cls(tuple(sources), arrays, first, step)
 
     def at(self, ref, src, bi, hi, row0, col0):
         """The tile of ``ref`` (source ``src``'s array) that the tile at (row0, col0) reads."""
@@ -315,18 +302,29 @@ def vector_arrays(sources, names, operands, b, hq, length) -> tuple:
     the kernels a tile's slice at a time. Computed as the reference path reads
     (indices clamped), so positions past the arrays' ends (the tiles' padding)
     read what the mod reads there."""
+    return per_program(sources, names, operands, b, hq, jnp.arange(length, dtype=jnp.int32))
+
+
+def per_program(sources, names, operands, b, hq, positions) -> tuple:
+    """Per source (a function of ``b``, ``h`` and ``q_idx``), its values with
+    ``q_idx`` at ``positions`` (int32, any shape), for every batch if it reads
+    ``b`` and query head if it reads ``h``: ``[B or 1, Hq or 1, *positions.shape]``,
+    in the kernels' dtypes, evaluated as the reference path reads (clamped)."""
     named = dict(zip(names, operands))
+    lead = (1,) * positions.ndim
     out = []
     for src in sources:
         used = ir.variables(src)
         values = {n.attr[0]: jnp.reshape(named[n.attr[0]], n.attr[1])
                   for n in ir.operands_of(src)}
-        inputs = {"b": jnp.arange(b, dtype=jnp.int32)[:, None, None] if "b" in used else 0,
-                  "h": jnp.arange(hq, dtype=jnp.int32)[None, :, None] if "h" in used else 0,
-                  "q_idx": jnp.arange(length, dtype=jnp.int32)[None, None, :]}
+        inputs = {"b": jnp.arange(b, dtype=jnp.int32).reshape((b, 1) + lead) if "b" in used
+                  else 0,
+                  "h": jnp.arange(hq, dtype=jnp.int32).reshape((1, hq) + lead) if "h" in used
+                  else 0,
+                  "q_idx": positions[None, None]}
         x = evaluate(src, inputs, values).astype(codegen.KERNEL_DTYPE[src.dtype])
-        out.append(jnp.broadcast_to(x, (b if "b" in used else 1, hq if "h" in used else 1,
-                                        length)))
+        out.append(jnp.broadcast_to(x, (b if "b" in used else 1, hq if "h" in used else 1)
+                                    + positions.shape))
     return tuple(out)
 
 
