@@ -873,6 +873,40 @@ def test_offset_reads_lower(hopper_here):
         {"mosaic": 1, "triton": 2}
 
 
+def test_offset_and_vector_reads_share_shared_memory(hopper_here, monkeypatch):
+    """A relative table beside document ids: at head dim 64 both fit the forward's
+    shared memory and the call lowers to the three Mosaic GPU kernels; at head
+    dim 128 the diagonal tiles leave too little room (the lowering's own count:
+    232600 bytes of 232448), so the engine refuses, naming the vector read and
+    its line, and "auto" takes the Triton engine, which runs it."""
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    doc = pc.doc_ids(2, 512)
+    t = jax.random.normal(jax.random.PRNGKey(1), (4, 1023))
+
+    def fn(s, b, h, qi, ki):
+        return jnp.where(doc[b, qi] == doc[b, ki], s + t[h, qi - ki + 511], -jnp.inf)
+
+    for d in (64, 128):
+        q, k, v, do = pc.inputs(b=2, sq=512, skv=512, hq=4, hkv=2, d=d, dtype=jnp.bfloat16)
+        problem, mod = Problem.of(q, k, v), scoremod.trace(fn)
+        why = PALLAS.why_not(problem, mod, automatic=False, options=MOSAIC)
+        if d == 64:
+            assert why is None
+
+            def loss(q, k, v):
+                o = scoremod.attention(q, k, v, fn, implementation="pallas", options=MOSAIC)
+                return jnp.sum(o.astype(jnp.float32))
+
+            assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)) == \
+                {"mosaic": 3, "triton": 0}
+        else:
+            assert "fill its Mosaic GPU engine's shared memory" in why, why
+            assert "test_pallas_mosaic.py" in why and 'pallas_engine="triton") runs it' in why
+            auto = scoremod.LoweringOptions()
+            assert PALLAS.plan(problem, mod, 0.125, auto, True).engine == "triton"
+            assert PALLAS.why_not(problem, mod, automatic=False, options=auto) is None
+
+
 def test_flags_along_one_tile_axis(hopper_here):
     """Bool flags read along one tile axis are refused on both engines (wrong on
     the H200, codegen.ONE_AXIS_BOOL_READ), naming the read and the line; as an int

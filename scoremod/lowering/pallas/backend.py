@@ -235,11 +235,14 @@ class Pallas(Backend):
         """The Mosaic GPU forward's refusals (its backward falls back to the Triton
         kernels, chosen in ``plan``, where its own cannot run the mod); ``advice``:
         saying that the Triton engine runs the call."""
+        switch = "; LoweringOptions(pallas_engine=\"triton\") runs it" if advice else ""
         if mod is not None:
             why = mosaic.refusal(mod.expr, mod.sources, advice=advice)
             if why:
                 return why
-        switch = "; LoweringOptions(pallas_engine=\"triton\") runs it" if advice else ""
+            why = mosaic.crowding(mod.expr, mod.sources, max(problem.d, problem.dv))
+            if why:
+                return why + switch
         if problem.dtype not in mosaic.DTYPES:
             return (f"its Mosaic GPU engine takes float16 or bfloat16 inputs (wgmma), got "
                     f"{problem.dtype}{switch}")

@@ -168,6 +168,25 @@ def refusal(expr, sources, advice=True) -> str | None:
     return None
 
 
+def crowding(expr, sources, head_dim) -> str | None:
+    """Why the forward's shared memory cannot hold what ``expr`` reads at
+    ``head_dim`` (a sentence naming the read and where it was written), or None:
+    at head dim 128 the diagonal tiles of a table read at q_idx - kv_idx take
+    all but ~2 KiB of it, too little for the slices of arrays read along a tile
+    axis beside them (the lowering measured 232600 bytes of 232448 for one
+    such array)."""
+    if expr is None or head_dim < 128:
+        return None
+    diagonal, along = offset_reads(expr), vector_reads(expr)
+    if not (diagonal and along):
+        return None
+    where = ir.source_of(along[0], expr, sources)
+    return (f"at head dim {head_dim} the diagonal tiles of `{format_expr(diagonal[0])}` (a "
+            f"table read at q_idx - kv_idx) fill its Mosaic GPU engine's shared memory, and "
+            f"this mod also reads `{format_expr(along[0])}`{' at ' + where if where else ''} "
+            f"along a tile axis")
+
+
 def read_axis(load):
     """How the kernels read captured array ``load`` (a LOAD node): None, a scalar
     per program (its indices use b, h and constants only); ``"q_idx"`` or
