@@ -144,6 +144,7 @@ OFFSET = "offset"
 def refusal(expr, sources, advice=True) -> str | None:
     """Why the Mosaic GPU forward cannot evaluate ``expr`` (a sentence naming
     the op and where it was written, with what runs it if ``advice``), or None."""
+    second = _second_offset_source(expr)
     for node in ir.toposort(expr):
         why = NOT_LOWERABLE.get(node.op)
         if node.op in INT_ONLY and any(a.dtype == ir.F32 for a in node.args):
@@ -157,7 +158,7 @@ def refusal(expr, sources, advice=True) -> str | None:
                    "axis such as doc[b, q_idx]), or from q_idx - kv_idx as a whole (a relative "
                    "position, such as bias[h, q_idx - kv_idx + S - 1]); this index varies over "
                    f"the tile with {' and '.join(tile)} otherwise (a gather)")
-        if node.op == LOAD and node is _second_offset_source(expr):
+        if node.op == LOAD and node is second:
             why = ("it holds the tiles of one array read at q_idx - kv_idx per mod in shared "
                    "memory; this mod reads another one here")
         if why:
