@@ -840,6 +840,50 @@ def test_offset_tiles(queries_down):
         assert seen == set(range(arr.shape[2]))  # every tile is some tile's, none missing
 
 
+def test_offset_strip():
+    """The forward's strip: for every program (row0, col0) and warpgroup, its
+    group's tile of the program's window is the read evaluated by the reference
+    path on that warpgroup's score tile; the window stays inside the strip, and
+    the strip is O(S) (rows x (Sq + Skv - rows))."""
+    rng = np.random.default_rng(6)
+    table = jnp.asarray(rng.normal(size=(3, 700)), jnp.float32)
+    buckets = jnp.asarray(rng.integers(0, 7, size=(2, 900)), jnp.int32)
+    mods = [lambda s, b, h, qi, ki: s + table[h, qi - ki + 300],
+            lambda s, b, h, qi, ki: jnp.where(buckets[b, ki - qi + 400] > 3, s, -jnp.inf)]
+    sq, skv, rows, groups, cols = 384, 256, 64, 2, 128  # padded lengths, the kernel's tiles
+    from scoremod.lowering.pallas import codegen
+
+    for fn in mods:
+        mod = scoremod.trace(fn)
+        names, values = mod.operand_names, tuple(mod.operands)
+        flat = tuple(codegen.kernel_operand(x, n) for x, n in zip(values, mod.operand_nodes))
+        (read,) = mosaic.offset_reads(mod.expr)
+        strip = mosaic.OffsetStrip.build(mosaic.offset_sources((read,)), names, flat, 2, 3,
+                                         rows, groups, cols, sq, skv)
+        (arr,) = strip.arrays
+        used = ir.variables(read)
+        assert arr.dtype == (jnp.float32 if read.dtype == ir.F32 else jnp.int32)
+        assert arr.shape == (2 if "b" in used else 1, 3 if "h" in used else 1, rows,
+                             sq + skv - rows)
+        assert strip.window == 192
+        for row0 in range(0, sq, rows * groups):
+            for col0 in range(0, skv, cols):
+                start = strip.start(row0, col0)
+                assert 0 <= start and start + strip.window <= arr.shape[-1]
+                for g in range(groups):
+                    first = start + strip.offset(g)
+                    r = row0 + g * rows + jnp.arange(rows)[:, None]
+                    c = col0 + jnp.arange(cols)[None, :]
+                    for bi in range(arr.shape[0]):
+                        for hi in range(arr.shape[1]):
+                            want = evaluate(read, {"b": bi, "h": hi, "q_idx": r, "kv_idx": c},
+                                            dict(zip(names, values)))
+                            np.testing.assert_array_equal(
+                                np.asarray(arr[bi, hi, :, first:first + cols]),
+                                np.broadcast_to(np.asarray(want).astype(arr.dtype),
+                                                (rows, cols)))
+
+
 @pytest.mark.parametrize("case,b,shape,dtype", [
     ("relative_bias", 2, dict(sq=300, skv=260, hq=4, hkv=2, d=64), jnp.bfloat16),
     ("relative_softcap", 1, dict(sq=130, skv=200, hq=2, hkv=1, d=128), jnp.float16),
@@ -874,11 +918,10 @@ def test_offset_reads_lower(hopper_here):
 
 
 def test_offset_and_vector_reads_share_shared_memory(hopper_here, monkeypatch):
-    """A relative table beside document ids: at head dim 64 both fit the forward's
-    shared memory and the call lowers to the three Mosaic GPU kernels; at head
-    dim 128 the diagonal tiles leave too little room (the lowering's own count:
-    232600 bytes of 232448), so the engine refuses, naming the vector read and
-    its line, and "auto" takes the Triton engine, which runs it."""
+    """A relative table beside document ids fits the forward's shared memory at
+    head dims 64 and 128 (the strip's window of 48 KiB; the two warpgroups' own
+    tiles, 64 KiB, left 152 bytes too few at 128): the call lowers to the three
+    Mosaic GPU kernels, which the CUDA lowering checks against the 227 KiB."""
     monkeypatch.setattr(jax, "__version__", "0.11.2")
     doc = pc.doc_ids(2, 512)
     t = jax.random.normal(jax.random.PRNGKey(1), (4, 1023))
@@ -889,22 +932,14 @@ def test_offset_and_vector_reads_share_shared_memory(hopper_here, monkeypatch):
     for d in (64, 128):
         q, k, v, do = pc.inputs(b=2, sq=512, skv=512, hq=4, hkv=2, d=d, dtype=jnp.bfloat16)
         problem, mod = Problem.of(q, k, v), scoremod.trace(fn)
-        why = PALLAS.why_not(problem, mod, automatic=False, options=MOSAIC)
-        if d == 64:
-            assert why is None
+        assert PALLAS.why_not(problem, mod, automatic=False, options=MOSAIC) is None
 
-            def loss(q, k, v):
-                o = scoremod.attention(q, k, v, fn, implementation="pallas", options=MOSAIC)
-                return jnp.sum(o.astype(jnp.float32))
+        def loss(q, k, v):
+            o = scoremod.attention(q, k, v, fn, implementation="pallas", options=MOSAIC)
+            return jnp.sum(o.astype(jnp.float32))
 
-            assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)) == \
-                {"mosaic": 3, "triton": 0}
-        else:
-            assert "fill its Mosaic GPU engine's shared memory" in why, why
-            assert "test_pallas_mosaic.py" in why and 'pallas_engine="triton") runs it' in why
-            auto = scoremod.LoweringOptions()
-            assert PALLAS.plan(problem, mod, 0.125, auto, True).engine == "triton"
-            assert PALLAS.why_not(problem, mod, automatic=False, options=auto) is None
+        assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)) == \
+            {"mosaic": 3, "triton": 0}
 
 
 def test_flags_along_one_tile_axis(hopper_here):

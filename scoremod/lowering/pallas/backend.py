@@ -240,9 +240,6 @@ class Pallas(Backend):
             why = mosaic.refusal(mod.expr, mod.sources, advice=advice)
             if why:
                 return why
-            why = mosaic.crowding(mod.expr, mod.sources, max(problem.d, problem.dv))
-            if why:
-                return why + switch
         if problem.dtype not in mosaic.DTYPES:
             return (f"its Mosaic GPU engine takes float16 or bfloat16 inputs (wgmma), got "
                     f"{problem.dtype}{switch}")

@@ -28,11 +28,11 @@ beside its key and value tiles) and broadcasts it over the tile.
 A read whose index sees q_idx and kv_idx only as their difference (a
 relative position: ``bias[h, q_idx - kv_idx + S - 1]``) is the same on
 every tile along one diagonal of the score matrix: the wrapper evaluates it
-once per diagonal offset of the tiles (``OffsetTiles``: ``(Sq + Skv) / 64``
-tiles of float32 per batch and head it reads, O(S) memory, never S x S),
-and each compute warpgroup copies its tile of them into shared memory
-(TMA) beside the key tile. One such table per mod: its tiles take the shared
-memory a second stage of them would need.
+once per diagonal of the score matrix (``OffsetStrip``: a 64 x (Sq + Skv)
+Toeplitz strip of float32 per batch and head it reads, O(S) memory, never S
+x S), and the memory warpgroup copies the program's 64 x 192 window of it,
+which holds both compute warpgroups' tiles, into shared memory (TMA) beside
+the key tile. One such table per mod: a second window would not fit.
 
 What this engine cannot evaluate is refused up front (``refusal``): ops
 Mosaic GPU has no lowering for, and other reads at an index that varies with
@@ -169,25 +169,6 @@ def refusal(expr, sources, advice=True) -> str | None:
     return None
 
 
-def crowding(expr, sources, head_dim) -> str | None:
-    """Why the forward's shared memory cannot hold what ``expr`` reads at
-    ``head_dim`` (a sentence naming the read and where it was written), or None:
-    at head dim 128 the diagonal tiles of a table read at q_idx - kv_idx take
-    all but ~2 KiB of it, too little for the slices of arrays read along a tile
-    axis beside them (the lowering measured 232600 bytes of 232448 for one
-    such array)."""
-    if expr is None or head_dim < 128:
-        return None
-    diagonal, along = offset_reads(expr), vector_reads(expr)
-    if not (diagonal and along):
-        return None
-    where = ir.source_of(along[0], expr, sources)
-    return (f"at head dim {head_dim} the diagonal tiles of `{format_expr(diagonal[0])}` (a "
-            f"table read at q_idx - kv_idx) fill its Mosaic GPU engine's shared memory, and "
-            f"this mod also reads `{format_expr(along[0])}`{' at ' + where if where else ''} "
-            f"along a tile axis")
-
-
 def read_axis(load):
     """How the kernels read captured array ``load`` (a LOAD node): None, a scalar
     per program (its indices use b, h and constants only); ``"q_idx"`` or
@@ -253,6 +234,16 @@ def _second_offset_source(expr):
     return next((r for r in reads if offset_source(r) is not first), None)
 
 
+def offset_values(reads, tiles) -> dict:
+    """``{read: its values on the tile}`` for reads at q_idx - kv_idx, from ``tiles``
+    (``{source: the loaded tile}``); a bool array compared with 0."""
+    out = {}
+    for read in reads:
+        x = tiles[offset_source(read)]
+        out[read] = x != 0 if read.dtype == ir.BOOL else x
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class OffsetTiles:
     """Reads at q_idx - kv_idx, as tiles per diagonal offset.
@@ -295,14 +286,69 @@ class OffsetTiles:
         return [plgpu.SMEM((slots,) + x.shape[-2:], x.dtype, transforms=swizzled(x.dtype))
                 for x in self.arrays]
 
-    def values(self, reads, tiles):
-        """``{read: its values on the tile}`` from ``tiles`` (``{source: the loaded
-        tile}``); a bool array compared with 0."""
-        out = {}
-        for read in reads:
-            x = tiles[offset_source(read)]
-            out[read] = x != 0 if read.dtype == ir.BOOL else x
-        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class OffsetStrip:
+    """Reads at q_idx - kv_idx for the forward, as one Toeplitz strip per batch and head.
+
+    ``arrays[k][bb, hh, i, m]`` is source ``k`` at ``q_idx - kv_idx = top + i - m``
+    (``[B or 1, Hq or 1, rows, width]``, float32 or int32 as ``OffsetTiles``). A
+    program's ``groups`` stacked ``rows`` x ``cols`` tiles at (row0, col0) read
+    one ``rows`` x ``cols + (groups - 1) * rows`` window of it, and group ``g``'s
+    tile is that window's columns from ``(groups - 1 - g) * rows`` on: the groups'
+    tiles overlap there, so a program copies 3 blocks of 64 x 64 for its two
+    warpgroups' 4, and each block is stored once (half the tiles' memory, which
+    then stays in L2 at 4096)."""
+
+    sources: tuple
+    arrays: tuple
+    top: int
+    rows: int
+    cols: int
+    groups: int
+
+    @classmethod
+    def build(cls, sources, names, operands, b, hq, rows, groups, cols, row_len, col_len):
+        # The largest row0 - col0 of a program sits at the window's start (column 0).
+        top = row_len - rows
+        width = row_len + col_len - rows
+        diff = (top + jnp.arange(rows, dtype=jnp.int32)[:, None]
+                - jnp.arange(width, dtype=jnp.int32)[None, :])
+        return cls(tuple(sources), per_program(sources, names, operands, b, hq, diff),
+                   top, rows, cols, groups)
+
+    @property
+    def window(self) -> int:
+        return self.cols + (self.groups - 1) * self.rows
+
+    def start(self, row0, col0):
+        """The first column of the window that the program's tiles at (row0, col0) read."""
+        return self.top - (self.groups - 1) * self.rows - row0 + col0
+
+    def offset(self, g):
+        """The first column of group ``g``'s tile in a window."""
+        return (self.groups - 1 - g) * self.rows
+
+    def at(self, ref, src, bi, hi, row0, col0):
+        """The window of ``ref`` (source ``src``'s strip) for the tiles at (row0, col0)."""
+        import jax.experimental.pallas as pl
+
+        return ref.at[(*vector_row(src, bi, hi), slice(None),
+                       pl.ds(self.start(row0, col0), self.window))]
+
+    def group(self, window, g):
+        """Group ``g``'s tile of a window in shared memory."""
+        import jax.experimental.pallas as pl
+
+        return window.at[:, pl.ds(self.offset(g), self.cols)]
+
+    def scratch(self):
+        """Shared memory for one window of each source (swizzled for the tiled load)."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        return [plgpu.SMEM((self.rows, self.window), x.dtype, transforms=swizzled(x.dtype))
+                for x in self.arrays]
 
 
 def vector_source(read):
@@ -543,9 +589,10 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     side = {axis: tuple(dict.fromkeys(vector_source(r) for r in reads if read_axis(r) == axis))
             for axis in _TILE_AXES}
     vectors = vector_arrays(sources, spec.operand_names, operands, b, hq, max(sq, k.shape[1]))
-    # Reads at q_idx - kv_idx: each compute warpgroup's [BLOCK_Q, BLOCK_KV] tile of them.
-    offsets = OffsetTiles.build(offset_sources(offset_reads(*exprs)), spec.operand_names,
-                                operands, b, hq, BLOCK_Q, BLOCK_KV, sq, k.shape[1])
+    # Reads at q_idx - kv_idx: a window of their strip per step, both warpgroups' tiles.
+    offsets = OffsetStrip.build(offset_sources(offset_reads(*exprs)), spec.operand_names,
+                                operands, b, hq, BLOCK_Q, COMPUTE_WGS, BLOCK_KV, sq,
+                                k.shape[1])
     vectors += offsets.arrays
     n_vec = len(vectors)
 
@@ -620,7 +667,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     s = qk * jnp.float32(spec.scale * factor)
                     if expr is not None:
                         mine = vector_reads(expr)
-                        known = offsets.values(offset_reads(expr), diagonal)
+                        known = offset_values(offset_reads(expr), diagonal)
                         if mine:  # the key tile's vectors, loaded where this variant reads them
                             keys = {src: plgpu.load(smem.at[slot], layout=col_layout)
                                     for src, smem in zip(side["kv_idx"], kvvec_smem)}
@@ -655,14 +702,14 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
                 s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                # This warpgroup's tile of the reads at q_idx - kv_idx, into registers; its
-                # one slot is free for the next step's as soon as every thread has read it.
+                # This warpgroup's tile of the reads at q_idx - kv_idx, into registers; the
+                # one window is free for the next step's once both warpgroups have read it.
                 diagonal = {}
                 for src, smem, ready, free in zip(offsets.sources, off_smem, off_ready,
                                                   off_free):
-                    plgpu.barrier_wait(ready.at[wg])
-                    diagonal[src] = smem.at[wg][...]
-                    plgpu.barrier_arrive(free.at[wg])
+                    plgpu.barrier_wait(ready)
+                    diagonal[src] = offsets.group(smem, wg)[...]
+                    plgpu.barrier_arrive(free)
                 s = modded(s, kv0, is_full, slot, diagonal)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 # A row masked so far has m = -inf: shift by 0 so that it adds nothing.
@@ -727,16 +774,14 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 for src, smem, ready in zip(side["kv_idx"], kvvec_smem, kvvec_ready):
                     plgpu.copy_gmem_to_smem(vector_slice(src, start, BLOCK_KV), smem.at[slot],
                                             ready.at[slot])
-                # Each compute warpgroup's diagonal tile, into its one slot once it has
-                # read the previous step's (no wait for the first step).
+                # The program's window of the strip, into its one slot once both compute
+                # warpgroups have read the previous step's (no wait for the first step).
                 for ref, src, smem, ready, free in zip(offset_refs, offsets.sources, off_smem,
                                                        off_ready, off_free):
-                    for w in range(COMPUTE_WGS):
-                        if not (isinstance(step, int) and step == 0):
-                            plgpu.barrier_wait(free.at[w])
-                        row0 = tile * TILE_Q + w * BLOCK_Q
-                        plgpu.copy_gmem_to_smem(offsets.at(ref, src, bi, hi, row0, start),
-                                                smem.at[w], ready.at[w])
+                    if not (isinstance(step, int) and step == 0):
+                        plgpu.barrier_wait(free)
+                    plgpu.copy_gmem_to_smem(offsets.at(ref, src, bi, hi, tile * TILE_Q, start),
+                                            smem, ready)
 
             for first in range(STAGES):
                 pl.when(first < count)(functools.partial(fetch, first, first, False))
@@ -757,20 +802,19 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             lax.fori_loop(jnp.maximum(count - STAGES, 0), count, drain, None)
 
             @pl.when(count > 0)
-            def _():  # the last step's frees of the diagonal tiles
+            def _():  # the last step's free of the strip's window
                 for free in off_free:
-                    for w in range(COMPUTE_WGS):
-                        plgpu.barrier_wait(free.at[w])
+                    plgpu.barrier_wait(free)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest):
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
         o_ref, lse_ref = rest[n_ops + n_vec:]
-        # The diagonal tiles beside the other tiles, the small buffers after them: at head
-        # dim 128 they take all but ~2 KiB of the 227 KiB, with no room for alignment gaps.
+        # The strip's window beside the other tiles, the small buffers after them (at head
+        # dim 128 the window takes 48 of the 227 KiB; a second table's would not fit).
         smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled()),
                 plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=swizzled()),
                 plgpu.SMEM((STAGES, BLOCK_KV, dv), dtype, transforms=swizzled()),
-                offsets.scratch(COMPUTE_WGS),
+                offsets.scratch(),
                 plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32)]
         smem += staging(spec, COMPUTE_WGS, BLOCK_Q, BLOCK_KV, dtype)
         ready = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
@@ -782,8 +826,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     [plgpu.SMEM((STAGES, BLOCK_KV), kernel_dtype[s]) for s in side["kv_idx"]])
         vec_ready = ([plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in side["q_idx"]],
                      [plgpu.Barrier(num_barriers=STAGES) for _ in side["kv_idx"]])
-        diagonal = ([plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in offsets.sources],
-                    [plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in offsets.sources])
+        diagonal = ([plgpu.Barrier() for _ in offsets.sources],
+                    [plgpu.Barrier(num_arrivals=COMPUTE_WGS) for _ in offsets.sources])
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref,
                                     operand_refs, vector_refs, o_ref, lse_ref, scoped),
@@ -794,10 +838,6 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     return plgpu.kernel(
         entry, out_type=out_type, grid=(hq, n_tiles, b), grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
-        # No shared memory kept for cross-warp reductions where the diagonal tiles need it:
-        # the softmax's reductions run along the WGMMA layout's rows, within a warp (a
-        # reduction that needs it fails to lower).
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, **({"reduction_scratch_bytes": 0} if offsets.sources else {})),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params(spec),
     )(counts, blocks, full, q, k, v, *operands, *vectors)

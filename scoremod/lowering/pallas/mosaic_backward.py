@@ -291,7 +291,7 @@ class _Vectors:
         def reads(roots):
             n = len(self.side[self.streamed])
             diagonal = mosaic.offset_reads(*roots)
-            out = self.offsets.values(diagonal, {
+            out = mosaic.offset_values(diagonal, {
                 src: buf.at[slot][...] for src, buf in zip(self.offsets.sources, smem[n:])
             } if diagonal else {})
             mine = mosaic.vector_reads(*roots)
