@@ -167,6 +167,12 @@ def vector_mod(name, b, hq, sq, skv):
     if name == "relative_causal":  # a decoder's: causal, a table of the distance back
         table = jnp.asarray(np.random.default_rng(16).normal(size=(hq, n)), jnp.float32)
         return (lambda s, b, h, q, k, t: jnp.where(q >= k, s + t[h, q - k], -jnp.inf)), (table,)
+    if name == "relative_document":  # packed documents with a relative table (shared memory)
+        table = jnp.asarray(np.random.default_rng(17).normal(size=(hq, sq + skv - 1)),
+                            jnp.float32)
+        return (lambda s, b, h, q, k, d, t: jnp.where(d[b, q] == d[b, k],
+                                                      s + t[h, q - k + skv - 1], -jnp.inf)
+                ), (doc, table)
     if name == "relative_buckets":  # T5's: an int bucket table at kv - q, then a float table
         buckets = jnp.asarray(np.clip(np.arange(-n + 1, n) // 16, -8, 8) + 8, jnp.int32)
         table = jnp.asarray(np.random.default_rng(15).normal(size=(17, hq)), jnp.float32)

@@ -889,6 +889,7 @@ def test_offset_strip():
     ("relative_softcap", 1, dict(sq=130, skv=200, hq=2, hkv=1, d=128), jnp.float16),
     ("relative_buckets", 1, dict(sq=200, skv=136, hq=2, hkv=2, d=64), jnp.bfloat16),
     ("relative_causal", 1, dict(sq=320, skv=320, hq=2, hkv=1, d=64), jnp.bfloat16),
+    ("relative_document", 2, dict(sq=256, skv=256, hq=2, hkv=1, d=64), jnp.bfloat16),
 ])
 def test_offset_reads_interpreted(case, b, shape, dtype, interprets):
     """Relative-position tables forward and backward on the Mosaic kernels in
@@ -896,7 +897,8 @@ def test_offset_reads_interpreted(case, b, shape, dtype, interprets):
     with an LSE cotangent): a table per head with a clamped index, grouped heads
     and tails; jax.numpy's wrapped negative index under a softcap, float16, Sq <
     Skv; T5's int buckets at kv_idx - q_idx indexing a float table; a causal
-    table (the map skips tiles and marks full ones, whose mod drops the mask)."""
+    table (the map skips tiles and marks full ones, whose mod drops the mask); a
+    table beside document ids (vector reads and the strip in one program)."""
     _interpreted_against_reference(case, b, shape, dtype, mosaic.offset_reads)
 
 

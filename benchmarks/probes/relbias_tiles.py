@@ -1,6 +1,7 @@
 """Where a relative-bias table's time goes on the Mosaic GPU engine (needs a Hopper
-GPU): relbias forward and fwd+bwd (its table a tile per diagonal), ALiBi on the
-same engine as the engine's speed without such tiles, and the cost of building them
+GPU): relbias forward and fwd+bwd (its table a tile per diagonal), the backward
+split into its dQ and dK/dV kernels (the gradients of q alone, of k and v alone), ALiBi
+on the same engine as the engine's speed without such tiles, and the cost of building them
 (the forward's strip, the backward's tiles).
 
     python benchmarks/probes/relbias_tiles.py [--seq 4096]
@@ -35,16 +36,19 @@ def main(argv=None):
     mods = {"relbias": lambda sc, bi, hi, qi, ki: sc + table[hi, qi - ki + s - 1],
             "alibi": lambda sc, bi, hi, qi, ki: sc + slopes[hi] * (ki - qi)}
 
-    def timed(name):
-        mod = mods[name]
-        fwd = jax.jit(lambda q, k, v: scoremod.attention(q, k, v, mod, implementation="pallas"))
-        bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(scoremod.attention(
-            q, k, v, mod, implementation="pallas").astype(jnp.float32)), argnums=(0, 1, 2)))
-        return time_jax(fwd, q, k, v, iters=20, reps=5), time_jax(bwd, q, k, v, iters=10, reps=5)
+    def grad(mod, argnums):
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(scoremod.attention(
+            q, k, v, mod, implementation="pallas").astype(jnp.float32)), argnums=argnums))
 
-    for name in ("relbias", "alibi"):
-        (f, _, _), (fb, _, _) = timed(name)
-        print(f"{name}: fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms", flush=True)
+    for name, mod in mods.items():
+        fwd = jax.jit(lambda q, k, v: scoremod.attention(q, k, v, mod, implementation="pallas"))
+        line = [f"fwd {time_jax(fwd, q, k, v, iters=20, reps=5)[0]:.3f} ms"]
+        # The gradient of q alone runs the forward and the dQ kernel, of k and v alone
+        # the forward and the dK/dV kernel (XLA drops the kernel whose results go unused).
+        for argnums, what in (((0, 1, 2), "fwd+bwd"), ((0,), "fwd+dQ"), ((1, 2), "fwd+dK/dV")):
+            med = time_jax(grad(mod, argnums), q, k, v, iters=10, reps=5)[0]
+            line.append(f"{what} {med:.3f} ms")
+        print(f"{name}: " + ", ".join(line), flush=True)
     read = mosaic.offset_reads(scoremod.trace(mods["relbias"]).expr)
     src = mosaic.offset_sources(read)
     flat = (codegen.kernel_operand(table, scoremod.trace(mods["relbias"]).operand_nodes[0]),)

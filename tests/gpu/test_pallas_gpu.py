@@ -415,6 +415,7 @@ _OFFSET_CASES = [
     ("relative_softcap", 1, dict(sq=384, skv=1024, hq=2, hkv=2, d=128), jnp.bfloat16),
     ("relative_buckets", 2, dict(sq=512, skv=512, hq=8, hkv=2, d=128), jnp.bfloat16),
     ("relative_causal", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("relative_document", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
 ]
 
 
@@ -426,7 +427,8 @@ def test_mosaic_offset_reads(case, b, shape, dtype, hopper):
     """O, LSE, dQ, dK, dV against the reference path: a table per head (grouped
     heads, tails), jax.numpy's wrapped negative index under a softcap (MQA,
     float16 d64 at 1000; Sq < Skv), T5's int buckets indexing a float table, a
-    causal table (tiles skipped, full ones without the mask)."""
+    causal table (tiles skipped, full ones without the mask), a table beside
+    document ids at head dim 128 (the forward's shared memory holds both)."""
     _vector_mod_against_reference(case, b, shape, dtype)
 
 
