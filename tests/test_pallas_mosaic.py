@@ -795,62 +795,20 @@ def test_offset_reads():
     assert mosaic.refusal(same.expr, same.sources) is None  # one source, read twice
 
 
-@pytest.mark.parametrize("queries_down", [True, False])
-def test_offset_tiles(queries_down):
-    """Each tile of the per-diagonal arrays is the read evaluated by the reference
-    path on the score tile it stands for (rows, columns, every offset; keys down
-    the tile for the dK/dV kernel), per batch and head where the read uses them;
-    int arrays as int32."""
-    rng = np.random.default_rng(5)
-    table = jnp.asarray(rng.normal(size=(3, 90)), jnp.float32)
-    buckets = jnp.asarray(rng.integers(0, 7, size=(2, 200)), jnp.int32)
-    mods = [lambda s, b, h, qi, ki: s + table[h, qi - ki + 40],
-            lambda s, b, h, qi, ki: jnp.where(buckets[b, ki - qi + 100] > 3, s, -jnp.inf)]
-    sq, skv, rows, cols = 192, 128, 64, 32  # padded lengths, the kernel's tile
-    for fn in mods:
-        mod = scoremod.trace(fn)
-        names, values = mod.operand_names, tuple(mod.operands)
-        from scoremod.lowering.pallas import codegen
-
-        flat = tuple(codegen.kernel_operand(x, n) for x, n in zip(values, mod.operand_nodes))
-        (read,) = mosaic.offset_reads(mod.expr)
-        row_len, col_len = (sq, skv) if queries_down else (skv, sq)
-        tiles = mosaic.OffsetTiles.build(mosaic.offset_sources((read,)), names, flat, 2, 3,
-                                         rows, cols, row_len, col_len, queries_down)
-        (arr,) = tiles.arrays
-        used = ir.variables(read)
-        assert arr.dtype == (jnp.float32 if read.dtype == ir.F32 else jnp.int32)
-        assert arr.shape[:2] == (2 if "b" in used else 1, 3 if "h" in used else 1)
-        assert arr.shape[3:] == (rows, cols) and tiles.step == 32
-        seen = set()
-        for row0 in range(0, row_len, rows):
-            for col0 in range(0, col_len, cols):
-                t = (row0 - col0 - tiles.first) // tiles.step
-                seen.add(t)
-                r = row0 + jnp.arange(rows)[:, None]
-                c = col0 + jnp.arange(cols)[None, :]
-                qi, ki = (r, c) if queries_down else (c, r)
-                for bi in range(arr.shape[0]):
-                    for hi in range(arr.shape[1]):
-                        want = evaluate(read, {"b": bi, "h": hi, "q_idx": qi, "kv_idx": ki},
-                                        dict(zip(names, values)))
-                        np.testing.assert_array_equal(
-                            np.asarray(arr[bi, hi, t]),
-                            np.broadcast_to(np.asarray(want).astype(arr.dtype), (rows, cols)))
-        assert seen == set(range(arr.shape[2]))  # every tile is some tile's, none missing
-
-
-def test_offset_strip():
-    """The forward's strip: for every program (row0, col0) and warpgroup, its
-    group's tile of the program's window is the read evaluated by the reference
-    path on that warpgroup's score tile; the window stays inside the strip, and
-    the strip is O(S) (rows x (Sq + Skv - rows))."""
+@pytest.mark.parametrize("rows,cols,keys_down", [(128, 128, False), (64, 64, False),
+                                                  (64, 64, True)])
+def test_offset_diagonals(rows, cols, keys_down):
+    """For every program (q0, k0) of the kernels' tiles (the forward's 128 x 128 of
+    two warpgroups, dQ's 64 x 64, dK/dV's keys down), its window is 16-byte
+    aligned and inside the array, and the tile spread from it (interpret mode's
+    gather, the GPU's contract) is the read evaluated by the reference path on
+    that tile, per batch and head where the read uses them; int arrays as int32."""
     rng = np.random.default_rng(6)
     table = jnp.asarray(rng.normal(size=(3, 700)), jnp.float32)
     buckets = jnp.asarray(rng.integers(0, 7, size=(2, 900)), jnp.int32)
     mods = [lambda s, b, h, qi, ki: s + table[h, qi - ki + 300],
             lambda s, b, h, qi, ki: jnp.where(buckets[b, ki - qi + 400] > 3, s, -jnp.inf)]
-    sq, skv, rows, groups, cols = 384, 256, 64, 2, 128  # padded lengths, the kernel's tiles
+    sq, skv = 384, 256  # padded lengths
     from scoremod.lowering.pallas import codegen
 
     for fn in mods:
@@ -858,30 +816,33 @@ def test_offset_strip():
         names, values = mod.operand_names, tuple(mod.operands)
         flat = tuple(codegen.kernel_operand(x, n) for x, n in zip(values, mod.operand_nodes))
         (read,) = mosaic.offset_reads(mod.expr)
-        strip = mosaic.OffsetStrip.build(mosaic.offset_sources((read,)), names, flat, 2, 3,
-                                         rows, groups, cols, sq, skv)
-        (arr,) = strip.arrays
+        diagonals = mosaic.OffsetDiagonals.build(mosaic.offset_sources((read,)), names, flat,
+                                                 2, 3, rows, cols, sq, skv)
+        (arr,) = diagonals.arrays
         used = ir.variables(read)
         assert arr.dtype == (jnp.float32 if read.dtype == ir.F32 else jnp.int32)
-        assert arr.shape == (2 if "b" in used else 1, 3 if "h" in used else 1, rows,
-                             sq + skv - rows)
-        assert strip.window == 192
-        for row0 in range(0, sq, rows * groups):
-            for col0 in range(0, skv, cols):
-                start = strip.start(row0, col0)
-                assert 0 <= start and start + strip.window <= arr.shape[-1]
-                for g in range(groups):
-                    first = start + strip.offset(g)
-                    r = row0 + g * rows + jnp.arange(rows)[:, None]
-                    c = col0 + jnp.arange(cols)[None, :]
+        assert arr.shape == (2 if "b" in used else 1, 3 if "h" in used else 1, sq + skv)
+        tile_q = 64  # queries per tile: a warpgroup's in the forward
+        for q0 in range(0, sq, rows):
+            for k0 in range(0, skv, cols):
+                start = diagonals.start(q0, k0)
+                assert start % 4 == 0 and 0 <= start <= arr.shape[-1] - diagonals.window
+                for row in range(0, rows, tile_q):
+                    shape = (cols, tile_q) if keys_down else (tile_q, cols)
+                    r = q0 + row + jnp.arange(tile_q)
+                    c = k0 + jnp.arange(cols)
+                    qi, ki = (r[None, :], c[:, None]) if keys_down else (r[:, None], c[None, :])
                     for bi in range(arr.shape[0]):
                         for hi in range(arr.shape[1]):
-                            want = evaluate(read, {"b": bi, "h": hi, "q_idx": r, "kv_idx": c},
+                            window = arr[bi, hi, start:start + diagonals.window]
+                            view = window[row:row + tile_q + cols - 1]  # tile()'s slice
+                            got = mosaic.diagonal_gather(view, cols - 1, -1 if keys_down else 1,
+                                                         shape, interpret=True)
+                            want = evaluate(read, {"b": bi, "h": hi, "q_idx": qi, "kv_idx": ki},
                                             dict(zip(names, values)))
                             np.testing.assert_array_equal(
-                                np.asarray(arr[bi, hi, :, first:first + cols]),
-                                np.broadcast_to(np.asarray(want).astype(arr.dtype),
-                                                (rows, cols)))
+                                np.asarray(got),
+                                np.broadcast_to(np.asarray(want).astype(arr.dtype), shape))
 
 
 @pytest.mark.parametrize("case,b,shape,dtype", [

@@ -1,8 +1,8 @@
 """Where a relative-bias table's time goes on the Mosaic GPU engine (needs a Hopper
-GPU): relbias forward and fwd+bwd (its table a tile per diagonal), the backward
+GPU): relbias forward and fwd+bwd (its table a value per diagonal), the backward
 split into its dQ and dK/dV kernels (the gradients of q alone, of k and v alone), ALiBi
 on the same engine as the engine's speed without such tiles, and the cost of building them
-(the forward's strip, the backward's tiles).
+(one vector per head).
 
     python benchmarks/probes/relbias_tiles.py [--seq 4096]
 """
@@ -52,15 +52,11 @@ def main(argv=None):
     read = mosaic.offset_reads(scoremod.trace(mods["relbias"]).expr)
     src = mosaic.offset_sources(read)
     flat = (codegen.kernel_operand(table, scoremod.trace(mods["relbias"]).operand_nodes[0]),)
-    builds = {"the forward's strip": lambda t: mosaic.OffsetStrip.build(
-                  src, ("c0",), (t,), 1, h, 64, 2, 128, s, s).arrays[0],
-              "dQ, dK/dV each": lambda t: mosaic.OffsetTiles.build(
-                  src, ("c0",), (t,), 1, h, 64, 64, s, s).arrays[0]}
-    for what, fn in builds.items():
-        build = jax.jit(fn)
+    for rows, cols, what in ((128, 128, "the forward"), (64, 64, "dQ, dK/dV each")):
+        build = jax.jit(lambda t: mosaic.OffsetDiagonals.build(
+            src, ("c0",), (t,), 1, h, rows, cols, s, s).arrays[0])
         med, _, _ = time_jax(build, flat[0], iters=20, reps=5)
-        print(f"diagonal tiles for {what}: {med:.3f} ms, "
-              f"{build(flat[0]).nbytes / 2**20:.0f} MiB")
+        print(f"diagonals for {what}: {med:.3f} ms, {build(flat[0]).nbytes / 2**10:.0f} KiB")
 
 if __name__ == "__main__":
     main()

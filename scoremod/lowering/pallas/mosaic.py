@@ -28,11 +28,11 @@ beside its key and value tiles) and broadcasts it over the tile.
 A read whose index sees q_idx and kv_idx only as their difference (a
 relative position: ``bias[h, q_idx - kv_idx + S - 1]``) is the same on
 every tile along one diagonal of the score matrix: the wrapper evaluates it
-once per diagonal of the score matrix (``OffsetStrip``: a 64 x (Sq + Skv)
-Toeplitz strip of float32 per batch and head it reads, O(S) memory, never S
-x S), and the memory warpgroup copies the program's 64 x 192 window of it,
-which holds both compute warpgroups' tiles, into shared memory (TMA) beside
-the key tile. One such table per mod: a second window would not fit.
+once per diagonal of the score matrix (``OffsetDiagonals``: Sq + Skv values
+per batch and head it reads, O(S) memory, never S x S); the memory
+warpgroup copies the program's window of them (256 values) beside the key
+tile, and each compute warpgroup spreads it over its tile in registers (a
+gather from shared memory, written in Mosaic GPU: ``diagonal_gather``).
 
 What this engine cannot evaluate is refused up front (``refusal``): ops
 Mosaic GPU has no lowering for, and other reads at an index that varies with
@@ -245,110 +245,111 @@ def offset_values(reads, tiles) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class OffsetTiles:
-    """Reads at q_idx - kv_idx, as tiles per diagonal offset.
+class OffsetDiagonals:
+    """Reads at q_idx - kv_idx as one vector per batch and head: its value on
+    each diagonal of the score matrix.
 
-    A kernel's tile of ``rows`` x ``cols`` scores starting at (row0, col0) sees
-    ``row - col = row0 - col0 + i - j``; ``row0 - col0`` is a multiple of
-    ``step`` (the smaller tile side), from ``first`` (the last column tile
-    against the first row tile) on. ``arrays[k][bb, hh, t]`` is source ``k``
-    on the tile whose ``row0 - col0`` is ``first + t * step``: ``[B or 1, Hq or 1,
-    tiles, rows, cols]`` (float32, or int32 for int and bool arrays), evaluated
-    as the reference path reads (clamped). ``rows`` run along queries
-    (``queries_down``) or along keys (the dK/dV kernel's transposed tiles)."""
+    ``arrays[k][bb, hh, j]`` is source ``k`` at ``q_idx - kv_idx = first + j``
+    (``[B or 1, Hq or 1, q_len + kv_len]``, float32, or int32 for int and bool
+    arrays), evaluated as the reference path reads (clamped). A program whose
+    queries start at q0 and keys at k0, ``rows`` queries by ``cols`` keys, sees
+    the ``rows + cols - 1`` diagonals from ``q0 - k0 - cols + 1`` on: its window
+    (``at``, ``rows + cols`` values, 16-byte aligned), which the kernels copy
+    with TMA and spread over their tiles in registers (``tile``). So a step
+    moves ``rows + cols`` values, not ``rows * cols``."""
 
     sources: tuple
     arrays: tuple
     first: int
-    step: int
-
-    @classmethod
-    def build(cls, sources, names, operands, b, hq, rows, cols, row_len, col_len,
-              queries_down=True):
-        step = min(rows, cols)
-        first = cols - col_len
-        n = (row_len - rows - first) // step + 1
-        diff = (first + step * jnp.arange(n, dtype=jnp.int32)[:, None, None]
-                + jnp.arange(rows, dtype=jnp.int32)[None, :, None]
-                - jnp.arange(cols, dtype=jnp.int32)[None, None, :])
-        arrays = per_program(sources, names, operands, b, hq, diff if queries_down else -diff)
-        return cls(tuple(sources), arrays, first, step)
-
-    def at(self, ref, src, bi, hi, row0, col0):
-        """The tile of ``ref`` (source ``src``'s array) that the tile at (row0, col0) reads."""
-        t = lax.div(row0 - col0 - jnp.int32(self.first), jnp.int32(self.step))
-        return ref.at[(*vector_row(src, bi, hi), t)]
-
-    def scratch(self, slots):
-        """Shared memory for ``slots`` tiles of each source (swizzled for the tiled load)."""
-        import jax.experimental.pallas.mosaic_gpu as plgpu
-
-        return [plgpu.SMEM((slots,) + x.shape[-2:], x.dtype, transforms=swizzled(x.dtype))
-                for x in self.arrays]
-
-
-
-@dataclasses.dataclass(frozen=True)
-class OffsetStrip:
-    """Reads at q_idx - kv_idx for the forward, as one Toeplitz strip per batch and head.
-
-    ``arrays[k][bb, hh, i, m]`` is source ``k`` at ``q_idx - kv_idx = top + i - m``
-    (``[B or 1, Hq or 1, rows, width]``, float32 or int32 as ``OffsetTiles``). A
-    program's ``groups`` stacked ``rows`` x ``cols`` tiles at (row0, col0) read
-    one ``rows`` x ``cols + (groups - 1) * rows`` window of it, and group ``g``'s
-    tile is that window's columns from ``(groups - 1 - g) * rows`` on: the groups'
-    tiles overlap there, so a program copies 3 blocks of 64 x 64 for its two
-    warpgroups' 4, and each block is stored once (half the tiles' memory, which
-    then stays in L2 at 4096)."""
-
-    sources: tuple
-    arrays: tuple
-    top: int
     rows: int
     cols: int
-    groups: int
 
     @classmethod
-    def build(cls, sources, names, operands, b, hq, rows, groups, cols, row_len, col_len):
-        # The largest row0 - col0 of a program sits at the window's start (column 0).
-        top = row_len - rows
-        width = row_len + col_len - rows
-        diff = (top + jnp.arange(rows, dtype=jnp.int32)[:, None]
-                - jnp.arange(width, dtype=jnp.int32)[None, :])
+    def build(cls, sources, names, operands, b, hq, rows, cols, q_len, kv_len):
+        first = 1 - kv_len  # the last key against the first query
+        diff = first + jnp.arange(q_len + kv_len, dtype=jnp.int32)
         return cls(tuple(sources), per_program(sources, names, operands, b, hq, diff),
-                   top, rows, cols, groups)
+                   first, rows, cols)
 
     @property
     def window(self) -> int:
-        return self.cols + (self.groups - 1) * self.rows
+        return self.rows + self.cols
 
-    def start(self, row0, col0):
-        """The first column of the window that the program's tiles at (row0, col0) read."""
-        return self.top - (self.groups - 1) * self.rows - row0 + col0
+    def start(self, q0, k0):
+        """The first entry of the window of the program at (q0, k0): a multiple of 4
+        (q0, k0 and kv_len are of 64s), so the copy's source is 16-byte aligned."""
+        return q0 - k0 - (self.cols - 1) - self.first
 
-    def offset(self, g):
-        """The first column of group ``g``'s tile in a window."""
-        return (self.groups - 1 - g) * self.rows
-
-    def at(self, ref, src, bi, hi, row0, col0):
-        """The window of ``ref`` (source ``src``'s strip) for the tiles at (row0, col0)."""
+    def at(self, ref, src, bi, hi, q0, k0):
+        """The window of ``ref`` (source ``src``'s array) for the program at (q0, k0)."""
         import jax.experimental.pallas as pl
 
-        return ref.at[(*vector_row(src, bi, hi), slice(None),
-                       pl.ds(self.start(row0, col0), self.window))]
+        return ref.at[(*vector_row(src, bi, hi), pl.ds(self.start(q0, k0), self.window))]
 
-    def group(self, window, g):
-        """Group ``g``'s tile of a window in shared memory."""
-        import jax.experimental.pallas as pl
-
-        return window.at[:, pl.ds(self.offset(g), self.cols)]
-
-    def scratch(self):
-        """Shared memory for one window of each source (swizzled for the tiled load)."""
+    def scratch(self, slots):
+        """Shared memory for ``slots`` windows of each source."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        return [plgpu.SMEM((self.rows, self.window), x.dtype, transforms=swizzled(x.dtype))
-                for x in self.arrays]
+        return [plgpu.SMEM((slots, self.window), x.dtype) for x in self.arrays]
+
+    def tile(self, window, row, shape, keys_down, interpret):
+        """The values on a tile of ``shape`` (its keys: all ``cols`` of the program's)
+        whose first query is the program's query ``row`` (static or not): queries
+        down and keys across, or (``keys_down``, the dK/dV kernel's) keys down and
+        queries across."""
+        import jax.experimental.pallas as pl
+
+        queries = shape[1] if keys_down else shape[0]
+        view = window.at[pl.ds(row, queries + self.cols - 1)]
+        return diagonal_gather(view, self.cols - 1, -1 if keys_down else 1, shape, interpret)
+
+
+def diagonal_gather(ref, start, sign, shape, interpret):
+    """``[rows, cols]`` in the WGMMA layout whose element (r, c) is ``ref[start +
+    sign * (r - c)]`` (``ref`` a vector in shared memory): each thread loads its
+    elements' values from shared memory. Pallas has no such gather, so on the GPU
+    it is written in Mosaic GPU itself (``inline_mgpu``); interpret mode, which
+    cannot run that, takes jax.numpy's."""
+    rows, cols = shape
+    if interpret:
+        r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+        c = jnp.arange(cols, dtype=jnp.int32)[None, :]
+        return ref[...][start + sign * (r - c)]
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+
+    dtype = jnp.dtype(ref.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct(shape, dtype,
+                                                          layout=plgpu.Layout.WGMMA))
+    def gather(ctx, smem):
+        del ctx
+        layout = mgpu.WGMMA_LAYOUT
+        index = ir.IndexType.get()
+        vec_type = layout.registers_element_type(ir.MemRefType(smem.type).element_type)
+        regs = np.empty(layout.registers_shape(shape), dtype=object)
+        for (row, col), at in zip(layout.thread_idxs(shape), np.ndindex(regs.shape)):
+            # The register holds (row, col + e), e < vector_length: at start + sign * (row - col) - sign * e.
+            diff = arith.subi(row, col) if sign > 0 else arith.subi(col, row)
+            base = arith.addi(diff, arith.constant(index, start))
+            reg = None
+            for e in range(layout.vector_length):
+                pos = arith.addi(base, arith.constant(index, -sign * e)) if e else base
+                x = memref.load(smem, [pos])
+                if reg is None:
+                    reg = vector.broadcast(vec_type, x)
+                else:
+                    reg = vector.insert(x, reg, dynamic_position=[],
+                                        static_position=ir.DenseI64ArrayAttr.get([e]))
+            regs[at] = reg
+        signed = None if jnp.issubdtype(dtype, jnp.floating) else True
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=signed)
+
+    return gather(ref)
 
 
 def vector_source(read):
@@ -589,10 +590,9 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     side = {axis: tuple(dict.fromkeys(vector_source(r) for r in reads if read_axis(r) == axis))
             for axis in _TILE_AXES}
     vectors = vector_arrays(sources, spec.operand_names, operands, b, hq, max(sq, k.shape[1]))
-    # Reads at q_idx - kv_idx: a window of their strip per step, both warpgroups' tiles.
-    offsets = OffsetStrip.build(offset_sources(offset_reads(*exprs)), spec.operand_names,
-                                operands, b, hq, BLOCK_Q, COMPUTE_WGS, BLOCK_KV, sq,
-                                k.shape[1])
+    # Reads at q_idx - kv_idx: a window of their diagonals per step, beside the key tile.
+    offsets = OffsetDiagonals.build(offset_sources(offset_reads(*exprs)), spec.operand_names,
+                                    operands, b, hq, TILE_Q, BLOCK_KV, sq, k.shape[1])
     vectors += offsets.arrays
     n_vec = len(vectors)
 
@@ -600,7 +600,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 vector_refs, o_ref, lse_ref, scoped):
         (qo_smem2, k_smem, v_smem, off_smem, lse_smem2, *staged), \
             (k_ready, v_ready, q_ready), (k_free, v_free), turn, (qvec_smem, kvvec_smem), \
-            (qvec_ready, kvvec_ready), (off_ready, off_free) = scoped
+            (qvec_ready, kvvec_ready), off_ready = scoped
         staged = staged[0] if staged else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -646,10 +646,9 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
             pl.when(wg == 1)(take_turn)
 
-            def modded(qk, kv0, is_full, slot, diagonal):
+            def modded(qk, kv0, is_full, slot):
                 """The score tile of keys kv0.. after the mod (on a full tile, the
-                mod without its mask) and the tail mask, in log2 units;
-                ``diagonal``: the tile's values of the reads at q_idx - kv_idx."""
+                mod without its mask) and the tail mask, in log2 units."""
                 if general[0] is None and not needs_kv_idx:
                     return qk * jnp.float32(spec.scale * LOG2E)
                 inputs = {"b": bi, "h": hi}
@@ -659,7 +658,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 if needs_kv_idx:
                     inputs["kv_idx"] = kv0 + plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=wgmma_layout)
-                for ready in kvvec_ready:  # every step (each wait takes one phase)
+                for ready in kvvec_ready + off_ready:  # every step (each wait takes one phase)
                     plgpu.barrier_wait(ready.at[slot])
 
                 def run(variant):
@@ -667,7 +666,11 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     s = qk * jnp.float32(spec.scale * factor)
                     if expr is not None:
                         mine = vector_reads(expr)
-                        known = offset_values(offset_reads(expr), diagonal)
+                        diagonal = offset_reads(expr)  # spread over this warpgroup's tile
+                        known = offset_values(diagonal, {
+                            src: offsets.tile(smem.at[slot], wg * BLOCK_Q, (BLOCK_Q, BLOCK_KV),
+                                              False, spec.interpret)
+                            for src, smem in zip(offsets.sources, off_smem)} if diagonal else {})
                         if mine:  # the key tile's vectors, loaded where this variant reads them
                             keys = {src: plgpu.load(smem.at[slot], layout=col_layout)
                                     for src, smem in zip(side["kv_idx"], kvvec_smem)}
@@ -702,15 +705,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
                 s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                # This warpgroup's tile of the reads at q_idx - kv_idx, into registers; the
-                # one window is free for the next step's once both warpgroups have read it.
-                diagonal = {}
-                for src, smem, ready, free in zip(offsets.sources, off_smem, off_ready,
-                                                  off_free):
-                    plgpu.barrier_wait(ready)
-                    diagonal[src] = offsets.group(smem, wg)[...]
-                    plgpu.barrier_arrive(free)
-                s = modded(s, kv0, is_full, slot, diagonal)
+                s = modded(s, kv0, is_full, slot)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 # A row masked so far has m = -inf: shift by 0 so that it adds nothing.
                 shift = jnp.where(m_new == NEG_INF, 0.0, m_new)
@@ -774,14 +769,11 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 for src, smem, ready in zip(side["kv_idx"], kvvec_smem, kvvec_ready):
                     plgpu.copy_gmem_to_smem(vector_slice(src, start, BLOCK_KV), smem.at[slot],
                                             ready.at[slot])
-                # The program's window of the strip, into its one slot once both compute
-                # warpgroups have read the previous step's (no wait for the first step).
-                for ref, src, smem, ready, free in zip(offset_refs, offsets.sources, off_smem,
-                                                       off_ready, off_free):
-                    if not (isinstance(step, int) and step == 0):
-                        plgpu.barrier_wait(free)
+                # The window of the diagonals: read by the mod before the slot's v_free.
+                for ref, src, smem, ready in zip(offset_refs, offsets.sources, off_smem,
+                                                 off_ready):
                     plgpu.copy_gmem_to_smem(offsets.at(ref, src, bi, hi, tile * TILE_Q, start),
-                                            smem, ready)
+                                            smem.at[slot], ready.at[slot])
 
             for first in range(STAGES):
                 pl.when(first < count)(functools.partial(fetch, first, first, False))
@@ -801,20 +793,13 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
 
             lax.fori_loop(jnp.maximum(count - STAGES, 0), count, drain, None)
 
-            @pl.when(count > 0)
-            def _():  # the last step's free of the strip's window
-                for free in off_free:
-                    plgpu.barrier_wait(free)
-
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest):
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
         o_ref, lse_ref = rest[n_ops + n_vec:]
-        # The strip's window beside the other tiles, the small buffers after them (at head
-        # dim 128 the window takes 48 of the 227 KiB; a second table's would not fit).
         smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled()),
                 plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=swizzled()),
                 plgpu.SMEM((STAGES, BLOCK_KV, dv), dtype, transforms=swizzled()),
-                offsets.scratch(),
+                offsets.scratch(STAGES),
                 plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32)]
         smem += staging(spec, COMPUTE_WGS, BLOCK_Q, BLOCK_KV, dtype)
         ready = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
@@ -826,8 +811,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     [plgpu.SMEM((STAGES, BLOCK_KV), kernel_dtype[s]) for s in side["kv_idx"]])
         vec_ready = ([plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in side["q_idx"]],
                      [plgpu.Barrier(num_barriers=STAGES) for _ in side["kv_idx"]])
-        diagonal = ([plgpu.Barrier() for _ in offsets.sources],
-                    [plgpu.Barrier(num_arrivals=COMPUTE_WGS) for _ in offsets.sources])
+        diagonal = [plgpu.Barrier(num_barriers=STAGES) for _ in offsets.sources]
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref,
                                     operand_refs, vector_refs, o_ref, lse_ref, scoped),

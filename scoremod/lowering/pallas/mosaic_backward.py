@@ -207,10 +207,12 @@ class _Vectors:
     the axis down the tile) is copied once, the streamed side's slice per step
     beside its tiles (into the step's slot); the tile's values load where an
     expression reads them. Reads at q_idx - kv_idx (``mosaic.offset_reads``)
-    come the same way, a whole tile per step (``mosaic.OffsetTiles``, transposed
-    in the dK/dV kernel, whose tiles run down the keys)."""
+    come the same way, a window of their diagonals per step
+    (``mosaic.OffsetDiagonals``), spread over the tile in registers (keys down in
+    the dK/dV kernel)."""
 
     def __init__(self, spec, operands, b, hq, sq, skv, own):
+        self.interpret = spec.interpret
         mods = [e for e in (spec.expr, spec.full_expr) if e is not None]
         learned = learned_loads(spec.expr, spec.learned)
         exprs = mods + [local_derivative(e) for e in mods]
@@ -220,10 +222,9 @@ class _Vectors:
         self.sources = mosaic.vector_sources(self.reads)
         self.arrays = mosaic.vector_arrays(self.sources, spec.operand_names, operands, b, hq,
                                            max(sq, skv))
-        rows, cols = (sq, skv) if own == "q_idx" else (skv, sq)
-        self.offsets = mosaic.OffsetTiles.build(
+        self.offsets = mosaic.OffsetDiagonals.build(
             mosaic.offset_sources(mosaic.offset_reads(*exprs)), spec.operand_names, operands, b,
-            hq, BLOCK, BLOCK, rows, cols, queries_down=own == "q_idx")
+            hq, BLOCK, BLOCK, sq, skv)
         self.arrays += self.offsets.arrays
         self.own, self.streamed = own, ("kv_idx" if own == "q_idx" else "q_idx")
         self.side = {axis: tuple(dict.fromkeys(
@@ -273,7 +274,8 @@ class _Vectors:
         n = len(self.side[self.streamed])
         for ref, src, buf, bar in zip(refs[len(self.sources):], self.offsets.sources, smem[n:],
                                       ready[n:]):
-            plgpu.copy_gmem_to_smem(self.offsets.at(ref, src, bi, hi, row0, start),
+            q0, k0 = (row0, start) if self.own == "q_idx" else (start, row0)
+            plgpu.copy_gmem_to_smem(self.offsets.at(ref, src, bi, hi, q0, k0),
                                     buf.at[slot], bar.at[slot])
 
     def wait(self, ready, slot):
@@ -292,8 +294,9 @@ class _Vectors:
             n = len(self.side[self.streamed])
             diagonal = mosaic.offset_reads(*roots)
             out = mosaic.offset_values(diagonal, {
-                src: buf.at[slot][...] for src, buf in zip(self.offsets.sources, smem[n:])
-            } if diagonal else {})
+                src: self.offsets.tile(buf.at[slot], 0, (BLOCK, BLOCK), self.own == "kv_idx",
+                                       self.interpret)
+                for src, buf in zip(self.offsets.sources, smem[n:])} if diagonal else {})
             mine = mosaic.vector_reads(*roots)
             if not mine:
                 return out
