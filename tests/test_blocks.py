@@ -121,6 +121,12 @@ SLOPES = jnp.asarray([0.5, 0.25, 0.125], jnp.float32)
 WINDOWS = jnp.asarray([4, 9, 40], jnp.int32)
 BIAS = jnp.asarray(np.where(np.kron(RNG.random((5, 5)) < 0.4, np.ones((8, 8))) > 0,
                             -np.inf, RNG.normal(size=(40, 40))), jnp.float32)
+# Relative positions: a table per head over q - kv with -inf runs (skipped diagonals),
+# T5-style buckets at kv - q indexing a float table.
+REL = jnp.asarray(np.where(np.repeat(RNG.random((3, 10)) < 0.3, 8, axis=1)[:, :79] > 0,
+                           -np.inf, RNG.normal(size=(3, 79))), jnp.float32)
+BUCKETS = jnp.asarray(np.clip(np.arange(-39, 40) // 6, -4, 4) + 4, jnp.int32)
+BUCKET_BIAS = jnp.asarray(RNG.normal(size=(9, 3)), jnp.float32)
 
 # name -> (mod, whether the analysis is exact for it)
 MODS = {
@@ -153,6 +159,11 @@ MODS = {
                         False),
     "masked_then_softcap": (lambda s, b, h, q, k: 5.0 * jnp.tanh(
         jnp.where(q >= k, s, NEG_INF) / 5.0), True),
+    # Bounded per tile from their diagonals (a chunk may reach past the tile: not tight).
+    "relative_bias_inf": (lambda s, b, h, q, k: s + REL[h, q - k + 39], False),
+    "relative_condition": (lambda s, b, h, q, k: jnp.where(REL[h, k - q + 39] > 0.2, s,
+                                                           NEG_INF), False),
+    "relative_buckets": (lambda s, b, h, q, k: s + BUCKET_BIAS[BUCKETS[k - q + 39], h], False),
 }
 
 
@@ -215,6 +226,30 @@ def test_per_tile_evaluation_is_used_for_loose_masks():
     never, _ = check(mod, p, 8, 8, exact="never")
     auto, _ = check(mod, p, 8, 8, exact="auto", tight=True)
     assert never.all() and not auto.all()
+
+
+def test_relative_positions_are_bounded_on_their_diagonals(monkeypatch):
+    """A table read at q_idx - kv_idx is bounded per tile from its values on the
+    tile's diagonals (O(S)), never by evaluating every entry: tiles on -inf
+    diagonals only are skipped, and the classes equal the entry-by-entry ones
+    wherever the tiles' diagonals are whole chunks (square tiles)."""
+    band = np.zeros((2, 127), np.float32)
+    band[:, 63 + 16:63 + 40] = -np.inf  # q - kv in [16, 40) masked
+    table = jnp.asarray(band)
+    mod = trace(lambda s, b, h, q, k: s + table[h, q - k + 63])
+    p = Problem(1, 64, 64, 2, 2, 8, 8, "float32")
+    exact, _ = classify_tiles(mod.expr, mod.operands, p, 8, 8, exact="always")
+
+    def no_entries(*a, **k):
+        raise AssertionError("a relative table was evaluated entry by entry")
+
+    monkeypatch.setattr("scoremod.lowering.blocks._Tiles.per_tile", no_entries)
+    visited, full = classify_tiles(mod.expr, mod.operands, p, 8, 8)
+    assert not bool(visited.all())  # the masked band skips tiles
+    assert bool((visited | ~exact).all())  # sound: every tile the entries need is visited
+    diagonals = np.arange(8)[:, None] * 8 - np.arange(8)[None, :] * 8
+    inside = (diagonals - 7 >= 16) & (diagonals + 7 < 40)  # tiles wholly on the band
+    np.testing.assert_array_equal(np.asarray(visited[0, 0]), ~inside)
 
 
 def test_jit_takes_operands_as_arguments():

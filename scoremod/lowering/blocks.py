@@ -510,6 +510,35 @@ def _is_neg_inf(node):
     return node.op == CONST and node.dtype == F32 and node.attr == -math.inf
 
 
+def is_difference(node) -> bool:
+    """``q_idx - kv_idx`` or ``kv_idx - q_idx``."""
+    return (node.op == "sub" and all(a.op == VAR for a in node.args)
+            and {a.attr for a in node.args} == {"q_idx", "kv_idx"})
+
+
+def difference_form(node) -> Node | None:
+    """``node`` as a function of ``b``, ``h`` and ``q_idx`` standing for ``q_idx -
+    kv_idx``, where it reads the two indices only as that difference (or its
+    negation): a relative position, the same along each diagonal of the score
+    matrix (``bias[h, q_idx - kv_idx + S - 1]``); else None.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> t = jnp.zeros((4, 15))
+        >>> mod = scoremod.trace(lambda s, b, h, q, k: s + t[h, k - q + 7])
+        >>> difference_form(mod.expr.args[1])
+        <f32 c0[h, -q_idx + 7]>
+    """
+    used = ir.variables(node)
+    if not {"q_idx", "kv_idx"} <= used:
+        return None
+    outside = {n.attr for n in ir.toposort(node, stop=is_difference) if n.op == VAR}
+    if outside & {"q_idx", "kv_idx"}:
+        return None
+    q = ir.var("q_idx")
+    return ir.substitute(node, {n: q if n.args[0] is q else ir.build("neg", q)
+                                for n in ir.toposort(node) if is_difference(n)})
+
+
 def mask_conditions(expr) -> tuple:
     """``(conditions, conflicting)``: the score-free boolean nodes the mod masks
     with, each with the value it must have for an entry to be kept
@@ -640,6 +669,38 @@ class _Tiles:
         parts = _parts(node.dtype, array.reshape(1, -1))
         return _abstract(node.dtype, _reduce(node.dtype, parts, 1, keepdims=False))
 
+    def diagonal(self, form, deps) -> tuple:
+        """A node read at q_idx - kv_idx only (``form``: ``difference_form``'s),
+        bounded per tile from its values on the tile's diagonals: evaluated once
+        per diagonal, O((Sq + Skv) * B * H), then reduced over each tile's
+        ``block_q + block_kv - 1`` diagonals (chunks of their gcd, so a few per
+        tile; a chunk may reach a diagonal or two past the tile: looser, never
+        wrong)."""
+        p, bq, bk = self.problem, self.block_q, self.block_kv
+        g = math.gcd(bq, bk)
+        lo = -self.nk * bk  # below the last key against the first query
+        chunks = (self.nq * bq - lo) // g
+        b = jnp.arange(p.b if "b" in deps else 1, dtype=jnp.int32)[:, None, None]
+        h = jnp.arange(p.hq if "h" in deps else 1, dtype=jnp.int32)[None, :, None]
+        diff = lo + jnp.arange(chunks * g, dtype=jnp.int32)[None, None, :]
+        value = evaluate(form, {"b": b, "h": h, "q_idx": diff, "kv_idx": 0}, self.operands)
+        value = jnp.broadcast_to(value, (b.shape[0], h.shape[1], chunks * g))
+        parts = _parts(form.dtype, value)
+        if "b" in deps and self.bm == 1:
+            parts = _reduce(form.dtype, parts, 0)
+        if "h" in deps and self.hm == 1:
+            parts = _reduce(form.dtype, parts, 1)
+        parts = _reduce(form.dtype, tuple(x.reshape(x.shape[:2] + (chunks, g)) for x in parts),
+                        3, keepdims=False)
+        # Tile (i, j) sees q - kv from i*bq - j*bk - (bk - 1) to i*bq - j*bk + bq - 1.
+        offset = (np.arange(self.nq)[:, None] * bq - np.arange(self.nk)[None, :] * bk)
+        first = (offset - bk + 1 - lo) // g
+        last = (offset + bq - 1 - lo) // g
+        span = int((last - first).max()) + 1
+        index = np.minimum(first[..., None] + np.arange(span), last[..., None])
+        parts = tuple(x[:, :, index] for x in parts)  # [Bm, Hm, nq, nk, span]
+        return _abstract(form.dtype, _reduce(form.dtype, parts, 4, keepdims=False))
+
     def per_tile(self, nodes, deps) -> list:
         """Score-free nodes evaluated on every entry of every tile, reduced per
         tile: one (batch, head, query block) row of tiles per step (a node
@@ -731,7 +792,9 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     a captured bias) are evaluated on every entry of every tile, a batch of
     (batch, head, query block) rows per step of about 2**24 entries
     (O(B*H*Sq*Skv) work): "auto" those the interval rules bound loosely
-    (remainders, loads indexed by both), "always" all, "never" none.
+    (remainders, loads indexed by both), "always" all, "never" none. Under
+    "auto", those of them reading q_idx and kv_idx only as their difference
+    (``difference_form``: a relative table) are evaluated once per diagonal.
     Everything else costs O(B*H*S) (separable parts) plus O(Bm*Hm*nq*nk)
     (the rules)."""
     if exact not in _EXACT:
@@ -743,7 +806,13 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     tiles = _Tiles(problem, block_q, block_kv, bm, hm, operands)
     exact_nodes = [n for n in _mixed_uses(expr, conds, deps)
                    if exact == "always" or (exact == "auto" and not _tight(n, deps))]
+    # Relative positions among them (a table at q_idx - kv_idx): bounded per tile
+    # from their diagonals instead, O(S) (a table's -inf entries still skip tiles).
+    diagonal = {} if exact == "always" else {
+        n: f for n in exact_nodes if (f := difference_form(n)) is not None}
+    exact_nodes = [n for n in exact_nodes if n not in diagonal]
     values = dict(zip(exact_nodes, tiles.per_tile(exact_nodes, deps))) if exact_nodes else {}
+    values.update({n: tiles.diagonal(f, deps[n]) for n, f in diagonal.items()})
 
     def leaf(n):
         return n in values or n.op == CONST or _separable(deps[n]) or n.op not in RULES

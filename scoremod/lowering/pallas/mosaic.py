@@ -59,6 +59,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE
 from scoremod.dsl.text import format_expr
+from scoremod.lowering.blocks import difference_form, is_difference
 from scoremod.lowering.pallas import codegen
 
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M is 64 per warpgroup)
@@ -181,14 +182,9 @@ def read_axis(load):
         return False  # the score
     if len(axes) <= 1:
         return axes[0] if axes else None
-    outside = {n.attr for n in ir.toposort(*load.args[1:], stop=_is_difference)
+    outside = {n.attr for n in ir.toposort(*load.args[1:], stop=is_difference)
                if n.op == ir.VAR}
     return False if outside & set(_TILE_AXES) else OFFSET
-
-
-def _is_difference(node) -> bool:
-    return (node.op == "sub" and all(a.op == ir.VAR for a in node.args)
-            and {a.attr for a in node.args} == set(_TILE_AXES))
 
 
 def _is_tile_read(node) -> bool:
@@ -218,9 +214,7 @@ def offset_reads(*exprs) -> tuple:
 def offset_source(read):
     """The read as a function of ``b``, ``h`` and ``q_idx`` standing for
     ``q_idx - kv_idx`` (the value every tile evaluates on its diagonals)."""
-    q = ir.var("q_idx")
-    return ir.substitute(read, {n: q if n.args[0] is q else ir.build("neg", q)
-                                for n in ir.toposort(read) if _is_difference(n)})
+    return difference_form(read)
 
 
 def offset_sources(reads) -> tuple:
