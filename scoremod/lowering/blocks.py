@@ -525,8 +525,8 @@ def difference_form(node) -> Node | None:
         >>> import jax.numpy as jnp, scoremod
         >>> t = jnp.zeros((4, 15))
         >>> mod = scoremod.trace(lambda s, b, h, q, k: s + t[h, k - q + 7])
-        >>> difference_form(mod.expr.args[1])
-        <f32 c0[h, -q_idx + 7]>
+        >>> difference_form(mod.expr.args[1])  # jax.numpy wraps negative indices
+        <f32 c0[h, where(-q_idx + 7 < 0, -q_idx + 7 + 15, -q_idx + 7)]>
     """
     used = ir.variables(node)
     if not {"q_idx", "kv_idx"} <= used:
