@@ -7,7 +7,7 @@ module keeps those records in files, one per graph, so that the first fused
 call of a later process for a mod and shape it has seen loads the record
 instead of building it.
 
-Where, and how to switch it off (read at the first fused call):
+Where, and how to switch it off (read at the first ``scoremod.attention`` call):
 
 =========================  ====================================================
 ``SCOREMOD_CACHE_DIR``     the cache root; unset: ``$XDG_CACHE_HOME/scoremod``,
@@ -21,7 +21,9 @@ Where, and how to switch it off (read at the first fused call):
 ``SCOREMOD_JAX_CACHE``     ``1`` also turns on JAX's persistent compilation
                            cache in ``<root>/jax`` for every compile of the
                            process (unless ``jax_compilation_cache_dir`` is
-                           already set); default ``0``.
+                           already set), whatever the backend: it keeps the
+                           Pallas kernels' compiled code, most of their first
+                           call; default ``0``.
 =========================  ====================================================
 
 Graphs live in ``<root>/cudnn-plans/<sha256>.plan``. An entry is named by the
