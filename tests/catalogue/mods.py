@@ -992,7 +992,7 @@ entry(
     what="Sandwich: the inner product of sinusoidal position embeddings, scaled per head",
     origin="mods/sandwich.py", setup=_sandwich, reference=_sandwich_ref,
     code="mod = lambda s, b, h, q, k: s + rel[q - k + OFF] * ratio[h]",
-    verdict="block-sparse Pallas kernels, table per diagonal tile",
+    verdict="block-sparse Pallas kernels, table per diagonal",
 )
 
 

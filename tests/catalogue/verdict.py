@@ -18,7 +18,7 @@ query-block split is the one an H200 (132 SMs) gets.
 - ``fused``: one fused kernel, reading captured arrays directly if any;
 - ``block-sparse Pallas kernels, mask in the kernel``: a mask of captured
   arrays that cuDNN yields to the Pallas kernels (``yields_to``);
-- ``block-sparse Pallas kernels, table per diagonal tile``: a table read at
+- ``block-sparse Pallas kernels, table per diagonal``: a table read at
   q_idx - kv_idx that cuDNN yields to the Pallas kernels' Mosaic GPU engine
   on an H200 (decided from the IR here: the engine's own refusals, not this
   machine's GPU or jax).
@@ -99,7 +99,7 @@ def planned(mod, shape, d=128, sms=H200_SMS):
         return notes, "pallas", None
     # A relative-position table: to the Mosaic GPU engine, where it reads the mod.
     if mosaic.offset_reads(mod.expr) and mosaic.refusal(mod.expr, mod.sources) is None:
-        return notes + ["table per diagonal tile"], "pallas", None
+        return notes + ["table per diagonal"], "pallas", None
     return notes, "cudnn", plan_of(mod, shape, d, sms)
 
 
@@ -112,7 +112,7 @@ def verdict(mod, shape, d=128, sms=H200_SMS) -> str:
         return f"refused: `{op.group(1) if op else '?'}`"
     said, backend, plan = planned(mod, shape, d, sms)
     if backend == "pallas":
-        what = said[-1] if said[-1:] == ["table per diagonal tile"] else "mask in the kernel"
+        what = said[-1] if said[-1:] == ["table per diagonal"] else "mask in the kernel"
         return ", ".join([n for n in said if n != what] + [f"block-sparse Pallas kernels, {what}"])
     if plan is None:
         return ", ".join(said + ["ragged sequences (cudnn-varlen)"])

@@ -228,7 +228,7 @@ class Pallas(Backend):
         if reads and self.engine(problem, mod, options)[0] == "mosaic":
             return (f"`{format_expr(reads[0])}` reads a table at q_idx - kv_idx, which other "
                     "backends compute ahead as a [.., Sq, Skv] tensor; the Mosaic GPU engine "
-                    "reads it a tile per diagonal")
+                    "reads it a value per diagonal")
         return None
 
     def _why_not_mosaic(self, problem, mod, advice=True):

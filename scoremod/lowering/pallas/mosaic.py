@@ -174,7 +174,7 @@ def read_axis(load):
     """How the kernels read captured array ``load`` (a LOAD node): None, a scalar
     per program (its indices use b, h and constants only); ``"q_idx"`` or
     ``"kv_idx"``, a vector along that tile axis (they use that index too, and
-    no other); ``OFFSET``, a tile per diagonal (they use q_idx and kv_idx only
+    no other); ``OFFSET``, a value per diagonal (they use q_idx and kv_idx only
     as ``q_idx - kv_idx`` or ``kv_idx - q_idx``); False, a gather they cannot make."""
     used = ir.variables(*load.args[1:])
     axes = [a for a in _TILE_AXES if a in used]

@@ -265,7 +265,7 @@ class _Vectors:
 
     def fetch(self, refs, smem, ready, bi, hi, row0, start, slot):
         """The memory warpgroup's copies of one step's streamed slices (the tile's
-        columns from ``start``) and diagonal tiles (its rows from ``row0``)."""
+        columns from ``start``) and window of diagonals (for its rows from ``row0``)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         for src, buf, bar in zip(self.side[self.streamed], smem, ready):
