@@ -467,7 +467,10 @@ def test_relative_table_through_attention(hopper):
 
 def test_mosaic_document_through_attention(hopper):
     """The motivating mod by scoremod.attention, jitted with gradients, against
-    implementation="xla": document ids per batch, causal, softcap 30."""
+    implementation="xla": document ids per batch, causal, softcap 30. O and the
+    gradients of <O, dO> are compared, not that sum itself: its terms cancel
+    (as in test_relative_table_through_attention), so bfloat16 rounding alone
+    can move it past the tolerance."""
     q, k, v, do = pc.inputs(b=2, sq=1000, skv=1000, hq=8, hkv=2, d=128, dtype=jnp.bfloat16)
     doc = pc.doc_ids(2, 1000, docs=6, seed=3)
 
@@ -476,16 +479,18 @@ def test_mosaic_document_through_attention(hopper):
         return jnp.where(same, 30 * jnp.tanh(score / 30), -jnp.inf)
 
     def grads(impl, *a):
+        def attend(q, k, v):
+            return scoremod.attention(q, k, v, mod, implementation=impl, options=MOSAIC)
+
         def loss(q, k, v):
-            o = scoremod.attention(q, k, v, mod, implementation=impl, options=MOSAIC)
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*a)
+            return jnp.sum(attend(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+        return jax.jit(attend)(*a), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*a)
 
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     want = grads("xla", f32(q), f32(k), f32(v))
     got = grads("pallas", q, k, v)
     _mosaic_backward(PALLAS.plan(Problem.of(q, k, v), scoremod.trace(mod), 0.125, MOSAIC, True))
-    for name, a, b in zip(("loss", "dQ", "dK", "dV"), jax.tree.leaves(got), jax.tree.leaves(want)):
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), jax.tree.leaves(got), jax.tree.leaves(want)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         err = np.max(np.abs(a - b)) / np.max(np.abs(b))
         assert err < TOL[jnp.bfloat16], (name, err)
