@@ -167,6 +167,13 @@ def vector_mod(name, b, hq, sq, skv):
     if name == "relative_causal":  # a decoder's: causal, a table of the distance back
         table = jnp.asarray(np.random.default_rng(16).normal(size=(hq, n)), jnp.float32)
         return (lambda s, b, h, q, k, t: jnp.where(q >= k, s + t[h, q - k], -jnp.inf)), (table,)
+    if name == "relative_masked":  # -inf runs in the table: the block map skips their tiles
+        rng = np.random.default_rng(18)
+        table = rng.normal(size=(hq, sq + skv - 1))
+        table[:, :skv - 1] = -np.inf  # q < kv: a causal mask written into the table
+        table[:, skv - 1 + 200:skv - 1 + 330] = -np.inf  # and a band of distances
+        return (lambda s, b, h, q, k, t: s + t[h, q - k + skv - 1]
+                ), (jnp.asarray(table, jnp.float32),)
     if name == "relative_document":  # packed documents with a relative table (shared memory)
         table = jnp.asarray(np.random.default_rng(17).normal(size=(hq, sq + skv - 1)),
                             jnp.float32)

@@ -851,6 +851,7 @@ def test_offset_diagonals(rows, cols, keys_down):
     ("relative_buckets", 1, dict(sq=200, skv=136, hq=2, hkv=2, d=64), jnp.bfloat16),
     ("relative_causal", 1, dict(sq=320, skv=320, hq=2, hkv=1, d=64), jnp.bfloat16),
     ("relative_document", 2, dict(sq=256, skv=256, hq=2, hkv=1, d=64), jnp.bfloat16),
+    ("relative_masked", 1, dict(sq=450, skv=450, hq=2, hkv=1, d=64), jnp.bfloat16),
 ])
 def test_offset_reads_interpreted(case, b, shape, dtype, interprets):
     """Relative-position tables forward and backward on the Mosaic kernels in
@@ -859,7 +860,8 @@ def test_offset_reads_interpreted(case, b, shape, dtype, interprets):
     and tails; jax.numpy's wrapped negative index under a softcap, float16, Sq <
     Skv; T5's int buckets at kv_idx - q_idx indexing a float table; a causal
     table (the map skips tiles and marks full ones, whose mod drops the mask); a
-    table beside document ids (vector reads and the strip in one program)."""
+    table beside document ids (vector reads and the diagonals in one program);
+    -inf runs in a table (the map, bounded from the diagonals, skips tiles)."""
     _interpreted_against_reference(case, b, shape, dtype, mosaic.offset_reads)
 
 

@@ -672,10 +672,10 @@ class _Tiles:
     def diagonal(self, form, deps) -> tuple:
         """A node read at q_idx - kv_idx only (``form``: ``difference_form``'s),
         bounded per tile from its values on the tile's diagonals: evaluated once
-        per diagonal, O((Sq + Skv) * B * H), then reduced over each tile's
-        ``block_q + block_kv - 1`` diagonals (chunks of their gcd, so a few per
-        tile; a chunk may reach a diagonal or two past the tile: looser, never
-        wrong)."""
+        per diagonal, O((Sq + Skv) * B * H), then reduced over the diagonals each
+        tile crosses (its real entries': padded rows and columns left out) in
+        chunks of gcd(block_q, block_kv), so a few per tile; a chunk may reach up
+        to gcd - 1 diagonals past the tile's: looser, never wrong."""
         p, bq, bk = self.problem, self.block_q, self.block_kv
         g = math.gcd(bq, bk)
         lo = -self.nk * bk  # below the last key against the first query
@@ -685,17 +685,19 @@ class _Tiles:
         diff = lo + jnp.arange(chunks * g, dtype=jnp.int32)[None, None, :]
         value = evaluate(form, {"b": b, "h": h, "q_idx": diff, "kv_idx": 0}, self.operands)
         value = jnp.broadcast_to(value, (b.shape[0], h.shape[1], chunks * g))
-        parts = _parts(form.dtype, value)
+        real = (diff > -p.skv) & (diff < p.sq)  # some real query and key are that far apart
+        parts = _parts(form.dtype, value, real)
         if "b" in deps and self.bm == 1:
             parts = _reduce(form.dtype, parts, 0)
         if "h" in deps and self.hm == 1:
             parts = _reduce(form.dtype, parts, 1)
         parts = _reduce(form.dtype, tuple(x.reshape(x.shape[:2] + (chunks, g)) for x in parts),
                         3, keepdims=False)
-        # Tile (i, j) sees q - kv from i*bq - j*bk - (bk - 1) to i*bq - j*bk + bq - 1.
-        offset = (np.arange(self.nq)[:, None] * bq - np.arange(self.nk)[None, :] * bk)
-        first = (offset - bk + 1 - lo) // g
-        last = (offset + bq - 1 - lo) // g
+        # Tile (i, j)'s real entries see q - kv from its first query less its last
+        # real key to its last real query less its first key.
+        q0, k0 = np.arange(self.nq)[:, None] * bq, np.arange(self.nk)[None, :] * bk
+        first = (q0 - (np.minimum(k0 + bk, p.skv) - 1) - lo) // g
+        last = (np.minimum(q0 + bq, p.sq) - 1 - k0 - lo) // g
         span = int((last - first).max()) + 1
         index = np.minimum(first[..., None] + np.arange(span), last[..., None])
         parts = tuple(x[:, :, index] for x in parts)  # [Bm, Hm, nq, nk, span]

@@ -416,6 +416,7 @@ _OFFSET_CASES = [
     ("relative_buckets", 2, dict(sq=512, skv=512, hq=8, hkv=2, d=128), jnp.bfloat16),
     ("relative_causal", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("relative_document", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("relative_masked", 1, dict(sq=1000, skv=1000, hq=2, hkv=1, d=128), jnp.bfloat16),
 ]
 
 
@@ -428,7 +429,9 @@ def test_mosaic_offset_reads(case, b, shape, dtype, hopper):
     heads, tails), jax.numpy's wrapped negative index under a softcap (MQA,
     float16 d64 at 1000; Sq < Skv), T5's int buckets indexing a float table, a
     causal table (tiles skipped, full ones without the mask), a table beside
-    document ids at head dim 128 (the forward's shared memory holds both)."""
+    document ids at head dim 128 (the forward's shared memory holds both), a
+    table with -inf runs (the block map skips their tiles, bounded from the
+    diagonals)."""
     _vector_mod_against_reference(case, b, shape, dtype)
 
 
