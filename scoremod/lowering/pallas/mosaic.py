@@ -32,7 +32,8 @@ once per diagonal of the score matrix (``OffsetDiagonals``: Sq + Skv values
 per batch and head it reads, O(S) memory, never S x S); the memory
 warpgroup copies the program's window of them (256 values) beside the key
 tile, and each compute warpgroup spreads it over its tile in registers (a
-gather from shared memory, written in Mosaic GPU: ``diagonal_gather``).
+gather from shared memory, written in Mosaic GPU: ``diagonal_gather``). One
+such table per mod (``refusal``).
 
 What this engine cannot evaluate is refused up front (``refusal``): ops
 Mosaic GPU has no lowering for, and other reads at an index that varies with
@@ -160,8 +161,8 @@ def refusal(expr, sources, advice=True) -> str | None:
                    "position, such as bias[h, q_idx - kv_idx + S - 1]); this index varies over "
                    f"the tile with {' and '.join(tile)} otherwise (a gather)")
         if node.op == LOAD and node is second:
-            why = ("it holds the tiles of one array read at q_idx - kv_idx per mod in shared "
-                   "memory; this mod reads another one here")
+            why = ("it takes one array read at q_idx - kv_idx per mod (its kernels have run "
+                   "on the GPU with one only); this mod reads another one here")
         if why:
             where = ir.source_of(node, expr, sources)
             return (f"its Mosaic GPU engine cannot run `{node.op}` in `{format_expr(node)}`"
@@ -327,7 +328,8 @@ def diagonal_gather(ref, start, sign, shape, interpret):
         vec_type = layout.registers_element_type(ir.MemRefType(smem.type).element_type)
         regs = np.empty(layout.registers_shape(shape), dtype=object)
         for (row, col), at in zip(layout.thread_idxs(shape), np.ndindex(regs.shape)):
-            # The register holds (row, col + e), e < vector_length: at start + sign * (row - col) - sign * e.
+            # The register holds (row, col + e) for e < vector_length: at
+            # start + sign * (row - col) - sign * e.
             diff = arith.subi(row, col) if sign > 0 else arith.subi(col, row)
             base = arith.addi(diff, arith.constant(index, start))
             reg = None
