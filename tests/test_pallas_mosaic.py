@@ -795,9 +795,10 @@ def test_offset_reads():
     assert mosaic.refusal(same.expr, same.sources) is None  # one source, read twice
 
 
+@pytest.mark.parametrize("sq,skv", [(384, 256), (128, 640)])
 @pytest.mark.parametrize("rows,cols,keys_down", [(128, 128, False), (64, 64, False),
                                                   (64, 64, True)])
-def test_offset_diagonals(rows, cols, keys_down):
+def test_offset_diagonals(rows, cols, keys_down, sq, skv):
     """For every program (q0, k0) of the kernels' tiles (the forward's 128 x 128 of
     two warpgroups, dQ's 64 x 64, dK/dV's keys down), its window is 16-byte
     aligned and inside the array, and the tile spread from it (interpret mode's
@@ -808,8 +809,7 @@ def test_offset_diagonals(rows, cols, keys_down):
     buckets = jnp.asarray(rng.integers(0, 7, size=(2, 900)), jnp.int32)
     mods = [lambda s, b, h, qi, ki: s + table[h, qi - ki + 300],
             lambda s, b, h, qi, ki: jnp.where(buckets[b, ki - qi + 400] > 3, s, -jnp.inf)]
-    sq, skv = 384, 256  # padded lengths
-    from scoremod.lowering.pallas import codegen
+    from scoremod.lowering.pallas import codegen  # sq, skv: padded lengths
 
     for fn in mods:
         mod = scoremod.trace(fn)
