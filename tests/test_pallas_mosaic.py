@@ -793,6 +793,17 @@ def test_offset_reads():
     same = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(t[h, qi - ki + 150] > 0,
                                                             s + t[h, qi - ki + 150], s))
     assert mosaic.refusal(same.expr, same.sources) is None  # one source, read twice
+    # Bool flags at q_idx - kv_idx are refused (not run on the GPU; bool reads along one
+    # tile axis went wrong there); the same flags as an int array run.
+    flags = jnp.arange(300) % 3 == 0
+    as_bool = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(flags[qi - ki + 150], s,
+                                                               -jnp.inf))
+    why = mosaic.refusal(as_bool.expr, as_bool.sources)
+    assert "bool array read at q_idx - kv_idx" in why and "test_pallas_mosaic.py" in why
+    ints = flags.astype(jnp.int32)
+    as_int = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(ints[qi - ki + 150] != 0, s,
+                                                              -jnp.inf))
+    assert mosaic.refusal(as_int.expr, as_int.sources) is None
 
 
 @pytest.mark.parametrize("sq,skv", [(384, 256), (128, 640)])

@@ -147,6 +147,7 @@ def refusal(expr, sources, advice=True) -> str | None:
     """Why the Mosaic GPU forward cannot evaluate ``expr`` (a sentence naming
     the op and where it was written, with what runs it if ``advice``), or None."""
     second = _second_offset_source(expr)
+    flags = {r for r in offset_reads(expr) if r.dtype == ir.BOOL}
     for node in ir.toposort(expr):
         why = NOT_LOWERABLE.get(node.op)
         if node.op in INT_ONLY and any(a.dtype == ir.F32 for a in node.args):
@@ -160,6 +161,11 @@ def refusal(expr, sources, advice=True) -> str | None:
                    "axis such as doc[b, q_idx]), or from q_idx - kv_idx as a whole (a relative "
                    "position, such as bias[h, q_idx - kv_idx + S - 1]); this index varies over "
                    f"the tile with {' and '.join(tile)} otherwise (a gather)")
+        if node in flags:
+            why = ("a bool array read at q_idx - kv_idx has not run on the GPU, and bool arrays "
+                   "read along one tile axis gave wrong results there; capture it as an int "
+                   "array (`ints = flags.astype(jnp.int32)` outside the mod, `ints[...] != 0` in "
+                   "it)")
         if node.op == LOAD and node is second:
             why = ("it takes one array read at q_idx - kv_idx per mod (its kernels have run "
                    "on the GPU with one only); this mod reads another one here")
