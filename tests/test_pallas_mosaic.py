@@ -810,7 +810,7 @@ def test_offset_reads():
 @pytest.mark.parametrize("rows,cols,keys_down", [(128, 128, False), (64, 64, False),
                                                   (64, 64, True)])
 def test_offset_diagonals(rows, cols, keys_down, sq, skv):
-    """For every program (q0, k0) of the kernels' tiles (the forward's 128 x 128 of
+    """On padded lengths sq x skv, for every program (q0, k0) of the kernels' tiles (the forward's 128 x 128 of
     two warpgroups, dQ's 64 x 64, dK/dV's keys down), its window is 16-byte
     aligned and inside the array, and the tile spread from it (interpret mode's
     gather, the GPU's contract) is the read evaluated by the reference path on
@@ -820,7 +820,7 @@ def test_offset_diagonals(rows, cols, keys_down, sq, skv):
     buckets = jnp.asarray(rng.integers(0, 7, size=(2, 900)), jnp.int32)
     mods = [lambda s, b, h, qi, ki: s + table[h, qi - ki + 300],
             lambda s, b, h, qi, ki: jnp.where(buckets[b, ki - qi + 400] > 3, s, -jnp.inf)]
-    from scoremod.lowering.pallas import codegen  # sq, skv: padded lengths
+    from scoremod.lowering.pallas import codegen
 
     for fn in mods:
         mod = scoremod.trace(fn)
@@ -895,9 +895,10 @@ def test_offset_reads_lower(hopper_here):
 
 def test_offset_and_vector_reads_share_shared_memory(hopper_here, monkeypatch):
     """A relative table beside document ids fits the forward's shared memory at
-    head dims 64 and 128 (the strip's window of 48 KiB; the two warpgroups' own
-    tiles, 64 KiB, left 152 bytes too few at 128): the call lowers to the three
-    Mosaic GPU kernels, which the CUDA lowering checks against the 227 KiB."""
+    head dims 64 and 128 (a window of the table's diagonals per stage, 1 KiB; the
+    two warpgroups' own 64 x 128 tiles left 152 bytes too few at 128): the call
+    lowers to the three Mosaic GPU kernels, which the CUDA lowering checks
+    against the 227 KiB."""
     monkeypatch.setattr(jax, "__version__", "0.11.2")
     doc = pc.doc_ids(2, 512)
     t = jax.random.normal(jax.random.PRNGKey(1), (4, 1023))

@@ -636,23 +636,32 @@ class _Tiles:
         inputs = {"b": b, "h": h, "q_idx": q, "kv_idx": kv}
         return evaluate(node, inputs, self.operands)
 
-    def separable(self, node, deps) -> tuple:
-        """The exact value of a separable node, reduced onto the tiles."""
+    def _along(self, node, deps, q, kv, size, ok=True) -> tuple:
+        """The parts of ``node`` at query and key positions ``q`` and ``kv`` (``[1, 1,
+        size]`` arrays or scalars), for every batch and head it reads, reduced over
+        those the map does not keep: ``[Bm or 1, Hm or 1, size]`` each (entries where
+        ``ok`` is false left out)."""
         p = self.problem
         b = jnp.arange(p.b if "b" in deps else 1, dtype=jnp.int32)[:, None, None]
         h = jnp.arange(p.hq if "h" in deps else 1, dtype=jnp.int32)[None, :, None]
-        seq_axis = "q_idx" if "q_idx" in deps else ("kv_idx" if "kv_idx" in deps else None)
-        size = {"q_idx": p.sq, "kv_idx": p.skv, None: 1}[seq_axis]
-        seq = jnp.arange(size, dtype=jnp.int32)[None, None, :]
-        zero = jnp.zeros((1, 1, 1), jnp.int32)
-        value = self.evaluate(node, b, h, seq if seq_axis == "q_idx" else zero,
-                              seq if seq_axis == "kv_idx" else zero)
-        value = jnp.broadcast_to(value, (b.shape[0], h.shape[1], size))
-        parts = _parts(node.dtype, value)
+        value = jnp.broadcast_to(self.evaluate(node, b, h, q, kv),
+                                 (b.shape[0], h.shape[1], size))
+        parts = _parts(node.dtype, value, ok)
         if "b" in deps and self.bm == 1:
             parts = _reduce(node.dtype, parts, 0)
         if "h" in deps and self.hm == 1:
             parts = _reduce(node.dtype, parts, 1)
+        return parts
+
+    def separable(self, node, deps) -> tuple:
+        """The exact value of a separable node, reduced onto the tiles."""
+        p = self.problem
+        seq_axis = "q_idx" if "q_idx" in deps else ("kv_idx" if "kv_idx" in deps else None)
+        size = {"q_idx": p.sq, "kv_idx": p.skv, None: 1}[seq_axis]
+        seq = jnp.arange(size, dtype=jnp.int32)[None, None, :]
+        zero = jnp.zeros((1, 1, 1), jnp.int32)
+        parts = self._along(node, deps, seq if seq_axis == "q_idx" else zero,
+                            seq if seq_axis == "kv_idx" else zero, size)
         if seq_axis is not None:
             block = self.block_q if seq_axis == "q_idx" else self.block_kv
             n = num_blocks(size, block)
@@ -669,10 +678,11 @@ class _Tiles:
         parts = _parts(node.dtype, array.reshape(1, -1))
         return _abstract(node.dtype, _reduce(node.dtype, parts, 1, keepdims=False))
 
-    def diagonal(self, form, deps) -> tuple:
-        """A node read at q_idx - kv_idx only (``form``: ``difference_form``'s),
-        bounded per tile from its values on the tile's diagonals: evaluated once
-        per diagonal, O((Sq + Skv) * B * H), then reduced over the diagonals each
+    def diagonal(self, node, deps) -> tuple:
+        """A node that reads q_idx and kv_idx only as q_idx - kv_idx
+        (``difference_form``), bounded per tile from its values on the tile's
+        diagonals: evaluated once per diagonal (at q_idx = the difference,
+        kv_idx = 0), O((Sq + Skv) * B * H), then reduced over the diagonals each
         tile crosses (its real entries': padded rows and columns left out) in
         chunks of gcd(block_q, block_kv), so a few per tile; a chunk may reach up
         to gcd - 1 diagonals past the tile's: looser, never wrong."""
@@ -680,18 +690,10 @@ class _Tiles:
         g = math.gcd(bq, bk)
         lo = -self.nk * bk  # below the last key against the first query
         chunks = (self.nq * bq - lo) // g
-        b = jnp.arange(p.b if "b" in deps else 1, dtype=jnp.int32)[:, None, None]
-        h = jnp.arange(p.hq if "h" in deps else 1, dtype=jnp.int32)[None, :, None]
         diff = lo + jnp.arange(chunks * g, dtype=jnp.int32)[None, None, :]
-        value = evaluate(form, {"b": b, "h": h, "q_idx": diff, "kv_idx": 0}, self.operands)
-        value = jnp.broadcast_to(value, (b.shape[0], h.shape[1], chunks * g))
         real = (diff > -p.skv) & (diff < p.sq)  # some real query and key are that far apart
-        parts = _parts(form.dtype, value, real)
-        if "b" in deps and self.bm == 1:
-            parts = _reduce(form.dtype, parts, 0)
-        if "h" in deps and self.hm == 1:
-            parts = _reduce(form.dtype, parts, 1)
-        parts = _reduce(form.dtype, tuple(x.reshape(x.shape[:2] + (chunks, g)) for x in parts),
+        parts = self._along(node, deps, diff, jnp.int32(0), chunks * g, real)
+        parts = _reduce(node.dtype, tuple(x.reshape(x.shape[:2] + (chunks, g)) for x in parts),
                         3, keepdims=False)
         # Tile (i, j)'s real entries see q - kv from its first query less its last
         # real key to its last real query less its first key.
@@ -701,7 +703,7 @@ class _Tiles:
         span = int((last - first).max()) + 1
         index = np.minimum(first[..., None] + np.arange(span), last[..., None])
         parts = tuple(x[:, :, index] for x in parts)  # [Bm, Hm, nq, nk, span]
-        return _abstract(form.dtype, _reduce(form.dtype, parts, 4, keepdims=False))
+        return _abstract(node.dtype, _reduce(node.dtype, parts, 4, keepdims=False))
 
     def per_tile(self, nodes, deps) -> list:
         """Score-free nodes evaluated on every entry of every tile, reduced per
@@ -810,11 +812,11 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
                    if exact == "always" or (exact == "auto" and not _tight(n, deps))]
     # Relative positions among them (a table at q_idx - kv_idx): bounded per tile
     # from their diagonals instead, O(S) (a table's -inf entries still skip tiles).
-    diagonal = {} if exact == "always" else {
-        n: f for n in exact_nodes if (f := difference_form(n)) is not None}
+    diagonal = [] if exact == "always" else [
+        n for n in exact_nodes if difference_form(n) is not None]
     exact_nodes = [n for n in exact_nodes if n not in diagonal]
     values = dict(zip(exact_nodes, tiles.per_tile(exact_nodes, deps))) if exact_nodes else {}
-    values.update({n: tiles.diagonal(f, deps[n]) for n, f in diagonal.items()})
+    values.update({n: tiles.diagonal(n, deps[n]) for n in diagonal})
 
     def leaf(n):
         return n in values or n.op == CONST or _separable(deps[n]) or n.op not in RULES

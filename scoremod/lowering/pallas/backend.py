@@ -235,11 +235,11 @@ class Pallas(Backend):
         """The Mosaic GPU forward's refusals (its backward falls back to the Triton
         kernels, chosen in ``plan``, where its own cannot run the mod); ``advice``:
         saying that the Triton engine runs the call."""
-        switch = "; LoweringOptions(pallas_engine=\"triton\") runs it" if advice else ""
         if mod is not None:
             why = mosaic.refusal(mod.expr, mod.sources, advice=advice)
             if why:
                 return why
+        switch = "; LoweringOptions(pallas_engine=\"triton\") runs it" if advice else ""
         if problem.dtype not in mosaic.DTYPES:
             return (f"its Mosaic GPU engine takes float16 or bfloat16 inputs (wgmma), got "
                     f"{problem.dtype}{switch}")
