@@ -22,7 +22,7 @@ from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModError, ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
 from scoremod.lowering.backend import run
-from scoremod.lowering.cudnn import plan_store
+from scoremod import process_caches
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
 
@@ -102,10 +102,9 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         backend = asked
     else:
         backend = _choose(problem, mod, traced_scale, options)
-    # The process's on-disk caches, set up once at the first call on any backend:
-    # with SCOREMOD_JAX_CACHE=1 JAX's compilation cache, which keeps the Pallas
-    # kernels' compiled code too (their first call is mostly that compile).
-    plan_store.default_store()
+    # With SCOREMOD_JAX_CACHE=1, JAX's compilation cache from the first call on any
+    # backend: it keeps the Pallas kernels' compiled code (their first call is mostly that).
+    process_caches.setup()
     plan = backend.plan(problem, mod, scale, options, return_lse)
     fallback = forward_mode_fallback = None
     if implementation is None:

@@ -204,25 +204,9 @@ def lowering_options(options: LoweringOptions | None = None, **changes):
         _CURRENT.reset(token)
 
 
-# --- the on-disk cuDNN plan cache (process settings, not part of any key) ------------
+# --- the process's on-disk caches (process settings, not part of any key) ------------
 
 DEFAULT_PLAN_CACHE_MB = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanCacheSettings:
-    """Where built cuDNN graphs persist between processes (see ``lowering.cudnn.plan_store``).
-
-    ``enabled``: ``SCOREMOD_PLAN_CACHE`` (default 1); ``root``: ``$SCOREMOD_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/scoremod``, else ``~/.cache/scoremod`` (None when off or when
-    ``SCOREMOD_CACHE_DIR`` is set empty); ``max_bytes``: ``SCOREMOD_CACHE_MAX_MB`` (default
-    256); ``jax_cache``: ``SCOREMOD_JAX_CACHE=1`` also turns on JAX's compilation cache there.
-    """
-
-    enabled: bool
-    root: str | None
-    max_bytes: int
-    jax_cache: bool
 
 
 def _flag(name, default) -> bool:
@@ -232,18 +216,43 @@ def _flag(name, default) -> bool:
     return text == "1"
 
 
+def cache_root() -> str | None:
+    """Where scoremod's on-disk caches live: ``$SCOREMOD_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/scoremod``, else ``~/.cache/scoremod``; None when
+    ``SCOREMOD_CACHE_DIR`` is set empty (no on-disk cache at all)."""
+    explicit = os.environ.get("SCOREMOD_CACHE_DIR")
+    if explicit is not None:
+        return os.path.expanduser(explicit) if explicit.strip() else None
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return os.path.join(xdg if xdg else os.path.join(os.path.expanduser("~"), ".cache"),
+                        "scoremod")
+
+
+def jax_cache_dir() -> str | None:
+    """``<cache root>/jax`` when ``SCOREMOD_JAX_CACHE=1`` (default 0) asks for JAX's
+    persistent compilation cache there, for every compile of the process; else None.
+    Independent of the cuDNN plan cache's switch."""
+    root = cache_root()
+    return os.path.join(root, "jax") if root is not None and _flag("SCOREMOD_JAX_CACHE", "0") else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCacheSettings:
+    """Where built cuDNN graphs persist between processes (see ``lowering.cudnn.plan_store``).
+
+    ``enabled``: ``SCOREMOD_PLAN_CACHE`` (default 1); ``root``: :func:`cache_root` (None when
+    off); ``max_bytes``: ``SCOREMOD_CACHE_MAX_MB`` (default 256).
+    """
+
+    enabled: bool
+    root: str | None
+    max_bytes: int
+
+
 def plan_cache_settings() -> PlanCacheSettings:
     """The plan cache's settings from the environment (read when the cache is configured)."""
     enabled = _flag("SCOREMOD_PLAN_CACHE", "1")
-    explicit = os.environ.get("SCOREMOD_CACHE_DIR")
-    if not enabled:
-        root = None
-    elif explicit is not None:
-        root = os.path.expanduser(explicit) if explicit.strip() else None
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-        root = os.path.join(xdg if xdg else os.path.join(os.path.expanduser("~"), ".cache"),
-                            "scoremod")
+    root = cache_root() if enabled else None
     text = os.environ.get("SCOREMOD_CACHE_MAX_MB", str(DEFAULT_PLAN_CACHE_MB)).strip()
     try:
         mb = float(text)
@@ -252,4 +261,4 @@ def plan_cache_settings() -> PlanCacheSettings:
     except ValueError:
         raise ScoreModError(f"environment variable SCOREMOD_CACHE_MAX_MB={text!r}: expected a "
                             "positive number of megabytes") from None
-    return PlanCacheSettings(enabled, root, int(mb * (1 << 20)), _flag("SCOREMOD_JAX_CACHE", "0"))
+    return PlanCacheSettings(enabled, root, int(mb * (1 << 20)))

@@ -396,8 +396,8 @@ def test_bad_settings_say_what_is_expected(monkeypatch):
 
 _JAX_CACHE = """
 import jax
-from scoremod.lowering.cudnn import plan_store
-plan_store.default_store()
+from scoremod import process_caches
+process_caches.setup()
 print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
 """
 # The same switch from a call that never reaches cuDNN (the Pallas kernels' first call
@@ -410,16 +410,17 @@ print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_
 """
 
 
-@pytest.mark.parametrize("switch, user_dir, want", [
-    ("1", None, "{root}/jax 0.0"),
-    ("0", None, "None 1.0"),
-    ("1", "/elsewhere", "/elsewhere 1.0"),  # the user's own setting is kept
+@pytest.mark.parametrize("switch, plan_cache, user_dir, want", [
+    ("1", "1", None, "{root}/jax 0.0"),
+    ("0", "1", None, "None 1.0"),
+    ("1", "1", "/elsewhere", "/elsewhere 1.0"),  # the user's own setting is kept
+    ("1", "0", None, "{root}/jax 0.0"),  # the cuDNN plan cache's switch is another one
 ])
 @pytest.mark.parametrize("script", [_JAX_CACHE, _JAX_CACHE_ANY_BACKEND],
-                         ids=["store", "any_backend"])
-def test_jax_compilation_cache_opt_in(tmp_path, switch, user_dir, want, script):
+                         ids=["setup", "any_backend"])
+def test_jax_compilation_cache_opt_in(tmp_path, switch, plan_cache, user_dir, want, script):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "SCOREMOD_CACHE_DIR": str(tmp_path),
-           "SCOREMOD_JAX_CACHE": switch}
+           "SCOREMOD_JAX_CACHE": switch, "SCOREMOD_PLAN_CACHE": plan_cache}
     if user_dir:
         env["JAX_COMPILATION_CACHE_DIR"] = user_dir
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,

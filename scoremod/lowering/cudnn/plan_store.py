@@ -7,7 +7,8 @@ module keeps those records in files, one per graph, so that the first fused
 call of a later process for a mod and shape it has seen loads the record
 instead of building it.
 
-Where, and how to switch it off (read at the first ``scoremod.attention`` call):
+Where, and how to switch it off (read at the first cuDNN graph lookup; JAX's own
+compilation cache, ``SCOREMOD_JAX_CACHE``, is set up in ``scoremod.process_caches``):
 
 =========================  ====================================================
 ``SCOREMOD_CACHE_DIR``     the cache root; unset: ``$XDG_CACHE_HOME/scoremod``,
@@ -18,12 +19,6 @@ Where, and how to switch it off (read at the first ``scoremod.attention`` call):
                            2500 graphs): after each write the oldest files
                            (by modification time, refreshed on every hit) are
                            removed until the rest fit.
-``SCOREMOD_JAX_CACHE``     ``1`` also turns on JAX's persistent compilation
-                           cache in ``<root>/jax`` for every compile of the
-                           process (unless ``jax_compilation_cache_dir`` is
-                           already set), whatever the backend: it keeps the
-                           Pallas kernels' compiled code, most of their first
-                           call; default ``0``.
 =========================  ====================================================
 
 Graphs live in ``<root>/cudnn-plans/<sha256>.plan``. An entry is named by the
@@ -474,8 +469,6 @@ def default_store() -> Store | None:
             root = settings.root
             _PROCESS.store = (None if root is None
                               else Store(os.path.join(root, SUBDIR), settings.max_bytes))
-            if root is not None and settings.jax_cache:
-                enable_jax_compilation_cache(os.path.join(root, "jax"))
             _PROCESS.configured = True
         return _PROCESS.store
 
@@ -545,17 +538,3 @@ def describe() -> str:
     size = sum(e[1] for e in entries)
     return (f"cuDNN plan cache: {os.path.join(root, SUBDIR)} ({len(entries)} graphs, "
             f"{size / (1 << 20):.1f} of {settings.max_bytes / (1 << 20):.0f} MB)")
-
-
-def enable_jax_compilation_cache(directory: str) -> bool:
-    """Turn on JAX's persistent compilation cache in ``directory`` for this process,
-    writing every compile (not only those over a second); False when the user had
-    set ``jax_compilation_cache_dir`` already (theirs is kept)."""
-    import jax
-
-    if jax.config.jax_compilation_cache_dir:
-        return False
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    return True
