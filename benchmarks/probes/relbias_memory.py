@@ -2,9 +2,10 @@
 (needs a GPU): for each seq, the fwd+bwd program's temporary bytes (XLA's memory
 analysis of the compiled program) and the device's peak bytes in use after one run,
 against q, k, v, o and their gradients. O(S) per head means the extra grows linearly
-with seq (x2 per doubling), never x4.
+with seq (x2 per doubling), never x4. ``--learn-table`` takes the table's gradient too
+(its partial sums per key block are O(S^2 / 128) per head).
 
-    python benchmarks/probes/relbias_memory.py [--seqs 16384,32768,65536] [--batch 1]
+    python benchmarks/probes/relbias_memory.py [--seqs 16384,32768,65536] [--batch 1] [--learn-table]
 """
 
 import argparse
@@ -21,6 +22,7 @@ def main(argv=None):
     ap.add_argument("--seqs", default="16384,32768,65536")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--learn-table", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     rows = []
@@ -34,14 +36,14 @@ def main(argv=None):
             mod = lambda sc, bi, hi, qi, ki: sc + table[hi, qi - ki + s - 1]  # noqa: E731
             return jnp.sum(scoremod.attention(q, k, v, mod).astype(jnp.float32))
 
-        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if a.learn_table else (0, 1, 2)))
         compiled = step.lower(q, k, v, table).compile()
         analysis = compiled.memory_analysis()
         temp = getattr(analysis, "temp_size_in_bytes", None)
         jax.block_until_ready(compiled(q, k, v, table))
         stats = jax.devices()[0].memory_stats() or {}
         tensors = 8 * q.nbytes  # q, k, v, o, dO and dq, dk, dv (dO is the ones of the sum)
-        row = dict(seq=s, batch=b, heads=h, temp_bytes=temp,
+        row = dict(seq=s, batch=b, heads=h, learn_table=a.learn_table, temp_bytes=temp,
                    peak_bytes=stats.get("peak_bytes_in_use"), qkvo_and_grads_bytes=tensors,
                    table_bytes=table.nbytes,
                    route=scoremod.which_implementation(q, k, v, lambda sc, bi, hi, qi, ki:
