@@ -88,7 +88,10 @@ def test_junit_reads_what_a_run_finished_and_left(tmp_path):
     collected = ["tests/gpu/test_x.py::test_y[a-b]", "tests/gpu/test_x.py::test_y[c-d]",
                  "tests/gpu/test_x.py::test_crash", "tests/test_z.py::TestK::test_w",
                  "tests/gpu/test_x.py::test_not_reached"]
-    assert junit.left(xml, collected) == collected[1:3] + collected[4:]
+    assert junit.left([xml], collected) == collected[1:3] + collected[4:]
+    # a second part that passed the crashed test: only what neither finished is left
+    second = _junit(tmp_path / "part2.xml", [("tests.gpu.test_x", "test_crash", "passed")])
+    assert junit.left([xml, second], collected) == [collected[1], collected[4]]
     assert junit.failures(xml) == [
         "tests.gpu.test_x::test_y[c-d]: AssertionError: dV off by 0.7",
         "tests.gpu.test_x::test_crash: worker crashed"]

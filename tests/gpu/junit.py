@@ -2,10 +2,10 @@
 run finished, which it left, and why the failed ones failed.
 
 A run stopped at its time limit leaves tests unrun; the next run takes the
-JUnit file of the last (``RESUME=gpu-suite.xml bash tests/gpu/run.sh``) and
-runs only the tests not passed or skipped there:
+JUnit files of the earlier parts (``RESUME="part1.xml part2.xml" bash
+tests/gpu/run.sh``) and runs only the tests passed or skipped in none of them:
 
-    python -m tests.gpu.junit left PREVIOUS.xml COLLECTED.txt   # node ids, one a line
+    python -m tests.gpu.junit left PREVIOUS.xml... COLLECTED.txt   # node ids, one a line
     python -m tests.gpu.junit failures RUN.xml                 # one line per failure
 
 ``COLLECTED.txt`` is ``pytest --collect-only -q`` output (node ids).
@@ -42,9 +42,10 @@ def outcomes(xml_path) -> dict:
     return out
 
 
-def left(xml_path, node_ids) -> list:
-    """The node ids not passed or skipped in the run of ``xml_path``, in order."""
-    done = {k for k, state in outcomes(xml_path).items() if state != "failed"}
+def left(xml_paths, node_ids) -> list:
+    """The node ids passed or skipped in none of the runs of ``xml_paths`` (the
+    JUnit files of one or more parts of a suite run), in order."""
+    done = {k for path in xml_paths for k, state in outcomes(path).items() if state != "failed"}
     return [n for n in node_ids if key_of_node(n) not in done]
 
 
@@ -60,9 +61,9 @@ def failures(xml_path) -> list:
 
 
 def main(argv) -> int:
-    if len(argv) == 3 and argv[0] == "left":
-        ids = [line.strip() for line in open(argv[2]) if "::" in line]
-        lines = left(argv[1], ids)
+    if len(argv) >= 3 and argv[0] == "left":
+        ids = [line.strip() for line in open(argv[-1]) if "::" in line]
+        lines = left(argv[1:-1], ids)
     elif len(argv) == 2 and argv[0] == "failures":
         lines = failures(argv[1])
     else:

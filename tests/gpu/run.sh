@@ -16,9 +16,10 @@
 # stacks; OUT defaults to ./gpu-results), then prints the failures and one
 # summary line. Environment: N (0: one process, no xdist), PYTHON (default
 # python3), SCOREMOD_TEST_TIMEOUT, LIMIT, JAX_COMPILATION_CACHE_DIR, TESTS
-# (the paths to collect, default tests), RESUME (the JUnit file of an
-# earlier run: run only the tests it did not pass or skip, e.g. the rest of
-# a run its LIMIT stopped; tests/gpu/junit.py).
+# (the paths to collect, default tests), RESUME (the JUnit files of earlier
+# runs, space-separated: run only the tests none of them passed or skipped,
+# e.g. the rest of a run its LIMIT stopped, in as many parts as it takes;
+# tests/gpu/junit.py).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
@@ -28,8 +29,12 @@ N=${N:-8}
 LIMIT=${LIMIT:-2400}
 XML="$OUT/gpu-suite.xml"
 LOG="$OUT/gpu-suite.log"
-if [ -n "${RESUME:-}" ]; then  # kept before this run's reports replace it
-    cp "$RESUME" "$OUT/previous.xml" || exit 2
+PREVIOUS=()
+if [ -n "${RESUME:-}" ]; then  # kept before this run's reports replace them
+    i=0
+    for f in $RESUME; do
+        i=$((i + 1)); cp "$f" "$OUT/previous-$i.xml" || exit 2; PREVIOUS+=("$OUT/previous-$i.xml")
+    done
 fi
 rm -f "$XML" "$LOG" "$OUT/doctor.txt"
 
@@ -59,7 +64,7 @@ if [ -n "${RESUME:-}" ]; then
     # stopped it, or they failed); extra arguments select when collecting.
     "$PY" -m pytest -m gpu --collect-only -q -p no:cacheprovider "${SELECT[@]}" \
         > "$OUT/collected.txt" 2>&1
-    "$PY" -m tests.gpu.junit left "$OUT/previous.xml" "$OUT/collected.txt" > "$OUT/resumed.txt" \
+    "$PY" -m tests.gpu.junit left "${PREVIOUS[@]}" "$OUT/collected.txt" > "$OUT/resumed.txt" \
         || exit 2
     if [ ! -s "$OUT/resumed.txt" ]; then
         echo "gpu suite: nothing left to run (every collected test passed or was skipped in $RESUME)"
