@@ -10,8 +10,11 @@ the module's SHA-256. Variants: samebytes (the stamp dropped by the probe: "agai
 that cache, its compile is XLA's own), cache (softcap fwd+bwd twice on a fresh
 jax_compilation_cache_dir), threads (both fwd+bwd programs compiled in one thread, then
 in two), vlog (jaxlib's log lines as each kernel is compiled, ptxas's compile times).
+The cases jax_mgpu:fwd and jax_mgpu:grad time JAX's own Mosaic GPU attention
+(pallas.ops.gpu.attention_mgpu, no mod, its forward and two backward kernels) the same
+way: whether a kernel's compile of about a second is ours or Mosaic GPU's.
 
-    python benchmarks/probes/first_call.py [--seq 4096] [--variants samebytes,cache,threads,vlog]
+    python benchmarks/probes/first_call.py [--seq 4096] [--cases ...] [--variants samebytes,cache,threads,vlog]
 """
 
 import argparse
@@ -30,6 +33,7 @@ from jax.experimental.mosaic.gpu import core  # KNOWN_KERNELS: an entry a lowere
 import scoremod
 
 CASES = ("softcap:fwd", "softcap:grad", "relbias:fwd", "relbias:grad")
+REFERENCE_CASES = ("jax_mgpu:fwd", "jax_mgpu:grad")
 PHASES = ("trace", "lower", "compile", "first run", "second run")
 
 
@@ -45,8 +49,13 @@ def programs(a):
 
     def make(case):  # a new closure each time: no JAX-level cache sees it twice
         mod, mode = case.split(":")
-        f = lambda q, k, v: scoremod.attention(q, k, v, mods[mod], implementation="pallas",
-                                               options=opts)
+        if mod == "jax_mgpu":
+            from jax.experimental.pallas.ops.gpu import attention_mgpu as ref
+            config = ref.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
+            f = lambda q, k, v: ref.attention(q, k, v, config)  # noqa: E731
+        else:
+            f = lambda q, k, v: scoremod.attention(q, k, v, mods[mod],  # noqa: E731
+                                                   implementation="pallas", options=opts)
         return f if mode == "fwd" else jax.grad(
             lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
     return make, (q, k, v)
@@ -112,6 +121,7 @@ def main(argv=None):
     for name, default in (("--batch", 4), ("--heads", 16), ("--seq", 4096)):
         ap.add_argument(name, type=int, default=default)
     ap.add_argument("--engine", default="mosaic", help="LoweringOptions.pallas_engine")
+    ap.add_argument("--cases", default=",".join(CASES + REFERENCE_CASES))
     ap.add_argument("--variants", default="samebytes,cache,threads,vlog")
     ap.add_argument("--case", help="one case in this process (the probe's children)")
     ap.add_argument("--same-bytes", action="store_true", help="with --case: no stamp")
@@ -119,7 +129,7 @@ def main(argv=None):
     if a.case:
         return run_case(a)
     out = lambda lines, tag="": print("\n".join(tag + ln for ln in lines), flush=True)
-    for case in CASES:
+    for case in a.cases.split(","):
         out(child(a, case))
     if "samebytes" in a.variants:
         out(child(a, "softcap:grad", same_bytes=True), "[same bytes] ")
