@@ -235,14 +235,35 @@ def test_jvp_refused_clearly():
         jax.jvp(f, (q,), (q,))
 
 
+def test_relative_table_too_long_to_learn_says_so():
+    """A relative table read at q_idx - kv_idx for seq over 32768 (a row over 65536
+    entries) is refused when learned, by name, with the seq it would take; traced
+    only (no kernel runs)."""
+    s = 32769
+    q = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.bfloat16)
+    table = jnp.zeros((1, 2 * s - 1), jnp.float32)
+    loss = lambda q, table: scoremod.attention(
+        q, q, q, lambda sc, b, h, qi, ki: sc + table[h, qi - ki + s - 1],
+        implementation="pallas").astype(jnp.float32).sum()
+    with pytest.raises(ScoreModError, match="up to seq 32768") as refused:
+        jax.jit(jax.grad(loss, argnums=1)).trace(q, table)
+    message = str(refused.value)
+    assert "[1, 65537] read in `c0[0, " in message and "test_pallas.py:" in message, message
+
+
 def test_large_operand_gradient_refused():
     q, k, v, _ = pc.inputs(b=1, sq=32, skv=32, hq=2, hkv=1)
     bias = jnp.zeros((300, 300), jnp.float32)
     loss = lambda bias: scoremod.attention(
         q, k, v, lambda s, b, h, qi, ki: s + bias[qi, ki], implementation="pallas",
         options=SMALL).sum()
-    with pytest.raises(ScoreModError, match="at most 65536 elements"):
+    with pytest.raises(ScoreModError, match="at most 65536 elements") as refused:
         jax.grad(loss)(bias)
+    # It names the read and the user's line, and says what runs the call.
+    message = str(refused.value)
+    assert "[300, 300] read in `c0[q_idx, kv_idx]` at " in message, message
+    assert "test_pallas.py:" in message and "share has 90000" in message, message
+    assert "stop_gradient" in message and "implementation=\"xla\"" in message, message
     # Without its gradient the same mod runs.
     assert np.isfinite(np.asarray(jax.jit(jax.grad(lambda q: scoremod.attention(
         q, k, v, lambda s, b, h, qi, ki: s + bias[qi, ki], implementation="pallas",

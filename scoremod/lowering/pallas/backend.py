@@ -446,14 +446,30 @@ def _windows(plan, wanted) -> tuple:
         axes = tuple(a for a in range(len(shape)) if a not in fixed)
         size = math.prod(shape[a] for a in axes)
         if size > MAX_GRADIENT_ELEMENTS:
-            raise ScoreModError(
-                f"implementation=\"pallas\" computes gradients of captured arrays whose part "
-                f"one kernel program reads (the axes not indexed by b or h directly) has at most "
-                f"{MAX_GRADIENT_ELEMENTS} elements; {name} {list(shape)} has {size}. Use "
-                "implementation=\"xla\" to learn it, or wrap it in jax.lax.stop_gradient to keep "
-                "it fixed.")
+            raise ScoreModError(_too_large_to_learn(plan.mod, name, shape, size))
         out.append((name, axes, size))
     return tuple(out)
+
+
+def _too_large_to_learn(mod, name, shape, size) -> str:
+    """The refusal of a learned array whose part one program sums into is too large:
+    the read and the user's line, the sizes, and the ways to run the call."""
+    reads = [n for n in ir.toposort(mod.expr)
+             if n.op == ir.LOAD and n.args[0].attr[0] == name]
+    read = reads[0] if reads else None
+    where = ir.source_of(read, mod.expr, mod.sources) if read is not None else None
+    what = f"`{format_expr(read)}`" if read is not None else name
+    relative = read is not None and mosaic.read_axis(read) == mosaic.OFFSET
+    return (
+        f"implementation=\"pallas\" cannot compute the gradient of the captured array "
+        f"{list(shape)} read in {what}{' at ' + where if where else ''}: its backward sums "
+        f"each kernel program's share of the gradient (the axes not indexed by b or h) in "
+        f"a row of at most {MAX_GRADIENT_ELEMENTS} elements, and this read's share has "
+        f"{size}"
+        + (" (a table read at q_idx - kv_idx needs Sq + Skv - 1 entries per head: up to "
+           "seq 32768)" if relative else "")
+        + ". Keep it fixed (jax.lax.stop_gradient), learn a smaller array (a bucketed "
+        "relative table, as T5's), or use implementation=\"xla\" (O(S^2) memory).")
 
 
 def _operand_gradient(part, node, expr, b, hq):
