@@ -51,8 +51,10 @@ def programs(a):
         mod, mode = case.split(":")
         if mod == "jax_mgpu":
             from jax.experimental.pallas.ops.gpu import attention_mgpu as ref
-            config = ref.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
-            f = lambda q, k, v: ref.attention(q, k, v, config)  # noqa: E731
+            config = ref.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+            # its backward takes float16 only (jax 0.11.2): cast outside it
+            f = lambda q, k, v: ref.attention(*(x.astype(jnp.float16) for x in (q, k, v)),  # noqa: E731
+                                              config)
         else:
             f = lambda q, k, v: scoremod.attention(q, k, v, mods[mod],  # noqa: E731
                                                    implementation="pallas", options=opts)

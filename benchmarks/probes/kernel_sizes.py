@@ -1,0 +1,69 @@
+"""How big scoremod's Mosaic GPU kernels are next to JAX's own Mosaic GPU attention
+(`pallas.ops.gpu.attention_mgpu`), runs on a CPU: each fwd+bwd program is lowered
+for CUDA with the device taken for a Hopper GPU (as the CPU tests' `hopper_here`
+does), and the probe prints the lowering time and the size of each Mosaic GPU
+kernel's serialized module. XLA compiles each such module on the first call (about
+a second each on the H200), so equal sizes point at equal compile times.
+
+    python benchmarks/probes/kernel_sizes.py [--seq 4096]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import scoremod  # noqa: E402
+from scoremod import device  # noqa: E402
+
+
+def pretend_hopper():
+    from jax._src.pallas.triton import gpu_info
+    gpu_info.get_gpu_info = lambda *a, **k: SimpleNamespace(compute_capability=90)
+    device.current = lambda: device.Device("gpu", "NVIDIA H200", 9, 132)
+
+
+def programs(s, h, table):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as ref
+    ref.cuda_versions = SimpleNamespace(cuda_runtime_get_version=lambda: 13000)  # no GPU here
+    cfg = ref.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, block_q_dkv=64,
+                           block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+    mods = {"none": None,
+            "softcap": lambda sc, bi, hi, qi, ki: 30.0 * jnp.tanh(sc / 30.0),
+            "relbias": lambda sc, bi, hi, qi, ki: sc + table[hi, qi - ki + s - 1]}
+    # its backward takes float16 only (jax 0.11.2)
+    yield "jax attention_mgpu", lambda q, k, v: ref.attention(
+        *(x.astype(jnp.float16) for x in (q, k, v)), cfg)
+    for name, mod in mods.items():
+        yield f"scoremod {name}", (lambda mod: lambda q, k, v: scoremod.attention(
+            q, k, v, mod, implementation="pallas"))(mod)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    a = ap.parse_args(argv)
+    pretend_hopper()
+    from jax.experimental.mosaic.gpu import core  # KNOWN_KERNELS: each lowered module
+    b, s, h, d = 4, a.seq, 16, 128
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+    table = jnp.zeros((h, 2 * s - 1), jnp.float32)
+    for name, f in programs(s, h, table):
+        grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)),
+                        argnums=(0, 1, 2))
+        before = set(core.KNOWN_KERNELS)
+        t = time.perf_counter()
+        jax.jit(grad).trace(q, q, q).lower(lowering_platforms=("cuda",))
+        t = time.perf_counter() - t
+        sizes = [len(v) for k, v in core.KNOWN_KERNELS.items() if k not in before]
+        print(f"{name}: fwd+bwd lowered in {t:.2f} s, {len(sizes)} Mosaic GPU kernels of "
+              f"{', '.join(f'{x / 1024:.0f}' for x in sizes)} KiB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
