@@ -153,6 +153,58 @@ def fused_verdict(cudnn_version: int | None = None) -> tuple[bool, str]:
     return True, "runs here: implementation=None runs attention as fused cuDNN graphs"
 
 
+def pallas_verdict() -> str:
+    """Whether and how the Pallas kernels run here: plain bfloat16 attention at head
+    dim 128, judged by the backend itself (its engine under the default options)."""
+    import jax.numpy as jnp
+
+    from scoremod import device
+    from scoremod import options as lowering_options
+    from scoremod.attention import check_inputs
+    from scoremod.lowering import registry
+
+    try:
+        q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+        problem = check_inputs(q, q, q)
+        pallas = registry.get("pallas")
+        why = pallas.why_not(problem, None, automatic=False)
+        if why:
+            return f"cannot run here: {why}"
+        engine, note = pallas.engine(problem, None, lowering_options.current())
+    except Exception as e:  # noqa: BLE001 - report whatever breaks
+        return f"cannot run here: {type(e).__name__}: {e}"
+    if device.current().platform != "gpu":
+        return ('interpret mode only (no GPU): implementation="pallas" runs, slowly; '
+                "for tests")
+    if engine == "mosaic":
+        return ("runs here on the Mosaic GPU engine (Hopper kernels); the Triton engine takes "
+                "what it refuses")
+    return f"runs here on the Triton engine{f' (the Mosaic GPU engine: {note})' if note else ''}"
+
+
+def caches_line() -> str:
+    """The on-disk caches: the cuDNN plan store and JAX's compilation cache."""
+    import jax
+
+    from scoremod import options as lowering_options
+    from scoremod.lowering.cudnn import plan_store
+
+    try:
+        plans = plan_store.describe()
+        theirs = jax.config.jax_compilation_cache_dir
+        ours = lowering_options.jax_cache_dir()
+    except Exception as e:  # noqa: BLE001 - a bad SCOREMOD_* setting: say which
+        return f"cannot be read: {type(e).__name__}: {e}"
+    if theirs:
+        compiled = f"JAX compilation cache: {theirs} (your jax_compilation_cache_dir)"
+    elif ours:
+        compiled = f"JAX compilation cache: {ours} (SCOREMOD_JAX_CACHE=1)"
+    else:
+        compiled = ("JAX compilation cache: off (SCOREMOD_JAX_CACHE=1 keeps compiled kernels "
+                    "between processes)")
+    return f"{plans}\n{compiled}"
+
+
 def report() -> list[tuple[str, str]]:
     """The doctor's findings as (label, text) rows, in order."""
     import jax
@@ -181,6 +233,8 @@ def report() -> list[tuple[str, str]]:
     rows.append(("cuDNN frontend", frontend_line()))
     rows.append(("extension", extension_line()))
     rows.append(("fused path", fused_verdict(version)[1]))
+    rows.append(("pallas kernels", pallas_verdict()))
+    rows.append(("caches", caches_line()))
     return rows
 
 

@@ -83,13 +83,48 @@ def test_doctor_explains_the_missing_gpu(capsys, command):
     assert main([command]) == 0
     rows = _rows(capsys.readouterr().out)
     for label in ("python", "jax", "CUDA plugin", "GPU", "cuDNN", "cuDNN frontend", "extension",
-                  "fused path"):
+                  "fused path", "pallas kernels", "caches"):
         assert rows.get(label), (label, rows)
     assert rows["GPU"].startswith("none visible to JAX: ")
     assert rows["fused path"] == "cannot run here: no NVIDIA GPU is visible to JAX"
     assert support.cudnn_range_text() in rows["cuDNN"]
     if not doctor.cuda_plugins():
         assert 'pip install "scoremod[cuda13]"' in rows["CUDA plugin"]
+
+
+def test_doctor_says_where_the_pallas_kernels_run_and_the_caches(monkeypatch, tmp_path):
+    """The Pallas kernels' row follows the device (interpret mode off a GPU; on a
+    Hopper GPU the engine the backend picks, Mosaic GPU where this jax has it); the
+    caches' row follows the SCOREMOD_* settings."""
+    from scoremod import device
+    from scoremod.lowering.pallas import mosaic
+
+    monkeypatch.setattr(device, "current", lambda: device.Device("cpu", "cpu", None, 0))
+    assert doctor.pallas_verdict().startswith("interpret mode only (no GPU)")
+    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "NVIDIA H200", 9, 132))
+    have = tuple(int(x) for x in jax.__version__.split(".")[:2])
+    if have >= mosaic.JAX_VERSION:
+        assert doctor.pallas_verdict().startswith("runs here on the Mosaic GPU engine")
+    else:
+        assert doctor.pallas_verdict().startswith(
+            "runs here on the Triton engine (the Mosaic GPU engine: its Mosaic GPU engine is "
+            "written for jax")
+    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "NVIDIA A100", 8, 108))
+    assert "needs a Hopper GPU" in doctor.pallas_verdict()
+    monkeypatch.setenv("SCOREMOD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SCOREMOD_JAX_CACHE", "1")
+    theirs = jax.config.jax_compilation_cache_dir  # the GPU suite sets one
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert doctor.caches_line().splitlines() == [
+            f"cuDNN plan cache: {tmp_path / 'cudnn-plans'} (0 graphs, 0.0 of 256 MB)",
+            f"JAX compilation cache: {tmp_path / 'jax'} (SCOREMOD_JAX_CACHE=1)"]
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+        assert doctor.caches_line().endswith(f"{tmp_path / 'mine'} (your jax_compilation_cache_dir)")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", theirs)
+    monkeypatch.setenv("SCOREMOD_JAX_CACHE", "yes")
+    assert "SCOREMOD_JAX_CACHE='yes'" in doctor.caches_line()
 
 
 def test_doctor_gives_the_build_command_when_the_extension_is_missing(capsys, monkeypatch):
