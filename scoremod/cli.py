@@ -187,13 +187,17 @@ def doctor(args) -> int:
 
 
 def check(args) -> int:
-    """Fused vs reference on this machine's GPU: max errors and times."""
+    """Each fused backend that takes the mod here (or the one named) against the
+    reference path on this machine: max errors of O, dQ, dK, dV and times."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import scoremod
 
+    from scoremod.attention import check_implementation
+
+    check_implementation(args.implementation)  # a wrong name fails before anything runs
     mod = load_mod(args.expr, dict(args.set))
     dtype = jnp.dtype(args.dtype)
     b, h, s, d = args.batch, args.heads, args.seq, args.head_dim
@@ -203,29 +207,33 @@ def check(args) -> int:
     print(f"shape: batch {b}, heads {h}, seq {s}, head_dim {d}, {dtype.name}")
 
     def run(impl):
-        def f(q, k, v):
-            return scoremod.attention(q, k, v, mod, implementation=impl)
-
         def step(q, k, v):
-            o, vjp = jax.vjp(f, q, k, v)
+            o, vjp = jax.vjp(lambda q, k, v: scoremod.attention(q, k, v, mod,
+                                                                implementation=impl), q, k, v)
             return (o, *vjp(do))
 
-        fn = jax.jit(step)
-        out, seconds = _timed(fn, q, k, v)
-        return out, seconds
+        return _timed(jax.jit(step), q, k, v)
 
-    reason = scoremod.which_implementation(q, k, v, mod).verdicts["cudnn"]
+    choice = scoremod.which_implementation(q, k, v, mod)
+    if args.implementation:  # by name: it runs or says why not (interpret mode off a GPU)
+        fused = [args.implementation]
+    else:
+        fused = [name for name, why in choice.verdicts.items() if why is None and name != "xla"]
     ref, t_ref = run("xla")
     print(f"reference (xla):    {t_ref * 1e3:8.3f} ms per forward+backward")
-    if reason is not None:
-        print(f"fused path not run: {reason}")
+    if not fused:
+        print(f"fused path not run: {choice.verdicts['cudnn']}")
         return 0
-    fused, t_fused = run("cudnn")
-    print(f"fused (cudnn):      {t_fused * 1e3:8.3f} ms per forward+backward")
-    for name, a, r in zip(("O", "dQ", "dK", "dV"), fused, ref):
-        a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-        err = float(np.max(np.abs(a - r)))
-        print(f"max |{name:2s} fused - reference| = {err:.3e}  (relative {err / (np.max(np.abs(r)) + 1e-12):.2e})")
+    for name in fused:
+        out, seconds = run(name)
+        print(f"fused ({name}):{'':{max(1, 11 - len(name))}s}{seconds * 1e3:8.3f} ms per "
+              "forward+backward" + (" (chosen by implementation=None)" if name == choice[0]
+                                    else ""))
+        for label, a, r in zip(("O", "dQ", "dK", "dV"), out, ref):
+            a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+            err = float(np.max(np.abs(a - r)))
+            print(f"max |{label:2s} {name} - reference| = {err:.3e}  "
+                  f"(relative {err / (np.max(np.abs(r)) + 1e-12):.2e})")
     return 0
 
 
@@ -251,7 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", "-s", action="append", default=[], metavar="NAME=NUMBER",
                    type=_name_value, help="a constant the text names")
     p.set_defaults(run=show)
-    p = sub.add_parser("check", help="run the fused path against the reference on this GPU")
+    p = sub.add_parser("check", help="run the fused backends against the reference on this "
+                       "machine")
     p.add_argument("expr", help='text form or module:function')
     p.add_argument("--set", "-s", action="append", default=[], metavar="NAME=NUMBER",
                    type=_name_value, help="a constant the text names")
@@ -260,6 +269,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--implementation", metavar="NAME",
+                   help="check this backend only (default: every fused one that takes the mod "
+                        "here); 'pallas' runs in interpret mode off a GPU")
     p.set_defaults(run=check)
     sub.add_parser("bench", add_help=False, help="moved: python benchmarks/run.py (in a checkout)")
     args, rest = parser.parse_known_args(argv)

@@ -48,15 +48,40 @@ def test_check_runs_reference_and_says_why_not_fused(capsys):
     assert "reference (xla)" in out and "fused path not run: no NVIDIA GPU" in out
 
 
+def _errors(out, name):
+    """{"O": relative error, ...} of backend ``name`` in check's output."""
+    errors = {}
+    for line in out.splitlines():
+        if line.startswith("max |") and f" {name} - reference|" in line:
+            errors[line[5:7].strip()] = float(line.split("relative ")[1].rstrip(")"))
+    return errors
+
+
 @pytest.mark.gpu
 def test_check_compares_fused_with_reference_on_a_gpu(capsys):
     assert main(["check", "30.0 * tanh(score / 30.0)", "--seq", "256", "--heads", "4",
                  "--head-dim", "64"]) == 0
     out = capsys.readouterr().out
-    assert "fused (cudnn)" in out
-    for name in ("O ", "dQ", "dK", "dV"):
-        line = next(l for l in out.splitlines() if l.startswith(f"max |{name}"))
-        assert float(line.split("relative ")[1].rstrip(")")) < 3e-2, line
+    assert "fused (cudnn)" in out and "(chosen by implementation=None)" in out, out
+    for name in ("cudnn", "pallas"):  # both take a dense pointwise mod on a GPU
+        errors = _errors(out, name)
+        assert sorted(errors) == ["O", "dK", "dQ", "dV"], out
+        assert max(errors.values()) < 3e-2, (name, errors)
+
+
+def test_check_by_name_runs_the_pallas_kernels(capsys):
+    """--implementation pallas: the kernels (interpret mode off a GPU) against the
+    reference, four errors printed, all small; a wrong backend name is a ScoreModError."""
+    assert main(["check", "30.0 * tanh(score / 30.0)", "--seq", "64", "--heads", "2",
+                 "--head-dim", "64", "--batch", "1", "--dtype", "float32",
+                 "--implementation", "pallas"]) == 0
+    out = capsys.readouterr().out
+    assert "fused (pallas):" in out, out
+    errors = _errors(out, "pallas")
+    assert sorted(errors) == ["O", "dK", "dQ", "dV"] and max(errors.values()) < 1e-3, out
+    assert main(["check", "score", "--seq", "64", "--implementation", "cudnnn"]) == 2
+    streams = capsys.readouterr()
+    assert "unknown implementation 'cudnnn'" in streams.err and "reference" not in streams.out
 
 
 @pytest.mark.skipif(HAS_GPU, reason="a GPU is present")
