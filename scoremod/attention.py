@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from scoremod import options as lowering_options
+from scoremod import process_caches
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModError, ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
 from scoremod.lowering.backend import run
-from scoremod import process_caches
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
 

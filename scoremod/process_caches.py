@@ -20,6 +20,8 @@ _done = False
 def setup() -> None:
     """Read the environment and turn on what it asks for, once per process."""
     global _done
+    if _done:  # every call after the first: no lock
+        return
     with _lock:
         if _done:
             return

@@ -516,6 +516,15 @@ def is_difference(node) -> bool:
             and {a.attr for a in node.args} == {"q_idx", "kv_idx"})
 
 
+def reads_difference_only(*nodes) -> bool:
+    """Whether ``nodes`` read both q_idx and kv_idx, and only as ``q_idx - kv_idx``
+    (or its negation): a relative position."""
+    if not {"q_idx", "kv_idx"} <= ir.variables(*nodes):
+        return False
+    outside = {n.attr for n in ir.toposort(*nodes, stop=is_difference) if n.op == VAR}
+    return not outside & {"q_idx", "kv_idx"}
+
+
 def difference_form(node) -> Node | None:
     """``node`` as a function of ``b``, ``h`` and ``q_idx`` standing for ``q_idx -
     kv_idx``, where it reads the two indices only as that difference (or its
@@ -528,11 +537,7 @@ def difference_form(node) -> Node | None:
         >>> difference_form(mod.expr.args[1])  # jax.numpy wraps negative indices
         <f32 c0[h, where(-q_idx + 7 < 0, -q_idx + 7 + 15, -q_idx + 7)]>
     """
-    used = ir.variables(node)
-    if not {"q_idx", "kv_idx"} <= used:
-        return None
-    outside = {n.attr for n in ir.toposort(node, stop=is_difference) if n.op == VAR}
-    if outside & {"q_idx", "kv_idx"}:
+    if not reads_difference_only(node):
         return None
     q = ir.var("q_idx")
     return ir.substitute(node, {n: q if n.args[0] is q else ir.build("neg", q)

@@ -60,7 +60,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE
 from scoremod.dsl.text import format_expr
-from scoremod.lowering.blocks import difference_form, is_difference
+from scoremod.lowering.blocks import difference_form, reads_difference_only
 from scoremod.lowering.pallas import codegen
 
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M is 64 per warpgroup)
@@ -189,9 +189,7 @@ def read_axis(load):
         return False  # the score
     if len(axes) <= 1:
         return axes[0] if axes else None
-    outside = {n.attr for n in ir.toposort(*load.args[1:], stop=is_difference)
-               if n.op == ir.VAR}
-    return False if outside & set(_TILE_AXES) else OFFSET
+    return OFFSET if reads_difference_only(*load.args[1:]) else False
 
 
 def _is_tile_read(node) -> bool:
