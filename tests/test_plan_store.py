@@ -353,17 +353,17 @@ def test_where_the_cache_lives(monkeypatch, tmp_path):
     for name in ("SCOREMOD_CACHE_DIR", "SCOREMOD_PLAN_CACHE", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert plan_store.cache_root() == str(tmp_path / "home" / ".cache" / "scoremod")
+    assert plan_store.store_root() == str(tmp_path / "home" / ".cache" / "scoremod")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert plan_store.cache_root() == str(tmp_path / "xdg" / "scoremod")
+    assert plan_store.store_root() == str(tmp_path / "xdg" / "scoremod")
     monkeypatch.setenv("SCOREMOD_CACHE_DIR", str(tmp_path / "mine"))
-    assert plan_store.cache_root() == str(tmp_path / "mine")
+    assert plan_store.store_root() == str(tmp_path / "mine")
     assert plan_store.default_store().directory == str(tmp_path / "mine" / "cudnn-plans")
     monkeypatch.setenv("SCOREMOD_PLAN_CACHE", "0")
-    assert plan_store.cache_root() is None
+    assert plan_store.store_root() is None
     monkeypatch.setenv("SCOREMOD_PLAN_CACHE", "1")
     monkeypatch.setenv("SCOREMOD_CACHE_DIR", "")
-    assert plan_store.cache_root() is None
+    assert plan_store.store_root() is None
     plan_store.reset()
     assert plan_store.default_store() is None
     assert plan_store.fetch(graph_key(), Built) is None

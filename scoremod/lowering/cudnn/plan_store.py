@@ -445,8 +445,9 @@ class Store:
 # --- the process's store, configured from the environment ---------------------------
 
 
-def cache_root() -> str | None:
-    """The cache root the environment asks for, or None when the store is off."""
+def store_root() -> str | None:
+    """The cache root the plan store uses (``options.cache_root``), or None when the
+    store is off (``SCOREMOD_PLAN_CACHE=0`` too, unlike ``options.cache_root``)."""
     return options.plan_cache_settings().root
 
 
