@@ -18,7 +18,9 @@ way: whether a kernel's compile of about a second is ours or Mosaic GPU's.
 """
 
 import argparse
+import cProfile
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -40,10 +42,11 @@ PHASES = ("trace", "lower", "compile", "first run", "second run")
 def programs(a):
     b, s, h, d = a.batch, a.seq, a.heads, 128
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+    q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(a.dtype)
                for kk in ks[:3])
     table = jax.random.normal(ks[3], (h, 2 * s - 1), jnp.float32)
-    mods = {"softcap": lambda sc, bi, hi, qi, ki: 30.0 * jnp.tanh(sc / 30.0),
+    mods = {"none": None,
+            "softcap": lambda sc, bi, hi, qi, ki: 30.0 * jnp.tanh(sc / 30.0),
             "relbias": lambda sc, bi, hi, qi, ki: sc + table[hi, qi - ki + s - 1]}
     opts = scoremod.LoweringOptions(pallas_engine=a.engine)
 
@@ -63,13 +66,18 @@ def programs(a):
     return make, (q, k, v)
 
 
-def phases(fn, args):
+def phases(fn, args, top=0):
+    """The wall clock between the phases; with top, the lowering's costliest calls printed."""
     n0, t = len(core.KNOWN_KERNELS), [time.time()]
     stage = jax.jit(fn).trace(*args)
     for step in ("lower", "compile", "run", "run"):
         t.append(time.time())
         if step == "run":
             jax.block_until_ready(stage(*args))
+        elif step == "lower" and top:
+            prof = cProfile.Profile()
+            stage = prof.runcall(stage.lower)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(top)
         else:
             stage = getattr(stage, step)()
     t.append(time.time())
@@ -86,6 +94,10 @@ def run_case(a):
                 del attrs["mosaic_gpu.dump_basename"]
             return serde(module, **kw)
         core._run_serde_pass = unstamped
+    t0 = time.perf_counter()  # the Pallas modules, imported at the first call otherwise
+    from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    from scoremod.lowering.pallas import mosaic, mosaic_backward  # noqa: F401
+    print(f"{a.case} imports {time.perf_counter() - t0:.3f} s", flush=True)
     make, args = programs(a)
     if a.case.startswith("threads:"):
         n, t0 = int(a.case[8:]), time.perf_counter()
@@ -95,7 +107,7 @@ def run_case(a):
             list(pool.map(lambda low: low.compile(), lowered))
         return print(f"both fwd+bwd programs, {n} thread(s): lower {t1 - t0:.3f} s, "
                      f"compile {time.perf_counter() - t1:.3f} s", flush=True)
-    t, new = phases(make(a.case), args)
+    t, new = phases(make(a.case), args, a.profile)
     for n, x, y in zip(PHASES, t, t[1:]):
         print(f"{a.case} {n} {y - x:.3f} s", flush=True)
     print(f"{a.case} Mosaic kernels lowered: {new}", flush=True)
@@ -109,7 +121,8 @@ def run_case(a):
 
 def child(a, case, env=None, keep=None, same_bytes=False):
     cmd = [sys.executable, os.path.abspath(__file__), "--case", case, "--seq", str(a.seq),
-           "--batch", str(a.batch), "--heads", str(a.heads), "--engine", a.engine]
+           "--batch", str(a.batch), "--heads", str(a.heads), "--engine", a.engine,
+           "--dtype", a.dtype, "--profile", str(a.profile)]
     r = subprocess.run(cmd + ["--same-bytes"] * same_bytes, capture_output=True, text=True,
                        env=dict(os.environ, **(env or {})))
     if r.returncode:
@@ -123,8 +136,12 @@ def main(argv=None):
     for name, default in (("--batch", 4), ("--heads", 16), ("--seq", 4096)):
         ap.add_argument(name, type=int, default=default)
     ap.add_argument("--engine", default="mosaic", help="LoweringOptions.pallas_engine")
+    ap.add_argument("--dtype", default="bfloat16", help="of q, k and v")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="print the N costliest calls of each case's first lowering")
     ap.add_argument("--cases", default=",".join(CASES + REFERENCE_CASES))
     ap.add_argument("--variants", default="samebytes,cache,threads,vlog")
+    ap.add_argument("--vlog-cases", default="softcap:grad", help="the cases the vlog variant runs")
     ap.add_argument("--case", help="one case in this process (the probe's children)")
     ap.add_argument("--same-bytes", action="store_true", help="with --case: no stamp")
     a = ap.parse_args(argv)
@@ -146,8 +163,9 @@ def main(argv=None):
     if "vlog" in a.variants:
         env = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "custom_call=5",
                "MOSAIC_GPU_DUMP_PTXAS": "1"}
-        out(child(a, "softcap:grad", env, keep=("Mosaic GPU kernel", "phases start",
-                                                "Compile time", "Used")), "[vlog] ")
+        for case in a.vlog_cases.split(","):
+            out(child(a, case, env, keep=("Mosaic GPU kernel", "phases start", "Compile time",
+                                          "Used")), f"[vlog {case}] ")
 
 
 if __name__ == "__main__":
