@@ -395,6 +395,35 @@ def per_program(sources, names, operands, b, hq, positions) -> tuple:
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class CopiedReads:
+    """The captured-array reads of a kernel's expressions that the kernel copies
+    beside its tiles rather than gathers per score: those along one tile axis
+    (``vector_reads``) as one array per source over the whole axis, a tile's
+    slice per step, ``side[axis]`` naming the sources read along each axis;
+    those at q_idx - kv_idx as a window of diagonals per step
+    (``offsets``). ``arrays`` are the kernel's inputs for them: the sources'
+    arrays, then the diagonals'. Forward and backward kernels build it alike,
+    for tiles of ``rows`` queries by ``cols`` keys."""
+
+    sources: tuple
+    side: dict
+    offsets: OffsetDiagonals
+    arrays: tuple
+
+    @classmethod
+    def build(cls, exprs, names, operands, b, hq, rows, cols, q_len, kv_len):
+        reads = vector_reads(*exprs)
+        sources = vector_sources(reads)
+        side = {axis: tuple(dict.fromkeys(vector_source(r) for r in reads
+                                          if read_axis(r) == axis))
+                for axis in _TILE_AXES}
+        offsets = OffsetDiagonals.build(offset_sources(offset_reads(*exprs)), names, operands,
+                                        b, hq, rows, cols, q_len, kv_len)
+        vectors = vector_arrays(sources, names, operands, b, hq, max(q_len, kv_len))
+        return cls(sources, side, offsets, vectors + offsets.arrays)
+
+
 def vector_row(src, bi, hi):
     """The (batch, head) row of a source's array that program (bi, hi) reads."""
     used = ir.variables(src)
@@ -585,15 +614,11 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     exprs = [e for e, _, _ in (general, on_full or general)]
     needs_kv_idx = any(uses_var(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
     needs_q_idx = any(uses_var(e, "q_idx") for e in exprs)
-    reads = vector_reads(*exprs)
-    sources = vector_sources(reads)
-    side = {axis: tuple(dict.fromkeys(vector_source(r) for r in reads if read_axis(r) == axis))
-            for axis in _TILE_AXES}
-    vectors = vector_arrays(sources, spec.operand_names, operands, b, hq, max(sq, k.shape[1]))
-    # Reads at q_idx - kv_idx: a window of their diagonals per step, beside the key tile.
-    offsets = OffsetDiagonals.build(offset_sources(offset_reads(*exprs)), spec.operand_names,
-                                    operands, b, hq, TILE_Q, BLOCK_KV, sq, k.shape[1])
-    vectors += offsets.arrays
+    # Reads along a tile axis: the query rows' slice per warpgroup, the key tile's
+    # per step; reads at q_idx - kv_idx: a window of diagonals per step, beside the key tile.
+    copied = CopiedReads.build(exprs, spec.operand_names, operands, b, hq, TILE_Q, BLOCK_KV,
+                               sq, k.shape[1])
+    sources, side, offsets, vectors = copied.sources, copied.side, copied.offsets, copied.arrays
     n_vec = len(vectors)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, operand_refs,

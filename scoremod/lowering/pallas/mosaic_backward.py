@@ -218,18 +218,11 @@ class _Vectors:
         exprs = mods + [local_derivative(e) for e in mods]
         exprs += [t for e in mods for t in load_derivatives(e, learned)]  # learned reads' cotangents
         exprs = [e for e in exprs if e is not None]
-        self.reads = mosaic.vector_reads(*exprs)
-        self.sources = mosaic.vector_sources(self.reads)
-        self.arrays = mosaic.vector_arrays(self.sources, spec.operand_names, operands, b, hq,
-                                           max(sq, skv))
-        self.offsets = mosaic.OffsetDiagonals.build(
-            mosaic.offset_sources(mosaic.offset_reads(*exprs)), spec.operand_names, operands, b,
-            hq, BLOCK, BLOCK, sq, skv)
-        self.arrays += self.offsets.arrays
+        copied = mosaic.CopiedReads.build(exprs, spec.operand_names, operands, b, hq, BLOCK,
+                                          BLOCK, sq, skv)
+        self.sources, self.side = copied.sources, copied.side
+        self.offsets, self.arrays = copied.offsets, copied.arrays
         self.own, self.streamed = own, ("kv_idx" if own == "q_idx" else "q_idx")
-        self.side = {axis: tuple(dict.fromkeys(
-            mosaic.vector_source(r) for r in self.reads if mosaic.read_axis(r) == axis))
-            for axis in (own, self.streamed)}
 
     def scratch(self):
         """(shared memory, barriers) for the own and the streamed slices."""
