@@ -135,12 +135,9 @@ class PallasPlan:
             full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret)
 
     def mosaic_backward_spec(self, learned=()) -> mosaic_backward.BackwardSpec:
-        p = self.problem
+        forward = self.mosaic_spec()
         return mosaic_backward.BackwardSpec(
-            expr=None if self.mod is None else self.mod.expr,
-            operand_names=() if self.mod is None else self.mod.operand_names,
-            scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
-            full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret,
+            **{f.name: getattr(forward, f.name) for f in dataclasses.fields(forward)},
             learned=tuple(learned))
 
     def describe(self):

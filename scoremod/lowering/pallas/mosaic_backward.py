@@ -76,22 +76,12 @@ NEG_INF = float("-inf")
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardSpec:
-    """Everything static about one call's backward kernels (hashable)."""
+class BackwardSpec(mosaic.MosaicSpec):
+    """Everything static about one call's backward kernels (hashable): the
+    forward's, and the float operands whose gradients the dK/dV kernel computes
+    (their reads at one position per program: ``learning_refusal`` is None for
+    each)."""
 
-    expr: object  # the mod's IR node, or None for plain attention
-    operand_names: tuple  # in the order the operand arrays are passed
-    scale: float
-    sq: int  # real lengths (the arrays are padded to whole tiles)
-    skv: int
-    groups: int  # query heads per key/value head
-    full_expr: object = None  # the mod on full tiles, or None: the mod everywhere
-    # Run in Mosaic GPU's interpret mode (a CPU simulation of the warpgroups,
-    # barriers, copies and wgmma: for tests), where accumulators are added to
-    # fresh ones (it cannot simulate wgmma into an accumulator carried in).
-    interpret: bool = False
-    # Float operands whose gradients the dK/dV kernel computes (their reads
-    # at one position per program: ``learning_refusal`` is None for each).
     learned: tuple = ()
 
 
