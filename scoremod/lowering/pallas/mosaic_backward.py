@@ -302,16 +302,35 @@ def _tails(spec, value, inputs):
     return value
 
 
-def _tile_inputs(spec, bi, hi, q_idx, kv_idx):
-    """The variables a mod may read; ``q_idx``/``kv_idx`` are thunks (built when used)."""
+def _tile_inputs(spec, bi, hi, q0, k0, keys_down=False):
+    """The variables a mod may read on a step's tile of queries from ``q0`` and
+    keys from ``k0`` (``[keys, queries]`` when ``keys_down``, as in the dK/dV
+    kernel); the index grids only where an expression reads them."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
     exprs = [e for e in (spec.expr, spec.full_expr) if e is not None]
     exprs += [local_derivative(e) for e in exprs]
+    q_axis, kv_axis = (1, 0) if keys_down else (0, 1)
     inputs = {"b": bi, "h": hi}
     if spec.sq % BLOCK or any(mosaic.uses_var(e, "q_idx") for e in exprs):
-        inputs["q_idx"] = q_idx()
+        inputs["q_idx"] = q0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), q_axis,
+                                                      layout=plgpu.Layout.WGMMA)
     if spec.skv % BLOCK or any(mosaic.uses_var(e, "kv_idx") for e in exprs):
-        inputs["kv_idx"] = kv_idx()
+        inputs["kv_idx"] = k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), kv_axis,
+                                                       layout=plgpu.Layout.WGMMA)
     return inputs
+
+
+def _product(left, right):
+    """``left @ right^T`` of two [BLOCK, D] shared-memory tiles, float32 in registers."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def product(acc):
+        plgpu.wgmma(acc, left, right.transpose((1, 0)))
+        return acc[...]
+
+    return pl.run_scoped(product, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
 
 
 def _map_index(counts, bi, hi):
@@ -405,18 +424,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 qs, dos = q_smem.at[slot], do_smem.at[slot]
                 plgpu.barrier_wait(q_ready.at[slot])
 
-                def scores(acc):
-                    plgpu.wgmma(acc, k_smem, qs.transpose((1, 0)))
-                    return acc[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
-                # The tile is [keys, queries]: kv_idx runs down, q_idx across.
-                inputs = _tile_inputs(
-                    spec, bi, hi,
-                    lambda: q0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1,
-                                                        layout=layout),
-                    lambda: k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
-                                                        layout=layout))
+                s = _product(k_smem, qs)  # [keys, queries]: kv_idx runs down, q_idx across
+                inputs = _tile_inputs(spec, bi, hi, q0, k0, keys_down=True)
                 plgpu.barrier_wait(do_ready.at[slot])
                 plgpu.barrier_wait(lse_ready.at[slot])
                 vectors.wait(vec_ready, slot)
@@ -605,17 +614,8 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 ks, vs = k_smem.at[slot], v_smem.at[slot]
                 plgpu.barrier_wait(k_ready.at[slot])
 
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, ks.transpose((1, 0)))
-                    return acc_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
-                inputs = _tile_inputs(
-                    spec, bi, hi,
-                    lambda: q0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
-                                                        layout=layout),
-                    lambda: k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1,
-                                                        layout=layout))
+                s = _product(q_smem, ks)
+                inputs = _tile_inputs(spec, bi, hi, q0, k0)
                 plgpu.barrier_wait(v_ready.at[slot])
                 vectors.wait(vec_ready, slot)
 
