@@ -18,7 +18,11 @@ tests/gpu/test_pallas_gpu.py does, against the reference path.
 """
 
 import importlib
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -1038,3 +1042,38 @@ def test_auto_engine_off_hopper():
     got = scoremod.attention(q, q, q, implementation="pallas")
     want = scoremod.attention(q, q, q, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_digests_identify_the_kernels(lowers, tmp_path):
+    """``benchmarks/probes/kernel_sizes.py --digests``, the check that a refactor
+    lowers to the same kernels: a kernel's digest leaves out where its code
+    lives (a copy of the package elsewhere, its kernel modules' lines shifted,
+    gives the same digests) and tells mods apart (it hashes the kernel, not
+    something constant)."""
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(root / "scoremod", copy / "scoremod",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copytree(root / "benchmarks" / "probes", copy / "benchmarks" / "probes",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("mosaic.py", "mosaic_backward.py"):
+        path = copy / "scoremod" / "lowering" / "pallas" / name
+        path.write_text("# shifted\n\n" + path.read_text())
+
+    def digests(tree):
+        out = subprocess.run([sys.executable, str(tree / "benchmarks/probes/kernel_sizes.py"),
+                              "--seq", "256", "--digests"], capture_output=True, text=True,
+                             cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = dict(re.findall(r"^(scoremod \w+): .*digests ((?:[0-9a-f]{16} ?){3})$",
+                               out.stdout, re.M))
+        assert set(rows) == {"scoremod none", "scoremod softcap", "scoremod relbias",
+                             "scoremod document"}, out.stdout
+        return {name: tuple(d.split()) for name, d in rows.items()}
+
+    here = digests(root)
+    assert digests(copy) == here
+    kernels = [k for ks in here.values() for k in ks]
+    assert len(set(kernels)) == len(kernels), here
