@@ -451,8 +451,7 @@ def _windows(plan, wanted) -> tuple:
 def _too_large_to_learn(mod, name, shape, size) -> str:
     """The refusal of a learned array whose part one program sums into is too large:
     the read and the user's line, the sizes, and the ways to run the call."""
-    reads = [n for n in ir.toposort(mod.expr)
-             if n.op == ir.LOAD and n.args[0].attr[0] == name]
+    reads = codegen.reads_of(mod.expr, name)
     read = reads[0] if reads else None
     where = ir.source_of(read, mod.expr, mod.sources) if read is not None else None
     what = f"`{format_expr(read)}`" if read is not None else name

@@ -144,15 +144,19 @@ def flat_index(node, idx, axes=None):
     return flat
 
 
+def reads_of(expr, name) -> list:
+    """The reads (LOAD nodes) of operand ``name`` in ``expr``, in ``ir.toposort`` order."""
+    return [n for n in ir.toposort(expr) if n.op == LOAD and n.args[0].attr[0] == name]
+
+
 def program_axes(expr, name) -> dict:
     """``{axis: "b" or "h"}``: the axes of operand ``name`` that every read indexes
     by ``b`` (or every read by ``h``) directly. One kernel program has one batch
     and one head, so it reads one position along them."""
     uses: dict = {}
-    for node in ir.toposort(expr):
-        if node.op == LOAD and node.args[0].attr[0] == name:
-            for axis, idx in enumerate(node.args[1:]):
-                uses.setdefault(axis, set()).add(idx)
+    for node in reads_of(expr, name):
+        for axis, idx in enumerate(node.args[1:]):
+            uses.setdefault(axis, set()).add(idx)
     out = {}
     for axis, idxs in uses.items():
         (idx,) = idxs if len(idxs) == 1 else (None,)
