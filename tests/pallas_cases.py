@@ -102,6 +102,21 @@ def masked_rows(hq, sq, skv):
     return (lambda s, b, h, q, k: jnp.where((q > 20) & (q >= k), s, NEG)), ()
 
 
+def sqrt_abs(hq, sq, skv):
+    # Finite on every real score, but its derivative is inf at score 0: the
+    # padding's (zero rows and keys), where the kernels must give no gradient.
+    return (lambda s, b, h, q, k: jnp.sqrt(jnp.abs(s))), ()
+
+
+def nan_past_the_end(hq, sq, skv):
+    # Finite on every real (q, kv), NaN past the ends of both, with a learned
+    # factor per head: the padding's NaN must reach neither the gradients of
+    # q, k, v nor the factor's.
+    t = jnp.asarray([0.6 + 0.1 * i for i in range(hq)], jnp.float32)
+    return (lambda s, b, h, q, k, t: s * t[h] * jnp.log((skv - k).astype(jnp.float32))
+            * jnp.sqrt((sq - q).astype(jnp.float32) / sq)), (t,)
+
+
 # The mods on full tiles (every score live): the mask conditions dropped, as
 # the block analysis's when_full gives them. Arguments: the operand nodes.
 def _score():
@@ -131,7 +146,8 @@ WHEN_FULL = {
 
 CASES = {f.__name__: f for f in (softcap, causal, softcap_causal, sliding_window, alibi,
                                   relative_bias, learnable_softcap, head_bias, batch_scale,
-                                  document, document_softcap, float_compare, masked_rows)}
+                                  document, document_softcap, float_compare, masked_rows,
+                                  sqrt_abs, nan_past_the_end)}
 
 
 def doc_ids(b, n, docs=4, seed=11):

@@ -665,3 +665,140 @@ def test_nested_remainders_equal_jax(outer, inner, remainder):
     want = fn(jnp.zeros(x.shape), zero, zero, x, zero)
     got = evaluate(mod.expr, dict(score=jnp.zeros(x.shape), b=zero, h=zero, q_idx=x, kv_idx=zero), {})
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# --------------------------------------------------------------------------- #
+# Whole calls: random mods through attention on lengths that are no whole
+# number of tiles, the reference path against attention written out in
+# jax.numpy, and the Pallas kernels (interpret mode) against the reference
+# path. The kernels pad to whole tiles, where the score is 0 and the indices
+# run past the ends: a factor or term that is finite on every real (q, kv) and
+# -inf, inf or NaN on the padding must change nothing, in the values or in any
+# gradient. q and k hold multiples of 1/2 and the scale is 1/8, so every score
+# is exact (a multiple of 1/32) whatever order a kernel sums in: a mod's
+# steps (floor, comparisons) fall the same way on every path.
+
+POISONS = (
+    "1.0",
+    "jnp.log((SKV - k).astype(jnp.float32))",  # -inf at kv = Skv, NaN past it
+    "jnp.sqrt((SQ - q).astype(jnp.float32) / SQ)",  # NaN past the last query
+    "(1.0 / (SKV - k).astype(jnp.float32))",  # inf at kv = Skv
+)
+LENGTHS = ((1, 12), (12, 100), (33, 47), (47, 20), (70, 71))  # (Sq, Skv): no whole tiles
+
+
+def _exact_inputs(seed, sq, skv, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    half = lambda *shape: jnp.asarray(rng.integers(-2, 3, shape) / 2.0, dtype)  # noqa: E731
+    q, k, v = half(1, sq, 2, 64), half(1, skv, 1, 64), half(1, skv, 1, 64)
+    do = jnp.asarray(rng.normal(size=(1, sq, 2, 64)), dtype)
+    return q, k, v, do
+
+
+def _padded_mods(seed, n, accept=lambda mod: True):
+    """``n`` (source, ScoreMod, (Sq, Skv)): a random expression times or plus a
+    poison of the padding, kept where its value and derivative are finite and
+    moderate on every real score of its inputs (``_exact_inputs(seed + i)``)."""
+    rng = random.Random(seed)
+    out, exprs = [], iter(random_exprs(seed, 50 * n, traced_only=True, depth=3))
+    while len(out) < n:
+        js, _ = next(exprs)
+        sq, skv = rng.choice(LENGTHS)
+        poison = rng.choice(POISONS).replace("SQ", str(sq)).replace("SKV", str(skv))
+        src = f"({js}) {rng.choice('*+')} {poison}"
+        mod = _traced(_fn(src))
+        if mod is None or not accept(mod):
+            continue
+        q, k, _, _ = _exact_inputs(seed + len(out), sq, skv)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) * 0.125
+        grid = (s, *_index_grids(2, sq, skv))
+        value, grad = np.asarray(mod(*grid)), np.asarray(mod.grad(*grid))
+        if (np.isfinite(value).all() and np.isfinite(grad).all()
+                and np.abs(value).max() < 30 and np.abs(grad).max() < 1e3):
+            out.append((src, mod, (sq, skv)))
+    return out
+
+
+def _index_grids(hq, sq, skv):
+    """b, h, q_idx, kv_idx as int32 [B, H, Sq, Skv] broadcasts (lax ops take equal ranks)."""
+    at = lambda n, axis: jnp.arange(n, dtype=jnp.int32).reshape(  # noqa: E731
+        [n if a == axis else 1 for a in range(4)])
+    return at(1, 0), at(hq, 1), at(sq, 2), at(skv, 3)
+
+
+def _written_out(fn, q, k, v):
+    """Softmax attention of ``fn`` on the scores, in plain jax.numpy (1 kv head)."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, q.shape[2], axis=2),
+                   precision=lax.Precision.HIGHEST) * 0.125
+    p = jax.nn.softmax(jnp.broadcast_to(fn(s, *_index_grids(q.shape[2], q.shape[1], k.shape[1])),
+                                        s.shape), axis=-1)
+    return jnp.einsum("bhqk,bkd->bqhd", p, v[:, :, 0], precision=lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_reference_attention_matches_jax_on_random_mods(chunk):
+    """The reference path (O and the gradients of q, k, v) on random mods
+    against attention written out in jax.numpy around the same function."""
+    for i, (src, mod, (sq, skv)) in enumerate(_padded_mods(7000 + chunk, 8)):
+        q, k, v, do = _exact_inputs(7000 + chunk + i, sq, skv)
+        fn = _fn(src)
+        loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * do)  # noqa: E731
+        ours = lambda q, k, v: scoremod.attention(q, k, v, mod, scale=0.125,  # noqa: E731
+                                                  implementation="xla")
+        want = jax.value_and_grad(loss(lambda *a: _written_out(fn, *a)), (0, 1, 2))(q, k, v)
+        got = jax.value_and_grad(loss(ours), (0, 1, 2))(q, k, v)
+        for name, a, b in zip(("loss", "dQ", "dK", "dV"), jax.tree.leaves(got),
+                              jax.tree.leaves(want)):
+            a, b = np.asarray(a), np.asarray(b)
+            err = np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6)
+            assert err < 1e-3, f"{name} of {src!r} at Sq={sq}, Skv={skv}: error {err}"
+
+
+def _pallas_against_reference(src, mod, sq, skv, options, seed, dtype, tol):
+    from scoremod.lowering.pallas.backend import PALLAS
+    from scoremod.lowering.problem import Problem
+    from scoremod.lowering.reference import REFERENCE
+    from tests import pallas_cases as pc
+
+    q, k, v, do = _exact_inputs(seed, sq, skv, dtype)
+    operands = tuple(mod.operands)
+    plan = pc.pallas_plan(mod, q, k, v, options, scale=0.125)
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, 0.125, options, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    got = pc.run(PALLAS, plan, q, k, v, do, operands)
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands)
+    errs = pc.relative_errors(got, want)
+    assert all(e <= tol for e in errs.values()), \
+        f"{src!r} at Sq={sq}, Skv={skv}, {plan.describe()}: errors {errs}"
+    return plan
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_pallas_kernels_match_reference_on_random_mods(chunk):
+    """The Triton engine's kernels (interpret mode, tiles of 16 and 32): O, LSE and
+    the gradients of q, k, v on random mods against the reference path."""
+    options = scoremod.LoweringOptions(pallas_engine="triton", pallas_block_q=32,
+                                       pallas_block_kv=16, pallas_backward_block_q=16,
+                                       pallas_backward_block_kv=32)
+    for i, (src, mod, (sq, skv)) in enumerate(_padded_mods(8000 + chunk, 6)):
+        _pallas_against_reference(src, mod, sq, skv, options, 8000 + chunk + i,
+                                  jnp.float32, 1e-3)
+
+
+def test_mosaic_kernels_match_reference_on_random_mods():
+    """The Mosaic GPU engine's forward and backward (its interpret mode, jax 0.11+,
+    tiles of 64 and 128) on random mods it takes, against the reference path."""
+    from scoremod.lowering.pallas import mosaic, mosaic_backward
+
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < mosaic.JAX_VERSION:
+        pytest.skip(f"the Mosaic GPU engine is written for jax {mosaic.JAX_VERSION} or later")
+    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    if not hasattr(plgpu, "InterpretGPUParams"):
+        pytest.skip("this jax has no Mosaic GPU interpret mode")
+    takes = lambda mod: (mosaic.refusal(mod.expr, mod.sources) is None  # noqa: E731
+                         and mosaic_backward.refusal(mod.expr, mod.sources) is None)
+    options = scoremod.LoweringOptions(pallas_engine="mosaic")
+    for i, (src, mod, (sq, skv)) in enumerate(_padded_mods(9000, 4, accept=takes)):
+        plan = _pallas_against_reference(src, mod, sq, skv, options, 9000 + i,
+                                         jnp.bfloat16, 3e-2)
+        assert plan.backward_engine == "mosaic", plan.describe()

@@ -399,6 +399,7 @@ def interprets(lowers):
     ("learnable_softcap", dict(sq=100, skv=70, hq=2, hkv=1, d=128)),
     ("batch_scale", dict(sq=64, skv=128, hq=2, hkv=1, d=64)),
     ("inf_past_the_end", dict(sq=80, skv=100, hq=1, hkv=1, d=64)),
+    ("sqrt_abs", dict(sq=12, skv=100, hq=2, hkv=1, d=64)),
 ])
 def test_backward_interpreted(case, shape, interprets):
     """The Mosaic backward kernels run in Mosaic GPU's interpret mode (the plan's
@@ -413,7 +414,8 @@ def test_backward_interpreted(case, shape, interprets):
     deviation near 3 (scale 0.4 at d64, 0.3 at d128: a softcap's tanh bends);
     ``inf_past_the_end`` is +inf on keys and queries past the last (the
     padding's: the kernels mask them, else P is inf or NaN there and the
-    gradients NaN)."""
+    gradients NaN); ``sqrt_abs``'s derivative is inf at the padding's score 0
+    (the kernels give the padding no gradient, else 0 * inf is NaN)."""
     shape = dict(shape)
     dtype = shape.pop("dtype", jnp.bfloat16)
     q, k, v, do = pc.inputs(b=2 if case == "batch_scale" else 1, dtype=dtype, **shape)
@@ -472,6 +474,7 @@ def _learned_backward(case, shape, runs=1):
     ("learnable_softcap", dict(sq=100, skv=70, hq=2, hkv=1, d=128, dtype=jnp.float16)),
     ("head_bias", dict(sq=130, skv=190, hq=4, hkv=1, d=64)),
     ("batch_scale", dict(sq=64, skv=128, hq=2, hkv=1, d=64)),
+    ("nan_past_the_end", dict(sq=40, skv=100, hq=2, hkv=1, d=64)),
 ])
 def test_backward_learns_operands_interpreted(case, shape, interprets):
     """Gradients of captured float arrays read at one position per program

@@ -147,6 +147,13 @@ def _scores(spec, q, k, b, h, q0, k0, refs, full=None):
     return s, inputs, valid
 
 
+def _inside(valid, value):
+    """``value`` with 0 on the padding: the mod's derivatives there (score 0,
+    indices past the ends) may be inf or NaN, and ``0 * inf`` would reach every
+    real row through ``dS @ K`` and every learned array's sum."""
+    return value if valid is None else jnp.where(valid, value, 0.0)
+
+
 def _valid(spec, q_idx, kv_idx):
     """Where the tile is inside the real sequences (None: everywhere, no padding)."""
     masks = []
@@ -250,6 +257,7 @@ def _tile_gradients(spec, q, k, v, do, lse, delta, b, h, q0, k0, refs, full):
         on_full = [spec.full_derivatives.score] if spec.full_expr is not None else None
         (dscore,) = _on_tile(spec, [spec.derivatives.score], on_full, inputs, refs, full,
                              ds.shape)
+        dscore = _inside(valid, dscore)
     return p, ds, dscore * jnp.float32(spec.scale), inputs
 
 
@@ -281,7 +289,8 @@ def _dkdv_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, 
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         dk = dk + _dot(dscore.astype(q.dtype), q, trans_a=True)
         if loads:
-            _add_operand_gradients(loads, inputs, refs, parts, windows, (bq, bk))
+            valid = _valid(spec, inputs["q_idx"], inputs["kv_idx"])
+            _add_operand_gradients(loads, inputs, refs, parts, windows, (bq, bk), valid)
         return dk, dv
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -290,9 +299,10 @@ def _dkdv_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, 
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _add_operand_gradients(loads, inputs, refs, parts, windows, shape):
+def _add_operand_gradients(loads, inputs, refs, parts, windows, shape, valid):
     """Adds each read's cotangent, summed per element read, into this program's
-    partial row (its position within the axes the row covers, ``windows``)."""
+    partial row (its position within the axes the row covers, ``windows``);
+    ``valid``: the tile inside the sequences (the padding adds nothing)."""
     axes_of = {name: axes for name, axes, _ in windows}
     roots = [ct for _, ct in loads]
     for node, _ in loads:
@@ -305,7 +315,7 @@ def _add_operand_gradients(loads, inputs, refs, parts, windows, shape):
         at += n
         part = parts[node.args[0].attr[0]]
         idx = jnp.broadcast_to(flat, shape)
-        ct = jnp.broadcast_to(ct.astype(jnp.float32), shape)
+        ct = _inside(valid, jnp.broadcast_to(ct.astype(jnp.float32), shape))
 
         def add(e, carry, idx=idx, ct=ct, part=part):
             total = jnp.sum(jnp.where(idx == e, ct, 0.0))

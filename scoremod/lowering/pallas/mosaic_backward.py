@@ -186,9 +186,15 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}
     else:
         value, local, terms = lax.cond(is_full != 0, lambda: run(variants[1]),
                                        lambda: run(variants[0]))
+    # Past the sequences' ends the score is 0 and the indices out of range, where
+    # the derivatives may be inf or NaN: 0 there, or 0 * inf (P is 0) reaches
+    # every real row through dS @ K and every learned array's sum.
+    value = _tails(spec, value, inputs)
+    if local is not None:
+        local = _tails(spec, local, inputs, 0.0)
     if loads:
-        return _tails(spec, value, inputs), local, terms
-    return _tails(spec, value, inputs), local
+        return value, local, tuple(_tails(spec, t, inputs, 0.0) for t in terms)
+    return value, local
 
 
 class _Vectors:
@@ -292,13 +298,14 @@ class _Vectors:
         return reads
 
 
-def _tails(spec, value, inputs):
-    """``value`` with -inf on padded keys and queries: P is 0 there whatever the
-    mod gives (+inf on a padded row would make P NaN, and NaN * 0 reaches dK)."""
+def _tails(spec, value, inputs, outside=NEG_INF):
+    """``value`` with ``outside`` on padded keys and queries: -inf for the modded
+    scores, so that P is 0 there whatever the mod gives (+inf on a padded row
+    would make P NaN, and NaN * 0 reaches dK); 0 for derivatives."""
     if spec.skv % BLOCK:
-        value = jnp.where(inputs["kv_idx"] < spec.skv, value, NEG_INF)
+        value = jnp.where(inputs["kv_idx"] < spec.skv, value, outside)
     if spec.sq % BLOCK:
-        value = jnp.where(inputs["q_idx"] < spec.sq, value, NEG_INF)
+        value = jnp.where(inputs["q_idx"] < spec.sq, value, outside)
     return value
 
 
