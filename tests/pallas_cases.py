@@ -102,10 +102,12 @@ def masked_rows(hq, sq, skv):
     return (lambda s, b, h, q, k: jnp.where((q > 20) & (q >= k), s, NEG)), ()
 
 
-def sqrt_abs(hq, sq, skv):
-    # Finite on every real score, but its derivative is inf at score 0: the
-    # padding's (zero rows and keys), where the kernels must give no gradient.
-    return (lambda s, b, h, q, k: jnp.sqrt(jnp.abs(s))), ()
+def score_log_abs(hq, sq, skv):
+    # Finite on every real score (none is 0), NaN at score 0 with a derivative
+    # of -inf there: the padding's (zero rows and keys), where the kernels must
+    # give no gradient. (sqrt(|s|) would do too, but its derivative near 0 is
+    # too steep to compare in bfloat16.)
+    return (lambda s, b, h, q, k: s * jnp.log(jnp.abs(s))), ()
 
 
 def nan_past_the_end(hq, sq, skv):
@@ -147,7 +149,7 @@ WHEN_FULL = {
 CASES = {f.__name__: f for f in (softcap, causal, softcap_causal, sliding_window, alibi,
                                   relative_bias, learnable_softcap, head_bias, batch_scale,
                                   document, document_softcap, float_compare, masked_rows,
-                                  sqrt_abs, nan_past_the_end)}
+                                  score_log_abs, nan_past_the_end)}
 
 
 def doc_ids(b, n, docs=4, seed=11):

@@ -399,7 +399,7 @@ def interprets(lowers):
     ("learnable_softcap", dict(sq=100, skv=70, hq=2, hkv=1, d=128)),
     ("batch_scale", dict(sq=64, skv=128, hq=2, hkv=1, d=64)),
     ("inf_past_the_end", dict(sq=80, skv=100, hq=1, hkv=1, d=64)),
-    ("sqrt_abs", dict(sq=12, skv=100, hq=2, hkv=1, d=64)),
+    ("score_log_abs", dict(sq=12, skv=100, hq=2, hkv=1, d=64)),
 ])
 def test_backward_interpreted(case, shape, interprets):
     """The Mosaic backward kernels run in Mosaic GPU's interpret mode (the plan's
@@ -414,7 +414,7 @@ def test_backward_interpreted(case, shape, interprets):
     deviation near 3 (scale 0.4 at d64, 0.3 at d128: a softcap's tanh bends);
     ``inf_past_the_end`` is +inf on keys and queries past the last (the
     padding's: the kernels mask them, else P is inf or NaN there and the
-    gradients NaN); ``sqrt_abs``'s derivative is inf at the padding's score 0
+    gradients NaN); ``score_log_abs``'s derivative is -inf at the padding's score 0
     (the kernels give the padding no gradient, else 0 * inf is NaN)."""
     shape = dict(shape)
     dtype = shape.pop("dtype", jnp.bfloat16)

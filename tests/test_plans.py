@@ -148,3 +148,31 @@ def test_planned_backward_keeps_derivatives_at_ties(fn, at_zero):
         got = float(evaluate(part.bwd, inputs, {})) * scale
         assert got == pytest.approx(at_zero), (options, str(part.bwd))
         assert float(jax.grad(lambda s: fn(s, 0, 0, 0, 0))(0.0)) == pytest.approx(at_zero)
+
+
+@pytest.mark.parametrize("sq,skv", [(1, 12), (100, 128), (128, 100), (256, 384)])
+def test_backward_gives_the_padding_no_gradient(sq, skv):
+    """cuDNN's backward evaluates the score's gradient on the padding of its last
+    tiles too (score 0, indices past the ends): the planned backward expression
+    is 0 there, where the derivative of s * log|s| is -inf (NaN in dK and dV on
+    the H200 otherwise), and the derivative itself on every real entry; at whole
+    tiles it is the derivative alone."""
+    from scoremod.lowering.cudnn.plan import Part
+    from scoremod.dsl import ir
+
+    mod = scoremod.trace(lambda s, b, h, q, k: s * jnp.log(jnp.abs(s)))
+    part = Part(mod, Problem(b=1, sq=sq, skv=skv, hq=1, hkv=1, d=64, dv=64, dtype="bfloat16"),
+                0.125, scoremod.LoweringOptions())
+    qi = np.arange(256 + 128)[:, None]
+    ki = np.arange(384 + 128)[None, :]
+    for score in (0.0, 0.75):
+        inputs = {"score": np.full(qi.shape[:1] + ki.shape[1:], score, np.float32), "b": 0,
+                  "h": 0, "q_idx": qi, "kv_idx": ki, ir.cotangent().attr: 1.0}
+        got = np.asarray(evaluate(part.bwd, inputs, {}))
+        real = (qi < sq) & (ki < skv)
+        padded = ~real & (qi < -(-sq // 128) * 128) & (ki < -(-skv // 128) * 128)
+        if sq % 128 or skv % 128:
+            assert np.all(got[padded] == 0.0), score
+        if score:  # d/ds s log|s|, on the real entries
+            assert np.allclose(got[real], 1.0 + np.log(score)), score
+    assert bool(sq % 128 or skv % 128) == (part.bwd.op == "where")

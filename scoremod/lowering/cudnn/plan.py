@@ -43,6 +43,7 @@ from scoremod.options import LoweringOptions
 # (measured: `score + 0.25 * kv_idx` at Skv=192 gives NaN in dQ). Masking the
 # padding inside the mod keeps those entries at zero.
 KV_TILE = 128
+Q_TILE = 128  # a multiple of the query tiles cuDNN's backward runs (64 or 128 rows)
 
 
 def _varies_along_kv_only(dims) -> bool:
@@ -62,6 +63,19 @@ def _guard_kv_padding(expr: Node, skv: int) -> Node:
         return expr
     inside = ops.apply("lt", ir.var("kv_idx"), ir.const(skv, ir.I32))
     return ops.apply("where", inside, expr, ir.const(float("-inf"), F32))
+
+
+def _guard_padding_gradient(bwd: Node, sq: int, skv: int) -> Node:
+    """The score's gradient with 0 on the padding of the last query and key
+    tiles: cuDNN's backward evaluates it there too (score 0, indices past the
+    ends), where the derivative may be inf or NaN (sqrt(|s|)'s at 0), and
+    0 * inf spreads NaN into dK and dV (measured on the H200: sqrt(|s|) at
+    Sq=1, Skv=12)."""
+    for var, n, tile in (("q_idx", sq, Q_TILE), ("kv_idx", skv, KV_TILE)):
+        if n % tile:
+            inside = ops.apply("lt", ir.var(var), ir.const(n, ir.I32))
+            bwd = ops.apply("where", inside, bwd, ir.const(0.0, F32))
+    return bwd
 
 
 def native_band(mod, shape: Problem, options: LoweringOptions):
@@ -113,6 +127,7 @@ class Part:
                 expr, factor = rules.fold_scale(rules.canonical(expr))
                 graph_scale = scale * factor
             self.fwd, self.bwd = rules.forward_and_backward(expr)
+            self.bwd = _guard_padding_gradient(self.bwd, shape.sq, shape.skv)
             # What the graphs read: constants and tensors on the emitted paths only
             # (a graph is given exactly the scalars it contains).
             fwd_nodes = cg.emission_order(self.fwd)
