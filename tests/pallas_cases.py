@@ -230,14 +230,16 @@ def traced(case, q, k):
 
 def mask_block_map(mod, operands, problem, block_q, block_kv) -> BlockMap:
     """The exact tiles to visit: those where the mod leaves some score finite
-    (evaluated by the reference path on every entry, score 0), per batch."""
+    (evaluated by the reference path on every entry, scores 0 and 0.5), per batch."""
     bound = mod.bind(**dict(zip(mod.operand_names, operands))) if operands else mod
     bi = np.arange(problem.b)[:, None, None, None]
     hi = np.arange(problem.hq)[None, :, None, None]
     qi = np.arange(problem.sq)[None, None, :, None]
     ki = np.arange(problem.skv)[None, None, None, :]
     shape = (problem.b, problem.hq, problem.sq, problem.skv)
-    live = np.isfinite(np.broadcast_to(np.asarray(bound(jnp.zeros(()), bi, hi, qi, ki)), shape))
+    # Live where the mod is finite at score 0 or 0.5 (s * log|s| is NaN at 0 alone).
+    live = functools.reduce(np.logical_or, (np.isfinite(np.broadcast_to(np.asarray(
+        bound(jnp.full((), s, jnp.float32), bi, hi, qi, ki)), shape)) for s in (0.0, 0.5)))
     return map_from_mask(live, block_q, block_kv)
 
 

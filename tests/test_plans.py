@@ -155,8 +155,8 @@ def test_backward_gives_the_padding_no_gradient(sq, skv):
     """cuDNN's backward evaluates the score's gradient on the padding of its last
     tiles too (score 0, indices past the ends): the planned backward expression
     is 0 there, where the derivative of s * log|s| is -inf (NaN in dK and dV on
-    the H200 otherwise), and the derivative itself on every real entry; at whole
-    tiles it is the derivative alone."""
+    the H200 otherwise), and the derivative itself on every real entry; the
+    forward expression is -inf there; at whole tiles both are the mod's alone."""
     from scoremod.lowering.cudnn.plan import Part
     from scoremod.dsl import ir
 
@@ -175,4 +175,7 @@ def test_backward_gives_the_padding_no_gradient(sq, skv):
             assert np.all(got[padded] == 0.0), score
         if score:  # d/ds s log|s|, on the real entries
             assert np.allclose(got[real], 1.0 + np.log(score)), score
+        # The value is -inf on the padding (P = 0 there: NaN would reach dV).
+        value = np.broadcast_to(np.asarray(evaluate(part.fwd, inputs, {})), got.shape)
+        assert np.all(np.isneginf(value[padded])) and not np.isneginf(value[real]).any()
     assert bool(sq % 128 or skv % 128) == (part.bwd.op == "where")

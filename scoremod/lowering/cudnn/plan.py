@@ -37,11 +37,13 @@ from scoremod.lowering.cudnn.table import INPUT_TENSORS
 from scoremod.lowering.problem import AXES, AXIS, Problem
 from scoremod.options import LoweringOptions
 
-# Key tiles past the end of the sequence: cuDNN's backward pass evaluates
+# Tiles past the ends of the sequences: cuDNN's backward pass evaluates
 # score_mod on padding keys (kv_idx >= Skv) of the last tile and, in float16,
 # P = exp(score - LSE) can overflow there when the mod grows with kv_idx
-# (measured: `score + 0.25 * kv_idx` at Skv=192 gives NaN in dQ). Masking the
-# padding inside the mod keeps those entries at zero.
+# (measured: `score + 0.25 * kv_idx` at Skv=192 gives NaN in dQ); on padding
+# queries (q_idx >= Sq) a mod that is NaN there makes P NaN, and dV NaN
+# (measured: `score * sqrt(f32(Sq - q_idx))` at Sq=12). Masking the padding
+# inside the mod keeps those entries at zero.
 KV_TILE = 128
 Q_TILE = 128  # a multiple of the query tiles cuDNN's backward runs (64 or 128 rows)
 
@@ -58,11 +60,12 @@ def _varies_along_kv_only(dims) -> bool:
     return dims[AXIS["kv_idx"]] > 1 and dims[AXIS["q_idx"]] == 1
 
 
-def _guard_kv_padding(expr: Node, skv: int) -> Node:
-    if skv % KV_TILE == 0:
-        return expr
-    inside = ops.apply("lt", ir.var("kv_idx"), ir.const(skv, ir.I32))
-    return ops.apply("where", inside, expr, ir.const(float("-inf"), F32))
+def _guard_padding(expr: Node, sq: int, skv: int) -> Node:
+    for var, n, tile in (("kv_idx", skv, KV_TILE), ("q_idx", sq, Q_TILE)):
+        if n % tile:
+            inside = ops.apply("lt", ir.var(var), ir.const(n, ir.I32))
+            expr = ops.apply("where", inside, expr, ir.const(float("-inf"), F32))
+    return expr
 
 
 def _guard_padding_gradient(bwd: Node, sq: int, skv: int) -> Node:
@@ -118,7 +121,7 @@ class Part:
             self.fwd = self.bwd = None
             self.consts, self.fwd_consts, self.loads, self.fwd_loads = (), (), (), ()
         else:
-            expr = _guard_kv_padding(mod.expr, shape.skv)
+            expr = _guard_padding(mod.expr, shape.sq, shape.skv)
             # A constant factor on every use of the score joins attn_scale. Not
             # for a mod with its own derivative rules: canonical() keeps values
             # only, so folding would differentiate the bare values (softplus'(0)
