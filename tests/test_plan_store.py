@@ -301,6 +301,18 @@ def test_an_unwritable_directory_warns_once_and_keeps_working(tmp_path):
         assert store.get(graph_key(), Built) is None
 
 
+def test_the_store_makes_its_folder_and_the_cache_root_private(tmp_path):
+    # Under a umask that gives new folders to the group, JAX's cache beside the store
+    # would refuse a root that the store created group-writable.
+    old = os.umask(0o002)
+    try:
+        assert store_at(tmp_path / "root" / "cudnn-plans").put(graph_key(), record())
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "root", tmp_path / "root" / "cudnn-plans"):
+        assert os.stat(folder).st_mode & 0o777 == 0o700, folder
+
+
 # --- the process's store, through the graph cache ------------------------------
 
 

@@ -41,9 +41,9 @@ their content's key, and the last rename wins with an equal record.
 
 A directory that cannot be created or written gives one warning and the
 process goes on with its in-memory cache; the store never makes a call fail.
-The directory is created private (mode 0700). Like JAX's compilation cache
-it must be trusted: the digest catches corruption, not a malicious writer,
-and a cuDNN graph runs GPU code.
+The directory and the cache root above it are created private (mode 0700).
+Like JAX's compilation cache it must be trusted: the digest catches
+corruption, not a malicious writer, and a cuDNN graph runs GPU code.
 
     >>> from scoremod.lowering.cudnn import plan_store
     >>> plan_store.encode(("forward", 1.5, -0.0, None, (64, "bfloat16")))
@@ -361,6 +361,9 @@ class Store:
         path = self.path(material)
         tmp = None
         try:
+            # The cache root first, private too: JAX's cache beside it refuses a root
+            # that others may write (scoremod.process_caches).
+            os.makedirs(os.path.dirname(self.directory), mode=0o700, exist_ok=True)
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=SUFFIX, dir=self.directory)
             with os.fdopen(fd, "wb") as f:
