@@ -183,6 +183,49 @@ def test_corrupt_entries_are_removed_never_trusted(tmp_path, how):
     assert plan_files(tmp_path) == []
 
 
+def _get_within(store, key, seconds=20):
+    """``store.get(key)`` in a thread: (finished, result); a read that blocks fails the
+    test instead of hanging the suite."""
+    import threading
+
+    got = []
+    reader = threading.Thread(target=lambda: got.append(store.get(key, Built)), daemon=True)
+    reader.start()
+    reader.join(timeout=seconds)
+    return (not reader.is_alive()), (got[0] if got else None)
+
+
+def test_a_pipe_at_an_entry_is_never_opened(tmp_path):
+    store = store_at(tmp_path)
+    path = store.path(store.material(graph_key()))
+    os.mkfifo(path)
+    try:
+        finished, got = _get_within(store, graph_key())
+    finally:
+        if os.path.exists(path) and not os.path.isfile(path):  # unblock a stuck reader
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader: nothing to unblock
+                pass
+    assert finished, "Store.get blocked on a pipe at the entry's path"
+    assert got is None and store.counters["disk_rejected"] == 1
+    assert not os.path.exists(path)  # removed: the next build writes the entry
+    assert store.put(graph_key(), record())
+    assert store.get(graph_key(), Built) == record()
+
+
+def test_a_link_at_an_entry_is_not_followed(tmp_path):
+    # A link may point outside the private folder, at a file others can write.
+    store = store_at(tmp_path / "plans")
+    store.put(graph_key(), record())
+    path = store.path(store.material(graph_key()))
+    outside = tmp_path / "outside.plan"
+    os.replace(path, outside)
+    os.symlink(outside, path)
+    assert store.get(graph_key(), Built) is None and store.counters["disk_rejected"] == 1
+    assert not os.path.lexists(path) and outside.exists()  # the link goes, not its target
+
+
 def _rewrite_header(path, edit):
     """Change the JSON header and recompute the digest: a well-formed file that lies."""
     import hashlib

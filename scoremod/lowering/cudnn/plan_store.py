@@ -29,9 +29,10 @@ frontend versions, the versions the FFI extension was compiled with, the GPU's
 name and compute capability) and of :data:`FORMAT_VERSION`. The file holds a
 magic line, the SHA-256 of everything after it, a JSON header (the full key
 material and the record's fields) and the raw serialized graph. Nothing is
-unpickled. A file is used only when it parses, its digest matches and its key
-material equals the wanted one exactly; anything else (truncated, corrupt,
-another format) is removed and the graph is built again.
+unpickled. A file is used only when it is a regular file (a pipe or link at an
+entry's name is never opened, so a read cannot block), it parses, its digest
+matches and its key material equals the wanted one exactly; anything else
+(truncated, corrupt, another format) is removed and the graph is built again.
 
 Files are written to a temporary name in the same directory, flushed to disk
 and renamed over the entry (``os.replace``), so a reader sees a whole entry or
@@ -58,6 +59,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import sys
 import tempfile
@@ -314,9 +316,15 @@ class Store:
         material = self.material(key)
         path = self.path(material)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                data = f.read(_MAX_FILE_BYTES + 1)
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                data = None  # a pipe would block open() forever: never opened
+            else:
+                # Non-blocking: the entry may become a pipe between the check and the open.
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+                with os.fdopen(fd, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    data = f.read(_MAX_FILE_BYTES + 1) if stat.S_ISREG(st.st_mode) else None
         except FileNotFoundError:
             self._count("disk_misses")
             return None
@@ -325,6 +333,8 @@ class Store:
             self._count("disk_misses")
             return None
         try:
+            if data is None:
+                raise _Invalid("not a regular file")
             if len(data) > _MAX_FILE_BYTES:
                 raise _Invalid("too large")
             record = _deserialize(data, material, record_type)
@@ -344,7 +354,7 @@ class Store:
     def _remove_if_unchanged(self, path, st):
         """Remove a bad entry unless another process has just replaced it."""
         try:
-            now = os.stat(path)
+            now = os.lstat(path)  # a link itself, not what it points at
             if (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size,
                                                               st.st_mtime_ns):
                 os.unlink(path)
