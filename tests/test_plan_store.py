@@ -258,6 +258,84 @@ def test_well_formed_files_for_something_else_are_rejected(tmp_path, edit):
     assert store.counters["disk_rejected"] == 1
 
 
+def _rewrite_raw(path, edit):
+    """Replace the header's bytes (and its length line) with ``edit(size_line, header)``'s,
+    and recompute the digest: a file whose digest is valid and whose header is odd."""
+    import hashlib
+
+    data = open(path, "rb").read()
+    body = data.split(b"\n", 2)[2]
+    size, rest = body.split(b"\n", 1)
+    new_size, new_header = edit(size, rest[:int(size)])
+    body = new_size + b"\n" + new_header + rest[int(size):]
+    with open(path, "wb") as f:
+        f.write(b"scoremod-plan\n" + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+
+
+def _deep(size, header):
+    header = header[:-1] + b', "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    return b"%d" % len(header), header
+
+
+def _padded(size, header):
+    header = header[:-1] + b', "pad": "' + b"x" * (2 << 20) + b'"}'
+    return b"%d" % len(header), header
+
+
+def _long_length_line(size, header):
+    return b"0" * 5000 + size, header
+
+
+# A valid digest over odd content: each was trusted (a record with a string for its
+# workspace) or crashed the read (RecursionError, int()'s digit limit).
+_ODD_HEADERS = {
+    "a string for an int": lambda h: h["fields"].update(workspace="4096"),
+    "a boolean for an int": lambda h: h["fields"].update(workspace=True),
+    "a 400-digit int": lambda h: h["fields"].update(graph_id=10 ** 399),
+    "an int past 64 bits": lambda h: h["fields"].update(graph_id=2 ** 63),
+    "a string in a tuple": lambda h: h["fields"].update(in_uids=[1, "2", 3]),
+    "a string for a tuple": lambda h: h["fields"].update(in_uids="123"),
+    "an object for a string": lambda h: h["fields"].update(plan={"a": 1}),
+    "NaN seconds": lambda h: h["fields"].update(seconds=float("nan")),
+    "format true": lambda h: h.update(format=True),
+    "an extra header key": lambda h: h.update(extra=1),
+}
+_ODD_BYTES = {"a 100,000-deep header": _deep, "a 2 MB header": _padded,
+              "a 5000-digit header length": _long_length_line}
+
+
+@pytest.mark.parametrize("how", [*_ODD_HEADERS, *_ODD_BYTES])
+def test_odd_content_under_a_valid_digest_is_rejected_not_trusted(tmp_path, how):
+    store = store_at(tmp_path)
+    store.put(graph_key(), record())
+    (name,) = plan_files(tmp_path)
+    if how in _ODD_HEADERS:
+        _rewrite_header(tmp_path / name, _ODD_HEADERS[how])
+    else:
+        _rewrite_raw(tmp_path / name, _ODD_BYTES[how])
+    assert store.get(graph_key(), Built) is None
+    assert store.counters["disk_rejected"] == 1
+    assert plan_files(tmp_path) == []  # removed, as a bad digest is
+    assert store.put(graph_key(), record()) and store.get(graph_key(), Built) == record()
+
+
+def test_a_record_that_would_not_read_back_is_not_written(tmp_path):
+    store = store_at(tmp_path)
+    with pytest.raises(ValueError, match="Built cannot be stored: field workspace: an int of 20 digits"):
+        store.put(graph_key(), dataclasses.replace(record(), workspace=2 ** 64))
+    with pytest.raises(ValueError, match="Built cannot be stored: field in_uids: a string where an int"):
+        store.put(graph_key(), dataclasses.replace(record(), in_uids=(1, "2")))
+
+    @dataclasses.dataclass(frozen=True)
+    class Loose:
+        blob: bytes
+        uids: tuple  # no item type: nothing to check what is read back against
+
+    with pytest.raises(TypeError, match="cannot check Loose.uids"):
+        store.put(graph_key(), Loose(b"graph", (1, 2)))
+    assert plan_files(tmp_path) == []
+
+
 def test_an_untouched_rewrite_still_verifies(tmp_path):
     # The helper above changes only what its edit changes (so the tests above test the edits).
     store = store_at(tmp_path)
