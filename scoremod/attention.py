@@ -62,7 +62,10 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         ``scoremod.lowering_options`` block's, else the environment's.
 
     A query row whose scores are all ``-inf`` (fully masked) yields an output
-    of zeros, an LSE of ``-inf`` and zero gradients.
+    of zeros, an LSE of ``-inf`` and zero gradients. So does every row of a
+    call without keys (kv_len 0); a call without query rows (batch, q_len
+    or q_heads 0) gives empty results. Either runs no kernel, whatever the
+    ``implementation`` (one asked for by name still refuses what it refuses).
 
     Under ``jax.jit`` with sharded inputs, a fused call runs per device on its
     batch and head shards (queries sharded along the sequence attend to the
@@ -92,9 +95,11 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     if mod is not None:
         mod.require_bound()
         check_operand_ranges(mod, problem)
+    traced_scale = isinstance(scale, jax.core.Tracer)
+    if nothing_to_compute(problem):
+        return _empty_call(asked, problem, mod, traced_scale, options, return_lse)
     if options.low_rank_bias:
         query, key, mod, problem = fold_low_rank_bias(query, key, value, mod, problem, scale)
-    traced_scale = isinstance(scale, jax.core.Tracer)
     if asked is not None:
         reason = _why_not(asked, problem, mod, traced_scale, automatic=False, options=options)
         if reason is not None:
@@ -119,6 +124,27 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     o, lse = run(backend, plan, query, key, value, operands, problem=problem, options=options,
                  return_lse=return_lse, fallback=fallback,
                  forward_mode_fallback=forward_mode_fallback)
+    return (o, lse) if return_lse else o
+
+
+def nothing_to_compute(problem: Problem) -> bool:
+    """No score to compute: no query row (batch, query heads or queries 0),
+    or no key, so that every row is fully masked."""
+    return problem.b * problem.hq * problem.sq == 0 or problem.skv == 0
+
+
+def _empty_call(asked, problem, mod, traced_scale, options, return_lse):
+    """The result of a call with nothing to compute, the same for every backend
+    (whose kernels need at least one tile): O of zeros, LSE of -inf, as a
+    fully masked row gives, and so zero gradients. A backend asked for by name
+    still refuses what it refuses on a call of these shapes with rows."""
+    if asked is not None:
+        reason = _why_not(asked, problem, mod, traced_scale, automatic=False, options=options)
+        if reason is not None:
+            raise asked.refused(reason)
+    p = problem
+    o = jnp.zeros((p.b, p.sq, p.hq, p.dv), p.dtype)
+    lse = jnp.full((p.b, p.hq, p.sq), -jnp.inf, jnp.float32)
     return (o, lse) if return_lse else o
 
 
@@ -326,13 +352,14 @@ def check_inputs(query, key, value) -> Problem:
         raise ScoreModTypeError(f"query batch {b} != key batch {bk}")
     if dk != d:
         raise ScoreModTypeError(f"query head_dim {d} != key head_dim {dk}")
-    for name, n in (("query sequence length", sq), ("key/value sequence length", skv),
-                    ("key/value heads", hkv), ("head_dim", d)):
+    # An empty batch, no queries or no keys is a call with nothing to compute
+    # (see nothing_to_compute); no kv head or an empty head_dim has no meaning.
+    for name, n in (("key/value heads", hkv), ("head_dim", d)):
         if n == 0:
             raise ScoreModValueError(
                 f"{name} is 0 (query {tuple(query.shape)}, key {tuple(key.shape)}, value "
-                f"{tuple(value.shape)}): attention needs at least one query, one key, one "
-                "key/value head and head_dim >= 1; skip the call for empty inputs"
+                f"{tuple(value.shape)}): attention needs at least one key/value head and "
+                "head_dim >= 1"
             )
     if hq % hkv:
         raise ScoreModTypeError(

@@ -130,6 +130,63 @@ def test_fully_masked_rows_give_zero_output_lse_minus_inf_and_zero_grads():
     assert np.all(np.asarray(grads[0][:, :10], np.float32) == 0)
 
 
+def _pretend_cudnn_is_here(monkeypatch):
+    """The fused cuDNN path's checks pass (an H100, the extension and cuDNN
+    loaded), though no kernel could run here."""
+    import sys
+    import types
+
+    from scoremod import kernels_ffi
+
+    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "pretend H100", 9, 132))
+    monkeypatch.setattr(kernels_ffi, "available", lambda: True)
+    monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
+    monkeypatch.setattr(device, "loaded_cudnn_version", lambda: (91900, "pretend"))
+
+
+@pytest.mark.parametrize("implementation", [None, "xla", "pallas", "cudnn"])
+@pytest.mark.parametrize("b, sq, skv, hq", [(0, 8, 8, 2), (2, 0, 8, 2), (2, 8, 0, 2),
+                                           (0, 0, 0, 2), (2, 8, 8, 0)])
+def test_a_call_with_nothing_to_compute_gives_the_same_results_on_every_backend(
+        monkeypatch, implementation, b, sq, skv, hq):
+    """No query row (batch, queries or query heads 0): empty results; no key:
+    every row fully masked (zeros, LSE -inf). The gradients of q, k, v and of
+    a captured array are zeros of their shapes. The fused backends' kernels
+    never see such a call (the Pallas kernels' slices needed a row); cuDNN's
+    checks are faked, and it would fail if anything ran."""
+    if implementation == "cudnn":
+        _pretend_cudnn_is_here(monkeypatch)
+    dv = 64
+    q = jnp.ones((b, sq, hq, 64), jnp.bfloat16)
+    k, v = jnp.ones((b, skv, 2, 64), jnp.bfloat16), jnp.ones((b, skv, 2, dv), jnp.bfloat16)
+    slopes = jnp.ones(2, jnp.float32)
+    mod = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + slopes[h], -jnp.inf))
+
+    def loss(q, k, v, c0):
+        o, lse = scoremod.attention(q, k, v, mod.bind(c0=c0), implementation=implementation,
+                                    return_lse=True)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isinf(lse), 0.0, lse))
+
+    o, lse = scoremod.attention(q, k, v, mod, implementation=implementation, return_lse=True)
+    assert o.shape == (b, sq, hq, dv) and o.dtype == jnp.bfloat16
+    assert lse.shape == (b, hq, sq) and lse.dtype == jnp.float32
+    assert np.all(np.asarray(o, np.float32) == 0) and np.all(np.isneginf(np.asarray(lse)))
+    grads = jax.grad(loss, (0, 1, 2, 3))(q, k, v, slopes)
+    for g, x in zip(grads, (q, k, v, slopes)):
+        assert g.shape == x.shape and np.all(np.asarray(g, np.float32) == 0)
+    jitted = jax.jit(lambda q, k, v: scoremod.attention(q, k, v, mod,
+                                                        implementation=implementation))
+    assert jitted(q, k, v).shape == (b, sq, hq, dv)
+
+
+def test_a_call_with_nothing_to_compute_still_refuses_what_the_backend_refuses():
+    q = jnp.ones((0, 8, 2, 16), jnp.float32)  # head dim 16: not one of the Pallas kernels'
+    with pytest.raises(scoremod.ScoreModError, match="head dims 64 and 128"):
+        scoremod.attention(q, q, q, implementation="pallas")
+    with pytest.raises(ScoreModTypeError, match="dtype"):  # nor are the inputs' checks skipped
+        scoremod.attention(q.astype(jnp.int32), q, q)
+
+
 def _plain_jnp(q, k, v, bias_fn, scale):
     """Independent jnp attention with an explicit [B,H,Sq,Skv] bias/mask (float32)."""
     groups = q.shape[2] // k.shape[2]

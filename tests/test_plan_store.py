@@ -183,6 +183,49 @@ def test_corrupt_entries_are_removed_never_trusted(tmp_path, how):
     assert plan_files(tmp_path) == []
 
 
+def _get_within(store, key, seconds=20):
+    """``store.get(key)`` in a thread: (finished, result); a read that blocks fails the
+    test instead of hanging the suite."""
+    import threading
+
+    got = []
+    reader = threading.Thread(target=lambda: got.append(store.get(key, Built)), daemon=True)
+    reader.start()
+    reader.join(timeout=seconds)
+    return (not reader.is_alive()), (got[0] if got else None)
+
+
+def test_a_pipe_at_an_entry_is_never_opened(tmp_path):
+    store = store_at(tmp_path)
+    path = store.path(store.material(graph_key()))
+    os.mkfifo(path)
+    try:
+        finished, got = _get_within(store, graph_key())
+    finally:
+        if os.path.exists(path) and not os.path.isfile(path):  # unblock a stuck reader
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader: nothing to unblock
+                pass
+    assert finished, "Store.get blocked on a pipe at the entry's path"
+    assert got is None and store.counters["disk_rejected"] == 1
+    assert not os.path.exists(path)  # removed: the next build writes the entry
+    assert store.put(graph_key(), record())
+    assert store.get(graph_key(), Built) == record()
+
+
+def test_a_link_at_an_entry_is_not_followed(tmp_path):
+    # A link may point outside the private folder, at a file others can write.
+    store = store_at(tmp_path / "plans")
+    store.put(graph_key(), record())
+    path = store.path(store.material(graph_key()))
+    outside = tmp_path / "outside.plan"
+    os.replace(path, outside)
+    os.symlink(outside, path)
+    assert store.get(graph_key(), Built) is None and store.counters["disk_rejected"] == 1
+    assert not os.path.lexists(path) and outside.exists()  # the link goes, not its target
+
+
 def _rewrite_header(path, edit):
     """Change the JSON header and recompute the digest: a well-formed file that lies."""
     import hashlib
@@ -213,6 +256,84 @@ def test_well_formed_files_for_something_else_are_rejected(tmp_path, edit):
     _rewrite_header(tmp_path / name, edit)
     assert store.get(graph_key(), Built) is None
     assert store.counters["disk_rejected"] == 1
+
+
+def _rewrite_raw(path, edit):
+    """Replace the header's bytes (and its length line) with ``edit(size_line, header)``'s,
+    and recompute the digest: a file whose digest is valid and whose header is odd."""
+    import hashlib
+
+    data = open(path, "rb").read()
+    body = data.split(b"\n", 2)[2]
+    size, rest = body.split(b"\n", 1)
+    new_size, new_header = edit(size, rest[:int(size)])
+    body = new_size + b"\n" + new_header + rest[int(size):]
+    with open(path, "wb") as f:
+        f.write(b"scoremod-plan\n" + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+
+
+def _deep(size, header):
+    header = header[:-1] + b', "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    return b"%d" % len(header), header
+
+
+def _padded(size, header):
+    header = header[:-1] + b', "pad": "' + b"x" * (2 << 20) + b'"}'
+    return b"%d" % len(header), header
+
+
+def _long_length_line(size, header):
+    return b"0" * 5000 + size, header
+
+
+# A valid digest over odd content: each was trusted (a record with a string for its
+# workspace) or crashed the read (RecursionError, int()'s digit limit).
+_ODD_HEADERS = {
+    "a string for an int": lambda h: h["fields"].update(workspace="4096"),
+    "a boolean for an int": lambda h: h["fields"].update(workspace=True),
+    "a 400-digit int": lambda h: h["fields"].update(graph_id=10 ** 399),
+    "an int past 64 bits": lambda h: h["fields"].update(graph_id=2 ** 63),
+    "a string in a tuple": lambda h: h["fields"].update(in_uids=[1, "2", 3]),
+    "a string for a tuple": lambda h: h["fields"].update(in_uids="123"),
+    "an object for a string": lambda h: h["fields"].update(plan={"a": 1}),
+    "NaN seconds": lambda h: h["fields"].update(seconds=float("nan")),
+    "format true": lambda h: h.update(format=True),
+    "an extra header key": lambda h: h.update(extra=1),
+}
+_ODD_BYTES = {"a 100,000-deep header": _deep, "a 2 MB header": _padded,
+              "a 5000-digit header length": _long_length_line}
+
+
+@pytest.mark.parametrize("how", [*_ODD_HEADERS, *_ODD_BYTES])
+def test_odd_content_under_a_valid_digest_is_rejected_not_trusted(tmp_path, how):
+    store = store_at(tmp_path)
+    store.put(graph_key(), record())
+    (name,) = plan_files(tmp_path)
+    if how in _ODD_HEADERS:
+        _rewrite_header(tmp_path / name, _ODD_HEADERS[how])
+    else:
+        _rewrite_raw(tmp_path / name, _ODD_BYTES[how])
+    assert store.get(graph_key(), Built) is None
+    assert store.counters["disk_rejected"] == 1
+    assert plan_files(tmp_path) == []  # removed, as a bad digest is
+    assert store.put(graph_key(), record()) and store.get(graph_key(), Built) == record()
+
+
+def test_a_record_that_would_not_read_back_is_not_written(tmp_path):
+    store = store_at(tmp_path)
+    with pytest.raises(ValueError, match="Built cannot be stored: field workspace: an int of 20 digits"):
+        store.put(graph_key(), dataclasses.replace(record(), workspace=2 ** 64))
+    with pytest.raises(ValueError, match="Built cannot be stored: field in_uids: a string where an int"):
+        store.put(graph_key(), dataclasses.replace(record(), in_uids=(1, "2")))
+
+    @dataclasses.dataclass(frozen=True)
+    class Loose:
+        blob: bytes
+        uids: tuple  # no item type: nothing to check what is read back against
+
+    with pytest.raises(TypeError, match="cannot check Loose.uids"):
+        store.put(graph_key(), Loose(b"graph", (1, 2)))
+    assert plan_files(tmp_path) == []
 
 
 def test_an_untouched_rewrite_still_verifies(tmp_path):
@@ -299,6 +420,18 @@ def test_an_unwritable_directory_warns_once_and_keeps_working(tmp_path):
         warnings.simplefilter("error")
         assert not store.put(graph_key(scale=0.5), record())
         assert store.get(graph_key(), Built) is None
+
+
+def test_the_store_makes_its_folder_and_the_cache_root_private(tmp_path):
+    # Under a umask that gives new folders to the group, JAX's cache beside the store
+    # would refuse a root that the store created group-writable.
+    old = os.umask(0o002)
+    try:
+        assert store_at(tmp_path / "root" / "cudnn-plans").put(graph_key(), record())
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "root", tmp_path / "root" / "cudnn-plans"):
+        assert os.stat(folder).st_mode & 0o777 == 0o700, folder
 
 
 # --- the process's store, through the graph cache ------------------------------

@@ -312,3 +312,27 @@ def test_text_form_of_the_bit_ops():
         scoremod.parse("score + f32(invert(h))"))
     with pytest.raises(scoremod.ScoreModError, match="int32"):
         scoremod.parse("score + f32(bitwise_and(score, 1.0))")
+
+
+KEY = jax.random.key(1)
+
+
+def test_jax_random_in_a_mod_is_refused_naming_the_line():
+    """A key made in the mod, a raw uint32 key folded with an index, and a key
+    the mod closes over: each a ScoreModError at the user's line (not JAX's
+    "Cannot interpret 'key<fry>' as a data type")."""
+    def made(s, b, h, q, k):
+        return s + jax.random.normal(jax.random.key(0))  # the line reported
+
+    def folded(s, b, h, q, k):
+        return s + jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(0), q))  # reported
+
+    def closed(s, b, h, q, k):
+        return s + jax.random.normal(KEY)  # the line reported
+
+    for mod in (made, folded, closed):
+        line = mod.__code__.co_firstlineno + 1
+        with pytest.raises(UnsupportedOpError,
+                           match=rf"jax.random at .*test_trace.py:{line}: .*deterministic.*"
+                                 r"Draw them outside the mod"):
+            scoremod.trace(mod)

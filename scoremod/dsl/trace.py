@@ -125,6 +125,8 @@ class _Tracer:
                 return const(value, dtype)
         except ScoreModValueError as e:
             raise ScoreModValueError(f"captured value at {where}: {e}") from None
+        if _is_key(value):  # refused by the equation that uses it, at its line
+            return _RANDOM_KEY
         key = id(value)
         if key not in self.operands:
             name = f"__operand{len(self.operands)}"
@@ -181,6 +183,9 @@ class _Tracer:
 
     def equation(self, eqn, ins, at):
         prim = eqn.primitive.name
+        if prim.startswith("random_") or prim == "threefry2x32" or any(
+                _is_key(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+            _refuse_random(at)
         if prim == "custom_jvp_call" and not self.in_jvp_rule:
             return _custom_jvp_call(self, eqn, ins, at)
         if prim in _CUSTOM_VJP:
@@ -238,6 +243,28 @@ class _Tracer:
 
 
 _CUSTOM_VJP = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+def _is_key(value) -> bool:
+    """Whether ``value`` (an aval or an array) is a jax.random key."""
+    dtype = getattr(value, "dtype", None)
+    try:
+        return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    except TypeError:  # not a dtype JAX knows
+        return False
+
+
+_RANDOM_KEY = object()  # a captured jax.random key
+
+
+def _refuse_random(at):
+    """jax.random in a mod: the IR has no random numbers, and a mod must give
+    the same score each time (the backward pass and every tile recompute it)."""
+    raise UnsupportedOpError(
+        f"jax.random at {at}: a score_mod is a deterministic function of (score, b, h, "
+        "q_idx, kv_idx), recomputed by the backward pass, so it cannot draw random "
+        "numbers. Draw them outside the mod and capture the array, e.g. noise = "
+        "jax.random.normal(key, (B, H, Sq, Skv)), then score + noise[b, h, q_idx, kv_idx].")
 
 
 def _refuse_custom_vjp(eqn, at):
@@ -639,6 +666,8 @@ def trace_function(fn):
         )
     args = [ir.var(n) for n in ir.VAR_NAMES]
     (out,) = t.run(jaxpr, closed.consts, args, t.fn_where)
+    if out is _RANDOM_KEY:
+        _refuse_random(t.fn_where)
     if isinstance(out, _Lazy):  # pragma: no cover - shape checked above
         raise ScoreModTypeError("score_mod returned an array")
     if out.dtype == BOOL:

@@ -49,14 +49,18 @@ class TensorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Built:
-    """A serialized graph and what the FFI call needs to run it."""
+    """A serialized graph and what the FFI call needs to run it.
+
+    The plan store checks a record it reads against these annotations (each int in
+    signed 64 bits, as the FFI call takes them).
+    """
 
     blob: bytes
     graph_id: int
-    in_uids: tuple
-    out_uids: tuple
-    scalar_uids: tuple
-    scalar_bits: tuple
+    in_uids: tuple[int, ...]
+    out_uids: tuple[int, ...]
+    scalar_uids: tuple[int, ...]
+    scalar_bits: tuple[int, ...]
     workspace: int
     plan: str
     seconds: float

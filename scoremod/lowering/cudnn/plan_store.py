@@ -29,9 +29,14 @@ frontend versions, the versions the FFI extension was compiled with, the GPU's
 name and compute capability) and of :data:`FORMAT_VERSION`. The file holds a
 magic line, the SHA-256 of everything after it, a JSON header (the full key
 material and the record's fields) and the raw serialized graph. Nothing is
-unpickled. A file is used only when it parses, its digest matches and its key
+unpickled. A file is used only when it is a regular file (a pipe or link at an
+entry's name is never opened, so a read cannot block), it parses, its digest
+matches, its header is within bounds (1 MB, nested 8 deep, both checked
+before parsing) and of the record's schema (exactly its fields, each of the
+type the record class annotates, ints in signed 64 bits) and its key
 material equals the wanted one exactly; anything else (truncated, corrupt,
-another format) is removed and the graph is built again.
+another format, odd content under a valid digest) is removed and the graph is
+built again. A record that would not pass these checks is never written.
 
 Files are written to a temporary name in the same directory, flushed to disk
 and renamed over the entry (``os.replace``), so a reader sees a whole entry or
@@ -41,9 +46,9 @@ their content's key, and the last rename wins with an equal record.
 
 A directory that cannot be created or written gives one warning and the
 process goes on with its in-memory cache; the store never makes a call fail.
-The directory is created private (mode 0700). Like JAX's compilation cache
-it must be trusted: the digest catches corruption, not a malicious writer,
-and a cuDNN graph runs GPU code.
+The directory and the cache root above it are created private (mode 0700).
+Like JAX's compilation cache it must be trusted: the digest catches
+corruption, not a malicious writer, and a cuDNN graph runs GPU code.
 
     >>> from scoremod.lowering.cudnn import plan_store
     >>> plan_store.encode(("forward", 1.5, -0.0, None, (64, "bfloat16")))
@@ -54,15 +59,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import logging
+import math
 import os
+import re
+import stat
 import struct
 import sys
 import tempfile
 import threading
 import time
+import typing
 import warnings
 
 from scoremod.errors import ScoreModError
@@ -79,6 +89,11 @@ _MAGIC = b"scoremod-plan\n"
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600  # a temporary file this old belongs to a writer that died
 _MAX_FILE_BYTES = 64 << 20  # no cuDNN graph comes near this: a bigger file is not ours
+_MAX_HEADER_BYTES = 1 << 20  # key material is 1-2 KB for common mods, tens of KB for huge ones
+# A header nests 3 deep ({"fields": {"in_uids": [...]}}); checked before parsing, as a
+# deeply nested file would overflow the JSON parser's recursion.
+_MAX_HEADER_DEPTH = 8
+_INT_BOUND = 1 << 63  # every int of a record is a signed 64-bit value (UIDs, ids, bits, sizes)
 
 
 # --- canonical key encoding --------------------------------------------------
@@ -207,12 +222,6 @@ def _to_json(value):
     raise TypeError(f"a plan record field holds {type(value).__name__}")
 
 
-def _from_json(value):
-    if isinstance(value, list):
-        return tuple(_from_json(v) for v in value)
-    return value
-
-
 def _payload_field(record_type) -> str:
     names = [f.name for f in dataclasses.fields(record_type) if f.name == "blob"]
     if not names:
@@ -227,6 +236,14 @@ def _serialize(material: str, record) -> bytes:
     header = json.dumps({"format": FORMAT_VERSION, "key": material,
                          "record": type(record).__qualname__, "fields": fields},
                         sort_keys=True, allow_nan=True).encode()
+    # Never write what a read would reject: the fields as they will be read back.
+    if len(header) > _MAX_HEADER_BYTES:
+        raise ValueError(f"a plan record's header of {len(header)} bytes is over "
+                         f"{_MAX_HEADER_BYTES}: the mod's key is too large to store")
+    try:
+        _checked_fields(type(record), json.loads(header)["fields"])
+    except _Invalid as e:
+        raise ValueError(f"{type(record).__name__} cannot be stored: {e}") from None
     payload = bytes(getattr(record, payload_name))
     body = b"%d\n" % len(header) + header + payload
     return _MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
@@ -236,6 +253,109 @@ class _Invalid(Exception):
     """A file that is not a valid entry for the wanted key."""
 
 
+# --- what a header may hold ----------------------------------------------------------
+
+
+def _int(value):
+    if type(value) is not int:  # bool is an int to isinstance; JSON true is not an int here
+        raise _Invalid(f"{_kind(value)} where an int belongs")
+    if not -_INT_BOUND <= value < _INT_BOUND:
+        raise _Invalid(f"an int of {len(str(abs(value)))} digits, outside signed 64 bits")
+    return value
+
+
+def _float(value):
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise _Invalid(f"{_kind(value)} where a finite number belongs")
+    return float(value)
+
+
+def _str(value):
+    if type(value) is not str:
+        raise _Invalid(f"{_kind(value)} where a string belongs")
+    return value
+
+
+def _bool(value):
+    if type(value) is not bool:
+        raise _Invalid(f"{_kind(value)} where true or false belongs")
+    return value
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(value), f"the number {str(value)[:20]}")
+
+
+_SCALARS = {int: _int, float: _float, str: _str, bool: _bool}
+
+
+def _checker(hint):
+    """A function from a field's JSON value to the record's value (raising _Invalid),
+    for the type hint ``hint``; None for a type the store cannot check."""
+    if hint in _SCALARS:
+        return _SCALARS[hint]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _checker(args[0])
+        if item is None:
+            return None
+
+        def check(value):
+            if type(value) is not list:
+                raise _Invalid(f"{_kind(value)} where a list belongs")
+            return tuple(item(v) for v in value)
+
+        return check
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(record_type) -> dict:
+    """Field name -> checker, for every field of ``record_type`` but the payload.
+
+    A record type with a field the store cannot check (a bare ``tuple``, an object) is
+    refused: what the store reads back is only as trustworthy as this check.
+    """
+    payload_name = _payload_field(record_type)
+    hints = typing.get_type_hints(record_type)
+    schema = {}
+    for f in dataclasses.fields(record_type):
+        if f.name == payload_name:
+            continue
+        check = _checker(hints[f.name])
+        if check is None:
+            raise TypeError(f"the plan store cannot check {record_type.__name__}.{f.name} of "
+                            f"type {hints[f.name]!r}: use int, float, str, bool or tuple[X, ...]")
+        schema[f.name] = check
+    return schema
+
+
+def _checked_fields(record_type, fields: dict) -> dict:
+    """The record's field values from their JSON ``fields``, each checked (_Invalid)."""
+    values = {}
+    for name, check in _schema(record_type).items():
+        try:
+            values[name] = check(fields[name])
+        except _Invalid as e:
+            raise _Invalid(f"field {name}: {e}") from None
+    return values
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def _json_too_deep(text: bytes, limit: int) -> bool:
+    """Whether the JSON ``text`` nests more than ``limit`` deep (strings left out)."""
+    depth = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub(b'""', text)):
+        depth += 1 if m.group() in b"[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
 def _deserialize(data: bytes, material: str, record_type):
     if not data.startswith(_MAGIC):
         raise _Invalid("no magic line")
@@ -243,29 +363,41 @@ def _deserialize(data: bytes, material: str, record_type):
     digest, sep, body = rest.partition(b"\n")
     if not sep or hashlib.sha256(body).hexdigest().encode() != digest:
         raise _Invalid("digest mismatch (truncated or corrupt)")
+    # A valid digest says the file is whole, not that what it holds is sane: the header
+    # is bounded and checked field by field before anything of it is used.
     size, sep, rest = body.partition(b"\n")
-    if not sep or not size.isdigit() or int(size) > len(rest):
+    if not sep or not size.isdigit() or len(size) > len(str(_MAX_HEADER_BYTES)):
         raise _Invalid("bad header length")
+    size = int(size)
+    if size > _MAX_HEADER_BYTES:
+        raise _Invalid(f"header of {size} bytes, over {_MAX_HEADER_BYTES}")
+    if size > len(rest):
+        raise _Invalid("bad header length")
+    text = rest[:size]
+    if _json_too_deep(text, _MAX_HEADER_DEPTH):
+        raise _Invalid(f"header nested over {_MAX_HEADER_DEPTH} deep")
     try:
-        header = json.loads(rest[:int(size)])
-    except ValueError as e:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise _Invalid(f"header is not JSON: {e}") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+    if not isinstance(header, dict) or set(header) != {"format", "key", "record", "fields"}:
+        raise _Invalid("header keys differ")
+    if type(header["format"]) is not int or header["format"] != FORMAT_VERSION:
         raise _Invalid("another format version")
-    if header.get("key") != material:
+    if header["key"] != material:
         raise _Invalid("key material differs")
     payload_name = _payload_field(record_type)
-    fields = header.get("fields")
-    names = {f.name for f in dataclasses.fields(record_type)} - {payload_name}
-    if (header.get("record") != record_type.__qualname__ or not isinstance(fields, dict)
-            or set(fields) != names):
+    schema = _schema(record_type)
+    fields = header["fields"]
+    if (header["record"] != record_type.__qualname__ or not isinstance(fields, dict)
+            or set(fields) != set(schema)):
         raise _Invalid("record fields differ")
-    payload = rest[int(size):]
+    values = _checked_fields(record_type, fields)
+    payload = rest[size:]
     if not payload:
         raise _Invalid("empty payload")
     try:
-        return record_type(**{payload_name: payload},
-                           **{k: _from_json(v) for k, v in fields.items()})
+        return record_type(**{payload_name: payload}, **values)
     except (TypeError, ValueError) as e:
         raise _Invalid(f"record does not build: {e}") from None
 
@@ -314,9 +446,15 @@ class Store:
         material = self.material(key)
         path = self.path(material)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                data = f.read(_MAX_FILE_BYTES + 1)
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                data = None  # a pipe would block open() forever: never opened
+            else:
+                # Non-blocking: the entry may become a pipe between the check and the open.
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+                with os.fdopen(fd, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    data = f.read(_MAX_FILE_BYTES + 1) if stat.S_ISREG(st.st_mode) else None
         except FileNotFoundError:
             self._count("disk_misses")
             return None
@@ -325,6 +463,8 @@ class Store:
             self._count("disk_misses")
             return None
         try:
+            if data is None:
+                raise _Invalid("not a regular file")
             if len(data) > _MAX_FILE_BYTES:
                 raise _Invalid("too large")
             record = _deserialize(data, material, record_type)
@@ -344,7 +484,7 @@ class Store:
     def _remove_if_unchanged(self, path, st):
         """Remove a bad entry unless another process has just replaced it."""
         try:
-            now = os.stat(path)
+            now = os.lstat(path)  # a link itself, not what it points at
             if (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size,
                                                               st.st_mtime_ns):
                 os.unlink(path)
@@ -353,7 +493,8 @@ class Store:
 
     # --- writing
     def put(self, key, record) -> bool:
-        """Store ``record`` under ``key`` atomically; False (and one warning) on failure."""
+        """Store ``record`` under ``key`` atomically; False (and one warning) when the
+        directory cannot be written. A record a read would reject raises ValueError."""
         if self._write_failed:
             return False
         material = self.material(key)
@@ -361,6 +502,9 @@ class Store:
         path = self.path(material)
         tmp = None
         try:
+            # The cache root first, private too: JAX's cache beside it refuses a root
+            # that others may write (scoremod.process_caches).
+            os.makedirs(os.path.dirname(self.directory), mode=0o700, exist_ok=True)
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=SUFFIX, dir=self.directory)
             with os.fdopen(fd, "wb") as f:
