@@ -92,3 +92,18 @@ def test_padding_never_contributes(engine, name, sq, skv):
     assert not bad, f"errors {errs}"
     if learned:
         assert "d_operand0" in errs
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_empty_batch(engine):
+    """Batch 0 on every fused engine asked by name: an empty O and LSE, and empty
+    gradients, as on the reference path (the Pallas kernels raised a TypeError)."""
+    impl, options = ENGINES[engine]
+    q, k, v, do = pc.inputs(b=0, sq=100, skv=130, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    fn, learned = _mod("learned_past_the_end" if engine != "cudnn" else "score_log_abs", 4,
+                       100, 130)
+    got = _results(impl, options, fn, learned, q, k, v, do)
+    want = _results("xla", None, fn, learned, q, k, v, do)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape)
+    assert got[0].shape == (0, 100, 4, 128) and got[1].shape == (0, 4, 100)
