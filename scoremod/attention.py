@@ -1,16 +1,14 @@
 """``scoremod.attention``: scaled dot-product attention with a score_mod.
 
 The call is checked, described as a :class:`~scoremod.lowering.problem.Problem`,
-and handed to a backend of the registry (``scoremod.lowering.registry``):
-the one named by ``implementation``, or the first whose ``why_not`` has no
-objection. Nothing here knows a backend by name.
+routed once (``scoremod.route``: the backend of the registry that runs it, its
+plan and what takes over what it cannot do), and executed
+(``lowering.backend.run``). Nothing here knows a backend by name.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +18,12 @@ from scoremod import options as lowering_options
 from scoremod import process_caches
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
-from scoremod.errors import ScoreModError, ScoreModTypeError, ScoreModValueError
+from scoremod.errors import ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
 from scoremod.lowering.backend import run
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
+from scoremod.route import Choice, refusal, route, warn  # noqa: F401 - Choice: the API's
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
@@ -83,10 +82,7 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     """
     mod = as_score_mod(score_mod)
     asked = None if implementation is None else registry.get(implementation)
-    if options is None:
-        options = lowering_options.current()
-    elif not isinstance(options, LoweringOptions):
-        raise ScoreModTypeError(f"options must be a scoremod.LoweringOptions, got {options!r}")
+    options = _options(options)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     problem = check_inputs(query, key, value)
     if scale is None:
@@ -98,32 +94,19 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     traced_scale = isinstance(scale, jax.core.Tracer)
     if nothing_to_compute(problem):
         return _empty_call(asked, problem, mod, traced_scale, options, return_lse)
-    if options.low_rank_bias:
-        query, key, mod, problem = fold_low_rank_bias(query, key, value, mod, problem, scale)
-    if asked is not None:
-        reason = _why_not(asked, problem, mod, traced_scale, automatic=False, options=options)
-        if reason is not None:
-            raise asked.refused(reason)
-        backend = asked
-    else:
-        backend = _choose(problem, mod, traced_scale, options)
+    chosen = route(problem, mod, scale, options, implementation, return_lse)
+    warn(chosen)
+    if chosen.low_rank is not None:
+        operands = dict(zip(mod.operand_names, (jnp.asarray(x) for x in mod.operands)))
+        query, key = lowrank.augment(chosen.low_rank, query, key, operands, scale)
     # With SCOREMOD_JAX_CACHE=1, JAX's compilation cache from the first call on any
     # backend: it keeps the Pallas kernels' compiled code (their first call is mostly that).
     process_caches.setup()
-    plan = backend.plan(problem, mod, scale, options, return_lse)
-    fallback = forward_mode_fallback = None
-    if implementation is None:
-        # What the chosen backend cannot do (operand gradients, a graph it
-        # refuses only when building it, jax.jvp) runs, with a warning, on the
-        # first later backend that can and takes the call.
-        fallback = _fallback(backend, problem, mod, traced_scale, scale, options,
-                             lambda b: b.operand_gradients)
-        forward_mode_fallback = _fallback(backend, problem, mod, traced_scale, scale, options,
-                                          lambda b: b.forward_mode_derivatives)
+    mod = chosen.mod
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
-    o, lse = run(backend, plan, query, key, value, operands, problem=problem, options=options,
-                 return_lse=return_lse, fallback=fallback,
-                 forward_mode_fallback=forward_mode_fallback)
+    o, lse = run(chosen.backend, chosen.plan, query, key, value, operands,
+                 problem=chosen.problem, options=options, return_lse=return_lse,
+                 fallback=chosen.fallback, forward_mode_fallback=chosen.forward_mode_fallback)
     return (o, lse) if return_lse else o
 
 
@@ -139,7 +122,7 @@ def _empty_call(asked, problem, mod, traced_scale, options, return_lse):
     fully masked row gives, and so zero gradients. A backend asked for by name
     still refuses what it refuses on a call of these shapes with rows."""
     if asked is not None:
-        reason = _why_not(asked, problem, mod, traced_scale, automatic=False, options=options)
+        reason = refusal(asked, problem, mod, traced_scale, False, options)
         if reason is not None:
             raise asked.refused(reason)
     p = problem
@@ -160,111 +143,10 @@ def fold_low_rank_bias(query, key, value, mod, problem, scale):
     return query, key, found.mod, check_inputs(query, key, value)
 
 
-def _why_not(backend, problem, mod, traced_scale, automatic, options=None):
-    if traced_scale and not backend.traced_scale:
-        return ("the scale is a traced value, and this backend compiles the scale into its "
-                "kernels: pass a Python float (or fold a learned factor into the score_mod)")
-    if options is not None:
-        return backend.why_not_with(problem, mod, automatic, options)
-    return backend.why_not(problem, mod, automatic=automatic)
-
-
-def _fallback(backend, problem, mod, traced_scale, scale, options, can):
-    """``(backend, plan)`` of the first backend after ``backend`` (in the
-    registry's order) that ``can`` and takes the call, or None."""
-    for other in _after(backend):
-        if can(other) and _why_not(other, problem, mod, traced_scale, automatic=True,
-                                   options=options) is None:
-            return other, other.plan(problem, mod, scale, options, True)
-    return None
-
-
-def _after(backend) -> tuple:
-    """The backends ``implementation=None`` tries after ``backend`` (all of them
-    for one asked for by name only)."""
-    order = registry.backends()
-    return order[order.index(backend) + 1:] if backend in order else order
-
-
-def _choose(problem, mod, traced_scale=False, options=None):
-    """The first backend without objection, or the later one it yields this call
-    to (``yields_to``) when that one takes it, each judged under the call's
-    ``options`` (the Pallas engine's refusals depend on them); warns once per
-    reason when a backend whose hardware is here was passed over for a
-    refusal."""
-    passed = []
-    for backend in registry.backends():
-        reason = _why_not(backend, problem, mod, traced_scale, automatic=True, options=options)
-        if reason is None:
-            faster, _ = _yielded(backend, problem, mod, lambda b: _why_not(
-                b, problem, mod, traced_scale, automatic=True, options=options) is None, options)
-            if faster is not None:
-                return faster
-            present = [r for b, r in passed if b.present()]
-            if present:
-                _warn_once(backend, _telling(passed, present))
-            return backend
-        passed.append((backend, reason))
-    raise ScoreModError("no implementation can run this call: "
-                        + "; ".join(f"{b.name}: {r}" for b, r in passed))
-
-
-def _yielded(backend, problem, mod, takes, options):
-    """``(other, reason)``: the later registered backend ``backend`` yields this
-    call to, or the first later one that claims it (under ``options``), when
-    ``takes(other)``; else ``(None, None)``."""
-    target = backend.yields_to(problem, mod)
-    if target is None:
-        for other in _after(backend):
-            why = other.claims(problem, mod, options)
-            if why is not None and takes(other):
-                return other, f"{other.name} claims it from {backend.name}: {why}"
-        return None, None
-    name, reason = target
-    other = next((b for b in _after(backend) if b.name == name), None)
-    if other is None or not takes(other):
-        return None, None
-    return other, f"{backend.name} yields it to {name}: {reason}"
-
-
-def _telling(passed, reasons):
-    """The refusal a fallback's message gives: the first general backend's
-    (the fastest route that could have taken the call), else the last."""
-    general = [r for b, r in passed if not b.specialized and r in reasons]
-    return general[0] if general else reasons[-1]
-
-
-_WARNED: set = set()
-
-
-def _warn_once(backend, reason: str) -> None:
-    if (backend.name, reason) not in _WARNED:
-        _WARNED.add((backend.name, reason))
-        warnings.warn(f"scoremod: implementation=None uses {backend.title} here: {reason}",
-                      stacklevel=4)
-
-
-class Choice(tuple):
-    """``(implementation, reason)``, with every backend's verdict in ``verdicts``."""
-
-    def __new__(cls, implementation, reason, verdicts, low_rank_bias=None, variant=None):
-        self = super().__new__(cls, (implementation, reason))
-        self.verdicts = verdicts
-        self.low_rank_bias = low_rank_bias
-        self.variant = variant
-        return self
-
-    @property
-    def implementation(self):
-        return self[0]
-
-    @property
-    def reason(self):
-        return self[1]
-
-
-def which_implementation(query, key, value, score_mod=None) -> Choice:
-    """``(implementation, reason)`` that ``implementation=None`` would pick.
+def which_implementation(query, key, value, score_mod=None, *, scale=None, implementation=None,
+                         return_lse=False, options: LoweringOptions | None = None) -> Choice:
+    """``(implementation, reason)``: the backend ``attention`` called with the same
+    arguments runs, and why (the same decision: ``scoremod.route``).
 
         >>> import jax.numpy as jnp, scoremod
         >>> q = jnp.ones((1, 8, 2, 64), jnp.float32)
@@ -272,50 +154,37 @@ def which_implementation(query, key, value, score_mod=None) -> Choice:
         >>> choice[0], list(choice.verdicts)
         ('xla', ['cudnn-varlen', 'cudnn', 'pallas', 'xla'])
 
-    ``reason`` says why the fastest route that could have taken the call is
-    not taken: the refusal of the first backend tried before the chosen one
-    that is not specialized (cudnn-varlen takes segment masks only), so for
-    an ``"xla"`` or ``"pallas"`` choice, why the fused cuDNN path is not
-    (None when the first backend is taken), or, when a backend that could run
-    it yields it to a faster one (cuDNN to the Pallas kernels for masks of
-    captured ids, such as packed documents with a score_mod), why; ``verdicts`` maps every registered
-    backend to its reason for refusing this call, or None when it could run
-    it; ``low_rank_bias`` says whether a low-rank additive bias of the mod
-    runs inside QK^T (head dim and remaining mod), or why it stays in the mod
-    (None: the mod has none); ``variant`` says which of the chosen backend's
-    ways runs it and why, where it has several (the Pallas kernels' engine,
+    ``reason`` starts with the chosen backend's name and says why it runs the
+    call: the first backend in order that takes it; a later one it yields the
+    call to, or that claims it (the Pallas kernels for relative-position
+    tables, cuDNN's variable-length attention for segment masks), and why; or,
+    where a faster general backend present on this machine refuses the call,
+    that refusal (the case ``attention`` warns about); off a GPU, the fused
+    backends' first refusal. ``verdicts`` maps every registered backend to its
+    reason for refusing this call, or None when it could run it;
+    ``low_rank_bias`` says whether a low-rank additive bias of the mod runs
+    inside QK^T (head dim and remaining mod), or why it stays in the mod (None:
+    the mod has none); ``variant`` says which of the chosen backend's ways runs
+    it and why, where it has several (the Pallas kernels' engine,
     ``LoweringOptions.pallas_engine``), else None. Only the IR and the shapes
     are looked at; nothing is compiled or run.
     """
     mod = as_score_mod(score_mod)
+    options = _options(options)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     problem = check_inputs(query, key, value)
-    note = None
-    if lowering_options.current().low_rank_bias:
-        found = lowrank.find(mod, problem, 1.0)
-        if isinstance(found, lowrank.LowRank):
-            d = problem.d + found.rank + found.pad
-            note = (f"a low-rank bias of rank {found.rank} runs inside QK^T: head dim "
-                    f"{problem.d} becomes {d}, and the mod `{found.mod}`")
-            problem, mod = dataclasses.replace(problem, d=d), found.mod
-        elif found is not None:
-            note = f"a low-rank bias stays in the mod: {found.reason}"
-    verdicts = {b.name: b.why_not(problem, mod, automatic=True) for b in registry.backends()}
-    names = list(verdicts)
-    chosen = next((name for name, reason in verdicts.items() if reason is None), None)
-    options = lowering_options.current()
-    if chosen is not None:
-        faster, why = _yielded(registry.get(chosen), problem, mod,
-                               lambda b: verdicts[b.name] is None, options)
-        if faster is not None:
-            return Choice(faster.name, why, verdicts, note,
-                          faster.variant(problem, mod, options))
-    # The reason: the first general backend's refusal before the chosen one.
-    at = names.index(chosen) if chosen is not None else len(names)
-    before = [(b, verdicts[b.name]) for b in registry.backends()[:at]]
-    variant = registry.get(chosen).variant(problem, mod, options) if chosen else None
-    return Choice(chosen, _telling(before, [r for _, r in before]) if at else None, verdicts, note,
-                  variant)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    check_scale(scale)
+    return route(problem, mod, scale, options, implementation, return_lse).describe()
+
+
+def _options(options):
+    if options is None:
+        return lowering_options.current()
+    if not isinstance(options, LoweringOptions):
+        raise ScoreModTypeError(f"options must be a scoremod.LoweringOptions, got {options!r}")
+    return options
 
 
 def check_implementation(implementation) -> None:

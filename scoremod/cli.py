@@ -50,11 +50,12 @@ def demo(args) -> int:
     shape = (2, 256, 4, 64)  # batch, seq, heads, head_dim
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in (kq, kk, kv))
-    picked, reason = scoremod.which_implementation(q, k, v, mod)
+    choice = scoremod.which_implementation(q, k, v, mod)
+    picked, refused = choice.implementation, choice.verdicts["cudnn"]
     device = jax.devices()[0]
     print(f"backend:   {jax.default_backend()} ({device.device_kind})")
     print(f"q, k, v:   {shape} {q.dtype}")
-    why = "" if reason is None else f" (fused path not taken: {reason.splitlines()[0]})"
+    why = "" if refused is None else f" (fused cuDNN path not taken: {refused.splitlines()[0]})"
     print(f"implementation=None runs: {picked}{why}")
 
     def forward(q, k, v, impl):
@@ -176,8 +177,9 @@ def _runnable_here() -> str | None:
     import scoremod
 
     q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
-    implementation, reason = scoremod.which_implementation(q, q, q)
-    return None if implementation == "cudnn" else (reason or "").splitlines()[0]
+    choice = scoremod.which_implementation(q, q, q)
+    return None if choice.implementation == "cudnn" else (
+        choice.verdicts["cudnn"] or choice.reason).splitlines()[0]
 
 
 def doctor(args) -> int:

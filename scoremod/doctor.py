@@ -137,11 +137,11 @@ def fused_verdict(cudnn_version: int | None = None) -> tuple[bool, str]:
 
     q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     try:
-        implementation, reason = scoremod.which_implementation(q, q, q)
+        choice = scoremod.which_implementation(q, q, q)
     except Exception as e:  # noqa: BLE001 - report whatever breaks
         return False, f"cannot run here: {type(e).__name__}: {e}"
-    if implementation == "xla":
-        reason = reason or "the fused path was not chosen"
+    if choice.implementation == "xla":
+        reason = choice.verdicts["cudnn"] or "the fused path was not chosen"
         if "not validated on this GPU family" in reason:
             return False, f'runs only when asked for (implementation="cudnn"): {reason}'
         return False, f"cannot run here: {reason}"

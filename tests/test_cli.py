@@ -177,7 +177,10 @@ def test_doctor_gives_the_build_command_when_the_extension_is_missing(capsys, mo
 def test_doctor_flags_a_cudnn_outside_the_supported_range(monkeypatch):
     import scoremod
 
-    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: ("cudnn", None))
+    from scoremod.attention import Choice
+
+    monkeypatch.setattr(scoremod, "which_implementation",
+                        lambda q, k, v: Choice("cudnn", "cudnn: takes it", {"cudnn": None}))
     low, high = support.CUDNN_SUPPORTED
     ok, line = doctor.fused_verdict(low)
     assert ok and line.startswith("runs here") and doctor.fused_verdict(None) == (ok, line)
@@ -185,10 +188,12 @@ def test_doctor_flags_a_cudnn_outside_the_supported_range(monkeypatch):
     assert not ok and line.startswith("runs, NOT VALIDATED")
     assert support.cudnn_version_text(high) in line and support.cudnn_range_text() in line
     assert not doctor.fused_verdict(low - 100)[0]
-    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: ("xla", "no GPU here"))
+    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: Choice(
+        "xla", "xla: no faster backend", {"cudnn": "no GPU here"}))
     assert doctor.fused_verdict(low) == (False, "cannot run here: no GPU here")
-    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: (
-        "xla", "the fused path is not validated on this GPU family; ask for it by name"))
+    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: Choice(
+        "xla", "xla: ...", {"cudnn": "the fused path is not validated on this GPU family; ask "
+                                     "for it by name"}))
     assert doctor.fused_verdict(low)[1].startswith('runs only when asked for (implementation="cudnn")')
 
 

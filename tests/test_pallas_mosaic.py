@@ -988,15 +988,16 @@ def test_auto_engine(monkeypatch):
     # materialize it) to the Mosaic engine, not to the Triton engine (slower than cuDNN).
     from scoremod.lowering.cudnn.backend import CUDNN
 
-    api = importlib.import_module("scoremod.attention")  # the module (the package exports the function)
+    from scoremod import route
 
+    takes_all = {name: None for name in scoremod.lowering.registry.names()}
     assert "table at q_idx - kv_idx" in PALLAS.claims(_problem(), relative, auto)
-    chosen, why = api._yielded(CUDNN, _problem(), relative, lambda b: True, auto)
-    assert chosen is PALLAS and "pallas claims it from cudnn" in why, why
+    chosen, why = route._yielded(CUDNN, _problem(), relative, takes_all, auto)
+    assert chosen is PALLAS and why.startswith("pallas: it claims the call from cudnn"), why
     for problem, mod, options in ((_problem(), relative, TRITON), (_problem(), gather, auto),
                                   (_problem(dtype="float32"), relative, auto), (_problem(), None, auto)):
         assert PALLAS.claims(problem, mod, options) is None
-        assert api._yielded(CUDNN, problem, mod, lambda b: True, options) == (None, None)
+        assert route._yielded(CUDNN, problem, mod, takes_all, options) == (None, None)
     triton = {"float32": (_problem(dtype="float32"), None, "float16 or bfloat16"),
               "dv64": (_problem(d=128, dv=64), softcap, "head dims of 64 or 128"),
               "gather": (_problem(), gather, "(a gather)")}

@@ -565,9 +565,11 @@ def test_registered_before_cudnn_and_chosen_for_segment_masks(monkeypatch):
     monkeypatch.setattr(CUDNN, "why_not", lambda problem, mod, automatic: None)
     q, k, v = _qkv(2, 64, 64, 4, 4, dtype=jnp.bfloat16)
     choice = scoremod.which_implementation(q, k, v, SPELLINGS["causal"][0])
-    assert choice.implementation == "cudnn-varlen" and choice.reason is None
+    assert choice.implementation == "cudnn-varlen" and choice.reason.startswith("cudnn-varlen:")
     choice = scoremod.which_implementation(q, k, v, lambda s, b, h, qi, ki: jnp.tanh(s))
-    assert choice.implementation == "cudnn" and "not a segment mask" in choice.reason
+    # The reason is cuDNN's own: a specialized backend refusing another kind of mod is normal.
+    assert choice.implementation == "cudnn" and choice.reason.startswith("cudnn:")
+    assert "segment" not in choice.reason and "not a segment mask" in choice.verdicts["cudnn-varlen"]
     plan = vb.CUDNN_VARLEN.plan(Problem.of(q, k, v), scoremod.trace(SPELLINGS["causal"][0]), 0.125,
                                 scoremod.LoweringOptions(max_segments=4), False)
     assert plan.spec.sequences == 2 * 4 and "ragged sequences" in plan.describe()

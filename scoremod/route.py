@@ -1,0 +1,190 @@
+"""One route per call: which backend runs it, with which plan, and why.
+
+``route`` decides once, from everything the decision depends on (the problem,
+the mod, the scale, the options, the implementation asked for, ``return_lse``),
+and returns a frozen :class:`Route`. ``attention`` executes it;
+``which_implementation`` describes it. The two cannot disagree.
+
+The rule: a backend asked for by name runs the call or refuses it. Otherwise
+the first registered backend that takes the call runs it, unless it yields the
+call to a later one, or a later one claims it (both only where that one takes
+it too). What the chosen backend cannot do (gradients of captured arrays,
+``jax.jvp``, a graph refused only when built) runs on the first later backend
+that can. A warning is due only where the user should act or know: a backend
+present on this machine, general (not one kind of mod only) and earlier in the
+order, refused this mod, so a slower route runs it. Once per mod and reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+
+from scoremod.dsl.scoremod import ScoreMod
+from scoremod.lowering import lowrank, registry
+from scoremod.lowering.problem import Problem
+from scoremod.options import LoweringOptions
+
+
+class Choice(tuple):
+    """``(implementation, reason)``, with every backend's verdict in ``verdicts``."""
+
+    def __new__(cls, implementation, reason, verdicts, low_rank_bias=None, variant=None):
+        self = super().__new__(cls, (implementation, reason))
+        self.verdicts = verdicts
+        self.low_rank_bias = low_rank_bias
+        self.variant = variant
+        return self
+
+    @property
+    def implementation(self):
+        return self[0]
+
+    @property
+    def reason(self):
+        return self[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The decision for one call (frozen: it is made once)."""
+
+    backend: object
+    plan: object
+    problem: Problem  # after a low-rank bias moved into q and k, if one did
+    mod: ScoreMod | None  # likewise
+    low_rank: object  # lowrank.LowRank that moves into q and k, or None
+    fallback: tuple | None  # (backend, plan) for what ``backend`` cannot do, or None
+    forward_mode_fallback: tuple | None
+    verdicts: tuple  # ((backend name, its refusal or None), ...), in the registry's order
+    reason: str  # why this backend, in the user's words
+    warning: str | None  # what the user should know (a faster backend here refused), or None
+    low_rank_note: str | None
+    variant: str | None  # which of the backend's ways runs it, and why
+
+    def describe(self) -> "Choice":
+        return Choice(self.backend.name, self.reason, dict(self.verdicts), self.low_rank_note,
+                      self.variant)
+
+
+def route(problem: Problem, mod, scale, options: LoweringOptions, implementation=None,
+          return_lse=False) -> Route:
+    """The :class:`Route` of a call whose inputs passed ``attention``'s checks."""
+    traced_scale = isinstance(scale, jax.core.Tracer)
+    asked = None if implementation is None else registry.get(implementation)
+    low_rank, note = None, None
+    if options.low_rank_bias:
+        found = lowrank.find(mod, problem, scale)
+        if isinstance(found, lowrank.LowRank):
+            d = problem.d + found.rank + found.pad
+            note = (f"a low-rank bias of rank {found.rank} runs inside QK^T: head dim "
+                    f"{problem.d} becomes {d}, and the mod `{found.mod}`")
+            low_rank, mod = found, found.mod
+            problem = dataclasses.replace(problem, d=d)
+        elif found is not None:
+            note = f"a low-rank bias stays in the mod: {found.reason}"
+
+    def why_not(backend, automatic=True):
+        return refusal(backend, problem, mod, traced_scale, automatic, options)
+
+    verdicts = tuple((b.name, why_not(b)) for b in registry.backends())
+    warning = None
+    if asked is not None:
+        reason = why_not(asked, automatic=False)
+        if reason is not None:
+            raise asked.refused(reason)
+        backend, why = asked, f"{asked.name}: asked for by name (implementation=\"{asked.name}\")"
+    else:
+        backend, why, warning = _choose(problem, mod, dict(verdicts), options)
+    plan = backend.plan(problem, mod, scale, options, return_lse)
+    fallback = forward_mode_fallback = None
+    if asked is None:
+        fallback = _fallback(backend, problem, mod, scale, options, return_lse, why_not,
+                             lambda b: b.operand_gradients)
+        forward_mode_fallback = _fallback(backend, problem, mod, scale, options, return_lse,
+                                          why_not, lambda b: b.forward_mode_derivatives)
+    return Route(backend, plan, problem, mod, low_rank, fallback, forward_mode_fallback,
+                 verdicts, why, warning, note, backend.variant(problem, mod, options))
+
+
+def refusal(backend, problem, mod, traced_scale, automatic, options) -> str | None:
+    """Why ``backend`` does not run the call under ``options``, or None."""
+    if traced_scale and not backend.traced_scale:
+        return ("the scale is a traced value, and this backend compiles the scale into its "
+                "kernels: pass a Python float (or fold a learned factor into the score_mod)")
+    return backend.why_not_with(problem, mod, automatic, options)
+
+
+def _choose(problem, mod, verdicts, options):
+    """``(backend, reason, warning or None)`` for ``implementation=None``."""
+    from scoremod.errors import ScoreModError
+
+    order = registry.backends()
+    taken = next((b for b in order if verdicts[b.name] is None), None)
+    if taken is None:
+        raise ScoreModError("no implementation can run this call: "
+                            + "; ".join(f"{b.name}: {verdicts[b.name]}" for b in order))
+    other, why = _yielded(taken, problem, mod, verdicts, options)
+    if other is not None:
+        return other, why, None
+    # Passed over: the general backends before it (a specialized one, such as
+    # cudnn-varlen for segment masks, refusing another mod is the normal case).
+    passed = [b for b in order[:order.index(taken)] if not b.specialized]
+    here = [b for b in passed if b.present()]
+    if here:
+        warning = f"{here[0].name} refuses this call: {verdicts[here[0].name]}"
+        return taken, f"{taken.name}: {warning}", warning
+    if passed:
+        return taken, (f"{taken.name}: no faster backend runs on this machine "
+                       f"({passed[0].name}: {verdicts[passed[0].name]})"), None
+    return taken, f"{taken.name}: the first backend in order that takes the call", None
+
+
+def _yielded(backend, problem, mod, verdicts, options):
+    """``(other, reason)``: the later backend that ``backend`` yields the call to,
+    or the first later one that claims it, when that one takes it; else
+    ``(None, None)``."""
+    later = _after(backend)
+    target = backend.yields_to(problem, mod)
+    if target is not None:
+        name, reason = target
+        other = next((b for b in later if b.name == name), None)
+        if other is not None and verdicts[other.name] is None:
+            return other, f"{name}: {backend.name} yields the call to it: {reason}"
+        return None, None
+    for other in later:
+        why = other.claims(problem, mod, options)
+        if why is not None and verdicts[other.name] is None:
+            return other, f"{other.name}: it claims the call from {backend.name}: {why}"
+    return None, None
+
+
+def _after(backend) -> tuple:
+    """The backends tried after ``backend`` (all of them for one asked for by name only)."""
+    order = registry.backends()
+    return order[order.index(backend) + 1:] if backend in order else order
+
+
+def _fallback(backend, problem, mod, scale, options, return_lse, why_not, can):
+    """``(backend, plan)`` of the first backend after ``backend`` that ``can`` and
+    takes the call, or None."""
+    for other in _after(backend):
+        if can(other) and why_not(other) is None:
+            return other, other.plan(problem, mod, scale, options, True)
+    return None
+
+
+_WARNED: set = set()
+
+
+def warn(route_: Route) -> None:
+    """The route's warning, once per mod, backend and reason."""
+    if route_.warning is None:
+        return
+    key = (None if route_.mod is None else route_.mod.key, route_.backend.name, route_.warning)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"scoremod: implementation=None uses {route_.backend.title} here: "
+                      f"{route_.warning}", stacklevel=4)
