@@ -336,3 +336,44 @@ def test_jax_random_in_a_mod_is_refused_naming_the_line():
                            match=rf"jax.random at .*test_trace.py:{line}: .*deterministic.*"
                                  r"Draw them outside the mod"):
             scoremod.trace(mod)
+
+
+def test_floor_division_of_floats_traces_as_the_text_form_and_matches_jnp():
+    """`s // 0.75` is jnp.floor_divide (Python's floor division, which ends in
+    lax.round): the IR's floordiv, as `score // 0.75` parses, with jnp's
+    values (signs, a zero divisor, inf, NaN) and its derivative, 0."""
+    divisors = jnp.asarray([0.75, -0.75, 0.0, 0.1, jnp.inf, -3.0], jnp.float32)
+    cases = [
+        (lambda s, b, h, q, k: s // 0.75, "score // 0.75", lambda s, h, q: s // 0.75),
+        (lambda s, b, h, q, k: 0.75 // s, "0.75 // score", lambda s, h, q: 0.75 // s),
+        (lambda s, b, h, q, k: jnp.floor_divide(s, divisors[h]), "score // c0[h]",
+         lambda s, h, q: s // divisors[h]),
+        (lambda s, b, h, q, k: s // (q - 2), "score // f32(q_idx - 2)",
+         lambda s, h, q: s // (q - 2)),
+    ]
+    s = jnp.asarray([-2.0, -1.5, -0.75, -0.0, 0.0, 0.3, 0.75, 1.0, 7.5, 1e30, jnp.inf,
+                     jnp.nan], jnp.float32)[:, None, None]
+    h = jnp.arange(6)[None, :, None]
+    q = jnp.arange(5)[None, None, :]
+    for fn, written, want in cases:
+        mod = scoremod.trace(fn)
+        assert mod.same_ir(scoremod.parse(written, c0=divisors)), (str(mod), written)
+        np.testing.assert_array_equal(np.asarray(mod(s, 0, h, q, 0)), np.asarray(want(s, h, q)))
+        grad = jax.vmap(jax.grad(lambda x: mod(x, 0, 1, 3, 0)))(s.ravel())
+        want_grad = jax.vmap(jax.grad(lambda x: want(x, 1, 3)))(s.ravel())
+        np.testing.assert_array_equal(np.asarray(grad), np.asarray(want_grad))
+        assert not np.any(np.asarray(grad))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 2, 16)), jnp.float32)
+    out = scoremod.attention(x, x, x, lambda s, b, h, q, k: s // 0.75, implementation="xla")
+    scores = jnp.einsum("bqhd,bkhd->bhqk", x, x, precision="highest") / 4.0
+    want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores // 0.75, -1), x,
+                      precision="highest")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_a_function_named_floor_divide_is_traced_as_written():
+    @jax.jit
+    def floor_divide(a, b):
+        return a + b
+
+    assert text(lambda s, b, h, q, k: floor_divide(s, 0.75)) == "score + 0.75"

@@ -190,6 +190,13 @@ class _Tracer:
             return _custom_jvp_call(self, eqn, ins, at)
         if prim in _CUSTOM_VJP:
             _refuse_custom_vjp(eqn, at)
+        if prim in _CALLS and _is_float_floor_divide(eqn):
+            # jnp.floor_divide of floats ends in lax.round, which the IR lacks:
+            # it is the IR's floordiv, whose reference is jnp.floor_divide itself.
+            # An int or bool argument is promoted inside the call, as here.
+            ins = [x if v.aval.dtype == np.float32 else self.elementwise("f32", [x])
+                   for v, x in zip(eqn.invars, ins)]
+            return [self.elementwise("floordiv", ins)]
         if prim in _CALLS:
             sub = next((eqn.params[p] for p in _CALL_PARAMS if p in eqn.params), None)
             if sub is not None:
@@ -252,6 +259,19 @@ def _is_key(value) -> bool:
         return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
     except TypeError:  # not a dtype JAX knows
         return False
+
+
+def _is_float_floor_divide(eqn) -> bool:
+    """A call of jnp.floor_divide (``//``) that computes in float32: by its
+    name and its body (a remainder, rounded at the end), not a function of the
+    user's that happens to have the name."""
+    if not (eqn.params.get("name") == "floor_divide" and len(eqn.invars) == 2
+            and len(eqn.outvars) == 1 and eqn.outvars[0].aval.dtype == np.float32):
+        return False
+    sub = next((eqn.params[p] for p in _CALL_PARAMS if p in eqn.params), None)
+    body = getattr(sub, "jaxpr", sub)
+    prims = [e.primitive.name for e in getattr(body, "eqns", ())]
+    return "rem" in prims and prims[-1] == "round" and body.outvars == body.eqns[-1].outvars
 
 
 _RANDOM_KEY = object()  # a captured jax.random key
