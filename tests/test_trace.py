@@ -377,3 +377,34 @@ def test_a_function_named_floor_divide_is_traced_as_written():
         return a + b
 
     assert text(lambda s, b, h, q, k: floor_divide(s, 0.75)) == "score + 0.75"
+
+
+def test_a_mod_keeps_the_numpy_arrays_it_read_as_they_were_when_traced():
+    """NumPy arrays are mutable: jnp.asarray(bias) in the body (which JAX keeps
+    as a view of bias's buffer), arithmetic on one, and arrays passed to
+    parse or bind are copied, so writing into them later changes no mod,
+    eagerly or under jit. (jax arrays are immutable; rebinding a name the
+    function closed over does not reach a traced mod either.)"""
+    bias = np.arange(8, dtype=np.float32)
+    table = np.arange(8, dtype=np.float32)
+    given = np.arange(8, dtype=np.float32)
+    slopes = jnp.arange(4, dtype=jnp.float32)
+    mods = [scoremod.trace(lambda s, b, h, q, k: s + jnp.asarray(bias)[k]),
+            scoremod.trace(lambda s, b, h, q, k: s + (jnp.asarray(table) * 2.0)[k]),
+            scoremod.parse("score + g[kv_idx]", g=given),
+            scoremod.parse("g: float32[8]; score + g[kv_idx]").bind(g=given),
+            scoremod.trace(lambda s, b, h, q, k: s + slopes[h])]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 4, 16)), jnp.float32)
+    at_jit = jax.jit(lambda x, mod: scoremod.attention(x, x, x, mod, implementation="xla"))
+    before = [(np.asarray(m(0.0, 0, 1, 0, jnp.arange(8))), np.asarray(at_jit(x, m)))
+              for m in mods]
+    for array in (bias, table, given):
+        array[:] = 100.0
+    slopes = jnp.full(4, 100.0)  # noqa: F841 - rebound after tracing
+    for m, (value, out) in zip(mods, before):
+        np.testing.assert_array_equal(np.asarray(m(0.0, 0, 1, 0, jnp.arange(8))), value)
+        np.testing.assert_array_equal(np.asarray(at_jit(x, m)), out)
+        for operand in m.operands:  # and the copy a mod keeps cannot be written into
+            if isinstance(operand, np.ndarray):
+                with pytest.raises(ValueError, match="read-only"):
+                    operand[0] = 1.0
