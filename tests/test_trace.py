@@ -408,3 +408,46 @@ def test_a_mod_keeps_the_numpy_arrays_it_read_as_they_were_when_traced():
             if isinstance(operand, np.ndarray):
                 with pytest.raises(ValueError, match="read-only"):
                     operand[0] = 1.0
+
+
+@pytest.fixture
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_with_x64_on_python_floats_trace_as_without_it_and_float64_is_named(x64):
+    """jax_enable_x64 makes `-jnp.inf` and `0.5` weak float64 values: a mod
+    that only selects, bounds or converts them traces as without x64; one that
+    computes in float64 is refused for that, at its line (no cast was written);
+    float64 inputs get the inputs' dtype message, not the mod's."""
+    slopes = jnp.ones(4, jnp.float32)
+    same = [lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf),
+            lambda s, b, h, q, k: s + jnp.where(q >= k, 0.0, -jnp.inf),
+            lambda s, b, h, q, k: s + jnp.maximum(q - k, 0.5),
+            lambda s, b, h, q, k: s + slopes[h] * (k - q),
+            lambda s, b, h, q, k: s // 0.75]
+    traced = [str(scoremod.trace(fn)) for fn in same]
+    jax.config.update("jax_enable_x64", False)
+    assert traced == [str(scoremod.trace(fn)) for fn in same]
+    jax.config.update("jax_enable_x64", True)
+
+    def half(s, b, h, q, k):
+        return s + (q - k) * 0.5  # the line reported
+
+    line = half.__code__.co_firstlineno + 1
+    with pytest.raises(UnsupportedOpError,
+                       match=rf"mul in float64 at .*test_trace.py:{line} \(`return s \+ \(q - k\) "
+                             r"\* 0.5.*jax_enable_x64 on.*astype\(jnp.float32\)"):
+        scoremod.trace(half)
+    with pytest.raises(UnsupportedOpError, match="gt in float64"):  # a compare, rounded differently
+        scoremod.trace(lambda s, b, h, q, k: jnp.where(q > 2.5, s, -jnp.inf))
+    with pytest.raises(UnsupportedOpError, match="conversion to float64.*remove the cast"):
+        scoremod.trace(lambda s, b, h, q, k: (s.astype(jnp.float64) * 2).astype(jnp.float32))
+    x = jnp.ones((1, 8, 2, 16), jnp.float64)
+    for mod in (same[0], half, None):
+        with pytest.raises(ScoreModTypeError, match=r"query has dtype float64.*query.astype"):
+            scoremod.attention(x, x, x, mod, implementation="xla")
