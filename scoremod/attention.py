@@ -80,11 +80,13 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         >>> scoremod.attention(q, k, v, causal, implementation="xla").shape
         (1, 8, 2, 16)
     """
-    mod = as_score_mod(score_mod)
     asked = None if implementation is None else registry.get(implementation)
     options = _options(options)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    # The inputs first: float64 ones (with x64 on) are refused for what they
+    # are, before tracing the mod meets the same x64 in its literals.
     problem = check_inputs(query, key, value)
+    mod = as_score_mod(score_mod)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_scale(scale)
@@ -169,10 +171,10 @@ def which_implementation(query, key, value, score_mod=None, *, scale=None, imple
     ``LoweringOptions.pallas_engine``), else None. Only the IR and the shapes
     are looked at; nothing is compiled or run.
     """
-    mod = as_score_mod(score_mod)
     options = _options(options)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     problem = check_inputs(query, key, value)
+    mod = as_score_mod(score_mod)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_scale(scale)
@@ -205,6 +207,7 @@ def check_inputs(query, key, value) -> Problem:
         if np.dtype(x.dtype).name not in _DTYPES:
             raise ScoreModTypeError(
                 f"{name} has dtype {x.dtype}; use one of {', '.join(_DTYPES)}"
+                + (f" ({name}.astype(jnp.float32))" if x.dtype == np.float64 else "")
             )
     if not (query.dtype == key.dtype == value.dtype):
         raise ScoreModTypeError(
@@ -275,4 +278,27 @@ def check_operand_ranges(mod: ScoreMod, problem: Problem):
                     f"operand {name} has {n} entries along axis {axis}, indexed by "
                     f"{idx.attr}, which runs to {size - 1} in this call; give it "
                     f"at least {size} entries (or 1 to broadcast)"
+                    + _layout_hint(idx.attr, n, problem)
                 )
+
+
+# Where each index of the mod runs, in the inputs' [batch, seq, heads, head_dim]
+# layout; the extent the index would have with seq and heads swapped.
+_RUNS_OVER = {"b": ("axis 0 (batch) of query, key and value", None),
+              "h": ("axis 2 (heads) of query", "sq"),
+              "q_idx": ("axis 1 (seq) of query", "hq"),
+              "kv_idx": ("axis 1 (seq) of key and value", "hkv")}
+
+
+def _layout_hint(index, n, problem) -> str:
+    """The layout the call's sizes come from, and the transpose that makes
+    ``n`` entries enough, where inputs given as [batch, heads, seq, head_dim]
+    explain the disagreement."""
+    p = problem
+    where, swapped = _RUNS_OVER[index]
+    hint = (f". {index} runs over {where}: the inputs are [batch, seq, heads, head_dim], "
+            f"here query {(p.b, p.sq, p.hq, p.d)} and key {(p.b, p.skv, p.hkv, p.d)}")
+    if swapped is not None and n >= getattr(p, swapped):
+        hint += (" (if yours are [batch, heads, seq, head_dim], swap axes 1 and 2 of "
+                 "query, key and value: jnp.swapaxes(x, 1, 2))")
+    return hint

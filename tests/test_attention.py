@@ -278,6 +278,25 @@ def test_operand_too_small_for_heads_is_an_error():
     scoremod.attention(q, k, v, lambda s, b, h, qi, ki: s + one[h], implementation="xla")
 
 
+def test_inputs_in_the_heads_first_layout_are_named_where_the_mod_reads_disagree():
+    """q, k, v given as [batch, heads, seq, head_dim]: the slopes' read at h
+    (4 heads, but h runs over the 128 positions) says the layout and the
+    transpose; a [B, H, S, S] bias's too. One too small in the right layout
+    gets the layout, not the transpose."""
+    slopes, bias = jnp.ones(4), jnp.ones((2, 4, 128, 128))
+    x = jnp.ones((2, 4, 128, 16))  # heads first
+    for mod in (lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
+                lambda s, b, h, qi, ki: s + bias[b, h, qi, ki]):
+        with pytest.raises(ScoreModTypeError, match=(
+                r"indexed by h.*the inputs are \[batch, seq, heads, head_dim\], here "
+                r"query \(2, 4, 128, 16\).*swap axes 1 and 2.*jnp.swapaxes")):
+            scoremod.attention(x, x, x, mod, implementation="xla")
+    y = jnp.ones((2, 128, 8, 16))
+    with pytest.raises(ScoreModTypeError, match="axis 2 \\(heads\\) of query") as e:
+        scoremod.attention(y, y, y, lambda s, b, h, qi, ki: s + slopes[h], implementation="xla")
+    assert "swap" not in str(e.value)
+
+
 def _fused_runs_here(q, k, v, mod=None):
     return scoremod.which_implementation(q, k, v, mod)[0] == "cudnn"
 

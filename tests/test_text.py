@@ -107,6 +107,27 @@ def test_syntax_errors_have_line_and_column(src, where, what):
     assert what in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "src, column, hint",
+    [
+        ("jnp.tanh(score)", 4, "write `tanh(...)`, not `jnp.tanh(...)`"),
+        ("score + jax.nn.sigmoid(score)", 12, "write `sigmoid(...)`, not `jax.nn.sigmoid(...)`"),
+        ("jnp.maximum(score, 0.0)", 4, "write `maximum(...)`"),
+        ("where(q_idx >= kv_idx, score, -jnp.inf)", 35, "write `inf`, not `jnp.inf`"),
+        ("f32(q_idx.astype(float32))", 10, "convert with f32(x)"),
+        ("np.sort(score)", 3, "`np.sort` is not an op"),
+    ],
+)
+def test_a_dot_says_the_text_form_has_no_modules_or_methods(src, column, hint):
+    """jax.numpy spellings pasted into the text form: the '.' is named, with
+    the op's name in the text form where there is one."""
+    with pytest.raises(ScoreModSyntaxError) as e:
+        scoremod.parse(src)
+    assert f"line 1, column {column}: unexpected character '.'" in str(e.value)
+    assert hint in str(e.value)
+    assert (e.value.lineno, e.value.offset) == (1, column)
+
+
 def test_array_used_without_index():
     with pytest.raises(ScoreModSyntaxError, match=r"index it"):
         scoremod.parse("score + slopes", slopes=jnp.ones(4))

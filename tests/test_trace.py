@@ -336,3 +336,118 @@ def test_jax_random_in_a_mod_is_refused_naming_the_line():
                            match=rf"jax.random at .*test_trace.py:{line}: .*deterministic.*"
                                  r"Draw them outside the mod"):
             scoremod.trace(mod)
+
+
+def test_floor_division_of_floats_traces_as_the_text_form_and_matches_jnp():
+    """`s // 0.75` is jnp.floor_divide (Python's floor division, which ends in
+    lax.round): the IR's floordiv, as `score // 0.75` parses, with jnp's
+    values (signs, a zero divisor, inf, NaN) and its derivative, 0."""
+    divisors = jnp.asarray([0.75, -0.75, 0.0, 0.1, jnp.inf, -3.0], jnp.float32)
+    cases = [
+        (lambda s, b, h, q, k: s // 0.75, "score // 0.75", lambda s, h, q: s // 0.75),
+        (lambda s, b, h, q, k: 0.75 // s, "0.75 // score", lambda s, h, q: 0.75 // s),
+        (lambda s, b, h, q, k: jnp.floor_divide(s, divisors[h]), "score // c0[h]",
+         lambda s, h, q: s // divisors[h]),
+        (lambda s, b, h, q, k: s // (q - 2), "score // f32(q_idx - 2)",
+         lambda s, h, q: s // (q - 2)),
+    ]
+    s = jnp.asarray([-2.0, -1.5, -0.75, -0.0, 0.0, 0.3, 0.75, 1.0, 7.5, 1e30, jnp.inf,
+                     jnp.nan], jnp.float32)[:, None, None]
+    h = jnp.arange(6)[None, :, None]
+    q = jnp.arange(5)[None, None, :]
+    for fn, written, want in cases:
+        mod = scoremod.trace(fn)
+        assert mod.same_ir(scoremod.parse(written, c0=divisors)), (str(mod), written)
+        np.testing.assert_array_equal(np.asarray(mod(s, 0, h, q, 0)), np.asarray(want(s, h, q)))
+        grad = jax.vmap(jax.grad(lambda x: mod(x, 0, 1, 3, 0)))(s.ravel())
+        want_grad = jax.vmap(jax.grad(lambda x: want(x, 1, 3)))(s.ravel())
+        np.testing.assert_array_equal(np.asarray(grad), np.asarray(want_grad))
+        assert not np.any(np.asarray(grad))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 2, 16)), jnp.float32)
+    out = scoremod.attention(x, x, x, lambda s, b, h, q, k: s // 0.75, implementation="xla")
+    scores = jnp.einsum("bqhd,bkhd->bhqk", x, x, precision="highest") / 4.0
+    want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores // 0.75, -1), x,
+                      precision="highest")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_a_function_named_floor_divide_is_traced_as_written():
+    @jax.jit
+    def floor_divide(a, b):
+        return a + b
+
+    assert text(lambda s, b, h, q, k: floor_divide(s, 0.75)) == "score + 0.75"
+
+
+def test_a_mod_keeps_the_numpy_arrays_it_read_as_they_were_when_traced():
+    """NumPy arrays are mutable: jnp.asarray(bias) in the body (which JAX keeps
+    as a view of bias's buffer), arithmetic on one, and arrays passed to
+    parse or bind are copied, so writing into them later changes no mod,
+    eagerly or under jit. (jax arrays are immutable; rebinding a name the
+    function closed over does not reach a traced mod either.)"""
+    bias = np.arange(8, dtype=np.float32)
+    table = np.arange(8, dtype=np.float32)
+    given = np.arange(8, dtype=np.float32)
+    slopes = jnp.arange(4, dtype=jnp.float32)
+    mods = [scoremod.trace(lambda s, b, h, q, k: s + jnp.asarray(bias)[k]),
+            scoremod.trace(lambda s, b, h, q, k: s + (jnp.asarray(table) * 2.0)[k]),
+            scoremod.parse("score + g[kv_idx]", g=given),
+            scoremod.parse("g: float32[8]; score + g[kv_idx]").bind(g=given),
+            scoremod.trace(lambda s, b, h, q, k: s + slopes[h])]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 4, 16)), jnp.float32)
+    at_jit = jax.jit(lambda x, mod: scoremod.attention(x, x, x, mod, implementation="xla"))
+    before = [(np.asarray(m(0.0, 0, 1, 0, jnp.arange(8))), np.asarray(at_jit(x, m)))
+              for m in mods]
+    for array in (bias, table, given):
+        array[:] = 100.0
+    slopes = jnp.full(4, 100.0)  # noqa: F841 - rebound after tracing
+    for m, (value, out) in zip(mods, before):
+        np.testing.assert_array_equal(np.asarray(m(0.0, 0, 1, 0, jnp.arange(8))), value)
+        np.testing.assert_array_equal(np.asarray(at_jit(x, m)), out)
+        for operand in m.operands:  # and the copy a mod keeps cannot be written into
+            if isinstance(operand, np.ndarray):
+                with pytest.raises(ValueError, match="read-only"):
+                    operand[0] = 1.0
+
+
+@pytest.fixture
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_with_x64_on_python_floats_trace_as_without_it_and_float64_is_named(x64):
+    """jax_enable_x64 makes `-jnp.inf` and `0.5` weak float64 values: a mod
+    that only selects, bounds or converts them traces as without x64; one that
+    computes in float64 is refused for that, at its line (no cast was written);
+    float64 inputs get the inputs' dtype message, not the mod's."""
+    slopes = jnp.ones(4, jnp.float32)
+    same = [lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf),
+            lambda s, b, h, q, k: s + jnp.where(q >= k, 0.0, -jnp.inf),
+            lambda s, b, h, q, k: s + jnp.maximum(q - k, 0.5),
+            lambda s, b, h, q, k: s + slopes[h] * (k - q),
+            lambda s, b, h, q, k: s // 0.75]
+    traced = [str(scoremod.trace(fn)) for fn in same]
+    jax.config.update("jax_enable_x64", False)
+    assert traced == [str(scoremod.trace(fn)) for fn in same]
+    jax.config.update("jax_enable_x64", True)
+
+    def half(s, b, h, q, k):
+        return s + (q - k) * 0.5  # the line reported
+
+    line = half.__code__.co_firstlineno + 1
+    with pytest.raises(UnsupportedOpError,
+                       match=rf"mul in float64 at .*test_trace.py:{line} \(`return s \+ \(q - k\) "
+                             r"\* 0.5.*jax_enable_x64 on.*astype\(jnp.float32\)"):
+        scoremod.trace(half)
+    with pytest.raises(UnsupportedOpError, match="gt in float64"):  # a compare, rounded differently
+        scoremod.trace(lambda s, b, h, q, k: jnp.where(q > 2.5, s, -jnp.inf))
+    with pytest.raises(UnsupportedOpError, match="conversion to float64.*remove the cast"):
+        scoremod.trace(lambda s, b, h, q, k: (s.astype(jnp.float64) * 2).astype(jnp.float32))
+    x = jnp.ones((1, 8, 2, 16), jnp.float64)
+    for mod in (same[0], half, None):
+        with pytest.raises(ScoreModTypeError, match=r"query has dtype float64.*query.astype"):
+            scoremod.attention(x, x, x, mod, implementation="xla")

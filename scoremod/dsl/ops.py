@@ -222,8 +222,9 @@ _op("trunc_div", 2, "int2", _b(lax.div), vjp=ZERO,
     spelling="`lax.div(i, j)` on ints",
     doc="integer division rounding toward zero (lax.div on ints)")
 _op("floordiv", 2, "num2", jnp.floor_divide, infix="//", prec=6, vjp=ZERO,
-    spelling="`//` in the text form; jnp `//` traces to trunc_div, rem and where",
-    doc="floor division, Python semantics (`//`)")
+    spelling="`x // y`, `jnp.floor_divide` (on ints jnp's `//` traces to trunc_div, rem and "
+             "where, which simplify to it)",
+    doc="floor division, Python semantics (`//`; on floats jnp.floor_divide's values)")
 # Remainders of floats, as JAX: d/da is 1, d/db the truncated quotient (plus
 # the divisor jnp.remainder adds back when the signs differ).
 _op("mod", 2, "num2", jnp.remainder, infix="%", prec=6,

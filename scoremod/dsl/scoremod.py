@@ -155,6 +155,7 @@ class ScoreMod:
             v = values.get(name, old)
             if name in values:
                 _check_operand(name, v, shape, dtype)
+                v = snapshot(v)
             new.append(v)
         return ScoreMod(self.expr, tuple(new))
 
@@ -215,6 +216,16 @@ class ScoreMod:
         self.require_bound()
         inputs = dict(zip(ir.VAR_NAMES, (score, b, h, q_idx, kv_idx)))
         return evaluate(self.expr, inputs, dict(zip(self.operand_names, self._values)))
+
+
+def snapshot(value):
+    """``value`` as a mod keeps it: a NumPy array (also JAX's wrapper of one
+    that ``jnp.asarray(bias)`` in a traced body gives) as a read-only copy,
+    since the caller may write into theirs; jax arrays are immutable as they are."""
+    if isinstance(value, np.ndarray):
+        value = np.array(value)
+        value.flags.writeable = False
+    return value
 
 
 def _direct_load(node: Node) -> bool:
@@ -281,11 +292,14 @@ def trace(fn) -> ScoreMod:
 
     Python and NumPy scalars it closes over become constants (part of the
     key); jax arrays become operands (shape and dtype in the key, values
-    not), so ``slopes[h]`` or ``bias[h, q_idx, kv_idx]`` work.
+    not), so ``slopes[h]`` or ``bias[h, q_idx, kv_idx]`` work. A NumPy
+    array it reads (``jnp.asarray(bias)[h]``) is copied: the mod is a
+    snapshot, whatever is written into ``bias`` later.
     """
     if isinstance(fn, ScoreMod):
         return fn
     root, values, sources = trace_function(fn)
+    values = tuple(snapshot(v) for v in values)
     if root not in _SOURCES:
         order = {node: i for i, node in enumerate(ir.toposort(root))}
         _SOURCES[root] = {order[n]: where for n, where in sources.items() if n in order}
@@ -328,7 +342,7 @@ def parse(text: str, **names) -> ScoreMod:
         name, shape, dtype = node.attr
         if values.get(name) is not None:
             _check_operand(name, values[name], shape, dtype)
-    return ScoreMod(root, tuple(values.get(n.attr[0]) for n in nodes))
+    return ScoreMod(root, tuple(snapshot(values.get(n.attr[0])) for n in nodes))
 
 
 def as_score_mod(mod) -> ScoreMod | None:

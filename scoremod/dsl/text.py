@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import re
 
 import numpy as np
 from lark import Lark, Token, Tree
@@ -600,6 +601,8 @@ def _syntax_error(text, e: UnexpectedInput) -> ScoreModSyntaxError:
         what = "unexpected end of text"
     elif isinstance(e, UnexpectedCharacters):
         what = f"unexpected character {text[e.pos_in_stream]!r}"
+        if text[e.pos_in_stream] == ".":
+            what += _dot_hint(text, e.pos_in_stream)
     elif isinstance(e, UnexpectedToken):
         what = f"unexpected {e.token.value!r}" if e.token.value else "unexpected end of text"
     else:
@@ -608,6 +611,33 @@ def _syntax_error(text, e: UnexpectedInput) -> ScoreModSyntaxError:
     caret = " " * max(col - 1, 0) + "^"
     return _located(ScoreModSyntaxError(f"line {line}, column {col}: {what}\n  {src}\n  {caret}"),
                     line, col)
+
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+
+
+def _dot_hint(text, pos) -> str:
+    """What a '.' at ``pos`` was likely meant as: a module prefix (``jnp.tanh``),
+    or a method (``x.astype``), neither of which the text form has."""
+    start = pos
+    while start > 0 and (text[start - 1].isalnum() or text[start - 1] in "_."):
+        start -= 1
+    dotted = _DOTTED.match(text, start)
+    if dotted is None or dotted.start() != start or text[start].isdigit():
+        return ""
+    name = dotted.group(0)
+    fn = name.rsplit(".", 1)[1]
+    callable_ = {n for n in [*OPS, *_ALIASES, *_COMPOSED] if n not in _NOT_CALLABLE}
+    if fn in callable_:
+        return (f": the text form names ops without a module: write `{fn}(...)`, not "
+                f"`{name}(...)` (docs/ops.md lists the ops)")
+    if fn in _KEYWORDS:
+        return f": the text form names constants without a module: write `{fn}`, not `{name}`"
+    if fn == "astype":
+        return (": the text form has no methods: convert with f32(x), i32(x) or bool(x) "
+                "instead of x.astype(...)")
+    return (f": the text form has no modules or attributes: `{name}` is not an op "
+            "(call ops by name, as tanh(score); docs/ops.md lists them)")
 
 
 def _located(err: ScoreModSyntaxError, line, column) -> ScoreModSyntaxError:

@@ -69,6 +69,14 @@ _CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat",
 
 _IR_DTYPE = {"float32": F32, "int32": I32, "bool": BOOL}
 
+# jax_enable_x64 makes Python numbers weak float64 and int64 values; the IR
+# holds them as float32 and int32. Only ops that commute with rounding to
+# float32 (which jax.numpy does when the value meets a float32) are exact on
+# them; float64 arithmetic, comparisons and conversions to ints are refused.
+_WEAK_X64 = {"float64": F32, "int64": I32}
+_EXACT_ON_WEAK_FLOAT64 = _LAYOUT | {"select_n", "clamp", "max", "min", "neg", "abs",
+                                    "convert_element_type"}  # _convert checks its own
+
 
 @dataclasses.dataclass(frozen=True)
 class _Lazy:
@@ -108,20 +116,26 @@ class _Tracer:
         self.in_jvp_rule = False  # tracing a custom_jvp rule: nested calls inline their primal
 
     # --- values -----------------------------------------------------------
-    def captured(self, value, aval_dtype, where):
+    def captured(self, value, aval, where):
         """A constant or an operand for a value the function closed over.
 
         A scalar of a narrow type (a literal of uint8 or float16 arithmetic)
         is widened exactly; the equation using it decides if that is sound.
+        So is a Python number that jax_enable_x64 makes a weak float64 or
+        int64 (rounded to float32 here as jax.numpy rounds it on meeting
+        float32; equations computing with it in float64 are refused).
         """
         try:
+            weak = _WEAK_X64.get(np.dtype(aval.dtype).name) if aval.weak_type else None
             if isinstance(value, (np.ndarray, np.generic)) and np.ndim(value) == 0:
                 name = np.dtype(value.dtype).name
-                dtype = _WIDENED.get(name) or self.ir_dtype(name, "captured value of dtype", where)
+                dtype = weak or _WIDENED.get(name) or self.ir_dtype(
+                    name, "captured value of dtype", where)
                 return const(np.asarray(value).item(), dtype)
             if not hasattr(value, "shape"):  # Python scalar
-                name = np.dtype(aval_dtype).name
-                dtype = _WIDENED.get(name) or self.ir_dtype(name, "captured value of dtype", where)
+                name = np.dtype(aval.dtype).name
+                dtype = weak or _WIDENED.get(name) or self.ir_dtype(
+                    name, "captured value of dtype", where)
                 return const(value, dtype)
         except ScoreModValueError as e:
             raise ScoreModValueError(f"captured value at {where}: {e}") from None
@@ -162,11 +176,11 @@ class _Tracer:
 
         def read(v):
             if isinstance(v, jcore.Literal):
-                return self.captured(v.val, v.aval.dtype, where)
+                return self.captured(v.val, v.aval, where)
             return env[v]
 
         for v, c in zip(jaxpr.constvars, consts):
-            env[v] = self.captured(c, v.aval.dtype, where)
+            env[v] = self.captured(c, v.aval, where)
         for v, a in zip(jaxpr.invars, args):
             env[v] = a
         for eqn in jaxpr.eqns:
@@ -190,6 +204,13 @@ class _Tracer:
             return _custom_jvp_call(self, eqn, ins, at)
         if prim in _CUSTOM_VJP:
             _refuse_custom_vjp(eqn, at)
+        if prim in _CALLS and _is_float_floor_divide(eqn):
+            # jnp.floor_divide of floats ends in lax.round, which the IR lacks:
+            # it is the IR's floordiv, whose reference is jnp.floor_divide itself.
+            # An int or bool argument is promoted inside the call, as here.
+            ins = [x if v.aval.dtype == np.float32 else self.elementwise("f32", [x])
+                   for v, x in zip(eqn.invars, ins)]
+            return [self.elementwise("floordiv", ins)]
         if prim in _CALLS:
             sub = next((eqn.params[p] for p in _CALL_PARAMS if p in eqn.params), None)
             if sub is not None:
@@ -205,6 +226,8 @@ class _Tracer:
                 f"{narrow_float}, a score_mod computes in float32; convert to float32 "
                 "first, e.g. x.astype(jnp.float32) or array.astype(jnp.float32)[h]"
             )
+        if "float64" in dtypes and prim not in _EXACT_ON_WEAK_FLOAT64:
+            _refuse_float64(prim, at)
         try:
             if handler is not None:
                 out = handler(self, eqn, ins, at)
@@ -252,6 +275,35 @@ def _is_key(value) -> bool:
         return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
     except TypeError:  # not a dtype JAX knows
         return False
+
+
+def _is_float_floor_divide(eqn) -> bool:
+    """A call of jnp.floor_divide (``//``) that computes in float32: by its
+    name and its body (a remainder, rounded at the end), not a function of the
+    user's that happens to have the name."""
+    if not (eqn.params.get("name") == "floor_divide" and len(eqn.invars) == 2
+            and len(eqn.outvars) == 1 and eqn.outvars[0].aval.dtype == np.float32):
+        return False
+    sub = next((eqn.params[p] for p in _CALL_PARAMS if p in eqn.params), None)
+    body = getattr(sub, "jaxpr", sub)
+    prims = [e.primitive.name for e in getattr(body, "eqns", ())]
+    return "rem" in prims and prims[-1] == "round" and body.outvars == body.eqns[-1].outvars
+
+
+def _refuse_float64(what, at):
+    code = _line_at(at)
+    raise UnsupportedOpError(
+        f"{what} in float64 at {at}{f' (`{code}`)' if code else ''}: with jax_enable_x64 on, "
+        "a Python float makes jax.numpy compute with it in float64, and a score_mod computes "
+        "in float32; convert to float32 before the Python float meets an int, e.g. "
+        "(q_idx - kv_idx).astype(jnp.float32) * 0.5, or trace the mod with x64 off")
+
+
+def _line_at(at) -> str:
+    """The source line at ``file:line`` (empty if unknown)."""
+    filename, _, line = at.rpartition(":")
+    code = linecache.getline(filename, int(line)).strip() if line.isdigit() else ""
+    return code if len(code) <= 120 else code[:117] + "..."
 
 
 _RANDOM_KEY = object()  # a captured jax.random key
@@ -386,6 +438,10 @@ def _clamp_scalar(lo, x, hi):
 def _convert(t, eqn, ins, at):
     name = np.dtype(eqn.params["new_dtype"]).name
     source = np.dtype(eqn.invars[0].aval.dtype).name
+    if name == "float64" and eqn.params.get("weak_type") and source != "float64":
+        name = "float32"  # an int meeting a Python float under x64: exact, rounded later
+    elif source == "float64" and name != "float32":
+        _refuse_float64(f"conversion to {name}", at)
     if name not in _NARROW_INTS:
         return t.elementwise(t.ir_dtype(name, "conversion to", at), ins)
     lo, hi = _INT_RANGE[name]
