@@ -5,8 +5,12 @@ Each attention-gym mod at its GPU shape (bfloat16, head dim 128) runs with
 ``implementation="cudnn"``; O, LSE, dQ, dK and dV match the reference path
 within test_fused's tolerances. The plan on this GPU has the catalogue's
 verdict, and a mod whose verdict materializes nothing allocates no
-[.., Sq, Skv] tensor.
+[.., Sq, Skv] tensor. A default call on its first-choice backend gives no
+scoremod warning.
 """
+
+import math
+import warnings
 
 import jax
 import numpy as np
@@ -14,6 +18,8 @@ import pytest
 
 import scoremod
 from scoremod import device
+from scoremod import route
+from scoremod.lowering.problem import Problem
 from tests.catalogue.mods import CATALOGUE
 from tests.catalogue.verdict import materialized, planned, spans_scores, verdict
 from tests.gpu.test_fused import TOL, _inputs, _rel_err, _run
@@ -40,6 +46,12 @@ def _params():
     return out
 
 
+def route_of(q, k, v, mod):
+    """The Route of the default call (``attention``'s own decision)."""
+    return route.route(Problem.of(q, k, v), mod, 1.0 / math.sqrt(q.shape[-1]),
+                       scoremod.LoweringOptions())
+
+
 @pytest.mark.parametrize("name", _params())
 def test_catalogue_mod_fused_matches_the_reference(name):
     entry = CATALOGUE[name]
@@ -54,6 +66,10 @@ def test_catalogue_mod_fused_matches_the_reference(name):
         tensors = materialized(plan)
         assert not any(spans_scores(dims) for dims, _ in tensors), tensors
     assert scoremod.which_implementation(q, k, v, mod).implementation == backend
+    # The default call on its first-choice backend is silent: scoremod's warnings
+    # are errors unless the route itself says a faster backend here refused it
+    # (or cuDNN refuses the graph only when building it).
+    first_choice = name not in REFUSED_WHEN_BUILT and route_of(q, k, v, mod).warning is None
 
     want = jax.jit(lambda *a: _run("xla", mod, *a))(q, k, v, do)
     for implementation in (None, backend):
@@ -61,7 +77,10 @@ def test_catalogue_mod_fused_matches_the_reference(name):
             with pytest.raises(scoremod.UnsupportedOpError, match="no engine"):
                 jax.jit(lambda *a: _run(implementation, mod, *a))(q, k, v, do)
             continue
-        got = jax.jit(lambda *a: _run(implementation, mod, *a))(q, k, v, do)
+        with warnings.catch_warnings():
+            if first_choice:
+                warnings.filterwarnings("error", message="scoremod:")
+            got = jax.jit(lambda *a: _run(implementation, mod, *a))(q, k, v, do)
         errs = {n: _rel_err(g, w) for n, g, w in zip(("O", "LSE", "dQ", "dK", "dV"), got, want)}
         for what, err in errs.items():
             assert np.isfinite(err) and err < TOL[DTYPE], (
