@@ -118,9 +118,13 @@ def test_refusal_of_parsed_mod_names_op():
         check_supported(mod.expr, mod.sources)
 
 
-def test_float_floor_divide_traces_to_a_clear_error():
-    with pytest.raises(UnsupportedOpError, match="round"):
-        scoremod.trace(lambda s, b, h, q, k: s + jnp.floor_divide(s, 2.0))
+def test_float_floor_divide_traces_as_floor_division():
+    # It was refused as `round` (what jnp's float // ends in); it is the IR's floordiv.
+    mod = scoremod.trace(lambda s, b, h, q, k: s + jnp.floor_divide(s, 2.0))
+    assert "//" in str(mod)
+    s = jnp.asarray([-3.5, -1.0, 0.0, 0.75, 5.0], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(mod(s, 0, 0, 0, 0)),
+                                  np.asarray(s + jnp.floor_divide(s, 2.0)))
 
 
 def test_nonnegative_index_arithmetic_is_supported():

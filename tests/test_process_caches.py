@@ -97,7 +97,9 @@ def test_plain_jax_entries_are_not_trusted(tmp_path):
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     want, _ = _run(tmp_path, 0.5, 16, **plain)
-    assert want["hits"] == 0 and len(_entries(tmp_path / "jax")) == 1
+    # Plain JAX at these thresholds caches every program of the process (jax 0.10
+    # writes 3 here, later versions 1): at least the attention call's.
+    assert want["hits"] == 0 and len(_entries(tmp_path / "jax")) >= 1
     result, stderr = _run(tmp_path, 0.5, 16)
     assert (result["out"], result["hits"]) == (want["out"], 0)
     assert "not sealed by scoremod" in stderr
