@@ -1,6 +1,6 @@
 """The scoremod command line.
 
-    scoremod demo                          # softcap + causal attention, both paths
+    scoremod demo                          # softcap + causal attention, as picked and reference
     scoremod doctor                        # versions, GPU, extension: can the fused path run here?
     scoremod show "30.0 * tanh(score / 30.0)"
     scoremod show "cap * tanh(score / cap)" --set cap=30.0
@@ -250,8 +250,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="scoremod", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run softcap + causal attention on both paths").set_defaults(
-        run=demo)
+    sub.add_parser("demo", help="run softcap + causal attention as implementation=None "
+                   "picks and on the reference path").set_defaults(run=demo)
     for name in ("doctor", "info"):
         sub.add_parser(name, help="versions, GPU, cuDNN and the extension: can the fused path "
                        "run here, and if not, why" if name == "doctor" else "same as doctor"

@@ -235,7 +235,7 @@ def _first_complete(hs: HeaderSet, candidates, required, check=None) -> HeaderSe
 
 def find_jaxlib(sites) -> HeaderSet:
     hs = HeaderSet("jaxlib", "XLA FFI headers (jaxlib)", "SCOREMOD_JAXLIB_INCLUDE_DIR",
-                   fix='python -m pip install "jaxlib>=0.10,<0.12"')
+                   fix='python -m pip install "jaxlib>=0.10,<0.13"')
     env = _env_dirs(hs.env_var)
     cands = ([(d, hs.env_var) for d in env] if env is not None else
              [(os.path.join(s, "jaxlib", "include"), o) for s, o in sites])
