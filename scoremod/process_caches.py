@@ -27,14 +27,13 @@ saying what to do when they are not.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import stat
 import threading
 import warnings
 
-from scoremod import options
+from scoremod import options, sealed
 
 log = logging.getLogger("scoremod")
 
@@ -141,23 +140,17 @@ def folder_problem(directory: str) -> str | None:
 # --- sealed entries -----------------------------------------------------------------
 
 
-class _Invalid(Exception):
-    """A file that is not a sealed entry of the wanted key."""
+_Invalid = sealed.Invalid
 
 
 def seal(key: str, value: bytes) -> bytes:
     """An entry's file: magic, SHA-256 of the rest, JAX's key, JAX's bytes."""
-    body = key.encode() + b"\n" + bytes(value)
-    return _MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+    return sealed.frame(_MAGIC, key.encode() + b"\n" + bytes(value))
 
 
 def unseal(key: str, data: bytes) -> bytes:
     """JAX's bytes of the sealed entry ``data`` for ``key``; _Invalid when it is not one."""
-    if not data.startswith(_MAGIC):
-        raise _Invalid("not sealed by scoremod (written by plain JAX, or damaged)")
-    digest, sep, body = data[len(_MAGIC):].partition(b"\n")
-    if not sep or hashlib.sha256(body).hexdigest().encode() != digest:
-        raise _Invalid("digest mismatch (truncated or corrupt)")
+    body = sealed.body_of(_MAGIC, data, "not sealed by scoremod (written by plain JAX, or damaged)")
     stored, sep, value = body.partition(b"\n")
     if not sep or stored != key.encode():
         raise _Invalid(f"it holds the program of another key, "
@@ -209,7 +202,7 @@ class SealedEntries:
         except _Invalid as e:
             log.warning("scoremod: ignoring the JAX compilation cache entry %s (%s); "
                         "compiling it again", path, e)
-            _remove_if_unchanged(path, st)
+            sealed.remove_if_unchanged(path, st)  # JAX writes only where no entry is
             return None
 
     def put(self, key: str, value: bytes) -> None:
@@ -221,18 +214,6 @@ class SealedEntries:
                 os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
         except OSError:
             pass
-
-
-def _remove_if_unchanged(path, st):
-    """Remove a bad entry unless another process has just replaced it (JAX writes an
-    entry only where none is, so a bad one left in place would never be rewritten)."""
-    try:
-        now = os.lstat(path)
-        if (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size,
-                                                          st.st_mtime_ns):
-            os.unlink(path)
-    except OSError:
-        pass
 
 
 def _seal_entries_in(directory: str) -> bool:

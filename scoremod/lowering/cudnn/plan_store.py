@@ -75,6 +75,7 @@ import time
 import typing
 import warnings
 
+from scoremod import sealed
 from scoremod.errors import ScoreModError
 from scoremod import options
 
@@ -245,12 +246,10 @@ def _serialize(material: str, record) -> bytes:
     except _Invalid as e:
         raise ValueError(f"{type(record).__name__} cannot be stored: {e}") from None
     payload = bytes(getattr(record, payload_name))
-    body = b"%d\n" % len(header) + header + payload
-    return _MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+    return sealed.frame(_MAGIC, b"%d\n" % len(header) + header + payload)
 
 
-class _Invalid(Exception):
-    """A file that is not a valid entry for the wanted key."""
+_Invalid = sealed.Invalid
 
 
 # --- what a header may hold ----------------------------------------------------------
@@ -357,12 +356,7 @@ def _json_too_deep(text: bytes, limit: int) -> bool:
 
 
 def _deserialize(data: bytes, material: str, record_type):
-    if not data.startswith(_MAGIC):
-        raise _Invalid("no magic line")
-    rest = data[len(_MAGIC):]
-    digest, sep, body = rest.partition(b"\n")
-    if not sep or hashlib.sha256(body).hexdigest().encode() != digest:
-        raise _Invalid("digest mismatch (truncated or corrupt)")
+    body = sealed.body_of(_MAGIC, data, "no magic line")
     # A valid digest says the file is whole, not that what it holds is sane: the header
     # is bounded and checked field by field before anything of it is used.
     size, sep, rest = body.partition(b"\n")
@@ -472,7 +466,7 @@ class Store:
             log.warning("scoremod: ignoring the invalid plan cache entry %s (%s); rebuilding it",
                         path, e)
             self._count("disk_rejected")
-            self._remove_if_unchanged(path, st)
+            sealed.remove_if_unchanged(path, st)
             return None
         try:
             os.utime(path)  # eviction keeps the most recently used
@@ -480,16 +474,6 @@ class Store:
             pass
         self._count("disk_hits")
         return record
-
-    def _remove_if_unchanged(self, path, st):
-        """Remove a bad entry unless another process has just replaced it."""
-        try:
-            now = os.lstat(path)  # a link itself, not what it points at
-            if (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size,
-                                                              st.st_mtime_ns):
-                os.unlink(path)
-        except OSError:
-            pass
 
     # --- writing
     def put(self, key, record) -> bool:
