@@ -60,25 +60,17 @@ def _varies_along_kv_only(dims) -> bool:
     return dims[AXIS["kv_idx"]] > 1 and dims[AXIS["q_idx"]] == 1
 
 
-def _guard_padding(expr: Node, sq: int, skv: int) -> Node:
+def _guard_padding(expr: Node, sq: int, skv: int, outside: float) -> Node:
+    """``expr`` with ``outside`` on the padding of the last query and key tiles:
+    -inf for the mod (see above), 0 for the score's gradient, which cuDNN's
+    backward evaluates there too (score 0, indices past the ends), where the
+    derivative may be inf or NaN (sqrt(|s|)'s at 0) and 0 * inf spreads NaN into
+    dK and dV (measured on the H200: sqrt(|s|) at Sq=1, Skv=12)."""
     for var, n, tile in (("kv_idx", skv, KV_TILE), ("q_idx", sq, Q_TILE)):
         if n % tile:
             inside = ops.apply("lt", ir.var(var), ir.const(n, ir.I32))
-            expr = ops.apply("where", inside, expr, ir.const(float("-inf"), F32))
+            expr = ops.apply("where", inside, expr, ir.const(outside, F32))
     return expr
-
-
-def _guard_padding_gradient(bwd: Node, sq: int, skv: int) -> Node:
-    """The score's gradient with 0 on the padding of the last query and key
-    tiles: cuDNN's backward evaluates it there too (score 0, indices past the
-    ends), where the derivative may be inf or NaN (sqrt(|s|)'s at 0), and
-    0 * inf spreads NaN into dK and dV (measured on the H200: sqrt(|s|) at
-    Sq=1, Skv=12)."""
-    for var, n, tile in (("q_idx", sq, Q_TILE), ("kv_idx", skv, KV_TILE)):
-        if n % tile:
-            inside = ops.apply("lt", ir.var(var), ir.const(n, ir.I32))
-            bwd = ops.apply("where", inside, bwd, ir.const(0.0, F32))
-    return bwd
 
 
 def native_band(mod, shape: Problem, options: LoweringOptions):
@@ -121,7 +113,7 @@ class Part:
             self.fwd = self.bwd = None
             self.consts, self.fwd_consts, self.loads, self.fwd_loads = (), (), (), ()
         else:
-            expr = _guard_padding(mod.expr, shape.sq, shape.skv)
+            expr = _guard_padding(mod.expr, shape.sq, shape.skv, float("-inf"))
             # A constant factor on every use of the score joins attn_scale. Not
             # for a mod with its own derivative rules: canonical() keeps values
             # only, so folding would differentiate the bare values (softplus'(0)
@@ -130,7 +122,7 @@ class Part:
                 expr, factor = rules.fold_scale(rules.canonical(expr))
                 graph_scale = scale * factor
             self.fwd, self.bwd = rules.forward_and_backward(expr)
-            self.bwd = _guard_padding_gradient(self.bwd, shape.sq, shape.skv)
+            self.bwd = _guard_padding(self.bwd, shape.sq, shape.skv, 0.0)
             # What the graphs read: constants and tensors on the emitted paths only
             # (a graph is given exactly the scalars it contains).
             fwd_nodes = cg.emission_order(self.fwd)
