@@ -241,7 +241,8 @@ def forward(spec: KernelSpec, bmap, q, k, v, operands):
 
 def _tile_gradients(spec, q, k, v, do, lse, delta, b, h, q0, k0, refs, full):
     """``P``, the cotangent of the modded scores ``dS``, the score's gradient
-    (times the scale: q.k's), and the tile inputs, of one tile."""
+    (times the scale: q.k's), the tile inputs, and where the tile is inside the
+    sequences (``_valid``), of one tile."""
     s, inputs, valid = _scores(spec, q, k, b, h, q0, k0, refs, full)
     finite = lse != NEG_INF  # a fully masked row has P = 0 (and LSE -inf)
     lse2 = jnp.where(finite, lse, 0.0) * LOG2E
@@ -258,7 +259,7 @@ def _tile_gradients(spec, q, k, v, do, lse, delta, b, h, q0, k0, refs, full):
         (dscore,) = _on_tile(spec, [spec.derivatives.score], on_full, inputs, refs, full,
                              ds.shape)
         dscore = _inside(valid, dscore)
-    return p, ds, dscore * jnp.float32(spec.scale), inputs
+    return p, ds, dscore * jnp.float32(spec.scale), inputs, valid
 
 
 def _dkdv_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -283,13 +284,12 @@ def _dkdv_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, 
         start = pl.multiple_of(blocks_ref[mb, mh, j, t] * bq, bq)
         rows = pl.ds(start, bq)
         q, do = q_ref[rows, :], do_ref[rows, :]
-        p, ds, dscore, inputs = _tile_gradients(spec, q, k, v, do, lse_ref[rows],
-                                                delta_ref[rows], b, h, start, j * bk, refs,
-                                                full_ref[mb, mh, j, t])
+        p, ds, dscore, inputs, valid = _tile_gradients(spec, q, k, v, do, lse_ref[rows],
+                                                       delta_ref[rows], b, h, start, j * bk,
+                                                       refs, full_ref[mb, mh, j, t])
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         dk = dk + _dot(dscore.astype(q.dtype), q, trans_a=True)
         if loads:
-            valid = _valid(spec, inputs["q_idx"], inputs["kv_idx"])
             _add_operand_gradients(loads, inputs, refs, parts, windows, (bq, bk), valid)
         return dk, dv
 
@@ -382,7 +382,7 @@ def _dq_kernel(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, ls
         start = pl.multiple_of(blocks_ref[mb, mh, i, t] * bk, bk)
         cols = pl.ds(start, bk)
         k, v = k_ref[cols, :], v_ref[cols, :]
-        _, _, dscore, _ = _tile_gradients(spec, q, k, v, do, lse, delta, b, h, i * bq, start,
+        _, _, dscore, _, _ = _tile_gradients(spec, q, k, v, do, lse, delta, b, h, i * bq, start,
                                           refs, full_ref[mb, mh, i, t])
         return dq + _dot(dscore.astype(k.dtype), k)
 
