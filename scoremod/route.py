@@ -101,10 +101,11 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
     plan = backend.plan(problem, mod, scale, options, return_lse)
     fallback = forward_mode_fallback = None
     if asked is None:
-        fallback = _fallback(backend, problem, mod, scale, options, return_lse, why_not,
+        takes = dict(verdicts)
+        fallback = _fallback(backend, problem, mod, scale, options, takes,
                              lambda b: b.operand_gradients)
-        forward_mode_fallback = _fallback(backend, problem, mod, scale, options, return_lse,
-                                          why_not, lambda b: b.forward_mode_derivatives)
+        forward_mode_fallback = _fallback(backend, problem, mod, scale, options, takes,
+                                          lambda b: b.forward_mode_derivatives)
     return Route(backend, plan, problem, mod, low_rank, fallback, forward_mode_fallback,
                  verdicts, why, warning, note, backend.variant(problem, mod, options))
 
@@ -167,11 +168,11 @@ def _after(backend) -> tuple:
     return order[order.index(backend) + 1:] if backend in order else order
 
 
-def _fallback(backend, problem, mod, scale, options, return_lse, why_not, can):
+def _fallback(backend, problem, mod, scale, options, verdicts, can):
     """``(backend, plan)`` of the first backend after ``backend`` that ``can`` and
-    takes the call, or None."""
+    takes the call (its verdict is None), or None."""
     for other in _after(backend):
-        if can(other) and why_not(other) is None:
+        if can(other) and verdicts[other.name] is None:
             return other, other.plan(problem, mod, scale, options, True)
     return None
 
