@@ -3,7 +3,7 @@
 The call is checked, described as a :class:`~scoremod.lowering.problem.Problem`,
 routed once (``scoremod.route``: the backend of the registry that runs it, its
 plan and what takes over what it cannot do), and executed
-(``lowering.backend.run``). Nothing here knows a backend by name.
+(``lowering.backend.execute``). Nothing here knows a backend by name.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
-from scoremod.lowering.backend import run
+from scoremod.lowering.backend import execute
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
 from scoremod.route import Choice, refusal, route, warn  # noqa: F401 - Choice: the API's
@@ -106,9 +106,7 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     process_caches.setup()
     mod = chosen.mod
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
-    o, lse = run(chosen.backend, chosen.plan, query, key, value, operands,
-                 problem=chosen.problem, options=options, return_lse=return_lse,
-                 fallback=chosen.fallback, forward_mode_fallback=chosen.forward_mode_fallback)
+    o, lse = execute(chosen.call, query, key, value, operands)
     return (o, lse) if return_lse else o
 
 
@@ -157,8 +155,7 @@ def which_implementation(query, key, value, score_mod=None, *, scale=None, imple
         ('xla', ['cudnn-varlen', 'cudnn', 'pallas', 'xla'])
 
     ``reason`` starts with the chosen backend's name and says why it runs the
-    call: the first backend in order that takes it; a later one it yields the
-    call to, or that claims it (the Pallas kernels for relative-position
+    call: the first backend in order that takes it; a later one that claims it (the Pallas kernels for relative-position
     tables, cuDNN's variable-length attention for segment masks), and why; or,
     where a faster general backend present on this machine refuses the call,
     that refusal (the case ``attention`` warns about); off a GPU, the fused

@@ -6,9 +6,8 @@ and returns a frozen :class:`Route`. ``attention`` executes it;
 ``which_implementation`` describes it. The two cannot disagree.
 
 The rule: a backend asked for by name runs the call or refuses it. Otherwise
-the first registered backend that takes the call runs it, unless it yields the
-call to a later one, or a later one claims it (both only where that one takes
-it too). What the chosen backend cannot do (gradients of captured arrays,
+the first registered backend that takes the call runs it, unless a later one
+that takes it too claims it (a measured crossover). What the chosen backend cannot do (gradients of captured arrays,
 ``jax.jvp``, a graph refused only when built) runs on the first later backend
 that can. A warning is due only where the user should act or know: a backend
 present on this machine, general (not one kind of mod only) and earlier in the
@@ -24,6 +23,7 @@ import jax
 
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.lowering import lowrank, registry
+from scoremod.lowering.backend import Call
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
 
@@ -49,20 +49,34 @@ class Choice(tuple):
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """The decision for one call (frozen: it is made once)."""
+    """The decision for one call (frozen: it is made once): what runs
+    (``call``: the backend, its plan, what takes over what it cannot do, as
+    ``lowering.backend.execute`` runs it) and why."""
 
-    backend: object
-    plan: object
-    problem: Problem  # after a low-rank bias moved into q and k, if one did
-    mod: ScoreMod | None  # likewise
+    call: Call
+    mod: ScoreMod | None  # after a low-rank bias moved into q and k, if one did
     low_rank: object  # lowrank.LowRank that moves into q and k, or None
-    fallback: tuple | None  # (backend, plan) for what ``backend`` cannot do, or None
-    forward_mode_fallback: tuple | None
     verdicts: tuple  # ((backend name, its refusal or None), ...), in the registry's order
     reason: str  # why this backend, in the user's words
     warning: str | None  # what the user should know (a faster backend here refused), or None
     low_rank_note: str | None
     variant: str | None  # which of the backend's ways runs it, and why
+
+    @property
+    def backend(self):
+        return self.call.backend
+
+    @property
+    def plan(self):
+        return self.call.plan
+
+    @property
+    def problem(self) -> Problem:
+        return self.call.problem
+
+    def on(self, problem: Problem, mod, why: str) -> Call:
+        """The same backend's call on ``problem`` (a device's shard, a folded batch)."""
+        return self.call.on(problem, mod, why)
 
     def describe(self) -> "Choice":
         return Choice(self.backend.name, self.reason, dict(self.verdicts), self.low_rank_note,
@@ -89,6 +103,7 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
     def why_not(backend, automatic=True):
         return refusal(backend, problem, mod, traced_scale, automatic, options)
 
+
     verdicts = tuple((b.name, why_not(b)) for b in registry.backends())
     warning = None
     if asked is not None:
@@ -105,9 +120,11 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
         fallback = _fallback(backend, problem, mod, scale, options, takes,
                              lambda b: b.operand_gradients)
         forward_mode_fallback = _fallback(backend, problem, mod, scale, options, takes,
-                                          lambda b: b.forward_mode_derivatives)
-    return Route(backend, plan, problem, mod, low_rank, fallback, forward_mode_fallback,
-                 verdicts, why, warning, note, backend.variant(problem, mod, options))
+                                          lambda b: b.differentiable)
+    call = Call(backend, plan, problem, options, bool(return_lse), fallback,
+                forward_mode_fallback)
+    return Route(call, mod, low_rank, verdicts, why, warning, note,
+                 backend.variant(problem, mod, options))
 
 
 def refusal(backend, problem, mod, traced_scale, automatic, options) -> str | None:
@@ -115,7 +132,7 @@ def refusal(backend, problem, mod, traced_scale, automatic, options) -> str | No
     if traced_scale and not backend.traced_scale:
         return ("the scale is a traced value, and this backend compiles the scale into its "
                 "kernels: pass a Python float (or fold a learned factor into the score_mod)")
-    return backend.why_not_with(problem, mod, automatic, options)
+    return backend.why_not(problem, mod, automatic, options)
 
 
 def _choose(problem, mod, verdicts, options):
@@ -127,7 +144,7 @@ def _choose(problem, mod, verdicts, options):
     if taken is None:
         raise ScoreModError("no implementation can run this call: "
                             + "; ".join(f"{b.name}: {verdicts[b.name]}" for b in order))
-    other, why = _yielded(taken, problem, mod, verdicts, options)
+    other, why = _claimed(taken, problem, mod, verdicts, options)
     if other is not None:
         return other, why, None
     # Passed over: the general backends before it (a specialized one, such as
@@ -143,20 +160,11 @@ def _choose(problem, mod, verdicts, options):
     return taken, f"{taken.name}: the first backend in order that takes the call", None
 
 
-def _yielded(backend, problem, mod, verdicts, options):
-    """``(other, reason)``: the later backend that ``backend`` yields the call to,
-    or the first later one that claims it, when that one takes it; else
-    ``(None, None)``."""
-    later = _after(backend)
-    target = backend.yields_to(problem, mod)
-    if target is not None:
-        name, reason = target
-        other = next((b for b in later if b.name == name), None)
-        if other is not None and verdicts[other.name] is None:
-            return other, f"{name}: {backend.name} yields the call to it: {reason}"
-        return None, None
-    for other in later:
-        why = other.claims(problem, mod, options)
+def _claimed(backend, problem, mod, verdicts, options):
+    """``(other, reason)``: the first later backend that claims the call from
+    ``backend`` and takes it; else ``(None, None)``."""
+    for other in _after(backend):
+        why = other.claims(problem, mod, options, backend)
         if why is not None and verdicts[other.name] is None:
             return other, f"{other.name}: it claims the call from {backend.name}: {why}"
     return None, None

@@ -435,7 +435,7 @@ def test_a_backend_not_validated_on_a_gpu_runs_by_name_only_with_a_warning(monke
     class Unvalidated(Backend):
         name = "unvalidated"
 
-        def why_not(self, problem, mod, automatic):
+        def why_not(self, problem, mod, automatic, options=None):
             return None
 
     backend = Unvalidated()
@@ -458,7 +458,7 @@ class _StandInFused(StandIn):
     name, title = "fused-standin", "the stand-in fused kernels"
     partitioned = False
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         return None
 
 
@@ -534,12 +534,13 @@ def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch
 
     Fused = _StandInFused
 
-    class WithGradients(Backend):  # the reference's numbers, differentiated by JAX
+    class WithGradients(Backend):  # the reference's numbers, through the pipeline (as Pallas)
         name, title = "gradients-standin", "the stand-in gradient kernels"
-        differentiable = operand_gradients = True
+        operand_gradients = True
+        partitioned = False
         declines = False
 
-        def why_not(self, problem, mod, automatic):
+        def why_not(self, problem, mod, automatic, options=None):
             return "declined" if self.declines else None
 
         def plan(self, problem, mod, scale, options, return_lse):
@@ -547,6 +548,9 @@ def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch
 
         def forward(self, plan, q, k, v, operands):
             return REFERENCE.forward(plan, q, k, v, operands)
+
+        def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+            return REFERENCE.backward(plan, q, k, v, o, lse, do, operands, dlse, wanted)
 
     grads_backend = WithGradients()
     monkeypatch.setattr(registry, "_BACKENDS", [Fused(), grads_backend, REFERENCE])
@@ -579,7 +583,7 @@ def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch
 class _CudnnHere(type(registry.get("cudnn"))):
     """The cuDNN backend's planning rules, taking every call (nothing is run on it)."""
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         return None
 
 
@@ -630,7 +634,7 @@ def test_cudnn_yields_masks_of_captured_arrays_to_the_pallas_kernels(monkeypatch
                       ("from the document's start", from_start)):
         choice = scoremod.which_implementation(q, k, v, mod)
         assert choice.implementation == "pallas", (name, choice)
-        assert choice.reason.startswith("pallas: cudnn yields the call to it") and "[q_idx]" in choice.reason
+        assert choice.reason.startswith("pallas: it claims the call from cudnn") and "[q_idx]" in choice.reason
         assert choice.verdicts["cudnn"] is None and choice.verdicts["pallas"] is None
         chosen = route_module.route(Problem.of(q, k, v), scoremod.trace(mod), 0.125,
                                     scoremod.LoweringOptions())

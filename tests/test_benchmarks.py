@@ -524,7 +524,7 @@ def test_scoremod_row_records_the_backend_that_ran_and_its_warnings(tmp_path, mo
     class Planned(StandIn):
         name, title = "bench-standin", "the benchmark's stand-in kernel"
 
-        def why_not(self, problem, mod, automatic):
+        def why_not(self, problem, mod, automatic, options=None):
             return None
 
     registry.register(Planned())

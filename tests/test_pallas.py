@@ -23,6 +23,7 @@ from scoremod.dsl.ir import I32
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.errors import ScoreModError
 from scoremod.lowering import registry
+from scoremod.lowering.backend import execute
 from scoremod.lowering.pallas import codegen
 from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
@@ -160,7 +161,7 @@ def test_masked_keys_never_contribute(bad, tiles):
         return dataclasses.replace(p, block_map=dense_map) if tiles == "dense" else p
 
     checked = dataclasses.replace(SMALL, check_values=True)
-    got = pc.run(PALLAS, plan(checked), q, k, v, do, operands)
+    got = pc.run(PALLAS, plan(checked), q, k, v, do, operands, options=checked)
     want = pc.run(REFERENCE, REFERENCE.plan(Problem.of(q, k, v), mod, plan(SMALL).scale, SMALL,
                                             True), q, k, v, do, operands)
     o = np.asarray(got[0])
@@ -172,8 +173,8 @@ def test_masked_keys_never_contribute(bad, tiles):
     if tiles == "dense":
         # Without the rule (check_values=False) the masked part of the tile
         # holding key 40 multiplies the non-finite value: NaN rows before it.
-        o = pc.run(PALLAS, plan(dataclasses.replace(SMALL, check_values=False)), q, k, v, do,
-                   operands)[0]
+        unchecked = dataclasses.replace(SMALL, check_values=False)
+        o = pc.run(PALLAS, plan(unchecked), q, k, v, do, operands, options=unchecked)[0]
         assert np.isnan(np.asarray(o)[0, :40]).any()
 
 
@@ -413,7 +414,8 @@ def _lower_for_cuda(mod, q, operands=(), full_expr=None):
             merged = list(ops)
             for i, x in zip(learn, floats):
                 merged[i] = x
-            return PALLAS.forward(plan, q, k, v, tuple(merged))[0].astype(jnp.float32).sum()
+            return execute(pc.call(PALLAS, plan, q, k, v, TRITON), q, k, v,
+                           tuple(merged))[0].astype(jnp.float32).sum()
 
         return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, tuple(ops[i] for i in learn))
 
@@ -449,21 +451,26 @@ def test_cases_lower_to_triton(case, fake_hopper):
 
 
 def test_backward_protocol():
-    """Backend.backward (dQ, dK, dV from O, LSE and dO) agrees with JAX's
-    gradient of the backend's forward (which runs the same kernels)."""
+    """Backend.backward (dQ, dK, dV from O, LSE and dO; no operand asked for)
+    is what JAX's gradient of the call runs (the pipeline transposes it into
+    the backend's backward), and it agrees with the reference's."""
     q, k, v, do = pc.inputs(b=1, sq=40, skv=48, hq=2, hkv=1)
     mod, _ = pc.traced("softcap_causal", q, k)
     plan = pc.pallas_plan(mod, q, k, v, SMALL)
+    call = pc.call(PALLAS, plan, q, k, v, SMALL)
     o, lse = PALLAS.forward(plan, q, k, v, ())
     got = jax.jit(lambda *a: PALLAS.backward(plan, *a, ()))(q, k, v, o, lse, do)
-    _, vjp = jax.vjp(lambda q, k, v: PALLAS.forward(plan, q, k, v, ())[0], q, k, v)
-    for a, b in zip(got, vjp(do)):
+    assert got[3] == {}
+    _, vjp = jax.vjp(lambda q, k, v: execute(call, q, k, v, ())[0], q, k, v)
+    for a, b in zip(got[:3], vjp(do)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_vmap_lowers_to_triton(fake_hopper):
-    """Under jax.vmap Pallas adds a grid axis to the kernels' three (block, batch,
-    head); the Triton lowering folds it into Triton's three launch axes."""
+    """Under jax.vmap the forward folds the mapped axis into the batch (a call
+    planned again); the backward that learns the slopes is batched by Pallas,
+    which adds a grid axis to the kernels' three (block, batch, head): the
+    Triton lowering folds it into Triton's three launch axes."""
     from jax import export
 
     q = jnp.zeros((2, 1, 128, 2, 64), jnp.bfloat16)
@@ -471,8 +478,10 @@ def test_vmap_lowers_to_triton(fake_hopper):
     plan = dataclasses.replace(pc.pallas_plan(mod, q[0], q[0], q[0], TRITON),
                                interpret=False)
 
+    call = pc.call(PALLAS, plan, q[0], q[0], q[0], TRITON)
+
     def grads(q, k, v, slopes):
-        loss = lambda *a: PALLAS.forward(plan, *a[:3], (a[3],))[0].astype(jnp.float32).sum()  # noqa: E731
+        loss = lambda *a: execute(call, *a[:3], (a[3],))[0].astype(jnp.float32).sum()  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes)
 
     shape = jax.ShapeDtypeStruct(q.shape, q.dtype)

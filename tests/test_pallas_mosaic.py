@@ -399,7 +399,7 @@ def interprets(lowers):
     ("learnable_softcap", dict(sq=100, skv=70, hq=2, hkv=1, d=128)),
     ("batch_scale", dict(sq=64, skv=128, hq=2, hkv=1, d=64)),
     ("inf_past_the_end", dict(sq=80, skv=100, hq=1, hkv=1, d=64)),
-    ("score_log_abs", dict(sq=12, skv=100, hq=2, hkv=1, d=64)),
+    ("nan_at_score_zero", dict(sq=12, skv=100, hq=2, hkv=1, d=64)),
 ])
 def test_backward_interpreted(case, shape, interprets):
     """The Mosaic backward kernels run in Mosaic GPU's interpret mode (the plan's
@@ -414,7 +414,7 @@ def test_backward_interpreted(case, shape, interprets):
     deviation near 3 (scale 0.4 at d64, 0.3 at d128: a softcap's tanh bends);
     ``inf_past_the_end`` is +inf on keys and queries past the last (the
     padding's: the kernels mask them, else P is inf or NaN there and the
-    gradients NaN); ``score_log_abs``'s derivative is -inf at the padding's score 0
+    gradients NaN); ``nan_at_score_zero`` is NaN at the padding's score 0, value and derivative
     (the kernels give the padding no gradient, else 0 * inf is NaN)."""
     shape = dict(shape)
     dtype = shape.pop("dtype", jnp.bfloat16)
@@ -991,13 +991,13 @@ def test_auto_engine(monkeypatch):
     from scoremod import route
 
     takes_all = {name: None for name in scoremod.lowering.registry.names()}
-    assert "table at q_idx - kv_idx" in PALLAS.claims(_problem(), relative, auto)
-    chosen, why = route._yielded(CUDNN, _problem(), relative, takes_all, auto)
+    assert "table at q_idx - kv_idx" in PALLAS.claims(_problem(), relative, auto, CUDNN)
+    chosen, why = route._claimed(CUDNN, _problem(), relative, takes_all, auto)
     assert chosen is PALLAS and why.startswith("pallas: it claims the call from cudnn"), why
     for problem, mod, options in ((_problem(), relative, TRITON), (_problem(), gather, auto),
                                   (_problem(dtype="float32"), relative, auto), (_problem(), None, auto)):
-        assert PALLAS.claims(problem, mod, options) is None
-        assert route._yielded(CUDNN, problem, mod, takes_all, options) == (None, None)
+        assert PALLAS.claims(problem, mod, options, CUDNN) is None
+        assert route._claimed(CUDNN, problem, mod, takes_all, options) == (None, None)
     triton = {"float32": (_problem(dtype="float32"), None, "float16 or bfloat16"),
               "dv64": (_problem(d=128, dv=64), softcap, "head dims of 64 or 128"),
               "gather": (_problem(), gather, "(a gather)")}

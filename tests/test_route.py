@@ -40,12 +40,13 @@ def h200(monkeypatch):
     ran = []
     api = __import__("importlib").import_module("scoremod.attention")
 
-    def spy(backend, plan, q, k, v, operands, *, problem, **kw):
-        ran.append(backend.name)
+    def spy(call, q, k, v, operands):
+        ran.append(call.backend.name)
+        problem = call.problem
         o = jnp.zeros((problem.b, problem.sq, problem.hq, problem.dv), q.dtype)
         return o, jnp.zeros((problem.b, problem.hq, problem.sq), jnp.float32)
 
-    monkeypatch.setattr(api, "run", spy)
+    monkeypatch.setattr(api, "execute", spy)
     return ran
 
 
@@ -118,7 +119,64 @@ def test_route_is_frozen_and_describes_itself(h200):
     # Asked for by name: that backend or its refusal, never a warning.
     by_name = route_module.route(Problem.of(q, q, q), mod, 0.125, scoremod.LoweringOptions(),
                                  "xla")
-    assert by_name.backend.name == "xla" and by_name.warning is None and by_name.fallback is None
+    assert by_name.backend.name == "xla" and by_name.warning is None and by_name.call.fallback is None
     with pytest.raises(scoremod.ScoreModError, match="implementation=\"cudnn\" cannot run"):
         route_module.route(Problem.of(q, q, q), mod, 0.125, scoremod.LoweringOptions(), "cudnn")
     assert np.isfinite(chosen.plan.scale)
+
+
+def test_a_cudnn_call_passes_few_frames_and_plans_once(monkeypatch):
+    """From ``scoremod.attention`` to the cuDNN backend's forward and backward a
+    call passes at most 5 scoremod functions, and none of them plans again: the
+    route's plan is the one the kernels get (faked H200: the cuDNN forward and
+    backward are spies that record the stack and return zeros)."""
+    import inspect
+
+    from scoremod.lowering.cudnn.backend import CUDNN
+
+    monkeypatch.setattr(device, "current", lambda: H200)
+    monkeypatch.setattr(kernels_ffi, "available", lambda: True)
+    monkeypatch.setattr(cudnn_backend, "_frontend_installed", lambda: True)
+    monkeypatch.setattr(cudnn_backend, "_unvalidated_cudnn", lambda: None)
+    seen, plans = {}, []
+    real_plan = type(CUDNN).plan
+
+    def plan(self, *args):
+        plans.append(args[0])
+        return real_plan(self, *args)
+
+    def frames():
+        names = []
+        for info in inspect.stack()[2:]:
+            if "/scoremod/" not in info.filename.replace("\\", "/"):
+                continue
+            if info.function == "attention" and info.filename.endswith("attention.py"):
+                return names
+            names.append(f"{info.filename.rsplit('/', 1)[-1]}:{info.function}")
+        raise AssertionError("scoremod.attention is not on the stack")
+
+    def forward(self, plan_, q, k, v, operands):
+        seen["forward"] = frames()
+        p = plan_.shape
+        return (jnp.zeros((p.b, p.sq, p.hq, p.dv), q.dtype),
+                jnp.zeros((p.b, p.hq, p.sq), jnp.float32))
+
+    def backward(self, plan_, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+        seen["backward"] = inspect.stack()[1].function
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), {}
+
+    monkeypatch.setattr(type(CUDNN), "plan", plan)
+    monkeypatch.setattr(type(CUDNN), "forward", forward)
+    monkeypatch.setattr(type(CUDNN), "backward", backward)
+    q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    softcap = lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0)  # noqa: E731
+    assert scoremod.which_implementation(q, q, q, softcap)[0] == "cudnn"
+    plans.clear()
+    loss = lambda q: scoremod.attention(q, q, q, softcap).astype(jnp.float32).sum()  # noqa: E731
+    jax.grad(loss)(q)
+    assert len(plans) == 1, plans  # the route's, and no other
+    assert 0 < len(seen["forward"]) <= 5, seen["forward"]
+    assert "backward" in seen
+    plans.clear()
+    jax.jit(jax.grad(loss))(q)
+    assert len(plans) == 1 and len(seen["forward"]) <= 5, (plans, seen["forward"])

@@ -63,11 +63,10 @@ class StandIn(Reference):
     title = "the stand-in kernel"
     differentiable = False
     operand_gradients = False
-    forward_mode_derivatives = False
     materializes_scores = False
     seen: list = []
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         return None if not automatic else "asked for by name only"
 
     def plan(self, problem, mod, scale, options, return_lse):
@@ -77,9 +76,9 @@ class StandIn(Reference):
         self.seen.append(("forward", Problem.of(q, k, v)))
         return super().forward(plan, q, k, v, operands)
 
-    def backward(self, plan, q, k, v, o, lse, do, operands):
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         self.seen.append(("backward", Problem.of(q, k, v)))
-        return super().backward(plan, q, k, v, o, lse, do, operands)
+        return super().backward(plan, q, k, v, o, lse, do, operands, dlse, wanted)
 
 
 STANDIN = StandIn()
@@ -304,7 +303,7 @@ class _Automatic(StandIn):
 
     name = "standin-auto"
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         return None
 
 

@@ -403,7 +403,7 @@ def emulate(spec, built, inputs, out_shapes, carried):
 def emulated(monkeypatch, recorder):
     """The backend runs here: the ragged kernel emulated, the dense route on the reference path."""
     routes = []
-    monkeypatch.setattr(CUDNN, "why_not", lambda problem, mod, automatic: None)
+    monkeypatch.setattr(CUDNN, "why_not", lambda problem, mod, automatic, options=None: None)
 
     def call(built, inputs, out_shapes, carried):
         spec = next(key[1] for key, b in vb.cg.cache_entries().items() if b is built)
@@ -562,7 +562,7 @@ def test_native_masks_off_keeps_the_dense_route(emulated):
 
 def test_registered_before_cudnn_and_chosen_for_segment_masks(monkeypatch):
     assert registry.names().index("cudnn-varlen") < registry.names().index("cudnn")
-    monkeypatch.setattr(CUDNN, "why_not", lambda problem, mod, automatic: None)
+    monkeypatch.setattr(CUDNN, "why_not", lambda problem, mod, automatic, options=None: None)
     q, k, v = _qkv(2, 64, 64, 4, 4, dtype=jnp.bfloat16)
     choice = scoremod.which_implementation(q, k, v, SPELLINGS["causal"][0])
     assert choice.implementation == "cudnn-varlen" and choice.reason.startswith("cudnn-varlen:")
@@ -592,7 +592,7 @@ def test_known_ids_compute_their_sequences_when_traced(monkeypatch, recorder):
     """Ids the mod closes over: the offsets are constants of the program (no
     XLA work per call), equal to those computed in the program from the same
     ids, and plans of other ids differ."""
-    monkeypatch.setattr(CUDNN, "why_not", lambda problem, mod, automatic: None)
+    monkeypatch.setattr(CUDNN, "why_not", lambda problem, mod, automatic, options=None: None)
     seen = []
 
     def call(built, inputs, out_shapes, carried):

@@ -112,7 +112,7 @@ class NoRemainder(StandIn):
 
     name = "standin-norem"
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         if mod is not None and "%" in str(mod):
             return "it has no integer remainder"
         return None
@@ -147,7 +147,7 @@ class Automatic(StandIn):
 
     name = "standin-auto"
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         return None
 
 
@@ -222,7 +222,7 @@ class _RefusedWhenBuilt(Automatic):
 class _BackwardRefusedWhenBuilt(Automatic):
     name = "standin-bwd-refused"
 
-    def backward(self, plan, q, k, v, o, lse, do, operands):
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         raise scoremod.UnsupportedOpError("cuDNN refused the backward graph (stand-in)")
 
 

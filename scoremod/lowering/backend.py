@@ -1,50 +1,49 @@
-"""The interface every route of ``scoremod.attention`` implements, and the
-``custom_jvp`` that runs a fused backend's plan.
+"""The interface every backend of ``scoremod.attention`` implements, and the
+one pipeline that runs a routed call on any of them.
 
 A backend is one object with a small protocol:
 
-- ``why_not(problem, mod, automatic)``: why it cannot run this call (a
-  sentence), or None. ``automatic`` is True when ``implementation=None``
+- ``why_not(problem, mod, automatic, options=None)``: why it cannot run this
+  call under ``options`` (a LoweringOptions; None: the current ones), a
+  sentence, or None. ``automatic`` is True when ``implementation=None``
   asks: a backend may then be stricter (cuDNN only volunteers on the GPU
   families it was validated on).
-  ``why_not_with(problem, mod, automatic, options)`` is the same under the
-  call's LoweringOptions (by default ``why_not``; the Pallas backend's
-  refusals depend on its engine option).
-- ``present()``: whether its hardware is on this machine; passing over a
-  present backend warns the user, passing over an absent one does not.
-- ``yields_to(problem, mod)``: ``(name, reason)`` of a later backend that runs
-  this call faster (a measured crossover, docs/performance.md), which
-  ``implementation=None`` picks instead when that one takes the call; None
-  by default.
-- ``claims(problem, mod, options)``: why this backend runs the call faster
-  than the earlier backends that take it (a measured crossover), so that
-  ``implementation=None`` picks it when it takes the call; None by default.
+- ``claims(problem, mod, options, over)``: why it runs the call faster than
+  ``over``, the earlier backend that takes it (a measured crossover,
+  docs/performance.md), so that ``implementation=None`` picks it; None by
+  default.
 - ``plan(problem, mod, scale, options, return_lse)``: a hashable, static
   description of the call (everything but array values), with ``mod`` (the
   expression only) and ``scale`` attributes.
 - ``forward(plan, q, k, v, operands)`` -> (O, LSE) and
-  ``backward(plan, q, k, v, o, lse, do, operands)`` -> (dQ, dK, dV).
+  ``backward(plan, q, k, v, o, lse, do, operands, dlse=None, wanted=())``
+  -> (dQ, dK, dV, {operand name: gradient}): ``dlse`` is the LSE's
+  cotangent (None: zero; a backend that cannot take one raises its error)
+  and ``wanted`` the names of the captured operands whose gradients are
+  asked for (only a backend with ``operand_gradients`` is asked).
 
-Class attributes say what it can do: ``differentiable`` (JAX differentiates
-its forward itself: it is called directly), ``operand_gradients`` (its
-gradients reach the mod's captured arrays), ``forward_mode_derivatives``
-(``jax.jvp`` of its forward works), ``traced_scale``, ``partitioned`` (its
-calls take ``lowering.sharding``'s partitioning rule), ``materializes_scores``
-(O(S^2) memory: the warnings say so) and ``specialized`` (it takes one kind
-of mod; its refusals of others are not what a warning should give).
+Class attributes say what it can do: ``differentiable`` (its forward is a
+JAX function that JAX differentiates itself, forward mode and second order
+included: the reference path; it is called directly), ``operand_gradients``
+(its backward computes the mod's captured arrays' gradients),
+``traced_scale``, ``partitioned`` (its calls take ``lowering.sharding``'s
+partitioning rule), ``materializes_scores`` (O(S^2) memory: the warnings
+say so) and ``specialized`` (it takes one kind of mod; its refusals of
+others are not what a warning should give); ``present()`` says whether its
+hardware is on this machine (passing over a present backend warns).
 
-The other backends run inside :func:`run`'s ``custom_jvp`` (see "The fused
-call and its derivatives" below), whose reverse mode is the backend's
-backward. Where the user allowed fallbacks (``implementation=None``), what
-the backend cannot do runs on the next registered backend that can and
-takes the call: operand gradients and a call refused only when built on
-the first with ``operand_gradients`` (the Pallas kernels on a GPU, else the
-reference path), forward-mode and second-order derivatives on the first
-with ``forward_mode_derivatives`` (the reference path); by name, each is a
-ScoreModError. Every fused call goes through ``lowering.sharding``
-(partitioning, vmap), whose per-device call applies the masked-key rule
-for non-finite V (``lowering.nonfinite``) when asked for: a backend's
-kernel need not.
+Every other backend runs through the same pipeline, :func:`execute`: a
+``custom_jvp`` (see "The fused call and its derivatives" below) whose
+reverse mode is the backend's backward, around ``lowering.sharding``
+(partitioning, vmap folding), whose per-device call applies the masked-key
+rule for non-finite V (``lowering.nonfinite``) when asked for: a backend's
+kernel need not. Where the user allowed fallbacks (``implementation=None``),
+what the backend cannot do runs on the next registered backend that can and
+takes the call: operand gradients and a call refused only when built on the
+first with ``operand_gradients`` (the Pallas kernels on a GPU, else the
+reference path), forward-mode and second-order derivatives on the first that
+is ``differentiable`` (the reference path); by name, each is a
+ScoreModError.
 """
 
 from __future__ import annotations
@@ -69,11 +68,10 @@ class Backend:
 
     name: str = ""
     title: str = ""  # how messages name it, e.g. "the fused cuDNN path"
-    differentiable: bool = False  # JAX differentiates forward() itself
-    operand_gradients: bool = False  # its gradients reach the mod's captured operands
+    differentiable: bool = False  # JAX differentiates forward() itself (any order, any mode)
+    operand_gradients: bool = False  # its backward computes the mod's captured operands' gradients
     traced_scale: bool = False  # takes a scale that is a traced value (else it is compiled in)
     partitioned: bool = True  # its calls take lowering.sharding's partitioning rule
-    forward_mode_derivatives: bool = False  # jax.jvp of its forward works
     materializes_scores: bool = False  # holds [B, H, Sq, Skv] scores: O(S^2) memory
     # Takes one kind of mod only (segment masks): its refusal of another says
     # nothing useful, so a fallback's warning gives the next backend's.
@@ -86,22 +84,19 @@ class Backend:
         return self.error(f"implementation=\"{self.name}\" cannot run this call: {reason}."
                           + (f" {self.hint}" if self.hint else ""))
 
+    def no_lse_cotangent(self) -> ScoreModError:
+        """The error of a backward asked for the LSE's cotangent it cannot take."""
+        return self.error(f"{self.title} cannot differentiate through the returned LSE; use "
+                          "implementation=\"xla\", or jax.lax.stop_gradient(lse).")
+
     def present(self) -> bool:
         return True
 
-    def why_not(self, problem, mod, automatic: bool) -> str | None:
+    def why_not(self, problem, mod, automatic: bool, options=None) -> str | None:
         raise NotImplementedError
 
-    def yields_to(self, problem, mod) -> tuple | None:
+    def claims(self, problem, mod, options, over) -> str | None:
         return None
-
-    def claims(self, problem, mod, options) -> str | None:
-        return None
-
-    def why_not_with(self, problem, mod, automatic: bool, options) -> str | None:
-        """``why_not`` for a call under ``options`` (a LoweringOptions): a backend
-        whose refusals depend on the options (the Pallas engine) overrides it."""
-        return self.why_not(problem, mod, automatic)
 
     def variant(self, problem, mod, options) -> str | None:
         """Which of its ways runs the call under ``options`` and why, for a backend
@@ -114,7 +109,7 @@ class Backend:
     def forward(self, plan, q, k, v, operands):
         raise NotImplementedError
 
-    def backward(self, plan, q, k, v, o, lse, do, operands):
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         raise NotImplementedError
 
     def __repr__(self):
@@ -122,26 +117,28 @@ class Backend:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    """The fused call's static argument: a fused backend, its plan, and the
-    (backend, plan) pairs that compute, when the user allowed a fallback,
-    operand gradients and a call refused when built (``fallback``), and
-    forward-mode and second-order derivatives (``forward_mode_fallback``);
-    None: those are refused. With what it takes to plan the same call on
-    other shapes (a device's shard, a vmapped batch)."""
+class Call:
+    """A routed call as the pipeline runs it (hashable: JAX's static argument):
+    the backend, its plan, the (backend, plan) pairs that compute, when the user
+    allowed a fallback, operand gradients and a call refused when built
+    (``fallback``) and forward-mode and second-order derivatives
+    (``forward_mode_fallback``), None where those are refused; with what it
+    takes to plan the same call on other shapes (a device's shard, a vmapped
+    batch): :meth:`on`."""
 
     backend: Backend
     plan: object
-    fallback: tuple | None
     problem: object  # the Problem ``plan`` was made for
     options: object
-    return_lse: bool
+    return_lse: bool = True
+    fallback: tuple | None = None
     forward_mode_fallback: tuple | None = None
 
-    def replanned(self, problem, mod, why: str) -> "_Static":
-        """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod);
-        ``why`` (e.g. "under jax.vmap") explains a refusal of the new call."""
-        reason = self.backend.why_not_with(problem, mod, False, self.options)
+    def on(self, problem, mod, why: str) -> "Call":
+        """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod),
+        on the same backend, without fallbacks; ``why`` (e.g. "under jax.vmap")
+        explains a refusal of the new call."""
+        reason = self.backend.why_not(problem, mod, False, self.options)
         if reason is not None:
             raise self.backend.error(
                 f"{self.backend.title} cannot run this call {why}: {reason}. Use "
@@ -150,9 +147,9 @@ class _Static:
         return dataclasses.replace(self, plan=plan, fallback=None, forward_mode_fallback=None,
                                    problem=problem)
 
-    def refolded(self, problem, mod, why: str) -> "_Static":
-        """As :meth:`replanned`, with the fallbacks (if any) planned for it too."""
-        new = self.replanned(problem, mod, why)
+    def refolded(self, problem, mod, why: str) -> "Call":
+        """As :meth:`on`, with the fallbacks (if any) planned for it too."""
+        new = self.on(problem, mod, why)
 
         def again(pair):
             return None if pair is None else (
@@ -161,31 +158,26 @@ class _Static:
         return dataclasses.replace(new, fallback=again(self.fallback),
                                    forward_mode_fallback=again(self.forward_mode_fallback))
 
+    def to(self, pair) -> "Call":
+        """The call on another (backend, plan) pair, a fallback, without fallbacks."""
+        return dataclasses.replace(self, backend=pair[0], plan=pair[1], return_lse=True,
+                                   fallback=None, forward_mode_fallback=None)
 
-def run(backend: Backend, plan, q, k, v, operands, *, problem, options, return_lse,
-        fallback=None, forward_mode_fallback=None):
-    """``(O, LSE)`` of ``plan`` on ``backend``, differentiable in q, k, v
-    (and in the operands where ``backend`` or the ``fallback`` computes them).
 
-    ``fallback`` and ``forward_mode_fallback`` (``(backend, plan)`` pairs, or
-    None where the user allowed none) run what ``backend`` cannot: operand
-    gradients and a refusal found only when building its kernels, and
-    ``jax.jvp``. A fused backend's calls go through ``lowering.sharding``,
-    which partitions them over the devices the arrays are sharded on and
-    batches them under ``jax.vmap``; ``problem``, ``options`` and
-    ``return_lse`` (those the plan was made with) let it plan the same call
-    on other shapes."""
-    if not backend.forward_mode_derivatives and forward_mode((q, k, v, operands)):
-        return _forward_mode_fallback(backend, forward_mode_fallback, q, k, v, operands)
+def execute(call: Call, q, k, v, operands):
+    """``(O, LSE)`` of ``call``, differentiable in q, k, v (and in the operands
+    where its backend or its ``fallback`` computes their gradients). A
+    ``differentiable`` backend's forward is called directly; any other runs in
+    the ``custom_jvp`` below, through ``lowering.sharding``."""
+    backend = call.backend
     if backend.differentiable:
-        return backend.forward(plan, q, k, v, operands)
-    static = _Static(backend, plan, fallback, problem, options, bool(return_lse),
-                     forward_mode_fallback)
+        return backend.forward(call.plan, q, k, v, operands)
+    if forward_mode((q, k, v, operands)):
+        return _forward_mode_fallback(call, q, k, v, operands)
     try:
-        return _fused(static, q, k, v, tuple(operands))
+        return _fused(call, q, k, v, tuple(operands))
     except UnsupportedOpError as e:  # refused only when building its kernels
-        other, other_plan = _refused_when_built(static, e, "forward")
-        return other.forward(other_plan, q, k, v, operands)
+        return execute(call.to(_refused_when_built(call, e, "forward")), q, k, v, operands)
 
 
 def forward_mode(arrays) -> bool:
@@ -197,17 +189,18 @@ def forward_mode(arrays) -> bool:
     return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(arrays))
 
 
-def _forward_mode_fallback(backend, fallback, q, k, v, operands):
+def _forward_mode_fallback(call, q, k, v, operands):
     """``jax.jvp`` of a fused call: a fused backward gives no tangents, so the
     reference path runs the call where the user allowed it (implementation=None);
     its tangents need the reference forward anyway, so the fused one would only
     add work."""
-    if fallback is None:
+    backend = call.backend
+    if call.forward_mode_fallback is None:
         raise backend.error(
             f"{backend.title} has no forward-mode derivative (jax.jvp): it computes "
             "reverse-mode gradients only. Use implementation=None (falls back to the reference "
             "path, with a warning) or implementation=\"xla\" for jax.jvp, or jax.grad / jax.vjp.")
-    other, other_plan = fallback
+    other, other_plan = call.forward_mode_fallback
     warnings.warn(f"scoremod: jax.jvp needs forward-mode derivatives, which {backend.title} does "
                   f"not compute; implementation=None falls back to {other.title} for this call"
                   f"{_memory_note(other)}.", stacklevel=4)
@@ -219,9 +212,10 @@ def _forward_mode_fallback(backend, fallback, q, k, v, operands):
 #
 # ``_fused`` is a ``custom_jvp``: its rule runs the fused forward for the primal
 # outputs and gives their tangents as one primitive, ``_TANGENT``, linear in the
-# tangents of q, k and v. JAX only ever evaluates or transposes that primitive:
+# tangents of q, k, v and the operands. JAX only ever evaluates or transposes it:
 # - transposed (``jax.grad``, ``jax.vjp``: the rule is linearized, then
-#   transposed) it is the backend's fused backward, and nothing else runs;
+#   transposed) it is the backend's backward (or, for operand gradients it does
+#   not compute, the operand fallback's), and nothing else runs;
 # - evaluated (``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``, under ``jax.jit``
 #   or not) it is the fallback (reference) path's tangent, with a warning
 #   (implementation=None), or the backend's error (asked for by name).
@@ -229,14 +223,14 @@ def _forward_mode_fallback(backend, fallback, q, k, v, operands):
 # does for the kernels), so both meanings survive ``jax.vmap``. (A
 # ``custom_vjp`` has no forward mode at all, and ``custom_derivatives.linear_call``,
 # the public primitive with its own transpose, has no batching rule.)
-# The fused backward is a ``custom_jvp`` too: second-order derivatives
+# The backward is a ``custom_jvp`` too: second-order derivatives
 # (``jax.hessian``, the gradient of a gradient) differentiate it on the
 # fallback path.
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _fused(static, q, k, v, operands):
-    return sharding.forward(static, q, k, v, operands)
+def _fused(call, q, k, v, operands):
+    return sharding.forward(call, q, k, v, operands)
 
 
 def _zero(t) -> bool:
@@ -245,53 +239,53 @@ def _zero(t) -> bool:
     return isinstance(t, SymbolicZero)
 
 
-def _fused_jvp(static, primals, tangents):
+def _fused_jvp(call, primals, tangents):
     q, k, v, operands = primals
-    perturbed = [n for n, t in zip(_names(static.plan), tangents[3]) if not _zero(t)]
-    if perturbed:
-        _operand_fallback(static, perturbed)
-    o, lse = _fused(static, q, k, v, operands)
+    perturbed = [n for n, t in zip(_names(call.plan), tangents[3]) if not _zero(t)]
+    if perturbed and not call.backend.operand_gradients:
+        _operand_fallback(call, perturbed)
+    o, lse = _fused(call, q, k, v, operands)
     flat = (*tangents[:3], *tangents[3])
     which = tuple(not _zero(t) for t in flat)
     lin = [t for t in flat if not _zero(t)]
-    to, tlse = _TANGENT.bind(q, k, v, o, lse, *operands, *lin, static=static, which=which)
+    to, tlse = _TANGENT.bind(q, k, v, o, lse, *operands, *lin, static=call, which=which)
     return (o, lse), (to, tlse)
 
 
 _fused.defjvp(_fused_jvp, symbolic_zeros=True)
 
 
-def _operand_fallback(static, perturbed):
+def _operand_fallback(call, perturbed):
     """The (backend, plan) that computes derivatives for the mod's captured
     operands (implementation=None, with a warning), or the error. Their
     tangents join ``_TANGENT``: transposed (jax.grad) they are that backend's
     backward; evaluated (jax.jvp) the forward-mode fallback's tangents."""
-    if static.fallback is None:
+    if call.fallback is None:
         raise CudnnUnavailableError(
             f"gradients with respect to score_mod operands {perturbed} are not computed by "
-            f"{static.backend.title} (it returns dQ, dK, dV only). Use implementation=\"xla\" to "
+            f"{call.backend.title} (it returns dQ, dK, dV only). Use implementation=\"xla\" to "
             "learn them, or wrap them in jax.lax.stop_gradient to keep them fixed."
         )
-    fallback, _ = static.fallback
+    fallback, _ = call.fallback
     warnings.warn(
         f"scoremod: gradients for score_mod operands {perturbed} need {fallback.title}; "
         f"implementation=None falls back to it for this call{_memory_note(fallback)}.",
         stacklevel=3,
     )
-    return static.fallback
+    return call.fallback
 
 
-def _fallback_for(static, what):
+def _fallback_for(call, what):
     """The fallback (backend, plan) for derivatives the fused backend does not
     compute (``what``), with a warning; the backend's error where the user
     allowed no fallback (a backend asked for by name)."""
-    if static.forward_mode_fallback is None:
-        raise static.backend.error(
-            f"{static.backend.title} has no {what}: it computes reverse-mode gradients "
+    if call.forward_mode_fallback is None:
+        raise call.backend.error(
+            f"{call.backend.title} has no {what}: it computes reverse-mode gradients "
             "(jax.grad, jax.vjp) only. Use implementation=None (falls back to the reference "
             "path, with a warning) or implementation=\"xla\".")
-    fallback, fallback_plan = static.forward_mode_fallback
-    warnings.warn(f"scoremod: {what} are not computed by {static.backend.title}; "
+    fallback, fallback_plan = call.forward_mode_fallback
+    warnings.warn(f"scoremod: {what} are not computed by {call.backend.title}; "
                   f"implementation=None falls back to {fallback.title} for them"
                   f"{_memory_note(fallback)}.", stacklevel=3)
     return fallback, fallback_plan
@@ -302,10 +296,10 @@ _SECOND_ORDER = ("second-order derivatives (jax.hessian, the gradient of a gradi
                  "fused backward's derivative)")
 
 
-def _split(args, static, which):
+def _split(args, call, which):
     """``(q, k, v, o, lse, operands, tangents)`` of ``_TANGENT``'s arguments:
     ``tangents`` of q, k, v and then of each operand (None for a zero one)."""
-    n = 5 + len(_names(static.plan))
+    n = 5 + len(_names(call.plan))
     q, k, v, o, lse = args[:5]
     lin = iter(args[n:])
     return q, k, v, o, lse, tuple(args[5:n]), tuple(next(lin) if w else None for w in which)
@@ -337,39 +331,39 @@ def _tangent_avals(*avals, static, which):
 
 
 def _tangent_transpose(cts, *args, static, which):
-    """``_TANGENT`` transposed: the fused backward."""
-    q, k, v, o, lse, operands, _ = _split(args, static, which)
+    """``_TANGENT`` transposed: the backend's backward."""
+    call = static
+    q, k, v, o, lse, operands, _ = _split(args, call, which)
     do, dlse = cts
-    if type(dlse) is not ad.Zero:
-        raise CudnnUnavailableError(
-            f"{static.backend.title} cannot differentiate through the returned LSE; use "
-            "implementation=\"xla\", or jax.lax.stop_gradient(lse)."
-        )
+    dlse = None if type(dlse) is ad.Zero else dlse
     if type(do) is ad.Zero:
         do = jnp.zeros(o.shape, o.dtype)
-    if any(which[3:]):  # operand gradients: the backend that computes them, all of them
-        grads = _operand_backward(static, q, k, v, do, operands, which[3:])
+    wanted = tuple(which[3:])
+    if any(wanted) and not call.backend.operand_gradients:
+        # The operand fallback's reverse mode, for all of them (its forward runs again).
+        dq, dk, dv, learned = _vjp_on(call.to(call.fallback), q, k, v, do, dlse, operands, wanted)
     else:
-        grads = _run_backward(static, q, k, v, o, lse, do, operands)
+        dq, dk, dv, learned = _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands)
+    by_operand = iter(learned)
+    grads = (dq, dk, dv, *(next(by_operand) if w else None for w in wanted))
     return [None] * (5 + len(operands)) + [g for g, w in zip(grads, which) if w]
 
 
-def _operand_backward(static, q, k, v, do, operands, wanted):
-    """dQ, dK, dV and the gradients of the ``wanted`` operands, by the operand
-    fallback's own reverse mode (its forward runs again for its residuals)."""
-    fallback, fallback_plan = static.fallback
+def _vjp_on(call, q, k, v, do, dlse, operands, wanted):
+    """``(dQ, dK, dV, gradients of the wanted operands)`` by ``call``'s own
+    reverse mode (its forward runs for its residuals)."""
     learn = [i for i, w in enumerate(wanted) if w]
 
     def out(q, k, v, *learned):
         ops = list(operands)
         for i, x in zip(learn, learned):
             ops[i] = x
-        return fallback.forward(fallback_plan, q, k, v, tuple(ops))[0]
+        o, lse = execute(call, q, k, v, tuple(ops))
+        return o if dlse is None else (o, lse)
 
     _, vjp = jax.vjp(out, q, k, v, *(operands[i] for i in learn))
-    grads = vjp(do)
-    by_operand = dict(zip(learn, grads[3:]))
-    return (*grads[:3], *(by_operand.get(i) for i in range(len(operands))))
+    grads = vjp(do if dlse is None else (do, dlse))
+    return (*grads[:3], tuple(grads[3:]))
 
 
 def _tangent_jvp(primals, tangents, *, static, which):
@@ -430,49 +424,46 @@ ad.primitive_jvps[_TANGENT] = _tangent_jvp
 batching.primitive_batchers[_TANGENT] = _tangent_batched
 
 
-def _run_backward(static, q, k, v, o, lse, do, operands):
+def _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands):
     try:
-        return _backward(static, q, k, v, o, lse, do, operands)
+        return _backward(call, wanted, q, k, v, o, lse, do, dlse, operands)
     except UnsupportedOpError as e:
-        other, other_plan = _refused_when_built(static, e, "backward")
-        _, vjp = jax.vjp(lambda q, k, v: other.forward(other_plan, q, k, v, operands)[0], q, k, v)
-        return vjp(do)
+        pair = _refused_when_built(call, e, "backward")
+        return _vjp_on(call.to(pair), q, k, v, do, dlse, operands, wanted)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _backward(static, q, k, v, o, lse, do, operands):
-    return tuple(sharding.backward(static, q, k, v, o, lse, do, operands))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _backward(call, wanted, q, k, v, o, lse, do, dlse, operands):
+    """``(dQ, dK, dV, gradients of the wanted operands)``."""
+    return sharding.backward(call, q, k, v, o, lse, do, operands, dlse,
+                             tuple(n for n, w in zip(_names(call.plan), wanted) if w))
 
 
 @_backward.defjvp
-def _backward_jvp(static, primals, tangents):
-    q, k, v, _, _, do, operands = primals
-    tq, tk, tv, _, _, tdo, toperands = tangents  # O and LSE move with q, k, v
-    fallback, fallback_plan = _fallback_for(static, _SECOND_ORDER)
-
-    def grads(q, k, v, do, operands):
-        _, vjp = jax.vjp(
-            lambda q, k, v: fallback.forward(fallback_plan, q, k, v, operands)[0], q, k, v)
-        return tuple(vjp(do))
-
-    return jax.jvp(grads, (q, k, v, do, operands), (tq, tk, tv, tdo, toperands))
+def _backward_jvp(call, wanted, primals, tangents):
+    q, k, v, _, _, do, dlse, operands = primals
+    tq, tk, tv, _, _, tdo, tdlse, toperands = tangents  # O and LSE move with q, k, v
+    pair = _fallback_for(call, _SECOND_ORDER)
+    return jax.jvp(lambda q, k, v, do, dlse, operands: _vjp_on(call.to(pair), q, k, v, do, dlse,
+                                                              operands, wanted),
+                   (q, k, v, do, dlse, operands), (tq, tk, tv, tdo, tdlse, toperands))
 
 
 def _memory_note(backend) -> str:
     return " (O(S^2) memory)" if backend.materializes_scores else ""
 
 
-def _refused_when_built(static, error, what):
+def _refused_when_built(call, error, what):
     """The fallback (backend, plan) for a call the fused backend turned down only
     when building its kernels (cuDNN's "no engine"), with a warning; the error
     itself where the user allowed no fallback (a backend asked for by name)."""
-    if static.fallback is None:
+    if call.fallback is None:
         raise error
-    fallback, _ = static.fallback
-    warnings.warn(f"scoremod: {static.backend.title} refused the {what} of this call when "
+    fallback, _ = call.fallback
+    warnings.warn(f"scoremod: {call.backend.title} refused the {what} of this call when "
                   f"building it ({str(error)[:300]}); implementation=None runs it on "
                   f"{fallback.title}{_memory_note(fallback)}.", stacklevel=4)
-    return static.fallback
+    return call.fallback
 
 
 def _names(plan):

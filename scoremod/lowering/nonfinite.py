@@ -79,12 +79,13 @@ def forward(backend, plan, q, k, v, operands, check=True):
     return jax.lax.cond(_any_not_finite(v), not_finite, finite)
 
 
-def backward(backend, plan, q, k, v, o, lse, do, operands, check=True):
-    """``backend.backward`` with the masked-key rule for non-finite V; ``o``
-    is :func:`forward`'s output (with the same ``check``)."""
+def backward(backend, plan, q, k, v, o, lse, do, operands, check=True, dlse=None, wanted=()):
+    """``backend.backward`` (dQ, dK, dV and the ``wanted`` operands' gradients,
+    by name) with the masked-key rule for non-finite V; ``o`` is
+    :func:`forward`'s output (with the same ``check``)."""
 
     def finite():
-        return tuple(backend.backward(plan, q, k, v, o, lse, do, operands))
+        return tuple(backend.backward(plan, q, k, v, o, lse, do, operands, dlse, wanted))
 
     if not check:
         return finite()
@@ -92,12 +93,12 @@ def backward(backend, plan, q, k, v, o, lse, do, operands, check=True):
     def not_finite():
         touched = _touched(backend, plan, q, k, v, operands)
         zero = jnp.zeros((), o.dtype)
-        # The NaN rows pass nothing back (their O is replaced too: the
-        # kernel's rowsum(dO * O) must be 0 there, not 0 * nan).
-        dq, dk, dv = backend.backward(plan, q, k, _sanitized(v), jnp.where(touched, zero, o),
-                                      lse, jnp.where(touched, jnp.zeros((), do.dtype), do),
-                                      operands)
-        return dq, dk, jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
+        # The NaN rows pass nothing back through O (their O is replaced too:
+        # the kernel's rowsum(dO * O) must be 0 there, not 0 * nan); their LSE
+        # is finite and does not depend on V, so its cotangent stays.
+        dq, dk, dv, grads = backend.backward(
+            plan, q, k, _sanitized(v), jnp.where(touched, zero, o), lse,
+            jnp.where(touched, jnp.zeros((), do.dtype), do), operands, dlse, wanted)
+        return dq, dk, jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype)), grads
 
     return jax.lax.cond(_any_not_finite(v), not_finite, finite)
-

@@ -92,10 +92,9 @@ class Reference(Backend):
     differentiable = True
     operand_gradients = True
     traced_scale = True
-    forward_mode_derivatives = True
     materializes_scores = True
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         need, have = memory_needed(problem), device.available_memory()
         if have is None or need <= have:
             return None
@@ -117,9 +116,20 @@ class Reference(Backend):
         mod = None if plan.mod is None else ScoreMod(plan.mod.expr, tuple(operands))
         return scores_and_lse_reference(q, k, v, mod, plan.scale, plan.return_lse)
 
-    def backward(self, plan, q, k, v, o, lse, do, operands):
-        _, vjp = jax.vjp(lambda q, k, v: self.forward(plan, q, k, v, operands)[0], q, k, v)
-        return vjp(do)
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+        names = () if plan.mod is None else plan.mod.operand_names
+        learn = [names.index(n) for n in wanted]
+
+        def out(q, k, v, *learned):
+            ops = list(operands)
+            for i, x in zip(learn, learned):
+                ops[i] = x
+            o, lse = self.forward(dataclasses.replace(plan, return_lse=True), q, k, v, tuple(ops))
+            return o if dlse is None else (o, lse)
+
+        _, vjp = jax.vjp(out, q, k, v, *(operands[i] for i in learn))
+        dq, dk, dv, *grads = vjp(do if dlse is None else (do, dlse))
+        return dq, dk, dv, dict(zip(wanted, grads))
 
 
 REFERENCE = Reference()

@@ -24,7 +24,7 @@ forward and backward calls
   still the index within one example (see :func:`fold_batch`).
 
 Both rules re-plan the call for the new shapes through the backend
-(``static.replanned(problem, mod, why)``), so they hold for any fused backend.
+(``static.on(problem, mod, why)``), so they hold for any fused backend.
 """
 
 from __future__ import annotations
@@ -275,16 +275,22 @@ def _lower(kind, static, keep, sharded, mesh, *arrays):
         for (name, _), i in zip(moving, position):
             starts[name] = i * extent[name]
         if mod is None or not moving:
-            sub = static.replanned(local, mod, "on one device's shard")
+            sub = static.on(local, mod, "on one device's shard")
         else:
-            sub = static.replanned(local, ScoreMod(shifted(mod.expr, starts, keep)),
+            sub = static.on(local, ScoreMod(shifted(mod.expr, starts, keep)),
                                    "on one device's shard, with the mod's indices shifted")
         order = _order(mod, sub.plan.mod)
 
         def run(*arrays):
             head, operands = arrays[:n], arrays[n:]
-            operands = tuple(operands[i] for i in order)
-            return _call(kind, sub, head, operands, sharded, mesh)
+            out = _call(kind, sub, *head, *(operands[i] for i in order))
+            if kind == "forward" or sharded["q_idx"] is None:
+                return out
+            # Each query shard's rows contribute to every key's gradient.
+            dq, dk, dv = out
+            axes = _axes(sharded["q_idx"])
+            return (dq, jax.lax.psum(dk.astype(jnp.float32), axes).astype(dk.dtype),
+                    jax.lax.psum(dv.astype(jnp.float32), axes).astype(dv.dtype))
 
         return run
 
@@ -321,32 +327,27 @@ def _order(mod, sub_mod):
     return tuple(names.index(name) for name in sub_mod.operand_names)
 
 
-def _call(kind, static, head, operands, sharded, mesh):
-    """One kernel call of the backend, on one device's (unbatched) arrays;
-    with the masked-key rule for non-finite V (``lowering/nonfinite.py``)
-    applied here, where V is this device's own."""
-    backend = static.backend
+def _call(kind, static, *arrays):
+    """One kernel call of the backend, on one device's (unbatched) arrays
+    (those of a ``kind`` call, then the mod's operands); with the masked-key
+    rule for non-finite V (``lowering/nonfinite.py``) applied here, where V is
+    this device's own, when the options ask for it."""
+    backend, plan = static.backend, static.plan
     check = static.options.check_values
+    n = _operand_arrays(kind)
+    head, operands = arrays[:n], arrays[n:]
     if kind == "forward":
         q, k, v = head
-        o, lse = nonfinite.forward(backend, static.plan, q, k, v, operands, check)
-        return o, lse
+        if not check:
+            return tuple(backend.forward(plan, q, k, v, operands))
+        return nonfinite.forward(backend, plan, q, k, v, operands)
     q, k, v, o, lse, do = head
-    dq, dk, dv = nonfinite.backward(backend, static.plan, q, k, v, o, lse, do, operands, check)
-    if sharded["q_idx"] is not None:
-        # Each query shard's rows contribute to every key's gradient.
-        axes = _axes(sharded["q_idx"])
-        dk = jax.lax.psum(dk.astype(jnp.float32), axes).astype(k.dtype)
-        dv = jax.lax.psum(dv.astype(jnp.float32), axes).astype(v.dtype)
+    dq, dk, dv, _ = nonfinite.backward(backend, plan, q, k, v, o, lse, do, operands, check)
     return dq, dk, dv
 
 
 def _partitioned(kind):
-    def call(static, *arrays):
-        n = _operand_arrays(kind)
-        return _call(kind, static, arrays[:n], arrays[n:], {"q_idx": None}, None)
-
-    fn = custom_partitioning(call, static_argnums=(0,))
+    fn = custom_partitioning(functools.partial(_call, kind), static_argnums=(0,))
     fn.def_partition(partition=functools.partial(_partition, kind),
                      sharding_rule=functools.partial(_rule, kind))
     return fn
@@ -432,12 +433,11 @@ def unfold(x, n):
 def _batched(kind, static):
     """The ``kind`` call of ``static`` with the batching rule attached."""
     m = _operand_arrays(kind)
-
-    @jax.custom_batching.custom_vmap
-    def call(*arrays):
-        if not static.backend.partitioned:  # one call on whole arrays: XLA gathers shards
-            return _call(kind, static, arrays[:m], arrays[m:], {"q_idx": None}, None)
-        return _FORWARD(static, *arrays) if kind == "forward" else _BACKWARD(static, *arrays)
+    if static.backend.partitioned:
+        call = functools.partial(_FORWARD if kind == "forward" else _BACKWARD, static)
+    else:  # one call on whole arrays: XLA gathers shards
+        call = functools.partial(_call, kind, static)
+    call = jax.custom_batching.custom_vmap(call)
 
     @call.def_vmap
     def rule(axis_size, in_batched, *arrays):
@@ -446,8 +446,8 @@ def _batched(kind, static):
         b = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
         mod, operands = fold_batch(static.plan.mod, arrays[m:], in_batched[m:], n, b)
         q, k, v = head[:3]
-        sub = static.replanned(Problem.of(q, k, v), mod,
-                               "under jax.vmap (the mapped axes folded into the batch)")
+        sub = static.on(Problem.of(q, k, v), mod,
+                        "under jax.vmap (the mapped axes folded into the batch)")
         outs = _batched(kind, sub)(*head, *operands)
         outs = jax.tree.map(lambda x: unfold(x, n), outs)
         return outs, jax.tree.map(lambda _: True, outs)
@@ -460,6 +460,14 @@ def forward(static, q, k, v, operands):
     return _batched("forward", static)(q, k, v, *operands)
 
 
-def backward(static, q, k, v, o, lse, do, operands):
-    """``(dQ, dK, dV)`` of the backend's backward, partitioned and batched as above."""
-    return tuple(_batched("backward", static)(q, k, v, o, lse, do, *operands))
+def backward(static, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+    """``(dQ, dK, dV, gradients of the operands named in wanted)`` of the backend's
+    backward, partitioned and batched as above. With the LSE's cotangent
+    ``dlse`` or operand gradients (the Pallas kernels compute both; they are
+    not partitioned) the backend's backward is called on the arrays as they
+    are: JAX batches its kernels under ``jax.vmap``."""
+    if dlse is None and not wanted:
+        return (*_batched("backward", static)(q, k, v, o, lse, do, *operands), ())
+    dq, dk, dv, grads = nonfinite.backward(static.backend, static.plan, q, k, v, o, lse, do,
+                                           operands, static.options.check_values, dlse, wanted)
+    return dq, dk, dv, tuple(grads[name] for name in wanted)

@@ -17,7 +17,7 @@ query-block split is the one an H200 (132 SMs) gets.
   tensor`` (a [.., 1, Skv] read, laid out [.., Sq, Skv]);
 - ``fused``: one fused kernel, reading captured arrays directly if any;
 - ``block-sparse Pallas kernels, mask in the kernel``: a mask of captured
-  arrays that cuDNN yields to the Pallas kernels (``yields_to``);
+  arrays that the Pallas kernels claim from cuDNN (``claims``);
 - ``block-sparse Pallas kernels, table per diagonal``: a table read at
   q_idx - kv_idx that cuDNN yields to the Pallas kernels' Mosaic GPU engine
   on an H200 (decided from the IR here: the engine's own refusals, not this

@@ -3,7 +3,7 @@
 ``plan`` builds (once, at trace time, cached) the plan of a call; ``forward``
 and ``backward`` call its forward and backward graphs through the
 ``scoremod_cudnn_execute`` FFI target, inside the ``custom_jvp`` of
-``lowering.backend.run``. No backward is written by hand: the backward
+``lowering.backend.execute``. No backward is written by hand: the backward
 score_mod is the IR's derivative.
 """
 
@@ -40,7 +40,7 @@ class Cudnn(Backend):
     def present(self):
         return device.current().family is not None
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         # The mod and the inputs are judged first (pure IR and shape checks), so
         # the answer is informative on a machine without a GPU too.
         if mod is not None:
@@ -73,16 +73,6 @@ class Cudnn(Backend):
             _warn_once(unvalidated + "; running it because implementation=\"cudnn\" asked for it")
         return None
 
-    def yields_to(self, problem, mod):
-        # Measured (docs/performance.md): 4 documents per row with a softcap, the
-        # Pallas kernels run 2.8x cuDNN's forward and 4x its fwd+bwd at seq 4096.
-        cond = None if mod is None else blocks.mask_from_data(mod.expr)
-        if cond is None:
-            return None
-        return "pallas", (f"the mask `{format_expr(cond)}` reads captured arrays; cuDNN would "
-                          "compute it ahead as a [.., Sq, Skv] tensor and visit every tile, the "
-                          "Pallas kernels compute it in the kernel and skip the tiles it empties")
-
     def plan(self, problem, mod, scale, options, return_lse):
         return plan_for(mod, problem, scale, options)
 
@@ -101,7 +91,12 @@ class Cudnn(Backend):
         o, stats = carried
         return o, stats[..., 0]
 
-    def backward(self, plan, q, k, v, o, lse, do, operands):
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+        if dlse is not None:
+            raise self.no_lse_cotangent()
+        return (*self._backward(plan, q, k, v, o, lse, do, operands), {})
+
+    def _backward(self, plan, q, k, v, o, lse, do, operands):
         if not plan.split:
             (part,) = plan.parts
             out_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]

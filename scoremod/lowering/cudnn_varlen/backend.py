@@ -138,7 +138,7 @@ class CudnnVarlen(Backend):
     def present(self):
         return CUDNN.present()
 
-    def why_not(self, problem, mod, automatic):
+    def why_not(self, problem, mod, automatic, options=None):
         if mod is None:
             return "there is no mod (plain attention is the fused cuDNN path's)"
         found = seg.recognize(mod.expr, problem)
@@ -149,7 +149,7 @@ class CudnnVarlen(Backend):
             return "the ragged offsets of this call would not fit in int32"
         # The dense route (ids that are not increasing runs) is the fused cuDNN
         # path's, which also answers for the GPU, the extension and the frontend.
-        return CUDNN.why_not(problem, mod, automatic)
+        return CUDNN.why_not(problem, mod, automatic, options)
 
     def plan(self, problem, mod, scale, options, return_lse):
         plan = plan_for(mod, problem, scale, options)
@@ -179,15 +179,18 @@ class CudnnVarlen(Backend):
                        lambda: _forward(plan, q, k, v, plan.ragged_inputs(layout), layout.covered_q),
                        lambda: CUDNN.forward(plan.dense, q, k, v, operands))
 
-    def backward(self, plan, q, k, v, o, lse, do, operands):
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+        if dlse is not None:
+            raise self.no_lse_cotangent()
         if plan.segments is None:
             return CUDNN.backward(plan.dense, q, k, v, o, lse, do, operands)
         if plan.known is not None:
-            return _backward(plan, q, k, v, o, lse, do, plan.sequences(operands)[0])
+            return (*_backward(plan, q, k, v, o, lse, do, plan.sequences(operands)[0]), {})
         layout = plan.layout(operands)
-        return _choose(plan, layout, operands,
-                       lambda: _backward(plan, q, k, v, o, lse, do, plan.ragged_inputs(layout)),
-                       lambda: CUDNN.backward(plan.dense, q, k, v, o, lse, do, operands))
+        dense = lambda: CUDNN.backward(plan.dense, q, k, v, o, lse, do, operands)[:3]  # noqa: E731
+        return (*_choose(plan, layout, operands,
+                         lambda: _backward(plan, q, k, v, o, lse, do, plan.ragged_inputs(layout)),
+                         dense), {})
 
 
 def _choose(plan, layout, operands, ragged, dense):

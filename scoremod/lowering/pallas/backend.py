@@ -24,12 +24,13 @@ scalar) included; a call that asks for the gradient of an array read at an
 index that varies over the tile (a gather), and everything under the Triton
 engine, runs on the Triton backward kernels.
 
-The forward is a ``jax.custom_vjp`` whose backward runs the backward
-kernels: JAX differentiates the backend's forward itself (``differentiable``),
-so ``jax.grad``, ``jax.jit``, ``jax.checkpoint`` and ``jax.vmap`` (Pallas
-batches its calls) work as for any JAX function. The kernels run with Pallas's
-Triton lowering on NVIDIA GPUs, and in Pallas's interpret mode elsewhere (as
-slow as it sounds: for tests).
+The calls run through the pipeline every fused backend does
+(``lowering.backend.execute``); the backward takes the LSE's cotangent and
+computes the gradients of captured float arrays (``operand_gradients``).
+The calls are not partitioned: under a mesh XLA gathers their inputs, and a
+backward with the LSE's cotangent or operand gradients is batched under
+``jax.vmap`` by Pallas itself. Off a GPU the kernels run in Pallas's
+interpret mode (as slow as it sounds: for tests).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError
-from scoremod.lowering import blocks, nonfinite
-from scoremod.lowering.backend import Backend, forward_mode
+from scoremod.lowering import blocks
+from scoremod.lowering.backend import Backend
 from scoremod.lowering.pallas import codegen, kernels, mosaic, mosaic_backward
 from scoremod.lowering.problem import Problem
 
@@ -108,9 +109,6 @@ class PallasPlan:
     # cannot compute (a read that varies over the tile); a call asking for one
     # runs the Triton backward.
     triton_operands: tuple = ()
-    # The masked-key rule for non-finite V (lowering/nonfinite.py) around the
-    # kernels: LoweringOptions.check_values.
-    check_values: bool = True
     # Whether pallas_engine="auto" chose ``engine``; where it chose the Triton
     # engine, why the Mosaic GPU engine does not take the call.
     auto_engine: bool = False
@@ -163,7 +161,6 @@ class PallasPlan:
 class Pallas(Backend):
     name = "pallas"
     title = "the Pallas block-sparse kernels"
-    differentiable = True  # a custom_vjp inside: JAX differentiates forward()
     operand_gradients = True
     partitioned = False
     hint = "Use implementation=\"xla\", or implementation=None to choose automatically."
@@ -213,10 +210,14 @@ class Pallas(Backend):
             return f"{how} (pallas_engine=\"auto\": {note})"
         return f"{how} (pallas_engine=\"auto\": it takes the call)"
 
-    def why_not_with(self, problem, mod, automatic, options):
-        return self.why_not(problem, mod, automatic, options)
-
-    def claims(self, problem, mod, options):
+    def claims(self, problem, mod, options, over):
+        # Measured against cuDNN's dense graph (docs/performance.md): 4 documents per
+        # row with a softcap, the kernels run 2.8x its forward and 4x its fwd+bwd at 4096.
+        cond = None if mod is None or over.name != "cudnn" else blocks.mask_from_data(mod.expr)
+        if cond is not None:
+            return (f"the mask `{format_expr(cond)}` reads captured arrays; cuDNN would "
+                    "compute it ahead as a [.., Sq, Skv] tensor and visit every tile, the "
+                    "Pallas kernels compute it in the kernel and skip the tiles it empties")
         # A relative-position table (a read at q_idx - kv_idx): cuDNN materializes it as a
         # [.., Sq, Skv] bias (O(S^2) memory); the Mosaic GPU engine reads it per diagonal
         # tile (measured in docs/performance.md; the Triton engine's gather is slower than
@@ -281,26 +282,22 @@ class Pallas(Backend):
                 backward_engine = "mosaic"
                 bwd = (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
                 triton_operands = _mosaic_unlearnable(mod, full_expr)
-        return PallasPlan(None if mod is None else ScoreMod(mod.expr), float(scale),
-                          bool(return_lse), problem, fwd, bwd, warps, options.pallas_num_stages,
-                          interpret, block_map, full_expr, engine,
-                          backward_engine, backward_note, triton_operands, options.check_values,
-                          options.pallas_engine == "auto", engine_note)
+        return PallasPlan(
+            mod=None if mod is None else ScoreMod(mod.expr), scale=float(scale),
+            return_lse=bool(return_lse), problem=problem, forward_blocks=fwd,
+            backward_blocks=bwd, num_warps=warps, num_stages=options.pallas_num_stages,
+            interpret=interpret, block_map=block_map, full_expr=full_expr, engine=engine,
+            backward_engine=backward_engine, backward_note=backward_note,
+            triton_operands=triton_operands, auto_engine=options.pallas_engine == "auto",
+            engine_note=engine_note)
 
     def forward(self, plan, q, k, v, operands):
-        if forward_mode((q, k, v, operands)):
-            raise self.error(
-                f"{self.title} compute reverse-mode gradients only (jax.grad, jax.vjp), not "
-                "forward-mode ones (jax.jvp); use implementation=\"xla\" for jax.jvp")
-        # The masked-key rule (lowering/nonfinite.py) around the differentiable
-        # kernels: JAX differentiates the lax.cond, so the backward of V with a
-        # non-finite entry is the sanitized call's, NaN rows passing nothing back.
-        o, lse = nonfinite.forward(_KERNELS, plan, q, k, v, tuple(operands), plan.check_values)
-        return o, (lse if plan.return_lse else None)
+        return _forward(plan, q, k, v, tuple(operands))
 
-    def backward(self, plan, q, k, v, o, lse, do, operands):
-        dq, dk, dv, _ = _backward(plan, q, k, v, o, lse, do, jnp.zeros_like(lse), operands, ())
-        return dq, dk, dv
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+        if dlse is None:
+            dlse = jnp.zeros(lse.shape, jnp.float32)
+        return _backward(plan, q, k, v, o, lse, do, dlse, tuple(operands), tuple(wanted))
 
 
 PALLAS = Pallas()
@@ -336,17 +333,6 @@ def _mosaic_unlearnable(mod, full_expr) -> tuple:
         if why:
             out.append((name, why))
     return tuple(out)
-
-
-class _Kernels:
-    """The differentiable kernel call, as lowering.nonfinite calls a backend."""
-
-    @staticmethod
-    def forward(plan, q, k, v, operands):
-        return _attend(plan, q, k, v, tuple(operands))
-
-
-_KERNELS = _Kernels()
 
 
 # --------------------------------------------------------------------------- #
@@ -392,38 +378,6 @@ def _forward(plan, q, k, v, operands):
     o, lse = kernels.forward(spec, bmap, _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv),
                              _kernel_operands(plan, operands))
     return o[:, :p.sq], lse[:, :, :p.sq]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(plan, q, k, v, operands):
-    return _forward(plan, q, k, v, operands)
-
-
-def _attend_fwd(plan, q, k, v, operands):
-    wanted = tuple(x.perturbed for x in operands)
-    q, k, v = q.value, k.value, v.value
-    operands = tuple(x.value for x in operands)
-    o, lse = _forward(plan, q, k, v, operands)
-    # Which operands want a gradient, as the residuals' structure (None: not wanted).
-    marks = tuple(jnp.zeros((), jnp.int8) if w else None for w in wanted)
-    return (o, lse), (q, k, v, o, lse, operands, marks)
-
-
-def _attend_bwd(plan, res, cts):
-    from jax.custom_derivatives import SymbolicZero
-
-    q, k, v, o, lse, operands, marks = res
-    do, dlse = cts
-    if isinstance(do, SymbolicZero):
-        do = jnp.zeros(o.shape, o.dtype)
-    if isinstance(dlse, SymbolicZero):
-        dlse = jnp.zeros(lse.shape, lse.dtype)
-    wanted = tuple(name for name, m in zip(_names(plan), marks) if m is not None)
-    dq, dk, dv, grads = _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted)
-    return dq, dk, dv, tuple(grads.get(name) for name in _names(plan))
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
 
 
 def _names(plan):
