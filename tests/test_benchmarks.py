@@ -645,3 +645,20 @@ def test_gpu_run_script_runs_tests_bench_and_probe_steps_on_the_cpu(tmp_path):
     rows = [r for r in (out / "int_division.log").read_text().splitlines() if "tiled_natten" in r]
     assert len(rows) == 4 and all("0/256 wrong" in r for r in rows), rows
     assert run.stdout.rstrip().splitlines()[-1].startswith("== done at ")
+
+
+def test_results_are_data_with_one_readme_per_date_naming_each_run():
+    """benchmarks/results/ keeps what the runs wrote; each date's README.md names
+    every run folder and file there, and the commands live in it, not in scripts
+    (benchmarks/gpu_run.sh runs them)."""
+    results = ROOT / "benchmarks" / "results"
+    kinds = {".json", ".log", ".xml", ".txt", ".gz", ".md"}
+    dates = sorted(p for p in results.iterdir() if p.is_dir())
+    assert dates
+    for date in dates:
+        readme = (date / "README.md").read_text()
+        for path in date.rglob("*"):
+            assert not path.is_file() or path.suffix in kinds, f"{path} is not run output"
+        for entry in date.iterdir():
+            stem = entry.name.split(".")[0]
+            assert entry.name == "README.md" or stem in readme, f"{date.name}/README.md does not name {entry.name}"
