@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -555,3 +556,109 @@ def test_mosaic_rows_name_the_backward_that_runs():
                 for d in ("fwd", "fwdbwd", bench.OPS)}
     assert variants == {"fwd": "", "fwdbwd": "Mosaic backward",
                         bench.OPS: "Mosaic backward, operand gradients included"}
+
+
+# benchmarks/gpu_run.sh: one GPU run's steps (tests, bench, probe) under one time budget.
+GPU_RUN = ROOT / "benchmarks" / "gpu_run.sh"
+
+
+def _gpu_run(*args, tmp_path, **env):
+    return subprocess.run(["bash", str(GPU_RUN), *args], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OUT": str(tmp_path / "out"), **env})
+
+
+def test_gpu_run_script_is_valid_bash_and_prints_its_commands(tmp_path):
+    assert subprocess.run(["bash", "-n", str(GPU_RUN)]).returncode == 0
+    run = _gpu_run("--print", "--budget", "300", "--commit", "abc1234",
+                   "tests", "tests/gpu/test_pallas_gpu.py", "-k", "mosaic or cli", "--",
+                   "bench=120", "relbias4096", "--seqs", "4096", "--long", "0", "--",
+                   "bench", "long", "--seqs", "", "--long", "32768", "--",
+                   "probe", "first_call", "--variants", "", "--",
+                   "probe", "first_call", "--dtype", "float16", "--", "tests", tmp_path=tmp_path)
+    assert run.returncode == 0, run.stderr
+    out = str(tmp_path / "out")
+    commands = [line for line in run.stdout.splitlines() if line.startswith("+ ")]
+    assert commands == [
+        "+ . tests/gpu/device_setup.sh",
+        f"+ env TESTS= LIMIT=280 OUT={out}/suite PYTHON=python3 bash tests/gpu/run.sh "
+        "tests/gpu/test_pallas_gpu.py -k 'mosaic or cli'",
+        "+ timeout -k 10 120 python3 benchmarks/run.py --max-seconds 110 --commit abc1234 "
+        f"--seqs 4096 --long 0 --json {out}/relbias4096.json",
+        "+ timeout -k 10 300 python3 benchmarks/run.py --max-seconds 290 --commit abc1234 "
+        f"--seqs '' --long 32768 --json {out}/long.json",
+        "+ timeout -k 10 300 python3 benchmarks/probes/first_call.py --variants ''",
+        "+ timeout -k 10 300 python3 benchmarks/probes/first_call.py --dtype float16",
+        f"+ env TESTS=tests LIMIT=280 OUT={out}/suite-2 PYTHON=python3 bash tests/gpu/run.sh",
+    ], run.stdout
+    assert f"(log: {out}/first_call-2.log)" in run.stdout
+    assert not (tmp_path / "out").exists()  # --print runs nothing, writes nothing
+
+
+def test_gpu_run_script_skips_a_step_it_has_no_time_for(tmp_path):
+    run = _gpu_run("--print", "--no-setup", "bench=10", "short", "--mods", "softcap", "--",
+                   "tests", "-k", "cli", tmp_path=tmp_path)
+    assert run.returncode == 1
+    assert "== bench short at 0 s (10 s)\n== skipped: 10 s left" in run.stdout
+    assert "device_setup" not in run.stdout and "bash tests/gpu/run.sh -k cli" in run.stdout
+
+
+@pytest.mark.parametrize("args, error", [
+    ((), "no steps given"),
+    (("bench",), "bench needs a NAME"),
+    (("bench", "a/b"), "bench NAME 'a/b'"),
+    (("bench", "x", "--", "bench", "x"), "bench NAME 'x' given twice"),
+    (("probe", "no_such_probe"), "no probe 'no_such_probe'"),
+    (("bench=soon", "x"), "bench= takes whole seconds"),
+    (("tests", "--", "--", "tests"), "an empty step"),
+    (("--budget", "ten", "tests"), "--budget takes whole seconds"),
+    (("--verbose", "tests"), "unknown option '--verbose'"),
+    (("pytest",), "unknown step 'pytest'"),
+])
+def test_gpu_run_script_refuses_bad_arguments_before_running_anything(tmp_path, args, error):
+    run = _gpu_run(*args, tmp_path=tmp_path)
+    assert run.returncode == 2 and error in run.stderr, run.stderr
+    assert run.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_gpu_run_script_runs_tests_bench_and_probe_steps_on_the_cpu(tmp_path):
+    """The whole script without a GPU: the gpu tests are skipped, the harness
+    runs its dry run and the int_division probe checks itself on the CPU."""
+    run = _gpu_run("--no-setup", "--commit", "abc1234",
+                   "tests", "tests/gpu/test_fused.py", "-k", "each_op_in_text", "--",
+                   "bench", "tiny", "--dry-run", "--mods", "identity", "--seqs", "32", "--long", "0",
+                   "--directions", "fwd", "--reps", "2", "--",
+                   "probe=200", "int_division", "--only", "tiled",
+                   tmp_path=tmp_path, PYTHON=sys.executable, N="0", JAX_PLATFORMS="cpu",
+                   JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = tmp_path / "out"
+    assert (out / "run.log").read_text() == run.stdout
+    suites = ET.parse(out / "suite" / "gpu-suite.xml").getroot()
+    assert sum(int(s.get("tests")) for s in suites.iter("testsuite")) == 2  # only the selection
+    assert "gpu suite: " in run.stdout and (out / "suite" / "doctor.txt").exists()
+    bench_json = json.loads((out / "tiny.json").read_text())
+    assert [(r["mod"], r["impl"], r["status"]) for r in bench_json["results"]] == [
+        ("identity", "xla", "ok")]
+    assert bench_json["meta"][-1]["commit"] == "abc1234"
+    assert "wrote " in (out / "tiny.log").read_text() and "[  1/1" in run.stdout
+    rows = [r for r in (out / "int_division.log").read_text().splitlines() if "tiled_natten" in r]
+    assert len(rows) == 4 and all("0/256 wrong" in r for r in rows), rows
+    assert run.stdout.rstrip().splitlines()[-1].startswith("== done at ")
+
+
+def test_results_are_data_with_one_readme_per_date_naming_each_run():
+    """benchmarks/results/ keeps what the runs wrote; each date's README.md names
+    every run folder and file there, and the commands live in it, not in scripts
+    (benchmarks/gpu_run.sh runs them)."""
+    results = ROOT / "benchmarks" / "results"
+    kinds = {".json", ".log", ".xml", ".txt", ".gz", ".md"}
+    dates = sorted(p for p in results.iterdir() if p.is_dir())
+    assert dates
+    for date in dates:
+        readme = (date / "README.md").read_text()
+        for path in date.rglob("*"):
+            assert not path.is_file() or path.suffix in kinds, f"{path} is not run output"
+        for entry in date.iterdir():
+            stem = entry.name.split(".")[0]
+            assert entry.name == "README.md" or stem in readme, f"{date.name}/README.md does not name {entry.name}"

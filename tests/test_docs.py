@@ -65,8 +65,9 @@ ROOT = docs_gen.OPS_MD.parent.parent
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
-@pytest.mark.parametrize("name", ["README.md", *sorted(
-    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+@pytest.mark.parametrize("name", ["README.md", "benchmarks/README.md", *sorted(
+    str(p.relative_to(ROOT)) for p in [*(ROOT / "docs").glob("*.md"),
+                                        *(ROOT / "benchmarks" / "results").rglob("*.md")])])
 def test_relative_links_point_at_files(name):
     path = ROOT / name
     for target in _LINK.findall(path.read_text()):

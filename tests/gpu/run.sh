@@ -16,7 +16,8 @@
 # stacks; OUT defaults to ./gpu-results), then prints the failures and one
 # summary line. Environment: N (0: one process, no xdist), PYTHON (default
 # python3), SCOREMOD_TEST_TIMEOUT, LIMIT, JAX_COMPILATION_CACHE_DIR, TESTS
-# (the paths to collect, default tests), RESUME (the JUnit files of earlier
+# (the paths to collect, default tests; set but empty: the arguments alone
+# select, e.g. node ids or -k with pyproject's testpaths), RESUME (the JUnit files of earlier
 # runs, space-separated: run only the tests none of them passed or skipped,
 # e.g. the rest of a run its LIMIT stopped, in as many parts as it takes;
 # tests/gpu/junit.py).
@@ -58,7 +59,7 @@ fi
 "$PY" -m scoremod doctor > "$OUT/doctor.txt" 2>&1
 grep -E "^fused path:" "$OUT/doctor.txt" || tail -n 3 "$OUT/doctor.txt"
 
-SELECT=(${TESTS:-tests} "$@")
+SELECT=(${TESTS-tests} "$@")  # TESTS= (empty): no default paths
 if [ -n "${RESUME:-}" ]; then
     # Only the tests the resumed run did not pass or skip (its time limit
     # stopped it, or they failed); extra arguments select when collecting.
