@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from scoremod import device, kernels_ffi, support
 from scoremod.errors import CudnnUnavailableError, ScoreModError
 from scoremod.dsl.text import format_expr
-from scoremod.lowering import blocks
+from scoremod.lowering import patterns
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn import rules
 from scoremod.lowering.cudnn.plan import plan_for
@@ -76,7 +76,7 @@ class Cudnn(Backend):
     def yields_to(self, problem, mod):
         # Measured (docs/performance.md): 4 documents per row with a softcap, the
         # Pallas kernels run 2.8x cuDNN's forward and 4x its fwd+bwd at seq 4096.
-        cond = None if mod is None else blocks.mask_from_data(mod.expr)
+        cond = None if mod is None else patterns.mask_from_data(mod.expr)
         if cond is None:
             return None
         return "pallas", (f"the mask `{format_expr(cond)}` reads captured arrays; cuDNN would "

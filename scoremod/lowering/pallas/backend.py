@@ -1,7 +1,7 @@
 """Block-sparse Pallas kernels generated from the IR, as a backend.
 
 The mod is compiled into three Pallas kernels (``kernels``): a forward that
-visits the tiles a :class:`~scoremod.lowering.blocks.BlockMap` lists, and a
+visits the tiles a :class:`~scoremod.lowering.block_maps.BlockMap` lists, and a
 FlashAttention-2 backward (one kernel for dK and dV, one for dQ) that visits
 the same tiles. The mod and its derivatives are evaluated on each score tile
 by ``codegen``, so any mod of the op table runs, with integer index math,
@@ -47,7 +47,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError
-from scoremod.lowering import blocks, nonfinite
+from scoremod.lowering import block_maps, nonfinite, patterns
 from scoremod.lowering.backend import Backend, forward_mode
 from scoremod.lowering.pallas import codegen, kernels, mosaic, mosaic_backward
 from scoremod.lowering.problem import Problem
@@ -61,21 +61,21 @@ HEAD_DIMS = (64, 128)
 MAX_GRADIENT_ELEMENTS = 1 << 16
 
 
-def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> blocks.BlockMap:
+def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> block_maps.BlockMap:
     """Every tile: right for any mod."""
     del operands
-    return blocks.dense_block_map(sq=problem.sq, skv=problem.skv, block_q=block_q,
-                                  block_kv=block_kv)
+    return block_maps.dense_block_map(sq=problem.sq, skv=problem.skv, block_q=block_q,
+                                      block_kv=block_kv)
 
 
 @dataclasses.dataclass(frozen=True)
 class AnalysedMap:
-    """The tiles of ``expr`` from the IR (``lowering.blocks``), built in the program."""
+    """The tiles of ``expr`` from the IR (``lowering.block_maps``), built in the program."""
 
     expr: object
 
     def __call__(self, problem, block_q, block_kv, operands):
-        return blocks.block_map(self.expr, operands, problem, block_q, block_kv)
+        return block_maps.block_map(self.expr, operands, problem, block_q, block_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +308,7 @@ PALLAS = Pallas()
 
 def _full_expr(mod):
     """The mod on tiles the block map marks full, or None where that is the mod."""
-    full = blocks.when_full(mod.expr)
+    full = patterns.when_full(mod.expr)
     return None if full is mod.expr else full
 
 
@@ -362,7 +362,7 @@ def _pad(x, axis, to):
 
 
 def _padded(n, block):
-    return blocks.num_blocks(n, block) * block
+    return block_maps.num_blocks(n, block) * block
 
 
 def _kernel_operands(plan, operands):

@@ -60,7 +60,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE
 from scoremod.dsl.text import format_expr
-from scoremod.lowering.blocks import difference_form, reads_difference_only
+from scoremod.lowering.patterns import difference_form, reads_difference_only
 from scoremod.lowering.pallas import codegen
 
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M is 64 per warpgroup)
