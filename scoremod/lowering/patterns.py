@@ -1,10 +1,11 @@
 """IR patterns the lowerings share: relative positions, mask conditions, the
-mod on tiles the mask holds everywhere.
+mod on tiles the mask holds everywhere, the score's constant factor.
 
 Read off a mod's IR, with no array in sight: a block map
 (``lowering.block_maps``) and the kernels of each backend ask the same
 questions of a mod (which conditions mask it, does it read ``q_idx`` and
-``kv_idx`` only as their difference), and take their answers from here.
+``kv_idx`` only as their difference, what constant factor of the score can
+join the softmax scale), and take their answers from here.
 """
 
 from __future__ import annotations
@@ -133,3 +134,36 @@ def when_full(expr: Node) -> Node:
         return expr
     return ir.substitute(expr, {c: ir.const(v, BOOL) for c, v in conds.items()})
 
+
+
+def score_factor(expr: Node) -> tuple[Node, float]:
+    """``(expr', c)`` with ``expr(score) == expr'(score * c)`` when every use of
+    the score is ``score * c`` or ``score / (1 / c)`` for one finite constant
+    ``c`` other than 0 and 1; else ``(expr, 1.0)``. A backend folds ``c`` into
+    the scale of ``q . k``, where it costs nothing: softcap's ``score / 30``.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> softcap = scoremod.trace(lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0))
+        >>> folded, c = score_factor(softcap.expr)
+        >>> print(folded, round(1 / c, 6))
+        <f32 tanh(score) * 30.0> 30.0
+    """
+    score = ir.var(SCORE)
+    uses = [n for n in ir.toposort(expr) if score in n.args]
+    factors = set()
+    for n in uses:
+        if len(n.args) != 2 or n.args[0] is not score or n.args[1].op != CONST:
+            return expr, 1.0  # the score used otherwise (abs(score), score * score, ...)
+        c = float(n.args[1].attr)
+        if n.op == "mul":
+            factors.add(c)
+        elif n.op == "div" and c != 0.0:
+            factors.add(1.0 / c)
+        else:
+            return expr, 1.0
+    if len(factors) != 1:
+        return expr, 1.0
+    (c,) = factors
+    if c in (0.0, 1.0) or not math.isfinite(c):
+        return expr, 1.0
+    return ir.substitute(expr, {n: score for n in uses}), c

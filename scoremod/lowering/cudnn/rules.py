@@ -30,6 +30,7 @@ from scoremod.dsl.rewrite import INT32_MAX, floor_division, floor_remainder, int
 from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError, UnsupportedOpError
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE, nonneg_int_pair
+from scoremod.lowering.patterns import score_factor
 
 SCORE = ir.var(ir.SCORE)
 DP = ir.cotangent()
@@ -434,12 +435,11 @@ def has_custom_derivatives(expr: Node) -> bool:
 
 
 def fold_scale(expr: Node) -> tuple[Node, float]:
-    """``(expr', c)`` with ``expr(score) == expr'(score * c)`` when every use of
-    the score in ``expr`` (canonical form) is ``score * c`` or ``score / (1/c)``
-    for one positive constant; else ``(expr, 1.0)``.
-
-    The factor then joins cuDNN's attn_scale, which scales the score inside
-    the matmul epilogue for free: softcap's ``score / 30`` costs nothing.
+    """``patterns.score_factor`` of ``expr`` (canonical form) where the factor
+    is positive, else ``(expr, 1.0)``: the factor then joins cuDNN's
+    attn_scale, which scales the score inside the matmul epilogue for free. A
+    negative factor stays in the mod (no negative attn_scale has run on the
+    GPU).
 
         >>> import jax.numpy as jnp, scoremod
         >>> softcap = scoremod.trace(lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0))
@@ -447,22 +447,5 @@ def fold_scale(expr: Node) -> tuple[Node, float]:
         >>> print(folded, round(1 / c, 6))
         <f32 tanh(score) * 30.0> 30.0
     """
-    uses = [n for n in ir.toposort(expr, stop=lambda n: n.op in INPUT_TENSORS)
-            if SCORE in n.args]
-    factors = set()
-    for n in uses:
-        if len(n.args) != 2 or n.args[0] is not SCORE or n.args[1].op != CONST:
-            return expr, 1.0  # the score used otherwise (abs(score), score * score, ...)
-        other = n.args[1]
-        if n.op == "mul":
-            factors.add(float(other.attr))
-        elif n.op == "div" and other.attr != 0:
-            factors.add(1.0 / float(other.attr))
-        else:
-            return expr, 1.0
-    if len(factors) != 1:
-        return expr, 1.0
-    (c,) = factors
-    if not (c > 0 and math.isfinite(c)) or c == 1.0:
-        return expr, 1.0
-    return ir.substitute(expr, {n: SCORE for n in uses}), c
+    folded, c = score_factor(expr)
+    return (folded, c) if c > 0 else (expr, 1.0)
