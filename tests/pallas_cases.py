@@ -19,7 +19,7 @@ import pytest
 
 import scoremod
 from scoremod.lowering.backend import Call, execute
-from scoremod.lowering.blocks import BlockMap
+from scoremod.lowering.block_maps import BlockMap
 from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
 from scoremod.lowering.reference import REFERENCE

@@ -1,4 +1,4 @@
-"""Block sparsity from the IR (lowering/blocks.py) against brute force.
+"""Block sparsity from the IR (lowering/block_maps.py) against brute force.
 
 Every tile the map skips must be -inf on every entry for every score tried
 (huge, zero, signed), and on every tile it calls full, ``when_full(expr)``
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 import scoremod
 from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
-from scoremod.lowering import blocks
-from scoremod.lowering.blocks import (block_lists, block_map, classify_tiles, map_axes,
-                                      mask_conditions, when_full)
+from scoremod.lowering import block_maps
+from scoremod.lowering.block_maps import block_lists, block_map, classify_tiles, map_axes
+from scoremod.lowering.patterns import mask_conditions, when_full
 from scoremod.lowering.problem import Problem
 from tests import test_differential as differential
 from tests import test_properties as properties
@@ -243,7 +243,7 @@ def test_relative_positions_are_bounded_on_their_diagonals(monkeypatch):
     def no_entries(*a, **k):
         raise AssertionError("a relative table was evaluated entry by entry")
 
-    monkeypatch.setattr("scoremod.lowering.blocks._Tiles.per_tile", no_entries)
+    monkeypatch.setattr("scoremod.lowering.block_maps._Tiles.per_tile", no_entries)
     visited, full = classify_tiles(mod.expr, mod.operands, p, 8, 8)
     assert not bool(visited.all())  # the masked band skips tiles
     assert bool((visited | ~exact).all())  # sound: every tile the entries need is visited
@@ -314,7 +314,7 @@ def test_lists_of_random_tiles():
 
 
 def test_dense_map_lists_every_tile():
-    m = blocks.dense_block_map(batch=1, heads=1, sq=40, skv=27, block_q=6, block_kv=5)
+    m = block_maps.dense_block_map(batch=1, heads=1, sq=40, skv=27, block_q=6, block_kv=5)
     ones = jnp.ones((1, 1, 7, 6), bool)
     _check_lists(m, ones, ~ones)
 

@@ -1,4 +1,5 @@
-"""Folding a constant factor of the score into cuDNN's attn_scale."""
+"""Folding a constant factor of the score into the softmax scale: the one rule
+(``patterns.score_factor``), and cuDNN's attn_scale taking it."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 import scoremod
 from scoremod.lowering.problem import Problem
 from scoremod.lowering.cudnn.rules import canonical, fold_scale
+from scoremod.lowering.patterns import score_factor
 from scoremod.dsl.evaluate import evaluate
 
 FOLDED = {  # mod, factor
@@ -59,3 +61,24 @@ def test_plan_folds_only_when_enabled_and_keeps_the_callers_scale():
     assert folded.scale == plain.scale == 0.125  # the reference fallback's scale
     assert str(f.fwd) == "<f32 tanh(score) * 30.0>"
     assert f.key != p.key and folded != plain
+
+
+@pytest.mark.parametrize("name", sorted(FOLDED) + ["negative"])
+def test_the_rule_folds_the_traced_mod_and_keeps_a_negative_factor(name):
+    # The rule holds on any IR (the Pallas Mosaic engine folds the traced mod,
+    # whatever the factor's sign); cuDNN takes positive factors only.
+    fn, want = FOLDED[name] if name in FOLDED else (KEPT[name], -2.0)
+    expr = scoremod.trace(fn).expr
+    folded, c = score_factor(expr)
+    assert c == pytest.approx(want) and folded is not expr
+    score = np.random.default_rng(1).normal(0, 20, (6, 5)).astype(np.float32)
+    np.testing.assert_allclose(values(folded, score * np.float32(c)), values(expr, score),
+                               rtol=1e-5, atol=1e-5)
+    if c < 0:
+        assert fold_scale(canonical(expr)) == (canonical(expr), 1.0)
+
+
+@pytest.mark.parametrize("name", ["plain_use", "two_factors", "bias"])
+def test_the_rule_keeps_mods_without_one_factor(name):
+    expr = scoremod.trace(KEPT[name]).expr
+    assert score_factor(expr) == (expr, 1.0)

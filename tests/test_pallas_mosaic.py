@@ -35,7 +35,7 @@ from scoremod import device
 from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.errors import ScoreModError
-from scoremod.lowering import blocks
+from scoremod.lowering import block_maps, patterns
 from scoremod.lowering.pallas import mosaic, mosaic_backward
 from scoremod.lowering.pallas import backend as pallas_backend
 from scoremod.lowering.pallas.backend import PALLAS, _map
@@ -169,7 +169,7 @@ def test_block_map_tiles():
     mod, _ = pc.traced("causal", q, q)
     plan = PALLAS.plan(Problem.of(q, q, q), mod, 0.125, MOSAIC, True)
     bmap = _map(plan, plan.forward_blocks, ())
-    n = blocks.num_blocks(1000, mosaic.TILE_Q)
+    n = block_maps.num_blocks(1000, mosaic.TILE_Q)
     assert bmap.q_counts.shape[-1] == n and mosaic.TILE_Q == mosaic.BLOCK_KV
     assert np.asarray(bmap.q_counts).ravel().tolist() == list(range(1, n + 1))
 
@@ -182,7 +182,8 @@ def _lower_forward(expr, q, k, operands=()):
     sq, skv, groups = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
     names = tuple(n.attr[0] for n in ir.operands_of(expr)) if expr is not None else ()
     spec = mosaic.MosaicSpec(expr, names, 0.125, sq, skv, groups)
-    bmap = blocks.dense_block_map(sq=sq, skv=skv, block_q=mosaic.TILE_Q, block_kv=mosaic.BLOCK_KV)
+    bmap = block_maps.dense_block_map(sq=sq, skv=skv, block_q=mosaic.TILE_Q,
+                                      block_kv=mosaic.BLOCK_KV)
     fn = lambda q, k, v, ops: mosaic.forward(spec, bmap, q, k, v, ops)  # noqa: E731
     return jax.jit(fn).trace(q, k, k, operands).lower(lowering_platforms=("cuda",))
 
@@ -285,8 +286,8 @@ def _lower_backward(expr, q, k, operands=(), full_expr=None, lengths=None):
     names = tuple(n.attr[0] for n in ir.operands_of(expr)) if expr is not None else ()
     real = (sq, skv) if lengths is None else lengths
     spec = mosaic_backward.BackwardSpec(expr, names, 0.125, *real, groups, full_expr)
-    bmap = blocks.dense_block_map(sq=sq, skv=skv, block_q=mosaic_backward.BLOCK,
-                                  block_kv=mosaic_backward.BLOCK)
+    bmap = block_maps.dense_block_map(sq=sq, skv=skv, block_q=mosaic_backward.BLOCK,
+                                      block_kv=mosaic_backward.BLOCK)
     rows = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], sq), jnp.float32)
     for kernel in (mosaic_backward.dq, mosaic_backward.dkdv):
         fn = lambda q, k, v, do, lse2, delta, ops, kernel=kernel: kernel(  # noqa: E731
@@ -316,7 +317,7 @@ def test_backward_kernels_lower(d, dtype, groups, lowers):
     grouped heads (float32 dK/dV per query head)."""
     causal = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(qi >= ki, 20.0 * jnp.tanh(s / 20.0),
                                                                 -jnp.inf))
-    full = blocks.when_full(causal.expr)
+    full = patterns.when_full(causal.expr)
     assert full is not causal.expr
     for expr, full_expr in ((None, None), (causal.expr, full)):
         q = jax.ShapeDtypeStruct((1, 128, 2 * groups, d), dtype)

@@ -1,4 +1,4 @@
-"""Probe: the cost of building a block map (scoremod/lowering/blocks.py).
+"""Probe: the cost of building a block map (scoremod/lowering/block_maps.py).
 
 Times ``block_map`` under ``jax.jit`` (operands as arguments, after a warm-up
 call) for the masks of the block-sparse backend at several sequence lengths,
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import scoremod
-from scoremod.lowering.blocks import block_map
+from scoremod.lowering.block_maps import block_map
 from scoremod.lowering.problem import Problem
 
 

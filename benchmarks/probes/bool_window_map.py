@@ -2,7 +2,7 @@
 
 The global-window mask `(|q - kv| <= W) | g[q] | g[kv]` with bool flags g came out
 wrong on the H200 on both Pallas engines while interpret mode on the CPU matched
-the reference. Both engines share the block map (lowering/blocks.py, computed by
+the reference. Both engines share the block map (lowering/block_maps.py, computed by
 XLA on the device): this compares it, per tile size the kernels use, between the
 GPU and the CPU, and against the tiles of the mask computed with NumPy (a listed
 tile must cover every live one; a tile marked full must have no masked score).
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import scoremod
-from scoremod.lowering import blocks
+from scoremod.lowering import block_maps
 from scoremod.lowering.problem import Problem
 
 
@@ -41,7 +41,7 @@ def main():
             maps = {}
             for dev in ("gpu", "cpu"):
                 with jax.default_device(jax.devices(dev)[0]):
-                    m = blocks.block_map(mod.expr, (g,), problem, bq, bk)
+                    m = block_maps.block_map(mod.expr, (g,), problem, bq, bk)
                     maps[dev] = {f: np.asarray(getattr(m, f)) for f in m._fields}
             same = {f: np.array_equal(maps["gpu"][f], maps["cpu"][f]) for f in maps["gpu"]}
             live, full = tiles(mask, bq, bk)

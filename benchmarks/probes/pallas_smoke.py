@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import scoremod
-from scoremod.lowering.blocks import BlockMap, num_blocks
+from scoremod.lowering.block_maps import BlockMap, num_blocks
 from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
 

@@ -21,7 +21,7 @@ The IR sits below the op table: building an op node (type check, simplify,
 intern) is the table's ``ops.apply`` and a node's repr is the text form's
 printer. Rather than import the modules written in terms of it, the IR is
 handed those two functions when they are imported (``install``): ``build``
-(used by the arithmetic sugar, ``substitute``, unpickling, and the modules
+(used by the arithmetic sugar, ``rebuild``, unpickling, and the modules
 below the table: ``grad``, ``rewrite``) and ``repr``.
 """
 
@@ -309,15 +309,34 @@ def source_of(node: Node, root: Node, sources: dict) -> str | None:
     return None
 
 
+def rebuild(root: Node, fn, stop=None) -> Node:
+    """``root`` rebuilt bottom-up: every node once, after its arguments.
+
+    ``fn(node, args)`` gets a node of ``root`` and its arguments as rewritten,
+    and returns the node that stands for it, or None for the node on those
+    arguments: itself where none changed, else rebuilt (through the
+    simplifier). The nodes ``stop`` holds true for are not descended into:
+    ``fn`` gets their own arguments.
+
+        >>> from scoremod.dsl import ir
+        >>> s = ir.var("score")
+        >>> ir.rebuild(ir.build("tanh", s) + s, lambda node, args: s * 2.0 if node is s else None)
+        <f32 tanh(score * 2.0) + score * 2.0>
+    """
+    done = {}
+    for node in toposort(root, stop=stop):
+        leaf = stop is not None and stop(node)
+        args = node.args if leaf else tuple(done[a] for a in node.args)
+        out = fn(node, args)
+        if out is None:
+            out = node if args == node.args else build(node.op, *args, attr=node.attr)
+        done[node] = out
+    return done[root]
+
+
 def substitute(root: Node, mapping: dict) -> Node:
     """Rebuild ``root`` with nodes replaced per ``mapping`` (through the simplifier)."""
-    done = dict(mapping)
-    for node in toposort(root):
-        if node in done:
-            continue
-        new_args = tuple(done[a] for a in node.args)
-        done[node] = node if new_args == node.args else build(node.op, *new_args, attr=node.attr)
-    return done[root]
+    return rebuild(root, lambda node, args: mapping.get(node), stop=mapping.__contains__)
 
 
 def operands_of(root: Node) -> list[Node]:

@@ -71,25 +71,6 @@ def direct_axes(expr, problem: Problem) -> dict:
     return out
 
 
-def _rebuild(expr, mapping, keep):
-    """``expr`` with index variables replaced per ``mapping``, except where a
-    read of a captured array uses them at a position in ``keep``
-    (``{(operand name, axis)}``), which keeps the variable."""
-    done = {}
-    for node in ir.toposort(expr):
-        if node in mapping:
-            done[node] = mapping[node]
-            continue
-        if node.op == ir.LOAD:
-            name = node.args[0].attr[0]
-            args = (node.args[0],) + tuple(
-                a if (name, i) in keep else done[a] for i, a in enumerate(node.args[1:]))
-        else:
-            args = tuple(done[a] for a in node.args)
-        done[node] = node if args == node.args else ops.apply(node.op, *args, attr=node.attr)
-    return done[expr]
-
-
 def _values_of(expr, keep) -> set:
     """The index variables ``expr`` uses as values (outside the kept positions)."""
     found, seen = set(), set()
@@ -116,7 +97,18 @@ def shifted(expr, starts: dict, keep) -> ir.Node:
     compiles its kernel once); reads at positions in ``keep`` stay local."""
     mapping = {ir.var(n): ops.apply("offset", ir.var(n), ir.const(int(s), I32))
                for n, s in starts.items()}
-    return _rebuild(expr, mapping, keep)
+
+    def shift(node, args):
+        if node in mapping:
+            return mapping[node]
+        if node.op != ir.LOAD:
+            return None
+        name = node.args[0].attr[0]
+        args = args[:1] + tuple(old if (name, i) in keep else new
+                                for i, (old, new) in enumerate(zip(node.args[1:], args[1:])))
+        return node if args == node.args else ops.apply(ir.LOAD, *args)
+
+    return ir.rebuild(expr, shift, stop=mapping.__contains__)
 
 
 # --------------------------------------------------------------------------- #
@@ -380,17 +372,15 @@ def fold_batch(mod: ScoreMod | None, operands, batched, n: int, b: int):
     within = ops.apply("mod", bvar, ir.const(b, I32))
     example = ops.apply("floordiv", bvar, ir.const(b, I32))
     new_values: dict = {}
-    done = {bvar: within}
-    for node in ir.toposort(mod.expr):
-        if node in done:
-            continue
+
+    def fold(node, args):
+        if node is bvar:
+            return within
         if node.op != ir.LOAD:
-            args = tuple(done[a] for a in node.args)
-            done[node] = node if args == node.args else ops.apply(node.op, *args, attr=node.attr)
-            continue
+            return None
         name, shape, dtype = node.args[0].attr
         x, mapped = values[name], is_batched[name]
-        idx = list(node.args[1:])
+        idx = node.args[1:]
         axis = next((i for i, a in enumerate(idx) if a is bvar and shape[i] == b and b > 1), None)
         if axis is not None:  # read at b directly: keep it direct over the folded batch
             if mapped:
@@ -398,17 +388,18 @@ def fold_batch(mod: ScoreMod | None, operands, batched, n: int, b: int):
                 x = x.reshape(x.shape[:axis] + (n * b,) + x.shape[axis + 2:])
             else:
                 x = jnp.concatenate([x] * n, axis=axis)
-            args = [a if i == axis else done[a] for i, a in enumerate(idx)]
+            new_idx = [old if i == axis else new for i, (old, new) in enumerate(zip(idx, args[1:]))]
         elif mapped:
-            args = [example] + [done[a] for a in idx]
+            new_idx = [example, *args[1:]]
         else:
-            args = [done[a] for a in idx]
+            new_idx = list(args[1:])
         tag = f"{name}_{axis}" if axis is not None else (f"{name}_e" if mapped else name)
         new_shape = tuple(x.shape) if (axis is not None or mapped) else shape
         leaf = ir.operand(tag, new_shape, dtype) if tag != name else node.args[0]
         new_values[tag] = x if tag != name else values[name]
-        done[node] = ops.apply(ir.LOAD, leaf, *args)
-    new = ScoreMod(done[mod.expr])
+        return ops.apply(ir.LOAD, leaf, *new_idx)
+
+    new = ScoreMod(ir.rebuild(mod.expr, fold))
     return new, tuple(new_values[name] for name in new.operand_names)
 
 

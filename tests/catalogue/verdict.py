@@ -33,7 +33,7 @@ import scoremod
 from scoremod.dsl.ir import CONST, LOAD, MATERIALIZE, VAR
 from scoremod.errors import UnsupportedOpError
 from scoremod.lowering.cudnn import rules
-from scoremod.lowering import blocks
+from scoremod.lowering import patterns
 from scoremod.lowering import lowrank, segments
 from scoremod.lowering.cudnn.plan import Plan
 from scoremod.lowering.pallas import mosaic
@@ -94,7 +94,7 @@ def planned(mod, shape, d=128, sms=H200_SMS):
     if isinstance(segments.recognize(mod.expr, problem(shape, d)), segments.Segments):
         return notes, "cudnn-varlen", None
     # A mask of captured arrays (packed documents) cuDNN yields to the Pallas kernels.
-    if (blocks.mask_from_data(mod.expr) is not None
+    if (patterns.mask_from_data(mod.expr) is not None
             and PALLAS.why_not(problem(shape, d), mod, automatic=False) is None):
         return notes, "pallas", None
     # A relative-position table: to the Mosaic GPU engine, where it reads the mod.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod.lowering.blocks import block_map
+from scoremod.lowering.block_maps import block_map
 from scoremod.lowering.problem import Problem
 from tests import test_blocks
 

@@ -220,7 +220,7 @@ def test_mosaic_full_tiles(case, hopper):
 
 @pytest.mark.parametrize("case", ["softcap", "causal", "alibi", "masked_rows"])
 def test_mosaic_analysed_map(case, hopper):
-    """The plan's own map (lowering.blocks from the IR), as scoremod.attention uses it."""
+    """The plan's own map (lowering.block_maps from the IR), as scoremod.attention uses it."""
     q, k, v, do = pc.inputs(b=2, sq=512, skv=512, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
     got, want = pc.both(case, q, k, v, do, MOSAIC, skip=False)
     _check(got, want, jnp.bfloat16)

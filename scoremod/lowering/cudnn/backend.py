@@ -18,8 +18,6 @@ import jax.numpy as jnp
 
 from scoremod import device, kernels_ffi, support
 from scoremod.errors import CudnnUnavailableError, ScoreModError
-from scoremod.dsl.text import format_expr
-from scoremod.lowering import blocks
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn import rules
 from scoremod.lowering.cudnn.plan import plan_for

@@ -30,6 +30,7 @@ from scoremod.dsl.rewrite import INT32_MAX, floor_division, floor_remainder, int
 from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError, UnsupportedOpError
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE, nonneg_int_pair
+from scoremod.lowering.patterns import score_factor
 
 SCORE = ir.var(ir.SCORE)
 DP = ir.cotangent()
@@ -140,9 +141,7 @@ def values_only(expr: Node) -> Node:
     """``expr`` with each with_grad replaced by its value: what the forward graph
     computes (a with_grad's value may hold another: a custom_jvp function calling
     softplus)."""
-    while any(n.op == WITH_GRAD for n in ir.toposort(expr)):
-        expr = ir.substitute(expr, {n: n.args[0] for n in ir.toposort(expr) if n.op == WITH_GRAD})
-    return expr
+    return ir.rebuild(expr, lambda node, args: args[0] if node.op == WITH_GRAD else None)
 
 
 # --- canonical forms ---------------------------------------------------------
@@ -320,35 +319,34 @@ def _fold_nan_tests(root: Node) -> Node:
 def _lift_data_masks(root: Node) -> Node:
     root = _fold_nan_tests(root)
     data = computed_ahead(root)
-    zero, one, ninf = const(0.0, F32), const(1.0, F32), const(float("-inf"), F32)
-    done, reads = {}, {}
-    # Materialized values are already lifted: canonical form is a fixed point.
-    for node in ir.toposort(root, stop=lambda n: n.op == MATERIALIZE):
+    zero, ninf = const(0.0, F32), const(float("-inf"), F32)
+    reads = {}
+
+    def lift(node, args):
         if node.op in (VAR, CONST, OPERAND) + INPUT_TENSORS:
-            done[node] = node
-            continue
-        args = tuple(done[a] for a in node.args)
+            return node
         if node in data and node.dtype == F32 and (
                 refusal(node) is not None or len(_reads(node, reads)) > MAX_GRAPH_READS
                 or node.op == "where"):  # a choice of the positions alone: computed exactly
-            done[node] = materialize(node)
-        elif node.op == "where" and node.dtype == F32 and node.args[0] in data:
+            return materialize(node)
+        if node.op == "where" and node.dtype == F32 and node.args[0] in data:
             c, (x, y) = node.args[0], args[1:]
             if is_const(y) and y.attr == float("-inf"):
-                done[node] = x + materialize(apply("where", c, zero, ninf))
-            elif is_const(x) and x.attr == float("-inf"):
-                done[node] = y + materialize(apply("where", c, ninf, zero))
-            else:
-                done[node] = _select_by_indicators(c, node.args[1:], args[1:])
-        elif node.op == "f32" and node.args[0] in data:
-            done[node] = materialize(node)
-        else:
-            out = node if args == node.args else apply(node.op, *args, attr=node.attr)
-            if node.dtype == F32 and out.op != WITH_GRAD and out.args and \
-                    not any(_in_graph(a) for a in out.args):
-                out = materialize(node)  # rule 4: XLA computes it, one tensor
-            done[node] = out
-    return done[root]
+                return x + materialize(apply("where", c, zero, ninf))
+            if is_const(x) and x.attr == float("-inf"):
+                return y + materialize(apply("where", c, ninf, zero))
+            return _select_by_indicators(c, node.args[1:], args[1:])
+        if node.op == "f32" and node.args[0] in data:
+            return materialize(node)
+        out = node if args == node.args else apply(node.op, *args, attr=node.attr)
+        if node.dtype == F32 and out.op != WITH_GRAD and out.args and \
+                not any(_in_graph(a) for a in out.args):
+            out = materialize(node)  # rule 4: XLA computes it, one tensor
+        return out
+
+    # Materialized values are already lifted: canonical form is a fixed point.
+    # (A load is kept as it is: the nodes under it are not visited.)
+    return ir.rebuild(root, lift, stop=lambda n: n.op in INPUT_TENSORS)
 
 
 def _in_graph(node: Node) -> bool:
@@ -388,24 +386,7 @@ def canonical(root: Node) -> Node:
     # The forward computes with_grad's value alone: what XLA can compute ahead
     # is judged on that (its derivative's tangent() is not a value of the call).
     root = _lift_data_masks(values_only(root))
-    done = {}
-    # Index expressions of loads and materialized values are computed by XLA
-    # exactly as written: they are not rewritten for cuDNN.
-    for node in ir.toposort(root, stop=lambda n: n.op in INPUT_TENSORS):
-        if ir.is_const(node) or node.op in (VAR, OPERAND, MATERIALIZE):
-            done[node] = node
-        elif node.op == WITH_GRAD:  # the forward computes the value alone
-            done[node] = done[node.args[0]]
-        elif node.op == LOAD:
-            done[node] = _rewrite(node, node.args)
-        elif flat_remainder(node) is not None:  # (x // a) % b from divisions of x alone
-            x, a, b = flat_remainder(node)
-            ab = const(a.attr * b.attr, I32)
-            coarse = _rewrite(Node("floordiv", (x, ab), None, I32), (done[x], ab))
-            done[node] = apply("sub", done[node.args[0]], apply("mul", coarse, b))
-        else:
-            done[node] = _rewrite(node, tuple(done[a] for a in node.args))
-    out = done[root]
+    out = _canonical_nodes(root)
     # The root must be a tensor that is not the raw input, computed in the graph
     # (rule 4) from the score (a score_mod whose input feeds nothing dangles).
     if out.op == CONST:
@@ -413,6 +394,28 @@ def canonical(root: Node) -> Node:
     elif out.op in INPUT_TENSORS and out.dtype == F32:
         out = Node("mul", (SCORE, const(0.0, F32)), None, F32) + out
     return out
+
+
+def _canonical_nodes(root: Node) -> Node:
+    # Index expressions of loads and materialized values are computed by XLA
+    # exactly as written: they are not rewritten for cuDNN.
+    return ir.rebuild(root, _canonical_node, stop=lambda n: n.op in INPUT_TENSORS)
+
+
+def _canonical_node(node: Node, args: tuple) -> Node:
+    if ir.is_const(node) or node.op in (VAR, OPERAND, MATERIALIZE):
+        return node
+    if node.op == WITH_GRAD:  # the forward computes the value alone
+        return args[0]
+    if node.op == LOAD:
+        return _rewrite(node, node.args)
+    flat = flat_remainder(node)
+    if flat is not None:  # (x // a) % b from divisions of x alone
+        x, a, b = flat
+        ab = const(a.attr * b.attr, I32)
+        coarse = _rewrite(Node("floordiv", (x, ab), None, I32), (_canonical_nodes(x), ab))
+        return apply("sub", args[0], apply("mul", coarse, b))
+    return _rewrite(node, args)
 
 
 def forward_and_backward(expr: Node) -> tuple[Node, Node]:
@@ -432,12 +435,11 @@ def has_custom_derivatives(expr: Node) -> bool:
 
 
 def fold_scale(expr: Node) -> tuple[Node, float]:
-    """``(expr', c)`` with ``expr(score) == expr'(score * c)`` when every use of
-    the score in ``expr`` (canonical form) is ``score * c`` or ``score / (1/c)``
-    for one positive constant; else ``(expr, 1.0)``.
-
-    The factor then joins cuDNN's attn_scale, which scales the score inside
-    the matmul epilogue for free: softcap's ``score / 30`` costs nothing.
+    """``patterns.score_factor`` of ``expr`` (canonical form) where the factor
+    is positive, else ``(expr, 1.0)``: the factor then joins cuDNN's
+    attn_scale, which scales the score inside the matmul epilogue for free. A
+    negative factor stays in the mod (no negative attn_scale has run on the
+    GPU).
 
         >>> import jax.numpy as jnp, scoremod
         >>> softcap = scoremod.trace(lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0))
@@ -445,22 +447,5 @@ def fold_scale(expr: Node) -> tuple[Node, float]:
         >>> print(folded, round(1 / c, 6))
         <f32 tanh(score) * 30.0> 30.0
     """
-    uses = [n for n in ir.toposort(expr, stop=lambda n: n.op in INPUT_TENSORS)
-            if SCORE in n.args]
-    factors = set()
-    for n in uses:
-        if len(n.args) != 2 or n.args[0] is not SCORE or n.args[1].op != CONST:
-            return expr, 1.0  # the score used otherwise (abs(score), score * score, ...)
-        other = n.args[1]
-        if n.op == "mul":
-            factors.add(float(other.attr))
-        elif n.op == "div" and other.attr != 0:
-            factors.add(1.0 / float(other.attr))
-        else:
-            return expr, 1.0
-    if len(factors) != 1:
-        return expr, 1.0
-    (c,) = factors
-    if not (c > 0 and math.isfinite(c)) or c == 1.0:
-        return expr, 1.0
-    return ir.substitute(expr, {n: SCORE for n in uses}), c
+    folded, c = score_factor(expr)
+    return (folded, c) if c > 0 else (expr, 1.0)

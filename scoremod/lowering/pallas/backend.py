@@ -1,7 +1,7 @@
 """Block-sparse Pallas kernels generated from the IR, as a backend.
 
 The mod is compiled into three Pallas kernels (``kernels``): a forward that
-visits the tiles a :class:`~scoremod.lowering.blocks.BlockMap` lists, and a
+visits the tiles a :class:`~scoremod.lowering.block_maps.BlockMap` lists, and a
 FlashAttention-2 backward (one kernel for dK and dV, one for dQ) that visits
 the same tiles. The mod and its derivatives are evaluated on each score tile
 by ``codegen``, so any mod of the op table runs, with integer index math,
@@ -36,7 +36,6 @@ interpret mode (as slow as it sounds: for tests).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -48,7 +47,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError
-from scoremod.lowering import blocks
+from scoremod.lowering import block_maps, patterns
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.pallas import codegen, kernels, mosaic, mosaic_backward
 from scoremod.lowering.problem import Problem
@@ -62,21 +61,21 @@ HEAD_DIMS = (64, 128)
 MAX_GRADIENT_ELEMENTS = 1 << 16
 
 
-def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> blocks.BlockMap:
+def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> block_maps.BlockMap:
     """Every tile: right for any mod."""
     del operands
-    return blocks.dense_block_map(sq=problem.sq, skv=problem.skv, block_q=block_q,
-                                  block_kv=block_kv)
+    return block_maps.dense_block_map(sq=problem.sq, skv=problem.skv, block_q=block_q,
+                                      block_kv=block_kv)
 
 
 @dataclasses.dataclass(frozen=True)
 class AnalysedMap:
-    """The tiles of ``expr`` from the IR (``lowering.blocks``), built in the program."""
+    """The tiles of ``expr`` from the IR (``lowering.block_maps``), built in the program."""
 
     expr: object
 
     def __call__(self, problem, block_q, block_kv, operands):
-        return blocks.block_map(self.expr, operands, problem, block_q, block_kv)
+        return block_maps.block_map(self.expr, operands, problem, block_q, block_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +212,7 @@ class Pallas(Backend):
     def claims(self, problem, mod, options, over):
         # Measured against cuDNN's dense graph (docs/performance.md): 4 documents per
         # row with a softcap, the kernels run 2.8x its forward and 4x its fwd+bwd at 4096.
-        cond = None if mod is None or over.name != "cudnn" else blocks.mask_from_data(mod.expr)
+        cond = None if mod is None or over.name != "cudnn" else patterns.mask_from_data(mod.expr)
         if cond is not None:
             return (f"the mask `{format_expr(cond)}` reads captured arrays; cuDNN would "
                     "compute it ahead as a [.., Sq, Skv] tensor and visit every tile, the "
@@ -305,7 +304,7 @@ PALLAS = Pallas()
 
 def _full_expr(mod):
     """The mod on tiles the block map marks full, or None where that is the mod."""
-    full = blocks.when_full(mod.expr)
+    full = patterns.when_full(mod.expr)
     return None if full is mod.expr else full
 
 
@@ -348,7 +347,7 @@ def _pad(x, axis, to):
 
 
 def _padded(n, block):
-    return blocks.num_blocks(n, block) * block
+    return block_maps.num_blocks(n, block) * block
 
 
 def _kernel_operands(plan, operands):

@@ -1,6 +1,6 @@
 """The Pallas kernels: a block-sparse forward, and the FA2 backward (dK/dV, dQ).
 
-Every kernel visits only the tiles a :class:`~scoremod.lowering.blocks.BlockMap`
+Every kernel visits only the tiles a :class:`~scoremod.lowering.block_maps.BlockMap`
 lists: the forward and the dQ kernel run one program per (batch, query head,
 query block) and loop over that query block's key blocks; the dK/dV kernel
 runs one program per (batch, query head, key block) and loops over its query

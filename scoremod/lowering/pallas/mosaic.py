@@ -60,7 +60,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE
 from scoremod.dsl.text import format_expr
-from scoremod.lowering.blocks import difference_form, reads_difference_only
+from scoremod.lowering.patterns import difference_form, reads_difference_only, score_factor
 from scoremod.lowering.pallas import codegen
 
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M is 64 per warpgroup)
@@ -457,7 +457,7 @@ def prepared(expr):
         return None, 1.0, False
     pushed = _times(expr, LOG2E)
     in_log2 = pushed is not None
-    expr, factor = _score_factor(pushed if in_log2 else expr)
+    expr, factor = score_factor(pushed if in_log2 else expr)
     return expr, factor, in_log2
 
 
@@ -481,26 +481,6 @@ def _times(node, k):
         if a is not None and b is not None:
             return ir.build("where", cond, a, b)
     return None
-
-
-def _score_factor(expr):
-    """``(expr', c)`` with ``expr(score) == expr'(score * c)``: when every use of
-    the score is ``score * c`` or ``score / (1 / c)`` for one constant ``c``."""
-    score = ir.var("score")
-    factors = set()
-    uses = [n for n in ir.toposort(expr) if any(a is score for a in n.args)]
-    for n in uses:
-        consts = [a for a in n.args if a.op == CONST]
-        c = float(consts[0].attr) if len(consts) == 1 and len(n.args) == 2 else None
-        if n.op == "div" and n.args[0] is score and c:
-            c = 1.0 / c
-        elif n.op != "mul":
-            c = None
-        factors.add(c)
-    (c,) = factors if len(factors) == 1 else (None,)
-    if c is None or not math.isfinite(c) or c == 0.0:
-        return expr, 1.0
-    return ir.substitute(expr, {n: score for n in uses}), c
 
 
 def uses_var(expr, name) -> bool:

@@ -1,0 +1,371 @@
+"""Block sparsity: which (query block, key block) tiles of a call a kernel visits.
+
+A :class:`BlockMap` is computed inside the jitted program (it may depend on
+captured arrays, e.g. document ids) and read by block-sparse kernels: per
+query block, the key blocks to visit in ascending order, and whether each is
+*full* (the mask holds on every entry, so the kernel may skip evaluating it);
+and the transpose, per key block the query blocks (for dK and dV). Blocks not
+listed are *empty*: every score in them is masked, so they contribute nothing.
+
+Leading axes are ``[Bm, Hm]`` with ``Bm`` in ``{1, B}`` and ``Hm`` in
+``{1, Hq}``: 1 where the mask does not depend on the batch or the head.
+
+``block_map`` derives the map of a mod from its IR (``classify_tiles`` the
+tile classes, ``block_lists`` the lists); on full tiles a kernel computes
+``when_full(expr)`` (``lowering.patterns``), the mod without its mask
+conditions. ``dense_block_map`` visits everything and is right for any mod.
+
+    >>> m = dense_block_map(batch=1, heads=1, sq=256, skv=384, block_q=128, block_kv=128)
+    >>> m.q_counts.tolist(), m.q_blocks[0, 0, 1].tolist()
+    ([[[3, 3]]], [0, 1, 2])
+    >>> m.kv_counts.tolist(), m.kv_blocks[0, 0, 2].tolist()
+    ([[[2, 2, 2]]], [0, 1])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from scoremod.dsl import ir
+from scoremod.dsl.evaluate import evaluate
+from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, OPERAND, VAR
+from scoremod.errors import ScoreModValueError
+from scoremod.lowering.intervals import (F32_MAX, RULES, TIGHT, Floats, constant, every,
+                                         from_parts, reduce_parts, value_parts)
+from scoremod.lowering.patterns import (dependencies, difference_form, mask_conditions,
+                                        reads_score)
+
+
+class BlockMap(NamedTuple):
+    """The tiles a kernel visits (a pytree of int32/bool arrays).
+
+    ``q_blocks[b, h, i, :q_counts[b, h, i]]`` are the key blocks of query block
+    ``i`` in ascending order; entries past the count repeat the last valid one
+    (a kernel that prefetches the next block re-reads a block it has, instead
+    of an arbitrary one). ``kv_blocks``/``kv_counts``/``kv_full`` are the same
+    per key block, listing query blocks."""
+
+    q_counts: jnp.ndarray  # int32 [Bm, Hm, nq]
+    q_blocks: jnp.ndarray  # int32 [Bm, Hm, nq, nk]
+    q_full: jnp.ndarray  # bool  [Bm, Hm, nq, nk], aligned with q_blocks
+    kv_counts: jnp.ndarray  # int32 [Bm, Hm, nk]
+    kv_blocks: jnp.ndarray  # int32 [Bm, Hm, nk, nq]
+    kv_full: jnp.ndarray  # bool  [Bm, Hm, nk, nq], aligned with kv_blocks
+
+    @property
+    def block_counts(self):
+        """(query blocks, key blocks) of the call."""
+        return self.q_blocks.shape[-2], self.kv_blocks.shape[-2]
+
+
+def num_blocks(size: int, block: int) -> int:
+    """Blocks of ``block`` entries that cover ``size`` (the last may be partial)."""
+    return -(-size // block)
+
+
+def dense_block_map(*, batch: int = 1, heads: int = 1, sq: int, skv: int, block_q: int,
+                    block_kv: int) -> BlockMap:
+    """Every tile visited, none full: correct for any mod (a kernel then
+    evaluates the whole mod everywhere)."""
+    nq, nk = num_blocks(sq, block_q), num_blocks(skv, block_kv)
+    lead = (batch, heads)
+    return BlockMap(
+        q_counts=jnp.full(lead + (nq,), nk, jnp.int32),
+        q_blocks=jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), lead + (nq, nk)),
+        q_full=jnp.zeros(lead + (nq, nk), jnp.bool_),
+        kv_counts=jnp.full(lead + (nk,), nq, jnp.int32),
+        kv_blocks=jnp.broadcast_to(jnp.arange(nq, dtype=jnp.int32), lead + (nk, nq)),
+        kv_full=jnp.zeros(lead + (nk, nq), jnp.bool_),
+    )
+
+
+# --- the tile analysis --------------------------------------------------------
+#
+# Every node of the mod gets an abstract value per tile (``lowering.intervals``):
+# arrays that broadcast to [Bm, Hm, nq, nk].
+#
+# Nodes that do not depend on the score and read at most one of q_idx and
+# kv_idx ("separable") are evaluated exactly on every position of their axis
+# (O(B*H*S) work) and reduced per block: the ids of a document mask, q // 128
+# of a chunked mask, the indices themselves. Nodes mixing q_idx and kv_idx,
+# or reading the score, combine their arguments' values by the interval
+# rules. Score-free nodes the classes hinge on (mask conditions, a bias added
+# to the score) that mix q_idx and kv_idx through ops the rules bound badly
+# (remainders, loads at both indices) are evaluated on every entry of every
+# tile instead (``exact``), a batch of query-block rows at a time.
+
+
+_EXACT = ("auto", "always", "never")
+_JNP = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
+# Elements of one step of the per-tile evaluation (query blocks batched to about this).
+_TILE_STEP_ELEMENTS = 2**24
+
+
+def _separable(d):
+    """Evaluated exactly along one axis: no score, not both q_idx and kv_idx."""
+    return not reads_score(d) and not ("q_idx" in d and "kv_idx" in d)
+
+
+def map_axes(expr, problem) -> tuple:
+    """``(Bm, Hm)``: the batch and head extents the map keeps, 1 where no mask
+    condition reads ``b`` (``h``). Other uses of b and h (an ALiBi slope) are
+    bounded over all their values."""
+    conds, _ = mask_conditions(expr)
+    deps = dependencies(expr)
+    read = frozenset().union(*(deps[c] for c in conds))
+    return (problem.b if "b" in read else 1, problem.hq if "h" in read else 1)
+
+
+def _operand_values(expr, operands) -> dict:
+    nodes = ir.operands_of(expr)
+    if isinstance(operands, dict):
+        return dict(operands)
+    operands = tuple(operands or ())
+    if len(operands) != len(nodes):
+        raise ScoreModValueError(f"the mod has {len(nodes)} operands, {len(operands)} were given")
+    return {n.attr[0]: v for n, v in zip(nodes, operands)}
+
+
+class _Tiles:
+    """Shapes of one call's tiles and the exact reductions onto them."""
+
+    def __init__(self, problem, block_q, block_kv, bm, hm, operands):
+        self.problem, self.block_q, self.block_kv = problem, block_q, block_kv
+        self.nq, self.nk = num_blocks(problem.sq, block_q), num_blocks(problem.skv, block_kv)
+        self.bm, self.hm, self.operands = bm, hm, operands
+
+    def evaluate(self, node, b, h, q, kv):
+        inputs = {"b": b, "h": h, "q_idx": q, "kv_idx": kv}
+        return evaluate(node, inputs, self.operands)
+
+    def _along(self, node, deps, q, kv, size, ok=True) -> tuple:
+        """The parts of ``node`` at query and key positions ``q`` and ``kv`` (``[1, 1,
+        size]`` arrays or scalars), for every batch and head it reads, reduced over
+        those the map does not keep: ``[Bm or 1, Hm or 1, size]`` each (entries where
+        ``ok`` is false left out)."""
+        p = self.problem
+        b = jnp.arange(p.b if "b" in deps else 1, dtype=jnp.int32)[:, None, None]
+        h = jnp.arange(p.hq if "h" in deps else 1, dtype=jnp.int32)[None, :, None]
+        value = jnp.broadcast_to(self.evaluate(node, b, h, q, kv),
+                                 (b.shape[0], h.shape[1], size))
+        parts = value_parts(node.dtype, value, ok)
+        if "b" in deps and self.bm == 1:
+            parts = reduce_parts(node.dtype, parts, 0)
+        if "h" in deps and self.hm == 1:
+            parts = reduce_parts(node.dtype, parts, 1)
+        return parts
+
+    def separable(self, node, deps) -> tuple:
+        """The exact value of a separable node, reduced onto the tiles."""
+        p = self.problem
+        seq_axis = "q_idx" if "q_idx" in deps else ("kv_idx" if "kv_idx" in deps else None)
+        size = {"q_idx": p.sq, "kv_idx": p.skv, None: 1}[seq_axis]
+        seq = jnp.arange(size, dtype=jnp.int32)[None, None, :]
+        zero = jnp.zeros((1, 1, 1), jnp.int32)
+        parts = self._along(node, deps, seq if seq_axis == "q_idx" else zero,
+                            seq if seq_axis == "kv_idx" else zero, size)
+        if seq_axis is not None:
+            block = self.block_q if seq_axis == "q_idx" else self.block_kv
+            n = num_blocks(size, block)
+            pad = [(0, 0), (0, 0), (0, n * block - size)]
+            parts = tuple(jnp.pad(x, pad, mode="edge").reshape(x.shape[:2] + (n, block))
+                          for x in parts)
+            parts = reduce_parts(node.dtype, parts, 3, keepdims=False)
+        where = 2 if seq_axis == "kv_idx" else 3  # the tile axis it does not vary along
+        return from_parts(node.dtype, tuple(jnp.expand_dims(x, where) for x in parts))
+
+    def load_anywhere(self, node) -> tuple:
+        """Every value of the array a load reads (its indices are not bounded)."""
+        array = jnp.asarray(self.operands[node.args[0].attr[0]]).astype(_JNP[node.dtype])
+        parts = value_parts(node.dtype, array.reshape(1, -1))
+        return from_parts(node.dtype, reduce_parts(node.dtype, parts, 1, keepdims=False))
+
+    def diagonal(self, node, deps) -> tuple:
+        """A node that reads q_idx and kv_idx only as q_idx - kv_idx
+        (``difference_form``), bounded per tile from its values on the tile's
+        diagonals: evaluated once per diagonal (at q_idx = the difference,
+        kv_idx = 0), O((Sq + Skv) * B * H), then reduced over the diagonals each
+        tile crosses (its real entries': padded rows and columns left out) in
+        chunks of gcd(block_q, block_kv), so a few per tile; a chunk may reach up
+        to gcd - 1 diagonals past the tile's: looser, never wrong."""
+        p, bq, bk = self.problem, self.block_q, self.block_kv
+        g = math.gcd(bq, bk)
+        lo = -self.nk * bk  # below the last key against the first query
+        chunks = (self.nq * bq - lo) // g
+        diff = lo + jnp.arange(chunks * g, dtype=jnp.int32)[None, None, :]
+        real = (diff > -p.skv) & (diff < p.sq)  # some real query and key are that far apart
+        parts = self._along(node, deps, diff, jnp.int32(0), chunks * g, real)
+        parts = reduce_parts(node.dtype, tuple(x.reshape(x.shape[:2] + (chunks, g))
+                                               for x in parts), 3, keepdims=False)
+        # Tile (i, j)'s real entries see q - kv from its first query less its last
+        # real key to its last real query less its first key.
+        q0, k0 = np.arange(self.nq)[:, None] * bq, np.arange(self.nk)[None, :] * bk
+        first = (q0 - (np.minimum(k0 + bk, p.skv) - 1) - lo) // g
+        last = (np.minimum(q0 + bq, p.sq) - 1 - k0 - lo) // g
+        span = int((last - first).max()) + 1
+        index = np.minimum(first[..., None] + np.arange(span), last[..., None])
+        parts = tuple(x[:, :, index] for x in parts)  # [Bm, Hm, nq, nk, span]
+        return from_parts(node.dtype, reduce_parts(node.dtype, parts, 4, keepdims=False))
+
+    def per_tile(self, nodes, deps) -> list:
+        """Score-free nodes evaluated on every entry of every tile, reduced per
+        tile: one (batch, head, query block) row of tiles per step (a node
+        reading b or h where the map keeps no such axis, over all of them),
+        steps batched to about ``_TILE_STEP_ELEMENTS`` entries."""
+        p, bq, bk, nk = self.problem, self.block_q, self.block_kv, self.nk
+        kv = jnp.arange(nk * bk, dtype=jnp.int32)
+        kv_ok = (kv < p.skv).reshape(nk, bk)
+        every_b = "b" if self.bm == 1 and p.b > 1 else None
+        every_h = "h" if self.hm == 1 and p.hq > 1 else None
+        spread = {n: ((p.b if every_b in deps[n] else 1), (p.hq if every_h in deps[n] else 1))
+                  for n in nodes}
+
+        def step(row):
+            b, h, i = row
+            q = i * bq + jnp.arange(bq, dtype=jnp.int32)
+            ok = (q < p.sq)[:, None, None] & kv_ok[None]  # [bq, nk, bk]
+            out = []
+            for node in nodes:
+                nb, nh = spread[node]
+                bs = jnp.arange(nb, dtype=jnp.int32)[:, None, None, None] if nb > 1 else b
+                hs = jnp.arange(nh, dtype=jnp.int32)[None, :, None, None] if nh > 1 else h
+                v = self.evaluate(node, bs, hs, q[:, None], kv[None, :])
+                v = jnp.broadcast_to(v, (nb, nh, bq, nk * bk)).reshape(nb, nh, bq, nk, bk)
+                parts = value_parts(node.dtype, v, ok)
+                out.append(reduce_parts(node.dtype, parts, (0, 1, 2, 4), keepdims=False))
+            return out
+
+        rows = [x.reshape(-1).astype(jnp.int32)
+                for x in jnp.indices((self.bm, self.hm, self.nq))]
+        widest = max(nb * nh for nb, nh in spread.values())
+        batch = max(1, _TILE_STEP_ELEMENTS // (widest * bq * nk * bk))
+        stacked = lax.map(step, tuple(rows), batch_size=batch)
+        shape = (self.bm, self.hm, self.nq, nk)
+        return [from_parts(n.dtype, tuple(x.reshape(shape) for x in parts))
+                for n, parts in zip(nodes, stacked)]
+
+
+def _mixed_uses(expr, conds, deps) -> list:
+    """Score-free nodes mixing q_idx and kv_idx that the classes hinge on: the
+    mask conditions, and the score-free arguments of nodes reading the score
+    (a captured bias of -inf blocks added to it)."""
+    out = {c: None for c in conds}
+    for n in ir.toposort(expr):
+        if reads_score(deps[n]):
+            out.update((a, None) for a in n.args if not reads_score(deps[a]))
+    return [n for n in out if not _separable(deps[n]) and n.op != CONST]
+
+
+def _tight(cond, deps) -> bool:
+    """Whether the rules bound ``cond`` well: every node of it mixing q_idx and
+    kv_idx is an op of ``TIGHT``."""
+    for n in ir.toposort(cond, stop=lambda m: _separable(deps[m])):
+        if not _separable(deps[n]) and n.op not in TIGHT:
+            return False
+    return True
+
+
+def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
+                   exact: str = "auto") -> tuple:
+    """``(visited, full)``, bool ``[Bm, Hm, nq, nk]``: the tiles where the mod
+    is not -inf everywhere (whatever the finite score), and those where its
+    mask conditions hold everywhere (there it equals ``when_full(expr)``).
+
+    ``exact`` says which score-free nodes mixing q_idx and kv_idx (mask
+    conditions, and score-free arguments of nodes reading the score, such as
+    a captured bias) are evaluated on every entry of every tile, a batch of
+    (batch, head, query block) rows per step of about 2**24 entries
+    (O(B*H*Sq*Skv) work): "auto" those the interval rules bound loosely
+    (remainders, loads indexed by both), "always" all, "never" none. Under
+    "auto", those of them reading q_idx and kv_idx only as their difference
+    (``difference_form``: a relative table) are evaluated once per diagonal.
+    Everything else costs O(B*H*S) (separable parts) plus O(Bm*Hm*nq*nk)
+    (the rules)."""
+    if exact not in _EXACT:
+        raise ScoreModValueError(f"exact={exact!r}; expected one of {_EXACT}")
+    operands = _operand_values(expr, operands)
+    deps = dependencies(expr)
+    conds, conflicting = mask_conditions(expr)
+    bm, hm = map_axes(expr, problem)
+    tiles = _Tiles(problem, block_q, block_kv, bm, hm, operands)
+    exact_nodes = [n for n in _mixed_uses(expr, conds, deps)
+                   if exact == "always" or (exact == "auto" and not _tight(n, deps))]
+    # Relative positions among them (a table at q_idx - kv_idx): bounded per tile
+    # from their diagonals instead, O(S) (a table's -inf entries still skip tiles).
+    diagonal = [] if exact == "always" else [
+        n for n in exact_nodes if difference_form(n) is not None]
+    exact_nodes = [n for n in exact_nodes if n not in diagonal]
+    values = dict(zip(exact_nodes, tiles.per_tile(exact_nodes, deps))) if exact_nodes else {}
+    values.update({n: tiles.diagonal(n, deps[n]) for n in diagonal})
+
+    def leaf(n):
+        return n in values or n.op == CONST or _separable(deps[n]) or n.op not in RULES
+
+    for n in ir.toposort(expr, *conds, stop=leaf):
+        if n in values or n.op == OPERAND:
+            continue
+        if n.op == CONST:
+            values[n] = constant(n)
+        elif _separable(deps[n]):
+            values[n] = tiles.separable(n, deps[n])
+        elif n.op == VAR:  # the score (or dP): any finite float
+            values[n] = Floats(jnp.float32(-F32_MAX), jnp.float32(F32_MAX), jnp.bool_(False))
+        elif n.op == LOAD:
+            values[n] = tiles.load_anywhere(n)
+        elif n.op in RULES:
+            values[n] = RULES[n.op](n, *(values[a] for a in n.args))
+        else:
+            values[n] = every(n.dtype)
+    shape = (bm, hm, tiles.nq, tiles.nk)
+    out = values[expr]
+    visited = ~((out.hi == -np.inf) & ~out.nan)
+    full = jnp.bool_(not conflicting)
+    for c, value in conds.items():
+        full = full & ~(values[c].can_false if value else values[c].can_true)
+    visited = jnp.broadcast_to(visited, shape)
+    return visited, jnp.broadcast_to(full, shape) & visited
+
+
+def block_lists(visited, full) -> BlockMap:
+    """The BlockMap of tile classes ``visited``/``full`` ([Bm, Hm, nq, nk])."""
+    q = _lists(visited, full)
+    kv = _lists(jnp.swapaxes(visited, -1, -2), jnp.swapaxes(full, -1, -2))
+    return BlockMap(*q, *kv)
+
+
+def _lists(visited, full):
+    n = visited.shape[-1]
+    counts = jnp.sum(visited, axis=-1, dtype=jnp.int32)
+    # Each visited block goes to its rank among the visited ones of its row (a
+    # scatter, cheaper than a sort); the rest fall off the end.
+    rank = jnp.where(visited, jnp.cumsum(visited, axis=-1, dtype=jnp.int32) - 1, n)
+    index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), visited.shape)
+    rows = jnp.indices(visited.shape[:-1], sparse=True)
+    packed = jnp.zeros(visited.shape, jnp.int32).at[(*(r[..., None] for r in rows), rank)].set(
+        index, mode="drop")
+    last = jnp.maximum(counts - 1, 0)[..., None]
+    blocks = jnp.take_along_axis(packed, jnp.minimum(jnp.arange(n, dtype=jnp.int32), last), -1)
+    return counts, blocks, jnp.take_along_axis(full, blocks, -1)
+
+
+def block_map(expr, operands, problem, block_q: int, block_kv: int, *,
+              exact: str = "auto") -> BlockMap:
+    """The tiles a block-sparse kernel visits for ``expr`` on ``problem``,
+    computed from the IR with jax.numpy (jit-able: ``operands``, the captured
+    arrays by name or in ``ir.operands_of`` order, may be traced). Full
+    tiles run ``when_full(expr)``. See ``classify_tiles`` for ``exact``
+    and the cost.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> from scoremod.lowering.problem import Problem
+        >>> causal = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf))
+        >>> m = block_map(causal.expr, (), Problem(2, 384, 384, 4, 4, 64, 64, "float16"), 128, 128)
+        >>> m.q_counts.tolist(), m.q_blocks[0, 0, 1].tolist(), m.q_full[0, 0, 2].tolist()
+        ([[[1, 2, 3]]], [0, 1, 1], [True, True, False])
+    """
+    return block_lists(*classify_tiles(expr, operands, problem, block_q, block_kv, exact=exact))
