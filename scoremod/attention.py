@@ -21,6 +21,7 @@ from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
 from scoremod.lowering.backend import run
+from scoremod.lowering.cudnn import verify as cudnn_verify
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
 from scoremod.route import Choice, refusal, route, warn  # noqa: F401 - Choice: the API's
@@ -110,6 +111,10 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
                  problem=chosen.problem, options=options, return_lse=return_lse,
                  fallback=chosen.fallback, forward_mode_fallback=chosen.forward_mode_fallback)
     return (o, lse) if return_lse else o
+
+
+# The cuDNN version check runs its conformance check through this function.
+cudnn_verify.use_attention(attention)
 
 
 def nothing_to_compute(problem: Problem) -> bool:
