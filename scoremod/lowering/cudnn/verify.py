@@ -332,12 +332,14 @@ def check_case(run, case: Case, dtype: str) -> Result:
     return Result(case.name, dtype, "wrong" if off else "ok", errors, detail)
 
 
-def verify(run=run_case, cases=CASES, dtypes=DTYPES, progress=None) -> tuple:
-    """The :class:`Result` of every case in every dtype, ``run(case, dtype,
-    implementation)`` giving (O, LSE, dQ, dK, dV); ``progress`` sees each result."""
+def verify(run=None, cases=None, dtypes=DTYPES, progress=None) -> tuple:
+    """The :class:`Result` of every case (default :data:`CASES`) in every dtype,
+    ``run(case, dtype, implementation)`` (default :func:`run_case`) giving
+    (O, LSE, dQ, dK, dV); ``progress`` sees each result."""
+    run = run_case if run is None else run
     results = []
     with checking():
-        for case in cases:
+        for case in CASES if cases is None else cases:
             for dtype in dtypes:
                 result = check_case(run, case, dtype)
                 results.append(result)
@@ -578,7 +580,7 @@ def deferred():
         _PROCESS.local.deferred = before
 
 
-def check_and_record(key: Key, run=run_case, cases=CASES, progress=None) -> Verdict:
+def check_and_record(key: Key, run=None, cases=None, progress=None) -> Verdict:
     """Run the conformance set now and keep its verdict for ``key`` (on disk where the
     cache folder is, and for this process)."""
     write(Verdict(key, "started", when=_now(), pid=os.getpid(), host=socket.gethostname()))
