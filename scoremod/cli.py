@@ -260,7 +260,7 @@ def main(argv=None) -> int:
         p.add_argument("--verify", action="store_true", help=(
             "check the loaded cuDNN on this GPU now: a conformance set of mods covering the "
             "graph shapes scoremod emits, forward and dQ/dK/dV in bfloat16 and float16, "
-            "against the reference path (about a minute). The verdict is kept in the cache "
+            "against the reference path (a minute or two). The verdict is kept in the cache "
             "folder (<cache root>/cudnn-verdicts), keyed by cuDNN, frontend, GPU architecture "
             "and scoremod version; implementation=None uses a cuDNN outside the validated "
             "line only once its verdict passed. Exit status 0: passed, 1: failed or known to "

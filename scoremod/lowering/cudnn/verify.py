@@ -546,13 +546,15 @@ def forget() -> None:
         _PROCESS.verdicts.clear()
 
 
+_UNREAD = object()
+
+
 def verdict(key: Key) -> Verdict | None:
-    """The passed or failed verdict for ``key`` here (this process's, else the file's)."""
-    found = _PROCESS.verdicts.get(key)
-    if found is None:
-        found = _settled(read(key))
-        if found is not None:
-            _PROCESS.verdicts[key] = found
+    """The passed or failed verdict for ``key`` here: this process's, else the file's,
+    read once per process (a check another process makes later is not seen)."""
+    found = _PROCESS.verdicts.get(key, _UNREAD)
+    if found is _UNREAD:
+        found = _PROCESS.verdicts[key] = _settled(read(key))
     return found
 
 
@@ -646,7 +648,7 @@ def _note_check(key: Key) -> None:
     warnings.warn(
         f"scoremod: {key.text()} is not validated with scoremod: checking it on this GPU now, "
         f"once ({len(CASES)} mods, forward and backward in {' and '.join(DTYPES)}, against the "
-        f"reference path; about a minute). The verdict is kept in {where}. `{COMMAND}` runs "
+        f"reference path; a minute or two). The verdict is kept in {where}. `{COMMAND}` runs "
         "the same check by hand; SCOREMOD_CUDNN_VERIFY=0 turns this check at first use off.",
         stacklevel=2)
 
