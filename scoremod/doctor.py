@@ -108,9 +108,8 @@ def frontend_line() -> str:
         text += f" (NOT in the supported range {support.frontend_range_text()})"
     elif installed != support.CUDNN_FRONTEND:
         text += f" (validated: {support.CUDNN_FRONTEND})"
-    if kernels_ffi.available() and kernels_ffi.frontend_mismatch():
-        text += "; MISMATCH: " + kernels_ffi.frontend_mismatch()
-    return text
+    mismatch = kernels_ffi.frontend_mismatch() if kernels_ffi.available() else ""
+    return text + (f"; MISMATCH: {mismatch}" if mismatch else "")
 
 
 def extension_line() -> str:
