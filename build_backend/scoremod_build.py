@@ -116,9 +116,18 @@ def cuda_major(environ=os.environ, driver=driver_major) -> int | None:
     return 13 if major >= _CUDA13_DRIVER else 12
 
 
-def header_requirements(environ=os.environ, driver=driver_major) -> list[str]:
+def header_requirements(environ=os.environ, driver=driver_major, frontend=None) -> list[str]:
+    """The header packages to install into the build environment. The frontend's
+    headers are pinned to the version the target environment has (``frontend()``,
+    default: found in its site-packages), since the extension works only with a
+    Python package of its headers' version; without one, the supported range."""
     major = cuda_major(environ, driver)
-    return [] if major is None else list(_find_headers().HEADER_PACKAGES_BY_CUDA[major])
+    if major is None:
+        return []
+    headers = _find_headers()
+    installed = (headers.installed_frontend if frontend is None else frontend)()
+    return [headers.frontend_requirement(installed) if r == headers.FRONTEND_REQUIREMENT else r
+            for r in headers.HEADER_PACKAGES_BY_CUDA[major]]
 
 
 def get_requires_for_build_wheel(config_settings=None):

@@ -7,7 +7,7 @@
     (1, 16, 4, 64)
 """
 
-from scoremod import device, options
+from scoremod import device, options, support
 from scoremod.attention import attention, which_implementation
 from scoremod.lowering.cudnn.graph import cache_info
 from scoremod.dsl.ops import OPS
@@ -22,7 +22,7 @@ from scoremod.errors import (
 )
 from scoremod.options import LoweringOptions, lowering_options
 
-__version__ = "0.1.0"
+__version__ = support.VERSION
 
 __all__ = [
     "attention",

@@ -21,6 +21,7 @@ from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
 from scoremod.lowering.backend import execute
+from scoremod.lowering.cudnn import verify as cudnn_verify
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
 from scoremod.route import Choice, refusal, route, warn  # noqa: F401 - Choice: the API's
@@ -108,6 +109,10 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
     o, lse = execute(chosen.call, query, key, value, operands)
     return (o, lse) if return_lse else o
+
+
+# The cuDNN version check runs its conformance check through this function.
+cudnn_verify.use_attention(attention)
 
 
 def nothing_to_compute(problem: Problem) -> bool:

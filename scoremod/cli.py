@@ -2,6 +2,7 @@
 
     scoremod demo                          # softcap + causal attention, as picked and reference
     scoremod doctor                        # versions, GPU, extension: can the fused path run here?
+    scoremod doctor --verify               # check the loaded cuDNN on this GPU, keep the verdict
     scoremod show "30.0 * tanh(score / 30.0)"
     scoremod show "cap * tanh(score / cap)" --set cap=30.0
     scoremod show mypackage.mods:softcap   # import a function (or ScoreMod) and trace it
@@ -185,7 +186,7 @@ def _runnable_here() -> str | None:
 def doctor(args) -> int:
     from scoremod import doctor as doctor_module
 
-    return doctor_module.main()
+    return doctor_module.main(verify=args.verify)
 
 
 def check(args) -> int:
@@ -253,9 +254,18 @@ def main(argv=None) -> int:
     sub.add_parser("demo", help="run softcap + causal attention as implementation=None "
                    "picks and on the reference path").set_defaults(run=demo)
     for name in ("doctor", "info"):
-        sub.add_parser(name, help="versions, GPU, cuDNN and the extension: can the fused path "
-                       "run here, and if not, why" if name == "doctor" else "same as doctor"
-                       ).set_defaults(run=doctor)
+        p = sub.add_parser(name, help="versions, GPU, cuDNN and the extension: can the fused "
+                           "path run here, and if not, why" if name == "doctor"
+                           else "same as doctor")
+        p.add_argument("--verify", action="store_true", help=(
+            "check the loaded cuDNN on this GPU now: a conformance set of mods covering the "
+            "graph shapes scoremod emits, forward and dQ/dK/dV in bfloat16 and float16, "
+            "against the reference path (a minute or two). The verdict is kept in the cache "
+            "folder (<cache root>/cudnn-verdicts), keyed by cuDNN, frontend, GPU architecture "
+            "and scoremod version; implementation=None uses a cuDNN outside the validated "
+            "line only once its verdict passed. Exit status 0: passed, 1: failed or known to "
+            "be bad, 2: cannot check here"))
+        p.set_defaults(run=doctor)
     p = sub.add_parser("show", help="print a mod's canonical text, key and gradient")
     p.add_argument("expr", help='text form ("30.0 * tanh(score / 30.0)") or module:function')
     p.add_argument("--set", "-s", action="append", default=[], metavar="NAME=NUMBER",

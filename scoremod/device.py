@@ -28,6 +28,7 @@ class Device:
     kind: str  # jax's device_kind, e.g. "NVIDIA H200"
     family: int | None  # compute capability major of an NVIDIA GPU (9: Hopper), else None
     sm_count: int | None  # streaming multiprocessors of an NVIDIA GPU, else None
+    capability: str = ""  # compute capability of an NVIDIA GPU, e.g. "9.0"; else ""
 
 
 def current() -> Device:
@@ -39,14 +40,16 @@ def current() -> Device:
     except RuntimeError:
         return Device("none", "", None, None)
     family = sm_count = None
+    capability = ""
     if dev.platform == "gpu":
+        capability = str(getattr(dev, "compute_capability", ""))
         try:
-            family = int(str(getattr(dev, "compute_capability", "")).split(".")[0])
+            family = int(capability.split(".")[0])
         except ValueError:
             family = None
         count = getattr(dev, "core_count", None)
         sm_count = count if isinstance(count, int) and count > 0 else None
-    return Device(dev.platform, str(getattr(dev, "device_kind", "")), family, sm_count)
+    return Device(dev.platform, str(getattr(dev, "device_kind", "")), family, sm_count, capability)
 
 
 def available_memory() -> int | None:

@@ -100,17 +100,16 @@ def frontend_line() -> str:
 
     installed = _dist_version("nvidia-cudnn-frontend")
     if installed is None:
-        return (f"not installed: pip install --no-deps nvidia-cudnn-frontend=="
-                f"{support.CUDNN_FRONTEND} (or the [cuda13] / [cuda12] extra)")
+        return (f'not installed: pip install --no-deps "nvidia-cudnn-frontend'
+                f'{support.frontend_requirement()}" (or the [cuda13] / [cuda12] extra)')
     text = f"nvidia-cudnn-frontend {installed}"
-    if installed != support.CUDNN_FRONTEND:
-        text += f" (scoremod is built and validated with {support.CUDNN_FRONTEND})"
-    if kernels_ffi.available():
-        compiled = kernels_ffi.compiled_frontend_version()
-        if kernels_ffi.installed_frontend_version() != compiled:
-            text += (f"; MISMATCH: the extension was compiled against "
-                     f"{support.cudnn_version_text(compiled)} headers")
-    return text
+    encoded = kernels_ffi.encode_version(installed)
+    if encoded is None or not support.frontend_supported(encoded):
+        text += f" (NOT in the supported range {support.frontend_range_text()})"
+    elif installed != support.CUDNN_FRONTEND:
+        text += f" (validated: {support.CUDNN_FRONTEND})"
+    mismatch = kernels_ffi.frontend_mismatch() if kernels_ffi.available() else ""
+    return text + (f"; MISMATCH: {mismatch}" if mismatch else "")
 
 
 def extension_line() -> str:
@@ -125,31 +124,31 @@ def extension_line() -> str:
             f"{support.cudnn_version_text(kernels_ffi.compiled_frontend_version())})")
 
 
-def fused_verdict(cudnn_version: int | None = None) -> tuple[bool, str]:
+def fused_verdict() -> tuple[bool, str]:
     """(whether ``implementation=None`` takes the fused path here, a line saying so and why).
 
     Asked of plain bfloat16 attention at a small shape, so that only the
-    machine and the install are judged, not a mod.
+    machine and the install are judged, not a mod. A cuDNN not verified here
+    yet is reported, not checked (``scoremod doctor --verify`` checks it).
     """
     import jax.numpy as jnp
 
     import scoremod
+    from scoremod.lowering.cudnn import verify
 
     q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     try:
-        choice = scoremod.which_implementation(q, q, q)
+        with verify.deferred():
+            choice = scoremod.which_implementation(q, q, q)
     except Exception as e:  # noqa: BLE001 - report whatever breaks
         return False, f"cannot run here: {type(e).__name__}: {e}"
-    if choice.implementation == "xla":
+    if choice.implementation != "cudnn":  # the Pallas kernels or the reference path
         reason = choice.verdicts["cudnn"] or "the fused path was not chosen"
         if "not validated on this GPU family" in reason:
             return False, f'runs only when asked for (implementation="cudnn"): {reason}'
+        if "not verified on this GPU yet" in reason:
+            return False, f"not yet: {reason}"
         return False, f"cannot run here: {reason}"
-    if cudnn_version is not None and not support.cudnn_supported(cudnn_version):
-        return False, (f"runs, NOT VALIDATED: cuDNN {support.cudnn_version_text(cudnn_version)} "
-                       f"is loaded, scoremod is validated with cuDNN "
-                       f'{support.cudnn_range_text()}; pip install "scoremod[cuda13]" '
-                       "(or [cuda12]) installs it")
     return True, "runs here: implementation=None runs attention as fused cuDNN graphs"
 
 
@@ -205,6 +204,18 @@ def caches_line() -> str:
     return f"{plans}\n{compiled}"
 
 
+def cudnn_status() -> str:
+    """What the fused path's version check makes of the loaded cuDNN: validated,
+    verified here (passed or failed), not verified yet, known to be bad or outside
+    the supported range."""
+    from scoremod.lowering.cudnn import verify
+
+    try:
+        return verify.status_line()
+    except Exception as e:  # noqa: BLE001 - a bad SCOREMOD_* setting: say which
+        return f"cannot be judged: {type(e).__name__}: {e}"
+
+
 def report() -> list[tuple[str, str]]:
     """The doctor's findings as (label, text) rows, in order."""
     import jax
@@ -227,18 +238,69 @@ def report() -> list[tuple[str, str]]:
     if version is None:
         rows.append(("cuDNN", f"not loaded ({where}); scoremod supports {support.cudnn_range_text()}"))
     else:
-        verdict = ("supported" if support.cudnn_supported(version)
-                   else f"NOT in the supported range {support.cudnn_range_text()}")
-        rows.append(("cuDNN", f"{support.cudnn_version_text(version)} ({where}): {verdict}"))
+        rows.append(("cuDNN", f"{support.cudnn_version_text(version)} ({where}): "
+                              f"{cudnn_status()}"))
     rows.append(("cuDNN frontend", frontend_line()))
     rows.append(("extension", extension_line()))
-    rows.append(("fused path", fused_verdict(version)[1]))
+    rows.append(("fused path", fused_verdict()[1]))
     rows.append(("pallas kernels", pallas_verdict()))
     rows.append(("caches", caches_line()))
     return rows
 
 
-def main() -> int:
+def verify_main() -> int:
+    """``scoremod doctor --verify``: the conformance check of the loaded cuDNN on this
+    GPU, run now and recorded (0: passed, 1: failed or refused, 2: cannot run here)."""
+    import jax.numpy as jnp
+
+    from scoremod import device
+    from scoremod.attention import check_inputs
+    from scoremod.lowering import registry
+    from scoremod.lowering.cudnn import verify
+
+    def say(text):
+        print(f"scoremod doctor --verify: {text}", flush=True)
+
+    devices, why = gpus()
+    if not devices:
+        say(f"cannot check here: no GPU ({why})")
+        return 2
+    key = verify.current_key()
+    if key is None:
+        say(f"cannot check here: {loaded_cudnn_version()[1]}")
+        return 2
+    bad = verify.known_bad(key.cudnn, key.frontend, device.current().family)
+    if bad is not None:
+        say(f"not checked: {bad}")
+        return 1
+    if not support.cudnn_supported(key.cudnn):
+        say(f"not checked: cuDNN {support.version_text(key.cudnn)} is outside the supported "
+            f"range {support.cudnn_range_text()}")
+        return 2
+    q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    with verify.checking():  # the machine's checks only: the version is what is checked
+        why = registry.get("cudnn").why_not(check_inputs(q, q, q), None, automatic=False)
+    if why is not None:
+        say(f"cannot check here: {why}")
+        return 2
+    say(f"checking {key.text()} on {devices[0].device_kind}: {len(verify.CASES)} mods, forward "
+        f"and backward in {' and '.join(verify.DTYPES)}, against the reference path")
+    found = verify.check_and_record(key, progress=lambda r: print("  " + r.line(), flush=True))
+    say(f"{found.state.upper()} in {found.seconds:.0f} s: {found.summary()}")
+    where = verify.verdict_path(key)
+    say(f"verdict kept in {where}" if where and os.path.exists(where)
+        else "verdict kept for this process only (no cache folder: SCOREMOD_CACHE_DIR)")
+    if found.passed:
+        say("implementation=None runs the fused path with this cuDNN on this GPU")
+        return 0
+    say('implementation=None takes the next route; implementation="cudnn" runs the fused '
+        "path anyway, with a warning")
+    return 1
+
+
+def main(verify: bool = False) -> int:
+    if verify:
+        return verify_main()
     rows = report()
     width = max(len(label) for label, _ in rows) + 2
     for label, text in rows:

@@ -236,6 +236,14 @@ def jax_cache_dir() -> str | None:
     return os.path.join(root, "jax") if root is not None and _flag("SCOREMOD_JAX_CACHE", "0") else None
 
 
+def cudnn_verify_on_first_use() -> bool:
+    """``SCOREMOD_CUDNN_VERIFY`` (default 1): whether ``implementation=None`` checks a
+    cuDNN that is neither validated nor verified on this machine yet, once, at its
+    first automatic use (``lowering/cudnn/verify.py``); 0 leaves that to
+    ``scoremod doctor --verify`` and takes the next route until then."""
+    return _flag("SCOREMOD_CUDNN_VERIFY", "1")
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanCacheSettings:
     """Where built cuDNN graphs persist between processes (see ``lowering.cudnn.plan_store``).

@@ -104,7 +104,7 @@ def _warn(message: str) -> None:
 # --- who may write the folder -------------------------------------------------------
 
 
-def _not_yours_alone(st, what: str) -> str | None:
+def not_yours_alone(st, what: str) -> str | None:
     """Why a file or folder with ``os.stat`` result ``st`` is not yours alone, or None."""
     euid = os.geteuid() if hasattr(os, "geteuid") else None  # no owners to check elsewhere
     if euid is not None and st.st_uid != euid:
@@ -123,7 +123,7 @@ def folder_problem(directory: str) -> str | None:
     directory = os.path.abspath(directory)
     try:
         st = os.stat(directory)
-        problem = _not_yours_alone(st, "the folder")
+        problem = not_yours_alone(st, "the folder")
         if problem is not None:
             return problem
         parent = os.path.dirname(directory)
@@ -131,7 +131,7 @@ def folder_problem(directory: str) -> str | None:
     except OSError as e:
         return f"it cannot be read ({e})"
     if not pst.st_mode & stat.S_ISVTX:
-        problem = _not_yours_alone(pst, f"its parent {parent}")
+        problem = not_yours_alone(pst, f"its parent {parent}")
         if problem is not None:
             return problem
     return None
@@ -192,7 +192,7 @@ class SealedEntries:
         try:
             if not stat.S_ISREG(st.st_mode):
                 raise _Invalid("not a regular file")
-            problem = _not_yours_alone(st, "the file")
+            problem = not_yours_alone(st, "the file")
             if problem is not None:
                 raise _Invalid(problem)
             data = self._base.get(key)

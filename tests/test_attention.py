@@ -140,6 +140,8 @@ def _pretend_cudnn_is_here(monkeypatch):
 
     monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "pretend H100", 9, 132))
     monkeypatch.setattr(kernels_ffi, "available", lambda: True)
+    monkeypatch.setattr(kernels_ffi, "frontend_mismatch", lambda: "")
+    monkeypatch.setattr(kernels_ffi, "installed_frontend_version", lambda: 13200)
     monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
     monkeypatch.setattr(device, "loaded_cudnn_version", lambda: (91900, "pretend"))
 
@@ -369,6 +371,8 @@ def test_an_unvalidated_gpu_family_is_used_only_by_name(monkeypatch):
 
     monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "pretend", 10, 148))
     monkeypatch.setattr(kernels_ffi, "available", lambda: True)
+    monkeypatch.setattr(kernels_ffi, "frontend_mismatch", lambda: "")
+    monkeypatch.setattr(kernels_ffi, "installed_frontend_version", lambda: 13200)
     monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
     monkeypatch.setattr(device, "loaded_cudnn_version", lambda: (91900, "pretend"))
     q, k, v = _inputs(jnp.bfloat16)
@@ -377,8 +381,8 @@ def test_an_unvalidated_gpu_family_is_used_only_by_name(monkeypatch):
     assert registry.get("cudnn").why_not(Problem.of(q, k, v), None, automatic=False) is None
 
 
-@pytest.mark.parametrize("version", [91800, 92000, 92800])
-def test_a_cudnn_outside_the_validated_range_runs_only_by_name_with_a_warning(monkeypatch, version):
+@pytest.mark.parametrize("version", [91800, 100000])
+def test_a_cudnn_outside_the_supported_range_runs_only_by_name_with_a_warning(monkeypatch, version):
     import sys
     import types
     import warnings
@@ -388,13 +392,15 @@ def test_a_cudnn_outside_the_validated_range_runs_only_by_name_with_a_warning(mo
 
     monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "pretend", 9, 132))
     monkeypatch.setattr(kernels_ffi, "available", lambda: True)
+    monkeypatch.setattr(kernels_ffi, "frontend_mismatch", lambda: "")
+    monkeypatch.setattr(kernels_ffi, "installed_frontend_version", lambda: 13200)
     monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
     monkeypatch.setattr(device, "loaded_cudnn_version", lambda: (version, "pretend"))
     q, k, v = _inputs(jnp.bfloat16)
     text = f"{version // 10000}.{version // 100 % 100}.0"
     choice = scoremod.which_implementation(q, k, v)
     assert choice[0] == "xla" and f"cuDNN {text} is loaded" in choice[1]
-    assert "validated with cuDNN 9.19.x" in choice[1] and 'implementation="cudnn"' in choice[1]
+    assert "supports cuDNN >= 9.19.0, < 10.0.0" in choice[1] and 'implementation="cudnn"' in choice[1]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert registry.get("cudnn").why_not(Problem.of(q, k, v), None, automatic=False) is None

@@ -174,34 +174,42 @@ def test_doctor_gives_the_build_command_when_the_extension_is_missing(capsys, mo
         assert rows["fused path"].startswith("cannot run here")
 
 
-def test_doctor_flags_a_cudnn_outside_the_supported_range(monkeypatch):
+def test_doctor_says_whether_implementation_none_takes_the_fused_path(monkeypatch):
     import scoremod
 
     from scoremod.attention import Choice
 
     monkeypatch.setattr(scoremod, "which_implementation",
                         lambda q, k, v: Choice("cudnn", "cudnn: takes it", {"cudnn": None}))
-    low, high = support.CUDNN_SUPPORTED
-    ok, line = doctor.fused_verdict(low)
-    assert ok and line.startswith("runs here") and doctor.fused_verdict(None) == (ok, line)
-    ok, line = doctor.fused_verdict(high)
-    assert not ok and line.startswith("runs, NOT VALIDATED")
-    assert support.cudnn_version_text(high) in line and support.cudnn_range_text() in line
-    assert not doctor.fused_verdict(low - 100)[0]
+    ok, line = doctor.fused_verdict()
+    assert ok and line.startswith("runs here")
     monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: Choice(
         "xla", "xla: no faster backend", {"cudnn": "no GPU here"}))
-    assert doctor.fused_verdict(low) == (False, "cannot run here: no GPU here")
+    assert doctor.fused_verdict() == (False, "cannot run here: no GPU here")
+    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: Choice(
+        "pallas", "pallas: cudnn refuses", {"cudnn": "a reason"}))
+    assert doctor.fused_verdict() == (False, "cannot run here: a reason")
     monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: Choice(
         "xla", "xla: ...", {"cudnn": "the fused path is not validated on this GPU family; ask "
                                      "for it by name"}))
-    assert doctor.fused_verdict(low)[1].startswith('runs only when asked for (implementation="cudnn")')
+    assert doctor.fused_verdict()[1].startswith('runs only when asked for (implementation="cudnn")')
+    monkeypatch.setattr(scoremod, "which_implementation", lambda q, k, v: Choice(
+        "pallas", "pallas: ...", {"cudnn": "cuDNN 9.27.0 ... not verified on this GPU yet; "
+                                           "`scoremod doctor --verify` checks it"}))
+    assert doctor.fused_verdict()[1].startswith("not yet: cuDNN 9.27.0")
 
 
 def test_supported_cudnn_range():
-    assert support.cudnn_supported(91900) and support.cudnn_supported(91902)
-    assert not support.cudnn_supported(91800) and not support.cudnn_supported(92000)
-    assert support.cudnn_range_text() == "9.19.x"
+    assert support.cudnn_supported(91900) and support.cudnn_supported(92700)
+    assert not support.cudnn_supported(91800) and not support.cudnn_supported(100000)
+    assert support.cudnn_validated(91902) and not support.cudnn_validated(92000)
+    assert support.cudnn_range_text() == ">= 9.19.0, < 10.0.0"
+    assert support.cudnn_validated_text() == "9.19.x"
     assert support.cudnn_version_text(92701) == "9.27.1"
+    assert support.frontend_supported(13200) and support.frontend_supported(13999)
+    assert not support.frontend_supported(13199) and not support.frontend_supported(20000)
+    assert (support.cudnn_requirement(), support.frontend_requirement()) == (">=9.19,<10",
+                                                                             ">=1.32,<2")
 
 
 def test_show_into_a_closed_pipe_exits_quietly():
@@ -221,7 +229,8 @@ def test_doctor_on_a_gpu(capsys):
     rows = _rows(capsys.readouterr().out)
     assert "compute capability" in rows["GPU 0"]
     version = rows["cuDNN"].split()[0]
-    assert rows["cuDNN"].endswith(": supported"), rows["cuDNN"]
+    assert rows["cuDNN"].endswith(": validated") or ": verified on this GPU: PASSED" in \
+        rows["cuDNN"], rows["cuDNN"]
     assert support.cudnn_supported(kernels_ffi.encode_version(version))
     assert rows["extension"].startswith("built, loads: ")
     assert rows["fused path"].startswith("runs here"), rows["fused path"]

@@ -81,9 +81,15 @@ def test_install_page_pins_what_the_build_uses():
     from scoremod.kernels_ffi import find_headers
 
     text = (ROOT / "docs" / "install.md").read_text()
-    pins = set(re.findall(r"(nvidia-[\w-]+==[\w.]+)", text))
-    assert set(find_headers.HEADER_PACKAGES_BY_CUDA[13]) <= pins  # the offline route
-    assert pins <= set(find_headers.HEADER_PACKAGES_BY_CUDA[13]), pins - set(
-        find_headers.HEADER_PACKAGES_BY_CUDA[13])
-    assert support.cudnn_range_text() in text
+    pins = dict(re.findall(r"(nvidia-[\w-]+)==([\w.]+)", text))
+    wanted = dict(re.fullmatch(r"(nvidia-[a-z0-9-]+)(.+)", r).groups()
+                  for r in find_headers.HEADER_PACKAGES_BY_CUDA[13])
+    assert set(pins) == set(wanted), set(pins) ^ set(wanted)  # the offline route, each package
+    for name, version in pins.items():
+        if name == find_headers.FRONTEND_PACKAGE:  # a version of the range the build takes
+            assert find_headers.frontend_in_range(tuple(map(int, version.split(".")))), version
+        else:
+            assert wanted[name] == f"=={version}", name
+    assert find_headers.FRONTEND_REQUIREMENT in text
+    assert support.cudnn_range_text() in text and support.cudnn_requirement() in text
     assert "SCOREMOD_CUDA=13 python -m pip install --no-deps -e ." in text

@@ -284,16 +284,47 @@ def test_install_extras_pin_what_the_project_supports(major):
     from scoremod import support
 
     extra = _pyproject()["project"]["optional-dependencies"][f"cuda{major}"]
-    low, high = support.CUDNN_SUPPORTED
-    assert f"nvidia-cudnn-cu{major}>={low // 10000}.{low // 100 % 100},<" \
-           f"{high // 10000}.{high // 100 % 100}" in extra
-    assert f"nvidia-cudnn-frontend=={support.CUDNN_FRONTEND}" in extra
+    assert support.cudnn_requirement() == ">=9.19,<10"
+    assert f"nvidia-cudnn-cu{major}{support.cudnn_requirement()}" in extra
+    assert f"nvidia-cudnn-frontend{support.frontend_requirement()}" in extra
     assert any(r.startswith(f"jax[cuda{major}]") for r in extra)
-    # the headers the extension compiles against are of the same versions
+    # the headers the extension compiles against: the same frontend range, the
+    # validated cuDNN line
     headers = find_headers.HEADER_PACKAGES_BY_CUDA[major]
-    assert f"nvidia-cudnn-frontend=={support.CUDNN_FRONTEND}" in headers
+    assert f"nvidia-cudnn-frontend{support.frontend_requirement()}" in headers
+    assert find_headers.FRONTEND_REQUIREMENT in headers
     cudnn = next(h for h in headers if h.startswith("nvidia-cudnn-jit"))
-    assert support.cudnn_supported(kernels_ffi.encode_version(cudnn.split("==")[1]))
+    assert support.cudnn_validated(kernels_ffi.encode_version(cudnn.split("==")[1]))
+
+
+def test_the_build_checks_the_frontend_range_the_project_supports(tmp_path):
+    from scoremod import support
+
+    low, high = (kernels_ffi.encode_version(".".join(map(str, v)))
+                 for v in find_headers.FRONTEND_RANGE)
+    assert (low, high) == support.CUDNN_FRONTEND_SUPPORTED
+    assert kernels_ffi.encode_version(support.CUDNN_FRONTEND) >= low
+    for version, taken in (("1.32.0", True), ("1.40.2", True), ("1.31.9", False),
+                           ("2.0.0", False)):
+        include = tmp_path / version / "include"
+        _touch(include, "cudnn_frontend.h", "cudnn_frontend/graph_interface.h")
+        major, minor, patch = version.split(".")
+        (include / "cudnn_frontend_version.h").write_text(
+            f"#define CUDNN_FRONTEND_MAJOR_VERSION {major}\n"
+            f"#define CUDNN_FRONTEND_MINOR_VERSION {minor}\n"
+            f"#define CUDNN_FRONTEND_PATCH_VERSION {patch}\n")
+        hs = find_headers.find_cudnn_frontend([(str(tmp_path / version), "sys.path")])
+        assert hs.found == taken, (version, hs.tried)
+        if taken:
+            assert hs.version == version
+        else:
+            assert "outside the supported range" in hs.tried[0]
+        # the build pins the headers to the installed Python package when it is in range
+        (tmp_path / version / f"nvidia_cudnn_frontend-{version}.dist-info").mkdir()
+        found = find_headers.installed_frontend([(str(tmp_path / version), "target environment")])
+        assert found == tuple(map(int, version.split(".")))
+        assert find_headers.frontend_requirement(found) == (
+            f"nvidia-cudnn-frontend=={version}" if taken else find_headers.FRONTEND_REQUIREMENT)
 
 
 def test_build_backend_picks_header_packages_by_cuda_major():
@@ -301,11 +332,16 @@ def test_build_backend_picks_header_packages_by_cuda_major():
     build = _pyproject()["build-system"]
     assert build["build-backend"] == "scoremod_build" and build["backend-path"] == ["build_backend"]
     no_driver, driver = (lambda: None), (lambda: 580)
+    none, installed = (lambda: None), (lambda: (1, 33, 2))
     assert backend.header_requirements({}, no_driver) == []  # a CPU machine: light
-    assert backend.header_requirements({"SCOREMOD_CUDA": "13"}, no_driver) == \
+    assert backend.header_requirements({"SCOREMOD_CUDA": "13"}, no_driver, none) == \
         list(find_headers.HEADER_PACKAGES_BY_CUDA[13])
-    assert backend.header_requirements({"SCOREMOD_CUDA": "12"}, driver) == \
+    assert backend.header_requirements({"SCOREMOD_CUDA": "12"}, driver, none) == \
         list(find_headers.HEADER_PACKAGES_BY_CUDA[12])
+    # the frontend headers of the version the target environment has installed
+    pinned = backend.header_requirements({"SCOREMOD_CUDA": "13"}, driver, installed)
+    assert pinned[0] == "nvidia-cudnn-frontend==1.33.2"
+    assert pinned[1:] == list(find_headers.HEADER_PACKAGES_BY_CUDA[13][1:])
     assert backend.cuda_major({}, driver) == 13
     assert backend.cuda_major({}, lambda: 570) == 12
     assert backend.cuda_major({"SCOREMOD_CUDA": "0"}, driver) is None
@@ -485,3 +521,23 @@ def test_handler_deserializes_once_per_device(ffi):
     # must get its own deserialization, never device 0's plan.
     assert added[1] == 1, added
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_any_supported_frontend_runs_when_the_package_matches_the_headers(monkeypatch):
+    """Not one exact version: the Python package must be the version of the headers
+    compiled in, whichever that is; the fused path asks before it builds a graph."""
+
+    class Extension:  # compiled against frontend 1.33.5 headers
+        def scoremod_ffi_compiled_frontend_version(self):
+            return 13305
+
+    monkeypatch.setattr(kernels_ffi, "_load", lambda: Extension())
+    monkeypatch.setattr(kernels_ffi, "installed_frontend_version", lambda: 13305)
+    assert kernels_ffi.frontend_mismatch() == ""
+    monkeypatch.setattr(kernels_ffi, "installed_frontend_version", lambda: 13200)
+    why = kernels_ffi.frontend_mismatch()
+    assert why.startswith("cuDNN frontend mismatch: graphs come from the Python package 1.32.0")
+    assert "compiled against 1.33.5 headers" in why and "nvidia-cudnn-frontend==1.33.5" in why
+    monkeypatch.setattr(kernels_ffi, "installed_frontend_version", lambda: None)
+    assert "not installed; pip install --no-deps nvidia-cudnn-frontend==1.33.5" in \
+        kernels_ffi.frontend_mismatch()

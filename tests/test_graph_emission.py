@@ -155,3 +155,45 @@ def test_float_and_int_scalars_travel_as_their_bits():
 
     assert cg._scalar_bits(ir.const(1.0, ir.F32)) == int(np.float32(1.0).view(np.int32))
     assert cg._scalar_bits(ir.const(-3, ir.I32)) == -3
+
+
+class EngineGraph(FakeGraph):
+    """A graph whose planning may land on a Python SDPA engine (``engine``)."""
+
+    engine = None
+
+    def deselect_engines(self, names):
+        self.rec.calls.append(("deselect_engines", list(names)))
+
+    def check_support(self):
+        self.rec.calls.append(("check_support", []))
+        self.selected_engine = self.engine
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_python_engines_that_drop_the_score_mod_are_excluded_and_refused(recorder, direction):
+    """Frontend 1.31 and later may serve an SDPA graph with a Python engine
+    (sdpa_fwd_prefill_sm100 on Blackwell) that drops the score_mod without an
+    error. The builders exclude those engines before planning, and refuse a
+    graph on which one was chosen all the same."""
+    part = Plan(scoremod.parse("30.0 * tanh(score / 30.0)"), Problem(
+        2, 128, 128, 4, 2, 64, 64, "bfloat16"), 0.125, scoremod.LoweringOptions()).parts[0]
+
+    def build():
+        if direction == "forward":
+            return cg.build_forward(part.fwd, part.fwd_spec, part.fwd_consts,
+                                    [l.node for l in part.fwd_loads], part.describe)
+        return cg.build_backward(part.fwd, part.bwd, part.spec, part.consts,
+                                 [l.node for l in part.loads], part.describe)
+
+    sys.modules["cudnn"].pygraph = lambda **kw: EngineGraph(recorder)
+    build()
+    steps = [(n, kw) for n, kw in recorder.calls if n in ("deselect_engines", "check_support")]
+    assert [n for n, _ in steps] == ["deselect_engines", "check_support"]
+    assert {"sdpa_fwd", "sdpa_bwd", "sdpa_prefill"} <= set(steps[0][1])
+    EngineGraph.engine = types.SimpleNamespace(name="sdpa_fwd_prefill_sm100")
+    try:
+        with pytest.raises(scoremod.ScoreModError, match="python engine 'sdpa_fwd_prefill_sm100'"):
+            build()
+    finally:
+        EngineGraph.engine = None

@@ -35,7 +35,8 @@ def h200(monkeypatch):
     monkeypatch.setattr(device, "current", lambda: H200)
     monkeypatch.setattr(kernels_ffi, "available", lambda: True)
     monkeypatch.setattr(cudnn_backend, "_frontend_installed", lambda: True)
-    monkeypatch.setattr(cudnn_backend, "_unvalidated_cudnn", lambda: None)
+    monkeypatch.setattr(kernels_ffi, "frontend_mismatch", lambda: "")
+    monkeypatch.setattr(cudnn_backend.verify, "refusal", lambda automatic: None)
     monkeypatch.setattr(route_module, "_WARNED", set())
     ran = []
     api = __import__("importlib").import_module("scoremod.attention")

@@ -27,10 +27,11 @@ Public API
 ``call(...)``
     Builds and applies the ``jax.ffi.ffi_call``; the contract is in its
     docstring.
-``compiled_frontend_version()``, ``installed_frontend_version()``
-    The cuDNN frontend version compiled into the extension, and the version
-    of the Python ``cudnn`` package; :func:`call` refuses to run when they
-    differ (a mismatched Python package vs. headers is a known source of bugs).
+``compiled_frontend_version()``, ``installed_frontend_version()``, ``frontend_mismatch()``
+    The cuDNN frontend version compiled into the extension, the version of
+    the Python ``cudnn`` package, and why they differ; any supported frontend
+    version runs when the two are equal, and :func:`call` refuses to run when
+    they differ (a serialized graph is read by the headers' version).
 ``hash_graph()``, ``float32_bits()``, ``int32_bits()``, ``encode_version()``
     Helpers to produce ``graph_id`` and ``scalar_bits`` values and version
     numbers (the graph builder uses these too: one definition of each).
@@ -74,6 +75,7 @@ __all__ = [
     "compiled_cudnn_version",
     "compiled_cudart_version",
     "installed_frontend_version",
+    "frontend_mismatch",
     "encode_version",
     "hash_graph",
     "float32_bits",
@@ -269,6 +271,32 @@ def installed_frontend_version() -> int | None:
 
 def _version_text(v: int) -> str:
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+def _mismatch_text(installed: int, compiled: int) -> str:
+    return (f"cuDNN frontend mismatch: graphs come from the Python package "
+            f"{_version_text(installed)}, the scoremod extension was compiled against "
+            f"{_version_text(compiled)} headers. Install nvidia-cudnn-frontend=="
+            f"{_version_text(compiled)} or rebuild scoremod: {build_command()}")
+
+
+def frontend_mismatch() -> str:
+    """Why the installed cuDNN frontend cannot build graphs for this extension, or ``""``.
+
+    Any frontend version works whose Python package is the version of the C++
+    headers the extension was compiled against (the build accepts headers in
+    ``scoremod.support.CUDNN_FRONTEND_SUPPORTED``); the two must be equal, as a
+    graph serialized by one version is read by the other. Never raises."""
+    lib = _load()
+    if lib is None:
+        return unavailable_reason()
+    compiled = int(lib.scoremod_ffi_compiled_frontend_version())
+    installed = installed_frontend_version()
+    if installed is None:
+        return ("the cuDNN frontend Python package is not installed; pip install --no-deps "
+                f"nvidia-cudnn-frontend=={_version_text(compiled)} (the version of the headers "
+                "the extension was compiled against)")
+    return "" if installed == compiled else _mismatch_text(installed, compiled)
 
 
 # --------------------------------------------------------------------------- #
@@ -533,11 +561,7 @@ def call(
             "cannot tell which cuDNN frontend built this graph: the `cudnn` package "
             "(nvidia-cudnn-frontend) is not installed; pass frontend_version=")
     if fv != compiled:
-        raise CudnnUnavailableError(
-            f"cuDNN frontend mismatch: graphs come from the Python package "
-            f"{_version_text(fv)}, the scoremod extension was compiled against "
-            f"{_version_text(compiled)} headers. Install nvidia-cudnn-frontend=="
-            f"{_version_text(compiled)} or rebuild scoremod: {build_command()}")
+        raise CudnnUnavailableError(_mismatch_text(fv, compiled))
 
     result_types = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_shapes]
     result_types.append(jax.ShapeDtypeStruct((max(workspace_size, 1),), jnp.uint8))

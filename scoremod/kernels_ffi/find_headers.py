@@ -51,15 +51,23 @@ import sys
 import sysconfig
 from dataclasses import asdict, dataclass, field
 
+#: The cuDNN frontend versions whose headers the extension compiles against,
+#: ``low <= version < high`` (scoremod.support.CUDNN_FRONTEND_SUPPORTED, which
+#: a test keeps equal): headers outside it are not used.
+FRONTEND_RANGE = ((1, 32, 0), (2, 0, 0))
+FRONTEND_PACKAGE = "nvidia-cudnn-frontend"
+FRONTEND_REQUIREMENT = FRONTEND_PACKAGE + ">=1.32,<2"
+
 #: The pip packages that provide every header set on a machine without a CUDA
-#: toolkit, per CUDA major: the cuDNN frontend (the version of the Python
-#: ``cudnn`` package, scoremod.support.CUDNN_FRONTEND), cuDNN 9.19 and the CUDA
-#: runtime headers. Only their headers are compiled against (nothing is
-#: linked, no GPU is needed). The isolated build installs the set that
-#: ``SCOREMOD_CUDA`` selects (``build_backend/scoremod_build.py``).
+#: toolkit, per CUDA major: the cuDNN frontend (any version of the supported
+#: range; the build pins the one the target environment has, see
+#: :func:`frontend_requirement`), cuDNN 9.19 and the CUDA runtime headers.
+#: Only their headers are compiled against (nothing is linked, no GPU is
+#: needed). The isolated build installs the set that ``SCOREMOD_CUDA``
+#: selects (``build_backend/scoremod_build.py``).
 HEADER_PACKAGES_BY_CUDA = {
     13: (
-        "nvidia-cudnn-frontend==1.32.0",
+        FRONTEND_REQUIREMENT,
         "nvidia-cudnn-jit-cu13==9.19.0.56",
         "nvidia-cuda-runtime==13.0.88",
         "nvidia-cuda-crt==13.0.88",
@@ -67,7 +75,7 @@ HEADER_PACKAGES_BY_CUDA = {
         "nvidia-cuda-nvrtc==13.0.88",
     ),
     12: (
-        "nvidia-cudnn-frontend==1.32.0",
+        FRONTEND_REQUIREMENT,
         "nvidia-cudnn-jit-cu12==9.19.0.56",
         "nvidia-cuda-runtime-cu12==12.9.79",
         "nvidia-cuda-nvcc-cu12==12.9.86",  # crt/host_defines.h
@@ -248,21 +256,66 @@ def find_jaxlib(sites) -> HeaderSet:
     return hs
 
 
+def frontend_in_range(version: tuple) -> bool:
+    """Whether a frontend version (major, minor, patch) is in :data:`FRONTEND_RANGE`."""
+    low, high = FRONTEND_RANGE
+    return low <= tuple(version) < high
+
+
+def _frontend_header_version(d: str) -> tuple[int, int, int] | None:
+    text = _read(os.path.join(d, "cudnn_frontend_version.h"))
+    parts = [_define(text, f"CUDNN_FRONTEND_{p}_VERSION") for p in ("MAJOR", "MINOR", "PATCH")]
+    return None if None in parts else tuple(parts)  # type: ignore[return-value]
+
+
+def installed_frontend(sites=None) -> tuple[int, int, int] | None:
+    """The version of the ``nvidia-cudnn-frontend`` installed in the environment being
+    built for (read from its ``.dist-info`` folder, nothing imported), or None. When
+    pip asks for the build requirements, the isolated build environment holds only
+    the build system's own, so any one found is the target environment's."""
+    sites = site_dirs() if sites is None else sites
+    for d, _ in sites:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            m = re.fullmatch(r"nvidia_cudnn_frontend-(\d+)\.(\d+)\.(\d+)\.dist-info", name)
+            if m:
+                return tuple(int(x) for x in m.groups())  # type: ignore[return-value]
+    return None
+
+
+def frontend_requirement(installed: tuple | None) -> str:
+    """The frontend headers the build installs: the target environment's version
+    where it is in range (the extension must match it), else the range."""
+    if installed is not None and frontend_in_range(installed):
+        return f"{FRONTEND_PACKAGE}=={'.'.join(map(str, installed))}"
+    return FRONTEND_REQUIREMENT
+
+
 def find_cudnn_frontend(sites) -> HeaderSet:
     hs = HeaderSet("cudnn_frontend", "cuDNN frontend headers (cudnn_frontend.h)",
                    "SCOREMOD_CUDNN_FRONTEND_INCLUDE_DIR",
-                   fix=f"python -m pip install --no-deps {HEADER_PACKAGES[0]} "
+                   fix=f'python -m pip install --no-deps "{HEADER_PACKAGES[0]}" '
                        "(the same version as the Python `cudnn` package you build graphs with)")
     env = _env_dirs(hs.env_var)
     cands = ([(d, hs.env_var) for d in env] if env is not None else
              [(os.path.join(s, "include"), o) for s, o in sites])
+
+    def check(d):
+        v = _frontend_header_version(d)
+        if v is None:
+            return "cannot parse CUDNN_FRONTEND_MAJOR_VERSION from cudnn_frontend_version.h"
+        if not frontend_in_range(v):
+            return (f"cuDNN frontend {'.'.join(map(str, v))} is outside the supported range "
+                    f"({FRONTEND_REQUIREMENT})")
+        return ""
+
     _first_complete(hs, cands, ["cudnn_frontend.h", "cudnn_frontend_version.h",
-                                "cudnn_frontend/graph_interface.h"])
+                                "cudnn_frontend/graph_interface.h"], check)
     if hs.found:
-        text = _read(os.path.join(hs.include_dirs[0], "cudnn_frontend_version.h"))
-        parts = [_define(text, f"CUDNN_FRONTEND_{p}_VERSION") for p in ("MAJOR", "MINOR", "PATCH")]
-        if None not in parts:
-            hs.version = ".".join(str(p) for p in parts)
+        hs.version = ".".join(map(str, _frontend_header_version(hs.include_dirs[0])))
     return hs
 
 

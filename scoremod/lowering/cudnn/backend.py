@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 from scoremod import device, kernels_ffi, support
 from scoremod.errors import CudnnUnavailableError, ScoreModError
 from scoremod.lowering.backend import Backend
-from scoremod.lowering.cudnn import rules
+from scoremod.lowering.cudnn import rules, verify
 from scoremod.lowering.cudnn.plan import plan_for
 
 # Architecture families (compute capability major) where score_mod graphs were
@@ -59,17 +58,17 @@ class Cudnn(Backend):
         if not kernels_ffi.available():
             return kernels_ffi.unavailable_reason()
         if not _frontend_installed():
+            wanted = support.version_text(kernels_ffi.compiled_frontend_version())
             return ("the cuDNN frontend Python package is not installed; pip install --no-deps "
-                    f"nvidia-cudnn-frontend=={support.CUDNN_FRONTEND} (docs/install.md)")
+                    f"nvidia-cudnn-frontend=={wanted} (the version the extension was compiled "
+                    "against; docs/install.md)")
+        mismatch = kernels_ffi.frontend_mismatch()
+        if mismatch:
+            return mismatch
         if automatic and family not in VALIDATED_FAMILIES:
             return (f"the fused path is not validated on this GPU family (sm_{family}x); "
                     "ask for it by name: implementation=\"cudnn\"")
-        unvalidated = _unvalidated_cudnn()
-        if unvalidated is not None:
-            if automatic:
-                return unvalidated + "; ask for it by name to run it anyway: implementation=\"cudnn\""
-            _warn_once(unvalidated + "; running it because implementation=\"cudnn\" asked for it")
-        return None
+        return verify.refusal(automatic)
 
     def plan(self, problem, mod, scale, options, return_lse):
         return plan_for(mod, problem, scale, options)
@@ -135,28 +134,6 @@ def _frontend_installed() -> bool:
         return importlib.util.find_spec("cudnn") is not None
     except (ImportError, ValueError):
         return False
-
-
-def _unvalidated_cudnn() -> str | None:
-    """Why the loaded cuDNN is outside the validated range (None: inside it).
-
-    The lowering's rules (what cuDNN accepts, and where it is silently wrong)
-    were measured on one cuDNN line; another version may differ in both.
-    """
-    version, _ = device.loaded_cudnn_version()
-    if version is None or support.cudnn_supported(version):
-        return None
-    return (f"cuDNN {support.cudnn_version_text(version)} is loaded, but scoremod's fused path is "
-            f"validated with cuDNN {support.cudnn_range_text()} only (docs/install.md)")
-
-
-_WARNED: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(f"scoremod: {message}", stacklevel=5)
 
 
 def _forward_outputs(b, sq, hq, dv, dtype):
