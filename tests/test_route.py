@@ -138,7 +138,8 @@ def test_a_cudnn_call_passes_few_frames_and_plans_once(monkeypatch):
     monkeypatch.setattr(device, "current", lambda: H200)
     monkeypatch.setattr(kernels_ffi, "available", lambda: True)
     monkeypatch.setattr(cudnn_backend, "_frontend_installed", lambda: True)
-    monkeypatch.setattr(cudnn_backend, "_unvalidated_cudnn", lambda: None)
+    monkeypatch.setattr(kernels_ffi, "frontend_mismatch", lambda: "")
+    monkeypatch.setattr(cudnn_backend.verify, "refusal", lambda automatic: None)
     seen, plans = {}, []
     real_plan = type(CUDNN).plan
 
