@@ -266,20 +266,24 @@ def run_case(case: Case, dtype: str, implementation: str) -> tuple:
     ``scoremod.attention`` with ``implementation``; computed now, also when
     called while a program is being traced."""
     attention = _API["attention"]
+    # The inputs and the mod's arrays as values, also inside a trace; the step is
+    # compiled and run as its own program (under ensure_compile_time_eval its
+    # kernels' own arrays would become constants, which custom_partitioning refuses).
     with jax.ensure_compile_time_eval():
-        q, k, v, do = case.inputs(dtype)
+        q, k, v, do = (np.asarray(x) for x in case.inputs(dtype))
         mod = case.mod()
 
-        def step(q, k, v, do):
-            def f(q, k, v):
-                o, lse = attention(q, k, v, mod, implementation=implementation,
-                                   return_lse=True, options=case.options)
-                return o, jax.lax.stop_gradient(lse)  # the fused path does not differentiate it
+    def step(q, k, v, do):
+        def f(q, k, v):
+            o, lse = attention(q, k, v, mod, implementation=implementation,
+                               return_lse=True, options=case.options)
+            return o, jax.lax.stop_gradient(lse)  # the fused path does not differentiate it
 
-            (o, lse), vjp = jax.vjp(f, q, k, v)
-            return (o, lse, *vjp((do, jnp.zeros_like(lse))))
+        (o, lse), vjp = jax.vjp(f, q, k, v)
+        return (o, lse, *vjp((do, jnp.zeros_like(lse))))
 
-        return tuple(np.asarray(x, np.float32) for x in jax.jit(step)(q, k, v, do))
+    compiled = jax.jit(step).lower(q, k, v, do).compile()
+    return tuple(np.asarray(x, np.float32) for x in compiled(q, k, v, do))
 
 
 def relative_error(got, want) -> float:
