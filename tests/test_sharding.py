@@ -108,7 +108,11 @@ def _step(impl, mod):
     return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
-def _close(got, want, tol=1e-5):
+def _close(got, want, tol=5e-5):
+    # float32, relative to the largest entry: the sharded program's per-device dots
+    # and sums run in another order than the whole one's (jax 0.12's CPU XLA differs by
+    # up to 1.9e-5 here, 0.10's by less than 1e-5); a shard reading the wrong rows,
+    # heads or index offsets is off by O(1).
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         g, w = np.asarray(g), np.asarray(w)
         assert np.max(np.abs(g - w)) <= tol * (1 + np.max(np.abs(w))), np.max(np.abs(g - w))
