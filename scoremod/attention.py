@@ -136,18 +136,6 @@ def _empty_call(asked, problem, mod, traced_scale, options, return_lse):
     return (o, lse) if return_lse else o
 
 
-def fold_low_rank_bias(query, key, value, mod, problem, scale):
-    """``(query, key, mod, problem)`` with a low-rank additive bias of ``mod``
-    moved into extra head-dim columns of q and k (``lowering.lowrank``), or
-    as given when the mod has none that can move."""
-    found = lowrank.find(mod, problem, scale)
-    if not isinstance(found, lowrank.LowRank):
-        return query, key, mod, problem
-    operands = dict(zip(mod.operand_names, (jnp.asarray(x) for x in mod.operands)))
-    query, key = lowrank.augment(found, query, key, operands, scale)
-    return query, key, found.mod, check_inputs(query, key, value)
-
-
 def which_implementation(query, key, value, score_mod=None, *, scale=None, implementation=None,
                          return_lse=False, options: LoweringOptions | None = None) -> Choice:
     """``(implementation, reason)``: the backend ``attention`` called with the same

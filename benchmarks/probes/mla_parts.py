@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ffi_overhead import time_jax  # noqa: E402
 
 import scoremod  # noqa: E402
-from scoremod.attention import fold_low_rank_bias  # noqa: E402
+from scoremod.lowering import lowrank  # noqa: E402
 from scoremod.lowering.cudnn import graph as cudnn_graph  # noqa: E402
 from scoremod.lowering.problem import Problem  # noqa: E402
 
@@ -39,7 +39,9 @@ def main(argv=None):
         q_pe[bi, qi, hi].astype(jnp.float32), k_pe[bi, ki].astype(jnp.float32)), -jnp.inf))
     causal = scoremod.trace(lambda sc, bi, hi, qi, ki: jnp.where(qi >= ki, sc, -jnp.inf))
     scale = 1.0 / math.sqrt(d)
-    fold = jax.jit(lambda q, k: fold_low_rank_bias(q, k, v, mla, Problem.of(q, k, v), scale)[:2])
+    found = lowrank.find(mla, Problem.of(q, k, v), scale)  # what the route moves into q and k
+    operands = dict(zip(mla.operand_names, (jnp.asarray(x) for x in mla.operands)))
+    fold = jax.jit(lambda q, k: lowrank.augment(found, q, k, operands, scale))
     qa, ka = jax.block_until_ready(fold(q, k))
     print(f"augmented q {qa.shape} k {ka.shape}")
 
