@@ -563,27 +563,26 @@ def verdict(key: Key) -> Verdict | None:
 
 
 @contextlib.contextmanager
+def _flag(name):
+    """This thread's flag ``name`` set within the block (restored after: blocks nest)."""
+    before = getattr(_PROCESS.local, name, False)
+    setattr(_PROCESS.local, name, True)
+    try:
+        yield
+    finally:
+        setattr(_PROCESS.local, name, before)
+
+
 def checking():
     """Calls made by the check itself: the version check lets named ones run quietly
     and keeps ``implementation=None`` away from the version being checked."""
-    before = getattr(_PROCESS.local, "verifying", False)
-    _PROCESS.local.verifying = True
-    try:
-        yield
-    finally:
-        _PROCESS.local.verifying = before
+    return _flag("verifying")
 
 
-@contextlib.contextmanager
 def deferred():
     """Within it, an unverified cuDNN is passed over instead of checked (the
     doctor's report asks what runs without starting a check)."""
-    before = getattr(_PROCESS.local, "deferred", False)
-    _PROCESS.local.deferred = True
-    try:
-        yield
-    finally:
-        _PROCESS.local.deferred = before
+    return _flag("deferred")
 
 
 def check_and_record(key: Key, run=None, cases=None, progress=None) -> Verdict:
