@@ -10,6 +10,11 @@ SCOREMOD_TEST_TIMEOUT=<seconds> (set by tests/gpu/run.sh) ends a test that
 runs longer: the stacks of all threads go to stderr and the process exits, so
 that one hang cannot stall a whole run (under pytest-xdist the worker is
 replaced and the test reported as failed).
+
+SCOREMOD_TEST_PROFILE=1 (set by tests/gpu/run.sh) records in each test's JUnit
+properties where its time went: JAX's tracing (cuDNN graphs are built then),
+lowering (Pallas kernels are generated then) and XLA's compile, and scoremod's
+cuDNN graph builds, in seconds (``python -m tests.gpu.junit profile RUN.xml``).
 """
 
 import faulthandler
@@ -33,6 +38,11 @@ NO_GPU = "needs an NVIDIA GPU (`python -m pytest -m gpu` runs these on one)"
 NO_FFI = "needs the FFI extension, not built here (`scoremod doctor` says why)"
 _TIMEOUT = float(os.environ.get("SCOREMOD_TEST_TIMEOUT", "0") or 0)
 _stderr = None  # the real stderr, kept while tests run with their output captured
+_PROFILE = os.environ.get("SCOREMOD_TEST_PROFILE") == "1"
+_spent: dict = {}  # JAX compile event -> seconds, in the test running now
+_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+           "/jax/core/compile/backend_compile_duration": "compile_s"}
 
 
 def pytest_configure(config):
@@ -40,6 +50,11 @@ def pytest_configure(config):
     if _TIMEOUT > 0 and _stderr is None:
         # Output capture is suspended here, so fd 2 is still the terminal or log.
         _stderr = os.fdopen(os.dup(sys.__stderr__.fileno()), "w")
+    if _PROFILE:
+        def spent(event, seconds, **_):
+            if event in _EVENTS:
+                _spent[_EVENTS[event]] = _spent.get(_EVENTS[event], 0.0) + seconds
+        jax.monitoring.register_event_duration_secs_listener(spent)
 
 
 @functools.cache
@@ -59,6 +74,9 @@ def has_ffi():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    if _PROFILE:  # the profile's start
+        _spent.clear()
+        item._cudnn_seconds = _cudnn_build_seconds()
     if "gpu" in item.keywords and not has_gpu():
         pytest.skip(NO_GPU)
     if "ffi" in getattr(item, "fixturenames", ()) and not has_ffi():
@@ -74,3 +92,19 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if _stderr is not None:
             faulthandler.cancel_dump_traceback_later()
+
+
+def _cudnn_build_seconds():
+    from scoremod.lowering.cudnn import graph
+
+    return graph.cache_info()["build_seconds"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if _PROFILE and hasattr(item, "_cudnn_seconds"):
+        built = _cudnn_build_seconds() - item._cudnn_seconds
+        # A test that cleared the graph cache reset the counter: what it built since.
+        _spent["cudnn_build_s"] = built if built >= 0 else _cudnn_build_seconds()
+        item.user_properties.extend((k, f"{v:.2f}") for k, v in sorted(_spent.items()))

@@ -39,6 +39,7 @@ def test_gpu_runner_writes_junit_log_and_one_summary_line(tmp_path):
     assert f"junit: {out}/gpu-suite.xml" in summary
     assert (out / "gpu-suite.log").read_text().count("each_op_in_text") >= 2
     assert "fused path:" in (out / "doctor.txt").read_text()
+    assert (out / "profile.txt").read_text().startswith("file "), (out / "profile.txt").read_text()
 
 
 def test_watchdog_ends_a_hanging_test_with_its_stack(tmp_path):
@@ -58,6 +59,38 @@ def test_watchdog_ends_a_hanging_test_with_its_stack(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode != 0
     assert "Timeout" in run.stderr and "test_hangs_forever" in run.stderr, run.stderr[-2000:]
+
+
+def test_profile_records_where_a_test_spent_its_time(tmp_path):
+    """SCOREMOD_TEST_PROFILE=1: each test's JUnit entry holds the seconds of JAX's
+    tracing, lowering and compiling in it, and cuDNN's graph builds; junit.py
+    sums them per file."""
+    from tests.gpu import junit
+
+    (tmp_path / "conftest.py").write_text(
+        "from tests.conftest import pytest_configure, pytest_runtest_setup, "
+        "pytest_runtest_teardown  # noqa: F401\n")
+    (tmp_path / "test_jit.py").write_text(textwrap.dedent("""
+        import jax, jax.numpy as jnp
+
+        def test_compiles():
+            jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).block_until_ready()
+
+        def test_compiles_nothing():
+            pass
+    """))
+    xml = tmp_path / "run.xml"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"--junitxml={xml}", str(tmp_path)], env=_env(SCOREMOD_TEST_PROFILE="1"),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    props = {case.get("name"): {p.get("name"): float(p.get("value")) for p in case.iter("property")}
+             for case in ET.parse(xml).getroot().iter("testcase")}
+    assert props["test_compiles"]["compile_s"] > 0 and props["test_compiles"]["trace_s"] > 0
+    assert props["test_compiles_nothing"] == {"cudnn_build_s": 0.0}
+    lines = junit.profile([xml])
+    assert lines[0].split()[:3] == ["file", "tests", "time"] and lines[1].split()[1] == "2"
+    assert lines[-1].endswith("test_jit::test_compiles_nothing")
 
 
 def _junit(path, cases):

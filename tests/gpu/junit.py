@@ -7,6 +7,12 @@ tests/gpu/run.sh``) and runs only the tests passed or skipped in none of them:
 
     python -m tests.gpu.junit left PREVIOUS.xml... COLLECTED.txt   # node ids, one a line
     python -m tests.gpu.junit failures RUN.xml                 # one line per failure
+    python -m tests.gpu.junit profile RUN.xml...               # where the time went
+
+The profile sums, per test file, the seconds of its tests and of what
+tests/conftest.py recorded in them (SCOREMOD_TEST_PROFILE=1): JAX's tracing
+(cuDNN graphs are built then: cudnn_build_s is part of trace_s), lowering and
+XLA's compile; then the slowest tests.
 
 ``COLLECTED.txt`` is ``pytest --collect-only -q`` output (node ids).
 """
@@ -60,12 +66,52 @@ def failures(xml_path) -> list:
     return out
 
 
+PROFILE_KEYS = ("trace_s", "cudnn_build_s", "lower_s", "compile_s")
+
+
+def profile(xml_paths, slowest=25) -> list:
+    """Lines: per test file (slowest first) its tests, seconds and the profile's
+    seconds, a total, then the ``slowest`` tests."""
+    files, cases = {}, []
+    for path in xml_paths:
+        for case in ET.parse(path).getroot().iter("testcase"):
+            if case.get("name") is None or case.find("skipped") is not None:
+                continue
+            row = {"time": float(case.get("time", 0))}
+            for prop in case.iter("property"):
+                if prop.get("name") in PROFILE_KEYS:
+                    row[prop.get("name")] = float(prop.get("value"))
+            cases.append((f"{case.get('classname')}::{case.get('name')}", row))
+            total = files.setdefault(case.get("classname"), {"tests": 0})
+            total["tests"] += 1
+            for k, v in row.items():
+                total[k] = total.get(k, 0.0) + v
+    columns = ("time",) + PROFILE_KEYS
+    head = f"{'file':44s} {'tests':>5s} " + " ".join(f"{c:>13s}" for c in columns)
+    lines = [head]
+    everything = {"tests": 0}
+    for name, total in sorted(files.items(), key=lambda kv: -kv[1]["time"]):
+        lines.append(f"{name:44s} {total['tests']:5d} "
+                     + " ".join(f"{total.get(c, 0.0):13.1f}" for c in columns))
+        for k, v in total.items():
+            everything[k] = everything.get(k, 0) + v
+    lines.append(f"{'all':44s} {everything['tests']:5d} "
+                 + " ".join(f"{everything.get(c, 0.0):13.1f}" for c in columns))
+    lines.append(f"slowest {slowest}:")
+    for name, row in sorted(cases, key=lambda c: -c[1]["time"])[:slowest]:
+        lines.append(f"  {row['time']:7.1f} s  " + " ".join(
+            f"{c}={row.get(c, 0.0):.1f}" for c in PROFILE_KEYS) + f"  {name}")
+    return lines
+
+
 def main(argv) -> int:
     if len(argv) >= 3 and argv[0] == "left":
         ids = [line.strip() for line in open(argv[-1]) if "::" in line]
         lines = left(argv[1:-1], ids)
     elif len(argv) == 2 and argv[0] == "failures":
         lines = failures(argv[1])
+    elif len(argv) >= 2 and argv[0] == "profile":
+        lines = profile(argv[1:])
     else:
         print(__doc__, file=sys.stderr)
         return 2

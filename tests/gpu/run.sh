@@ -3,18 +3,22 @@
 #
 #   bash tests/gpu/run.sh [extra pytest arguments]
 #
-# N pytest-xdist workers (default 8; the suite is bound by compiling) share the GPU: no memory preallocation,
-# each worker's JAX memory pool capped at a share of the GPU, one JAX
-# compilation cache for all of them. Each test gets SCOREMOD_TEST_TIMEOUT
+# N pytest-xdist workers (default: the CPU cores less two, at most 14; the suite
+# is bound by compiling) share the GPU: no memory preallocation, each worker's
+# JAX memory pool capped at a share of the GPU, one JAX compilation cache for
+# all of them, and XLA's autotuning off (it compiles each matrix product of the
+# reference path many times over to time variants; tests compare values, the
+# default variant computes the same; XLA_FLAGS given here are kept). Each test gets SCOREMOD_TEST_TIMEOUT
 # seconds (default 180; tests/conftest.py): past that its worker prints every
 # thread's stack to the log and exits, the test counts as failed and a new
 # worker goes on, so one hang cannot stall the run. The whole run is stopped
 # (cleanly, with its reports written) after LIMIT seconds (default 2400).
 #
 # Writes $OUT/doctor.txt (`scoremod doctor`: versions, GPU, extension),
-# $OUT/gpu-suite.xml (JUnit) and $OUT/gpu-suite.log (-v output and any
-# stacks; OUT defaults to ./gpu-results), then prints the failures and one
-# summary line. Environment: N (0: one process, no xdist), PYTHON (default
+# $OUT/gpu-suite.xml (JUnit, with each test's compile profile: tests/conftest.py),
+# $OUT/gpu-suite.log (-v output and any stacks) and $OUT/profile.txt (where the
+# time went, per file: tests/gpu/junit.py; OUT defaults to ./gpu-results), then
+# prints the failures and one summary line. Environment: N (0: one process, no xdist), PYTHON (default
 # python3), SCOREMOD_TEST_TIMEOUT, LIMIT, JAX_COMPILATION_CACHE_DIR, TESTS
 # (the paths to collect, default tests; set but empty: the arguments alone
 # select, e.g. node ids or -k with pyproject's testpaths), RESUME (the JUnit files of earlier
@@ -26,7 +30,9 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-N=${N:-8}
+CORES=$(nproc 2>/dev/null || echo 4)
+DEFAULT_N=$((CORES - 2 < 14 ? CORES - 2 : 14)); [ "$DEFAULT_N" -ge 1 ] || DEFAULT_N=1
+N=${N:-$DEFAULT_N}
 LIMIT=${LIMIT:-2400}
 XML="$OUT/gpu-suite.xml"
 LOG="$OUT/gpu-suite.log"
@@ -41,12 +47,14 @@ rm -f "$XML" "$LOG" "$OUT/doctor.txt"
 
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export SCOREMOD_TEST_TIMEOUT=${SCOREMOD_TEST_TIMEOUT:-180}
+export SCOREMOD_TEST_PROFILE=1
+export XLA_FLAGS="--xla_gpu_autotune_level=0${XLA_FLAGS:+ $XLA_FLAGS}"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR-${XDG_CACHE_HOME:-$HOME/.cache}/scoremod/jax-tests}
 PARALLEL=()
 if [ "$N" -gt 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
-    # 80% of the GPU split between the workers; the rest is for cuDNN's own
+    # 85% of the GPU split between the workers; the rest is for cuDNN's own
     # allocations (handles, plans), which are outside JAX's pool.
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(awk "BEGIN {printf \"%.3f\", 0.8 / $N}")}
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(awk "BEGIN {printf \"%.3f\", 0.85 / $N}")}
     # worksteal (pytest-xdist 3.2+): idle workers take queued tests from busy ones,
     # which keeps the slow compiling tests from piling up on one worker.
     PARALLEL=(-n "$N" --dist worksteal --max-worker-restart "$((2 * N))")
@@ -83,6 +91,7 @@ seconds=$(( $(date +%s) - start ))
 
 # Each failure with the first line of its message (the log has the rest).
 if [ -s "$XML" ]; then
+    "$PY" -m tests.gpu.junit profile "$XML" > "$OUT/profile.txt" 2>&1
     "$PY" -m tests.gpu.junit failures "$XML" | head -n 40
 else
     grep -E "^(FAILED|ERROR) " "$LOG" | head -n 40
