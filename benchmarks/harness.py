@@ -119,7 +119,9 @@ FLEX_LEARNED = {"alibi": ("slopes",), "relbias": ("table",)}
 SOFTCAP, DOCS = 30.0, 4
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-DRY = dict(batch=1, heads=2, seqs=[32, 64], head_dims=[16], long=128, impls=["xla"], reps=3,
+# One short and one long shape: every mod's rows and every direction, compiled once each
+# (a smoke test of the harness end to end, about a minute on a CPU).
+DRY = dict(batch=1, heads=2, seqs=[32], head_dims=[16], long=64, impls=["xla"], reps=3,
            rep_ms=2.0, window=16, directions=list(DIRECTIONS))
 
 

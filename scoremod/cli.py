@@ -222,11 +222,11 @@ def check(args) -> int:
         fused = [args.implementation]
     else:
         fused = [name for name, why in choice.verdicts.items() if why is None and name != "xla"]
-    ref, t_ref = run("xla")
-    print(f"reference (xla):    {t_ref * 1e3:8.3f} ms per forward+backward")
-    if not fused:
+    if not fused:  # said before the reference is timed: nothing to compare it with
         print(f"fused path not run: {choice.verdicts['cudnn']}")
         return 0
+    ref, t_ref = run("xla")
+    print(f"reference (xla):    {t_ref * 1e3:8.3f} ms per forward+backward")
     for name in fused:
         out, seconds = run(name)
         print(f"fused ({name}):{'':{max(1, 11 - len(name))}s}{seconds * 1e3:8.3f} ms per "

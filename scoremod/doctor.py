@@ -116,7 +116,12 @@ def extension_line() -> str:
     from scoremod import kernels_ffi
 
     if not kernels_ffi.available():
-        return "not built: " + kernels_ffi.unavailable_reason()
+        reason = kernels_ffi.unavailable_reason()
+        if driver_version() is None:  # nothing to build it for: what is missing, in one line
+            first = reason.splitlines()[0] if reason else "no reason recorded"
+            return ("not built (needed only with an NVIDIA GPU; on one, this line gives the build "
+                    f"command): {first.split(' Build it with')[0]}")
+        return "not built: " + reason
     cudart = kernels_ffi.compiled_cudart_version()
     return (f"built, loads: {kernels_ffi.library_path()} (cuDNN "
             f"{support.cudnn_version_text(kernels_ffi.compiled_cudnn_version())} headers, CUDA "
