@@ -152,7 +152,7 @@ def _choose(problem, mod, verdicts, options):
     passed = [b for b in order[:order.index(taken)] if not b.specialized]
     here = [b for b in passed if b.present()]
     if here:
-        warning = f"{here[0].name} refuses this call: {verdicts[here[0].name]}"
+        warning = "; ".join(f"{b.name} refuses this call: {verdicts[b.name]}" for b in here)
         return taken, f"{taken.name}: {warning}", warning
     if passed:
         return taken, (f"{taken.name}: no faster backend runs on this machine "

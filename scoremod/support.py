@@ -101,3 +101,57 @@ def cudnn_requirement() -> str:
 def frontend_requirement() -> str:
     """The pip specifier of :data:`CUDNN_FRONTEND_SUPPORTED` (``nvidia-cudnn-frontend``)."""
     return _specifier(*CUDNN_FRONTEND_SUPPORTED, parts=3)
+
+
+# --- JAX: what differs between the versions scoremod runs on, one check each ---
+
+#: The jax (major, minor) the Pallas Mosaic GPU kernels are written for (0.11.2's
+#: API); on an older jax the Triton engine runs their calls.
+JAX_FOR_MOSAIC = (0, 11)
+
+
+def jax_version() -> tuple:
+    """The running jax's (major, minor)."""
+    import jax
+
+    return tuple(int(x) for x in jax.__version__.split(".")[:2])
+
+
+def mosaic_missing() -> str | None:
+    """Why this jax cannot run the Mosaic GPU kernels (too old), or None."""
+    import jax
+
+    if jax_version() < JAX_FOR_MOSAIC:
+        return (f"written for jax {'.'.join(map(str, JAX_FOR_MOSAIC))} or later, found "
+                f"{jax.__version__}")
+    return None
+
+
+_triton_missing: list = []  # [reason or None], once per process
+
+
+def pallas_triton_missing() -> str | None:
+    """Why this jax cannot compile Pallas kernels with Triton, or None where it can.
+    JAX deprecated Pallas's Triton backend in 0.11 ("will be removed in a future
+    JAX version"): gone is a module that no longer imports, or the deprecation
+    turned into an error. Interpret mode (off a GPU) does not need it."""
+    if not _triton_missing:
+        import jax
+
+        why = None
+        try:
+            import jax.experimental.pallas.triton  # noqa: F401
+            from jax._src.pallas.triton import pallas_call_registration  # noqa: F401
+        except ImportError as e:
+            why = f"this jax ({jax.__version__}) has no Pallas Triton backend ({e})"
+        else:
+            try:
+                from jax._src import deprecations
+
+                if deprecations.is_accelerated("jax-pallas-triton"):
+                    why = (f"this jax ({jax.__version__}) turned the Pallas Triton backend's "
+                           "deprecation into an error")
+            except (ImportError, AttributeError, KeyError, ValueError):
+                pass  # no such deprecation registered: the backend is plainly there
+        _triton_missing.append(why)
+    return _triton_missing[0]

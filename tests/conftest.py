@@ -11,6 +11,10 @@ runs longer: the stacks of all threads go to stderr and the process exits, so
 that one hang cannot stall a whole run (under pytest-xdist the worker is
 replaced and the test reported as failed).
 
+Two tiers (tests/tiers.py): ``python -m pytest`` runs the fast one, which
+samples the large families and leaves the tests marked ``slow`` out;
+``python -m pytest --full`` runs every test.
+
 SCOREMOD_TEST_PROFILE=1 (set by tests/gpu/run.sh) records in each test's JUnit
 properties where its time went: JAX's tracing (cuDNN graphs are built then),
 lowering (Pallas kernels are generated then) and XLA's compile, and scoremod's
@@ -24,6 +28,8 @@ import sys
 
 import jax
 import pytest
+
+from tests import tiers
 
 # Tests never read or write the user's cuDNN plan cache (a warm cache would
 # turn the build counts they check into disk hits); tests of the cache give
@@ -45,8 +51,23 @@ _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
            "/jax/core/compile/backend_compile_duration": "compile_s"}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="run the full tier: the tests marked slow too, and every Hypothesis "
+                          "test at its full example count (tests/tiers.py)")
+
+
+def _tiered(config) -> bool:
+    """Whether this run is the fast tier: not --full, and no selection by -m or
+    node id (which runs what it names)."""
+    if config.getoption("full") or config.option.markexpr:
+        return False
+    return not any("::" in str(a) for a in config.args)
+
+
 def pytest_configure(config):
     global _stderr
+    tiers.FULL = config.getoption("full")
     if _TIMEOUT > 0 and _stderr is None:
         # Output capture is suspended here, so fd 2 is still the terminal or log.
         _stderr = os.fdopen(os.dup(sys.__stderr__.fileno()), "w")
@@ -92,6 +113,40 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if _stderr is not None:
             faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark what the fast tier leaves out ``slow`` (tests/tiers.py), and leave it out."""
+    families, files = {}, set()
+    for item in items:
+        path = os.path.relpath(str(item.path), os.path.dirname(__file__)).replace(os.sep, "/")
+        files.add(path)
+        name = getattr(item, "originalname", None) or item.name.split("[")[0]
+        families.setdefault(f"{path}::{name}", []).append(item)
+    for key in list(tiers.SAMPLED) + sorted(tiers.SLOW):
+        if key.split("::")[0] in files and key not in families:
+            raise pytest.UsageError(f"tests/tiers.py names {key}, which no collected test is")
+    for key, members in families.items():
+        if key in tiers.SLOW:
+            keep = set()
+        elif key in tiers.SAMPLED:
+            keep = tiers.spread(len(members), tiers.SAMPLED[key])
+        else:
+            continue
+        for i, item in enumerate(members):
+            if i not in keep:
+                item.add_marker(pytest.mark.slow)
+    if _tiered(config):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if _tiered(config):
+        terminalreporter.write_line("fast tier: the tests marked slow were left out "
+                                    "(python -m pytest --full runs every test)")
 
 
 def _cudnn_build_seconds():

@@ -25,6 +25,7 @@ from scoremod.lowering.patterns import mask_conditions, when_full
 from scoremod.lowering.problem import Problem
 from tests import test_differential as differential
 from tests import test_properties as properties
+from tests import tiers
 
 NEG_INF = -jnp.inf
 F32_MAX = float(np.finfo(np.float32).max)
@@ -329,7 +330,7 @@ def test_interval_rules_handle_wrapping():
 
 # --- random mods ------------------------------------------------------------
 
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=tiers.examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS

@@ -123,13 +123,12 @@ def test_doctor_says_where_the_pallas_kernels_run_and_the_caches(monkeypatch, tm
     Hopper GPU the engine the backend picks, Mosaic GPU where this jax has it); the
     caches' row follows the SCOREMOD_* settings."""
     from scoremod import device
-    from scoremod.lowering.pallas import mosaic
 
     monkeypatch.setattr(device, "current", lambda: device.Device("cpu", "cpu", None, 0))
     assert doctor.pallas_verdict().startswith("interpret mode only (no GPU)")
     monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "NVIDIA H200", 9, 132))
-    have = tuple(int(x) for x in jax.__version__.split(".")[:2])
-    if have >= mosaic.JAX_VERSION:
+    too_old = support.mosaic_missing()
+    if not too_old:
         assert doctor.pallas_verdict().startswith("runs here on the Mosaic GPU engine")
     else:
         assert doctor.pallas_verdict().startswith(
@@ -138,7 +137,7 @@ def test_doctor_says_where_the_pallas_kernels_run_and_the_caches(monkeypatch, tm
     monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "NVIDIA A100", 8, 108))
     ampere = doctor.pallas_verdict()
     assert ampere.startswith("runs here on the Triton engine (the Mosaic GPU engine: "), ampere
-    assert "needs a Hopper GPU" in ampere or have < mosaic.JAX_VERSION, ampere
+    assert "needs a Hopper GPU" in ampere or too_old, ampere
     monkeypatch.setenv("SCOREMOD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("SCOREMOD_JAX_CACHE", "1")
     theirs = jax.config.jax_compilation_cache_dir  # the GPU suite sets one

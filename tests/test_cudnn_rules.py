@@ -21,6 +21,7 @@ from scoremod.lowering.cudnn.rules import DP, canonical, check_supported, forwar
 from scoremod.dsl.ir import CONST, VAR
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE
 from tests.test_properties import SPECS, _as_fn, _points
+from tests import tiers
 
 _BINARY_FIRST_TENSOR = {"add", "sub", "mul", "div", "pow", "max", "min", "relu_grad", "and", "or",
                         "lt", "le", "gt", "ge", "eq", "ne"}
@@ -50,7 +51,7 @@ def _eval(expr, pts, mod, dp=None):
     return np.asarray(jnp.broadcast_to(evaluate(expr, inputs, dict(zip(mod.operand_names, mod.operands))), pts[0].shape))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=tiers.examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(SPECS, __import__("hypothesis").strategies.integers(0, 2**16))
 # score-free custom_jvp values (softplus): what XLA computes ahead is judged on the
 # value alone, and a root read from a tensor is added to score * 0

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod import device
+from scoremod import device, support
 from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.errors import ScoreModError
@@ -192,8 +192,8 @@ def _lower_forward(expr, q, k, operands=()):
 def lowers():
     """Skips where this jax cannot lower Mosaic GPU kernels without a GPU, or has
     another Mosaic GPU API than the kernel's."""
-    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < mosaic.JAX_VERSION:
-        pytest.skip(f"the engine is written for jax {mosaic.JAX_VERSION} or later")
+    if support.mosaic_missing():
+        pytest.skip(f"the Mosaic GPU engine is {support.mosaic_missing()}")
     try:
         importlib.import_module("jax.experimental.pallas.mosaic_gpu")
 

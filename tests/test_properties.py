@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scoremod
+from tests import tiers
 
 SLOPES = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
 TABLE = jnp.linspace(-2.0, 2.0, 32, dtype=jnp.float32)
@@ -143,7 +144,7 @@ def _as_fn(spec):
     return lambda s, b, h, q, k: jnp.asarray(f(s, b, h, q, k), jnp.float32)
 
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=tiers.examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS
@@ -260,7 +261,7 @@ def _ap(op, *args):
     return apply(op, *(ir.const(a, "i32") if isinstance(a, int) else a for a in args))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=tiers.examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=st.sampled_from(sorted(_NESTED)), values=st.lists(_INT32, min_size=1, max_size=16),
        a=_DIVISORS, b=_DIVISORS)
 def test_nested_division_rewrites_hold_for_every_int32(case, values, a, b):

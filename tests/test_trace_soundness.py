@@ -26,9 +26,10 @@ import scoremod
 from scoremod import ScoreModError, ScoreModTypeError, ScoreModValueError, UnsupportedOpError
 from scoremod.dsl import ir
 from scoremod.dsl.ir import Node
+from tests import tiers
 from tests.test_properties import SPECS, _as_fn
 
-SETTINGS = settings(max_examples=25, deadline=None)
+SETTINGS = settings(max_examples=tiers.examples(25), deadline=None)
 I = jnp.int32
 
 Q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16), jnp.float32)
@@ -720,7 +721,7 @@ def _render_narrow(spec, arrays):
     return lambda q, k: f(a(q, k), c(q, k))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tiers.examples(60), deadline=None)
 @given(_narrow_specs())
 def test_random_narrow_int_expressions_match_jnp(dtype_spec):
     dtype, spec = dtype_spec
@@ -730,7 +731,7 @@ def test_random_narrow_int_expressions_match_jnp(dtype_spec):
     _assert_traced_equals_jnp_on_all_pairs(fn, len(EDGE[dtype]))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tiers.examples(60), deadline=None)
 @given(SPECS)
 def test_random_mods_pickle_and_copy_to_equal_mods(spec):
     mod = scoremod.trace(_as_fn(spec))

@@ -41,7 +41,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from scoremod import device
+from scoremod import device, support
 from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
@@ -184,6 +184,10 @@ class Pallas(Backend):
         platform = device.current().platform
         if platform == "gpu" and device.current().family is None:
             return "Pallas's Triton lowering needs an NVIDIA GPU"
+        gone = support.pallas_triton_missing() if platform == "gpu" else None
+        if gone:
+            return (f"its Triton engine cannot compile here: {gone}; its Mosaic GPU engine "
+                    "(Hopper GPUs, jax 0.11 or later) runs the calls it takes")
         if automatic and problem.dtype == "float32":
             return ("float32 inputs make its tile products IEEE float32 dots, slower than the "
                     "reference path's; ask by name")
@@ -244,11 +248,9 @@ class Pallas(Backend):
             return (f"its Mosaic GPU engine is built for equal query and value head dims of "
                     f"{' or '.join(map(str, mosaic.HEAD_DIMS))}, got {problem.d} (queries, keys) "
                     f"and {problem.dv} (values){switch}")
-        have = tuple(int(x) for x in jax.__version__.split(".")[:2])
-        if have < mosaic.JAX_VERSION:
-            return (f"its Mosaic GPU engine is written for jax "
-                    f"{'.'.join(map(str, mosaic.JAX_VERSION))} or later, found {jax.__version__}"
-                    f"{switch}")
+        too_old = support.mosaic_missing()
+        if too_old:
+            return f"its Mosaic GPU engine is {too_old}{switch}"
         here = device.current()
         if here.platform != "gpu" or here.family != 9:
             found = f"compute capability {here.family}.x" if here.family else here.platform
@@ -281,6 +283,8 @@ class Pallas(Backend):
                 backward_engine = "mosaic"
                 bwd = (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
                 triton_operands = _mosaic_unlearnable(mod, full_expr)
+            elif not interpret and support.pallas_triton_missing():
+                backward_engine = None  # the backward refuses, saying why (_backward)
         return PallasPlan(
             mod=None if mod is None else ScoreMod(mod.expr), scale=float(scale),
             return_lse=bool(return_lse), problem=problem, forward_blocks=fwd,
@@ -442,6 +446,23 @@ def _operand_gradient(part, node, expr, b, hq):
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def _refuse_without_triton(plan, windows, on_triton):
+    """The error for a backward that needs the Triton kernels where this jax cannot
+    compile them (support.pallas_triton_missing): the Mosaic GPU backward refused
+    the mod, or the gradient of a captured array asked for."""
+    gone = None if plan.interpret else support.pallas_triton_missing()
+    learned = [w[0] for w in windows if w[0] in on_triton]
+    if gone is None or (plan.backward_engine == "mosaic" and not learned):
+        return
+    why = (f"the gradient of `{learned[0]}` ({on_triton[learned[0]]})" if learned
+           else f"this mod ({plan.backward_note or 'the Triton engine runs it'})")
+    raise ScoreModError(
+        f"the Pallas kernels cannot compute this backward here: the Mosaic GPU backward "
+        f"does not take {why}, and the Triton backward cannot compile: {gone}. "
+        "implementation=\"xla\" computes it (O(S^2) memory); jax.lax.stop_gradient on a "
+        "captured array keeps it fixed.")
+
+
 def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     """dQ, dK, dV and {operand name: gradient} (those in ``wanted`` that are float)."""
     p = plan.problem
@@ -461,6 +482,7 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     kops = _kernel_operands(plan, operands)
     windows = _windows(plan, wanted)
     on_triton = dict(plan.triton_operands)
+    _refuse_without_triton(plan, windows, on_triton)
     if plan.backward_engine == "mosaic" and not any(w[0] in on_triton for w in windows):
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
         lse2 = jnp.where(lse_p == -jnp.inf, jnp.inf, lse_p * jnp.float32(mosaic_backward.LOG2E))

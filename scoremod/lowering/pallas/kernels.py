@@ -85,8 +85,7 @@ def _compiler_params(spec):
         return None
     from jax.experimental.pallas import triton as pltriton
 
-    params = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
-    return params(num_warps=spec.num_warps, num_stages=spec.num_stages)
+    return pltriton.CompilerParams(num_warps=spec.num_warps, num_stages=spec.num_stages)
 
 
 def _whole():

@@ -69,7 +69,6 @@ TILE_Q = BLOCK_Q * COMPUTE_WGS  # query rows per program: the block map's query 
 BLOCK_KV = 128  # keys per tile: the block map's key block
 STAGES = 2  # key/value tiles in flight
 DTYPES = ("float16", "bfloat16")
-JAX_VERSION = (0, 11)  # the Pallas Mosaic GPU API the kernel is written for (0.11.2)
 HEAD_DIMS = (64, 128)
 # Registers per thread: compute warpgroups take what the memory warpgroup gives up.
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40

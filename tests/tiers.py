@@ -1,0 +1,98 @@
+"""The two tiers of the CPU tests: the fast one samples, the full one covers.
+
+``python -m pytest`` runs the fast tier: of each family of parameter sets
+listed in ``SAMPLED`` it runs the given number, spread over the family (the
+first always among them); the tests in ``SLOW`` and the rest of those
+families are marked ``slow`` and not run; Hypothesis tests draw a fifth of
+their examples (``examples``). ``python -m pytest --full`` runs everything,
+every Hypothesis test at its full count (``.ci/run`` runs both tiers);
+``-m slow`` runs only what the fast tier leaves out. A selection by ``-m``
+(the GPU suite's ``-m gpu``) or by node id runs what it names, untiered.
+
+Each name below must match collected tests (a renamed test fails the run
+instead of silently leaving the fast tier), and the numbers are chosen from
+measured times: the fast tier is what finishes in about five minutes on two
+cores (``pytest --durations`` shows the slow ones).
+"""
+
+from __future__ import annotations
+
+FULL = False  # set from --full by tests/conftest.py before the test modules load
+
+# "file::test": how many of its parameter sets the fast tier runs.
+SAMPLED = {
+    "test_pallas.py::test_matches_reference": 4,
+    "test_pallas.py::test_op_groups_through_the_kernels": 2,
+    "test_pallas.py::test_shapes": 1,
+    "test_pallas.py::test_full_tiles": 2,
+    "test_pallas.py::test_op_table_on_tiles": 12,
+    "test_pallas.py::test_masked_keys_never_contribute": 1,
+    "test_pallas.py::test_half_precision": 1,
+    "test_split.py::test_blocks_compute_the_same_attention_and_gradients": 2,
+    "test_varlen.py::test_backend_matches_the_reference": 2,
+    "test_varlen.py::test_cross_attention_with_other_lengths": 1,
+    "test_vmap_jvp.py::test_forward_mode_falls_back_for_implementation_none": 3,
+    "test_vmap_jvp.py::test_reverse_mode_stays_fused": 2,
+    "test_vmap_jvp.py::test_a_refusal_found_when_building_falls_back_for_implementation_none": 1,
+    "test_vmap_jvp.py::test_nested_vmap_with_per_example_operands": 1,
+    "test_vmap_jvp.py::test_forward_mode_of_a_fused_backend_asked_by_name_is_refused": 3,
+    "test_nonfinite_values.py::test_fused_route_follows_the_reference_rule": 6,
+    "test_nonfinite_values.py::test_under_vmap": 1,
+    "test_differential.py::test_reference_attention_matches_jax_on_random_mods": 1,
+    "test_differential.py::test_pallas_kernels_match_reference_on_random_mods": 1,
+    "test_differential.py::test_text_and_trace_values_match_jax": 1,
+    "test_differential.py::test_derivatives_match_jax": 1,
+    "test_differential.py::test_bit_ops_and_erfc_match_jax": 1,
+    "test_differential.py::test_later_ops_match_jax": 1,
+    "test_differential.py::test_custom_jvp_rules_at_infinite_cotangents": 2,
+    "test_differential.py::test_masked_keys_never_contribute": 1,
+    "test_blocks.py::test_sound_and_tight": 15,
+    "test_blocks.py::test_random_differential_masks": 4,
+    "test_blocks.py::test_lists_and_transpose_match_the_tiles": 1,
+    "test_docs.py::test_doc_examples_run": 1,
+    "test_plan_store.py::test_jax_compilation_cache_opt_in": 2,
+    "test_process_caches.py::test_an_entry_moved_over_another_is_compiled_again_not_run": 1,
+    "test_process_caches.py::test_a_folder_others_may_write_is_not_used": 1,
+    "test_lowrank.py::test_augmented_reference_equals_the_mod_as_written": 2,
+    "test_lowrank.py::test_factors_broadcast_over_batch_and_heads": 1,
+    "test_attention.py::test_gqa_and_lengths": 2,
+    "test_attention.py::test_matches_naive": 8,
+    "test_cudnn_rules.py::test_decoded_indices_divide_the_index_alone_in_the_graph": 2,
+    "test_pallas_mosaic.py::test_offset_diagonals": 2,
+    "test_pallas_mosaic.py::test_prepared_expression": 5,
+    "test_trace_soundness.py::test_narrow_int_arithmetic_matches_jnp": 16,
+    "test_masks.py::test_recognized_bands_compute_the_mods_mask": 16,
+    "test_trace.py::test_new_ops_and_reductions_trace_to_jax_numpy_values": 6,
+    "catalogue/test_catalogue.py::test_port_matches_the_numpy_reference": 10,
+    "catalogue/test_catalogue.py::test_port_run_by_jax_alone_matches_the_reference": 10,
+    "catalogue/test_catalogue.py::test_gradients_match_plain_attention_plus_the_reference_bias": 2,
+}
+
+# "file::test": whole tests only the full tier runs (each over 10 s on two cores).
+SLOW = {
+    "test_sharding.py::test_on_eight_fake_devices",  # 8 XLA devices in a subprocess
+    "test_attention.py::test_operand_gradients_run_on_the_pallas_kernels_under_grad_and_jit",
+    "test_blocks.py::test_random_property_mods",
+    "test_pallas.py::test_bucketed_relative_table_learns",
+    "test_pallas.py::test_backward_protocol",
+    "test_pallas.py::test_large_operand_gradient_refused",
+    "test_gpu_runner.py::test_gpu_runner_resumes_a_run",
+    "test_benchmarks.py::test_gpu_run_script_runs_tests_bench_and_probe_steps_on_the_cpu",
+    "test_cudnn_rules.py::test_canonical_forms_compute_the_same_and_obey_the_rules",
+    "test_vmap_jvp.py::test_jvp_with_automatic_choice_falls_back_with_a_warning",
+    "test_varlen.py::test_cross_attention_with_decreasing_ids_takes_the_dense_route",
+    "test_properties.py::test_nested_division_rewrites_hold_for_every_int32",
+}
+
+
+def examples(n: int) -> int:
+    """A Hypothesis test's example count: ``n`` in the full tier, a fifth (at
+    least 5) in the fast one."""
+    return n if FULL else max(5, n // 5)
+
+
+def spread(count: int, keep: int) -> set:
+    """The indices of ``keep`` of ``count`` parameter sets, spread evenly over
+    them, the first included."""
+    keep = min(keep, count)
+    return {i * count // keep for i in range(keep)}
