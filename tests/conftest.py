@@ -60,14 +60,14 @@ def pytest_addoption(parser):
 def _tiered(config) -> bool:
     """Whether this run is the fast tier: not --full, and no selection by -m or
     node id (which runs what it names)."""
-    if config.getoption("full") or config.option.markexpr:
+    if config.getoption("full", False) or config.option.markexpr:
         return False
     return not any("::" in str(a) for a in config.args)
 
 
 def pytest_configure(config):
     global _stderr
-    tiers.FULL = config.getoption("full")
+    tiers.FULL = config.getoption("full", False)
     if _TIMEOUT > 0 and _stderr is None:
         # Output capture is suspended here, so fd 2 is still the terminal or log.
         _stderr = os.fdopen(os.dup(sys.__stderr__.fileno()), "w")
@@ -123,8 +123,9 @@ def pytest_collection_modifyitems(config, items):
         files.add(path)
         name = getattr(item, "originalname", None) or item.name.split("[")[0]
         families.setdefault(f"{path}::{name}", []).append(item)
+    whole_files = not config.option.keyword and not any("::" in str(a) for a in config.args)
     for key in list(tiers.SAMPLED) + sorted(tiers.SLOW):
-        if key.split("::")[0] in files and key not in families:
+        if whole_files and key.split("::")[0] in files and key not in families:
             raise pytest.UsageError(f"tests/tiers.py names {key}, which no collected test is")
     for key, members in families.items():
         if key in tiers.SLOW:
@@ -162,4 +163,4 @@ def pytest_runtest_teardown(item, nextitem):
         built = _cudnn_build_seconds() - item._cudnn_seconds
         # A test that cleared the graph cache reset the counter: what it built since.
         _spent["cudnn_build_s"] = built if built >= 0 else _cudnn_build_seconds()
-        item.user_properties.extend((k, f"{v:.2f}") for k, v in sorted(_spent.items()))
+        item.user_properties.extend((k, f"{v:.3f}") for k, v in sorted(_spent.items()))
