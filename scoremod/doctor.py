@@ -177,10 +177,20 @@ def pallas_verdict() -> str:
         engine, note = pallas.engine(problem, None, lowering_options.current())
     except Exception as e:  # noqa: BLE001 - report whatever breaks
         return f"cannot run here: {type(e).__name__}: {e}"
+    from scoremod import support
+
+    too_old = support.mosaic_missing()
+    missing = (f"; their Mosaic GPU engine (Hopper) is {too_old}: jax 0.11 and newer need "
+               "Python 3.12 or newer (docs/install.md)") if too_old else ""
     if device.current().platform != "gpu":
         return ('interpret mode only (no GPU): implementation="pallas" runs, slowly; '
-                "for tests")
+                f"for tests{missing}")
     if engine == "mosaic":
+        gone = support.pallas_triton_missing()
+        if gone:
+            return ("runs here on the Mosaic GPU engine (Hopper kernels); the Triton engine "
+                    f"cannot compile here ({gone}): what the Mosaic engine refuses runs on "
+                    "the reference path")
         return ("runs here on the Mosaic GPU engine (Hopper kernels); the Triton engine takes "
                 "what it refuses")
     return f"runs here on the Triton engine{f' (the Mosaic GPU engine: {note})' if note else ''}"

@@ -71,7 +71,12 @@ def test_off_hopper_the_triton_engine_runs_the_mods(gpu, name, mod):
 @pytest.mark.parametrize("mod", sorted(MODS))
 @pytest.mark.parametrize("name", ["ampere", "blackwell"])
 def test_off_hopper_without_triton_the_reference_path_runs_with_a_warning(gpu, name, mod):
+    from scoremod import doctor
+
     gpu(name, triton=False)
+    assert doctor.pallas_verdict() == (
+        f"cannot run here: its Triton engine cannot compile here: {GONE}; its Mosaic GPU "
+        "engine (Hopper GPUs, jax 0.11 or later) runs the calls it takes")
     choice = _choice(mod)
     assert choice.implementation == "xla", choice
     assert f"pallas refuses this call: its Triton engine cannot compile here: {GONE}" in (
@@ -85,11 +90,18 @@ def test_off_hopper_without_triton_the_reference_path_runs_with_a_warning(gpu, n
 
 @pytest.mark.parametrize("triton", [True, False], ids=["triton", "no-triton"])
 def test_on_hopper_routes_do_not_need_triton(gpu, triton):
+    from scoremod import doctor
+
     gpu("hopper", triton=triton)
+    pallas = doctor.pallas_verdict()
+    if not support.mosaic_missing():
+        assert pallas.startswith("runs here on the Mosaic GPU engine"), pallas
+        assert ("the Triton engine takes what it refuses" in pallas) == triton, pallas
+        assert (GONE in pallas) == (not triton), pallas
     assert _choice("softcap").implementation == "cudnn"
     table = _choice("relative_table")
     if support.mosaic_missing():  # jax 0.10: the Mosaic engine is not there either
-        assert table.implementation == ("cudnn" if triton else "cudnn"), table
+        assert table.implementation == "cudnn", table
         return
     assert table.implementation == "pallas" and "Mosaic GPU" in table.variant, table
     with warnings.catch_warnings():

@@ -125,7 +125,11 @@ def test_doctor_says_where_the_pallas_kernels_run_and_the_caches(monkeypatch, tm
     from scoremod import device
 
     monkeypatch.setattr(device, "current", lambda: device.Device("cpu", "cpu", None, 0))
-    assert doctor.pallas_verdict().startswith("interpret mode only (no GPU)")
+    cpu = doctor.pallas_verdict()
+    assert cpu.startswith("interpret mode only (no GPU)"), cpu
+    # What the default Python's jax (0.10) misses is said, with the way to it.
+    assert ("Mosaic GPU engine (Hopper) is written for jax 0.11" in cpu) == bool(
+        support.mosaic_missing()), cpu
     monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "NVIDIA H200", 9, 132))
     too_old = support.mosaic_missing()
     if not too_old:

@@ -329,20 +329,22 @@ def _check_grad(js):
 # Op by op, as JAX runs a function outside jit: every op rounds as IEEE
 # float32 says (XLA may fuse and reassociate inside a jit), and no compile
 # per expression, so CI runs thousands of expressions in about a minute.
-N_VALUE, N_GRAD, CHUNKS = 125, 75, 10  # chunks: the fast tier runs one (tests/tiers.py)
+N_VALUE, N_GRAD = 250, 150  # expressions per stream
+# The first two tests below: 5 streams' worth in 25 chunks (the fast tier runs one).
+CHUNKS = 25
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_text_and_trace_values_match_jax(chunk):
     with jax.disable_jit():
-        for js, ts in random_exprs(1000 + chunk, N_VALUE):
+        for js, ts in random_exprs(1000 + chunk, N_VALUE * 5 // CHUNKS):
             _check_value(js, ts)
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_derivatives_match_jax(chunk):
     with jax.disable_jit():
-        for js, _ in random_exprs(2000 + chunk, N_GRAD, traced_only=True):
+        for js, _ in random_exprs(2000 + chunk, N_GRAD * 5 // CHUNKS, traced_only=True):
             _check_grad(js)
 
 
@@ -743,11 +745,11 @@ def _written_out(fn, q, k, v):
     return jnp.einsum("bhqk,bkd->bqhd", p, v[:, :, 0], precision=lax.Precision.HIGHEST)
 
 
-@pytest.mark.parametrize("chunk", range(8))
+@pytest.mark.parametrize("chunk", range(16))
 def test_reference_attention_matches_jax_on_random_mods(chunk):
     """The reference path (O and the gradients of q, k, v) on random mods
     against attention written out in jax.numpy around the same function."""
-    for i, (src, mod, (sq, skv)) in enumerate(_padded_mods(7000 + chunk, 2)):
+    for i, (src, mod, (sq, skv)) in enumerate(_padded_mods(7000 + chunk, 1)):
         q, k, v, do = _exact_inputs(7000 + chunk + i, sq, skv)
         fn = _fn(src)
         loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * do)  # noqa: E731
@@ -791,14 +793,14 @@ def _pallas_against_reference(src, mod, sq, skv, options, seed, dtype, tol):
     return plan
 
 
-@pytest.mark.parametrize("chunk", range(6))
+@pytest.mark.parametrize("chunk", range(12))
 def test_pallas_kernels_match_reference_on_random_mods(chunk):
     """The Triton engine's kernels (interpret mode, tiles of 16 and 32): O, LSE and
     the gradients of q, k, v on random mods against the reference path."""
     options = scoremod.LoweringOptions(pallas_engine="triton", pallas_block_q=32,
                                        pallas_block_kv=16, pallas_backward_block_q=16,
                                        pallas_backward_block_kv=32)
-    for i, (src, mod, (sq, skv)) in enumerate(_padded_mods(8000 + chunk, 2)):
+    for i, (src, mod, (sq, skv)) in enumerate(_padded_mods(8000 + chunk, 1)):
         _pallas_against_reference(src, mod, sq, skv, options, 8000 + chunk + i,
                                   jnp.float32, 1e-3)
 

@@ -353,17 +353,26 @@ def _vjp_on(call, q, k, v, do, dlse, operands, wanted):
     """``(dQ, dK, dV, gradients of the wanted operands)`` by ``call``'s own
     reverse mode (its forward runs for its residuals)."""
     learn = [i for i, w in enumerate(wanted) if w]
+    dq, dk, dv, grads = vjp_of(lambda q, k, v, ops: execute(call, q, k, v, ops),
+                               q, k, v, do, dlse, operands, learn)
+    return dq, dk, dv, tuple(grads)
 
+
+def vjp_of(forward, q, k, v, do, dlse, operands, learn):
+    """``(dQ, dK, dV, [gradients of operands[i] for i in learn])`` by JAX's
+    reverse mode of ``forward(q, k, v, operands) -> (O, LSE)`` (the cotangent
+    ``dlse`` of LSE too, unless None): the backward of what has no kernel of its
+    own (the reference path, a fallback)."""
     def out(q, k, v, *learned):
         ops = list(operands)
         for i, x in zip(learn, learned):
             ops[i] = x
-        o, lse = execute(call, q, k, v, tuple(ops))
+        o, lse = forward(q, k, v, tuple(ops))
         return o if dlse is None else (o, lse)
 
     _, vjp = jax.vjp(out, q, k, v, *(operands[i] for i in learn))
-    grads = vjp(do if dlse is None else (do, dlse))
-    return (*grads[:3], tuple(grads[3:]))
+    dq, dk, dv, *grads = vjp(do if dlse is None else (do, dlse))
+    return dq, dk, dv, grads
 
 
 def _tangent_jvp(primals, tangents, *, static, which):

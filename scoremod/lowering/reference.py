@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from scoremod import device
 from scoremod.dsl.scoremod import ScoreMod
-from scoremod.lowering.backend import Backend
+from scoremod.lowering.backend import Backend, vjp_of
 
 
 def scores_and_lse_reference(query, key, value, mod, scale, return_lse):
@@ -118,17 +118,9 @@ class Reference(Backend):
 
     def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         names = () if plan.mod is None else plan.mod.operand_names
-        learn = [names.index(n) for n in wanted]
-
-        def out(q, k, v, *learned):
-            ops = list(operands)
-            for i, x in zip(learn, learned):
-                ops[i] = x
-            o, lse = self.forward(dataclasses.replace(plan, return_lse=True), q, k, v, tuple(ops))
-            return o if dlse is None else (o, lse)
-
-        _, vjp = jax.vjp(out, q, k, v, *(operands[i] for i in learn))
-        dq, dk, dv, *grads = vjp(do if dlse is None else (do, dlse))
+        with_lse = dataclasses.replace(plan, return_lse=True)
+        dq, dk, dv, grads = vjp_of(lambda q, k, v, ops: self.forward(with_lse, q, k, v, ops),
+                                   q, k, v, do, dlse, operands, [names.index(n) for n in wanted])
         return dq, dk, dv, dict(zip(wanted, grads))
 
 
