@@ -116,12 +116,11 @@ def extension_line() -> str:
     from scoremod import kernels_ffi
 
     if not kernels_ffi.available():
-        reason = kernels_ffi.unavailable_reason()
-        if driver_version() is None:  # nothing to build it for: what is missing, in one line
-            first = reason.splitlines()[0] if reason else "no reason recorded"
+        if driver_version() is None and kernels_ffi.library_path() is None:
+            # Nothing to build it for: what is missing, in one line, without the command.
             return ("not built (needed only with an NVIDIA GPU; on one, this line gives the build "
-                    f"command): {first.split(' Build it with')[0]}")
-        return "not built: " + reason
+                    f"command): {kernels_ffi.not_built_reason(fix=False)}")
+        return "not built: " + kernels_ffi.unavailable_reason()
     cudart = kernels_ffi.compiled_cudart_version()
     return (f"built, loads: {kernels_ffi.library_path()} (cuDNN "
             f"{support.cudnn_version_text(kernels_ffi.compiled_cudnn_version())} headers, CUDA "
@@ -179,10 +178,10 @@ def pallas_verdict() -> str:
         return f"cannot run here: {type(e).__name__}: {e}"
     from scoremod import support
 
-    too_old = support.mosaic_missing()
-    missing = (f"; their Mosaic GPU engine (Hopper) is {too_old}: jax 0.11 and newer need "
-               "Python 3.12 or newer (docs/install.md)") if too_old else ""
     if device.current().platform != "gpu":
+        too_old = support.mosaic_missing()
+        missing = (f"; their Mosaic GPU engine (Hopper) is {too_old}: jax 0.11 and newer need "
+                   "Python 3.12 or newer (docs/install.md)") if too_old else ""
         return ('interpret mode only (no GPU): implementation="pallas" runs, slowly; '
                 f"for tests{missing}")
     if engine == "mosaic":

@@ -11,6 +11,8 @@ the cuDNN frontend: ``major * 10000 + minor * 100 + patch`` (cuDNN 9.19.0 is
 
 from __future__ import annotations
 
+import functools
+
 #: scoremod's own version (``scoremod.__version__``; pyproject.toml says the same).
 VERSION = "0.1.0"
 
@@ -127,31 +129,26 @@ def mosaic_missing() -> str | None:
     return None
 
 
-_triton_missing: list = []  # [reason or None], once per process
-
-
+@functools.cache
 def pallas_triton_missing() -> str | None:
-    """Why this jax cannot compile Pallas kernels with Triton, or None where it can.
-    JAX deprecated Pallas's Triton backend in 0.11 ("will be removed in a future
-    JAX version"): gone is a module that no longer imports, or the deprecation
-    turned into an error. Interpret mode (off a GPU) does not need it."""
-    if not _triton_missing:
-        import jax
+    """Why this jax cannot compile Pallas kernels with Triton, or None where it can
+    (asked once per process). JAX deprecated Pallas's Triton backend in 0.11
+    ("will be removed in a future JAX version"): gone is a module that no longer
+    imports, or the deprecation turned into an error. Interpret mode (off a GPU)
+    does not need it."""
+    import jax
 
-        why = None
-        try:
-            import jax.experimental.pallas.triton  # noqa: F401
-            from jax._src.pallas.triton import pallas_call_registration  # noqa: F401
-        except ImportError as e:
-            why = f"this jax ({jax.__version__}) has no Pallas Triton backend ({e})"
-        else:
-            try:
-                from jax._src import deprecations
+    try:
+        import jax.experimental.pallas.triton  # noqa: F401
+        from jax._src.pallas.triton import pallas_call_registration  # noqa: F401
+    except ImportError as e:
+        return f"this jax ({jax.__version__}) has no Pallas Triton backend ({e})"
+    try:
+        from jax._src import deprecations
 
-                if deprecations.is_accelerated("jax-pallas-triton"):
-                    why = (f"this jax ({jax.__version__}) turned the Pallas Triton backend's "
-                           "deprecation into an error")
-            except (ImportError, AttributeError, KeyError, ValueError):
-                pass  # no such deprecation registered: the backend is plainly there
-        _triton_missing.append(why)
-    return _triton_missing[0]
+        if deprecations.is_accelerated("jax-pallas-triton"):
+            return (f"this jax ({jax.__version__}) turned the Pallas Triton backend's "
+                    "deprecation into an error")
+    except (ImportError, AttributeError, KeyError, ValueError):
+        pass  # no such deprecation registered: the backend is plainly there
+    return None

@@ -57,12 +57,16 @@ def pytest_addoption(parser):
                           "test at its full example count (tests/tiers.py)")
 
 
+def _by_node_id(config) -> bool:
+    return any("::" in str(a) for a in config.args)
+
+
 def _tiered(config) -> bool:
     """Whether this run is the fast tier: not --full, and no selection by -m or
     node id (which runs what it names)."""
     if config.getoption("full", False) or config.option.markexpr:
         return False
-    return not any("::" in str(a) for a in config.args)
+    return not _by_node_id(config)
 
 
 def pytest_configure(config):
@@ -123,7 +127,7 @@ def pytest_collection_modifyitems(config, items):
         files.add(path)
         name = getattr(item, "originalname", None) or item.name.split("[")[0]
         families.setdefault(f"{path}::{name}", []).append(item)
-    whole_files = not config.option.keyword and not any("::" in str(a) for a in config.args)
+    whole_files = not config.option.keyword and not _by_node_id(config)
     for key in list(tiers.SAMPLED) + sorted(tiers.SLOW):
         if whole_files and key.split("::")[0] in files and key not in families:
             raise pytest.UsageError(f"tests/tiers.py names {key}, which no collected test is")
@@ -138,10 +142,10 @@ def pytest_collection_modifyitems(config, items):
             if i not in keep:
                 item.add_marker(pytest.mark.slow)
     if _tiered(config):
-        slow = [item for item in items if item.get_closest_marker("slow")]
+        slow = {item for item in items if item.get_closest_marker("slow")}
         if slow:
-            config.hook.pytest_deselected(items=slow)
-            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+            config.hook.pytest_deselected(items=[item for item in items if item in slow])
+            items[:] = [item for item in items if item not in slow]
 
 
 def pytest_terminal_summary(terminalreporter, config):

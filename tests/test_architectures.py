@@ -46,7 +46,7 @@ def gpu(monkeypatch):
 
     def fake(name, triton):
         monkeypatch.setattr(device, "current", lambda: GPUS[name])
-        monkeypatch.setattr(support, "_triton_missing", [None if triton else GONE])
+        monkeypatch.setattr(support, "pallas_triton_missing", lambda: None if triton else GONE)
     return fake
 
 
@@ -123,18 +123,18 @@ def test_a_backward_only_triton_computes_is_refused_without_it(gpu, monkeypatch)
     plan = pallas.plan(problem, mod, 0.125, options, True)
     assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
     (name, why), = plan.triton_operands  # the table's gradient: Triton's backward
-    pallas_backend._refuse_without_triton(plan, ((name,),), dict(plan.triton_operands))
+    pallas_backend._refuse_without_triton(plan, [name], dict(plan.triton_operands))
     gpu("hopper", triton=False)
     plan = pallas.plan(problem, mod, 0.125, options, True)
-    pallas_backend._refuse_without_triton(plan, (), dict(plan.triton_operands))  # dQ, dK, dV
+    pallas_backend._refuse_without_triton(plan, [], dict(plan.triton_operands))  # dQ, dK, dV
     with pytest.raises(ScoreModError, match=f"does not take the gradient of `{name}`.*the "
                                             "Triton backward cannot compile: this jax"):
-        pallas_backend._refuse_without_triton(plan, ((name,),), dict(plan.triton_operands))
+        pallas_backend._refuse_without_triton(plan, [name], dict(plan.triton_operands))
 
     monkeypatch.setattr(pallas_backend, "_mosaic_backward_refusal", lambda mod, full: "a reason")
     plan = pallas.plan(problem, mod, 0.125, options, True)
     assert plan.engine == "mosaic" and plan.backward_engine is None
     with pytest.raises(ScoreModError, match=r"does not take this mod \(a reason\)"):
-        pallas_backend._refuse_without_triton(plan, (), {})
+        pallas_backend._refuse_without_triton(plan, [], {})
     gpu("hopper", triton=True)
     assert pallas.plan(problem, mod, 0.125, options, True).backward_engine == "triton"

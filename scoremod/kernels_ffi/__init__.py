@@ -145,13 +145,16 @@ def build_command() -> str:
     return rebuild_command(_cuda_major())
 
 
-def _not_built_reason() -> str:
+def not_built_reason(fix: bool = True) -> str:
+    """Why the extension is not installed here (its build's record), with the
+    command that builds it unless ``fix`` is False (a machine with nothing to
+    build it for: no NVIDIA driver)."""
     info = _read_build_info()
-    fix = f"Build it with: {build_command()} (docs/install.md)"
+    then = lambda sep: f"{sep}Build it with: {build_command()} (docs/install.md)" if fix else ""  # noqa: E731
     if info is None:
         return ("scoremod's native FFI extension is not installed: scoremod is imported from "
                 f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))} without having "
-                f"been built by pip. {fix}")
+                f"been built by pip.{then(' ')}")
     status = info.get("status")
     if status == "missing_headers":
         missing = str(info.get("missing", "")).splitlines()
@@ -160,15 +163,15 @@ def _not_built_reason() -> str:
         details = "\n".join(missing[1:])
         return (first.replace("the scoremod FFI extension was not built",
                               "scoremod's native FFI extension was not built at install time")
-                + f". {fix}" + (f"\n{details}" if details else ""))
+                + "." + then(" ") + (f"\n{details}" if details and fix else ""))
     if status == "no_compiler":
         return ("scoremod's native FFI extension was not built: no C++ compiler was found at "
-                f"install time. Install g++ (or set CXX), then: {fix}")
+                f"install time. Install g++ (or set CXX){then(', then: ')}")
     if status == "disabled":
         return ("scoremod was built with SCOREMOD_BUILD_FFI=OFF, without its native FFI "
-                f"extension. {fix}")
+                f"extension.{then(' ')}")
     return (f"scoremod's build reported the FFI extension as built, but {_LIB_FILE} is not "
-            f"installed next to it. {fix}")
+            f"installed next to it.{then(' ')}")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -191,7 +194,7 @@ def _load() -> ctypes.CDLL | None:
             return _lib
         path = library_path()
         if path is None:
-            _load_error = _not_built_reason()
+            _load_error = not_built_reason()
             return None
         try:
             lib = ctypes.CDLL(path)  # RTLD_LOCAL: nothing of ours enters the global scope

@@ -446,15 +446,16 @@ def _operand_gradient(part, node, expr, b, hq):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _refuse_without_triton(plan, windows, on_triton):
+def _refuse_without_triton(plan, learned_on_triton, on_triton):
     """The error for a backward that needs the Triton kernels where this jax cannot
     compile them (support.pallas_triton_missing): the Mosaic GPU backward refused
-    the mod, or the gradient of a captured array asked for."""
+    the mod, or the gradient of a captured array asked for (``learned_on_triton``:
+    their names)."""
     gone = None if plan.interpret else support.pallas_triton_missing()
-    learned = [w[0] for w in windows if w[0] in on_triton]
-    if gone is None or (plan.backward_engine == "mosaic" and not learned):
+    if gone is None or (plan.backward_engine == "mosaic" and not learned_on_triton):
         return
-    why = (f"the gradient of `{learned[0]}` ({on_triton[learned[0]]})" if learned
+    first = learned_on_triton[0] if learned_on_triton else None
+    why = (f"the gradient of `{first}` ({on_triton[first]})" if first
            else f"this mod ({plan.backward_note or 'the Triton engine runs it'})")
     raise ScoreModError(
         f"the Pallas kernels cannot compute this backward here: the Mosaic GPU backward "
@@ -482,8 +483,9 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     kops = _kernel_operands(plan, operands)
     windows = _windows(plan, wanted)
     on_triton = dict(plan.triton_operands)
-    _refuse_without_triton(plan, windows, on_triton)
-    if plan.backward_engine == "mosaic" and not any(w[0] in on_triton for w in windows):
+    learned_on_triton = [w[0] for w in windows if w[0] in on_triton]
+    _refuse_without_triton(plan, learned_on_triton, on_triton)
+    if plan.backward_engine == "mosaic" and not learned_on_triton:
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
         lse2 = jnp.where(lse_p == -jnp.inf, jnp.inf, lse_p * jnp.float32(mosaic_backward.LOG2E))
         mspec = plan.mosaic_backward_spec(learned=(w[0] for w in windows))
