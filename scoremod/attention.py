@@ -20,6 +20,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
+from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.backend import execute
 from scoremod.lowering.cudnn import verify as cudnn_verify
 from scoremod.lowering.problem import Problem
@@ -30,7 +31,7 @@ _DTYPES = ("float16", "bfloat16", "float32")
 
 
 def attention(query, key, value, score_mod=None, *, scale=None, implementation=None,
-              return_lse=False, options: LoweringOptions | None = None):
+              return_lse=False, sinks=None, options: LoweringOptions | None = None):
     """Attention whose scaled scores pass through ``score_mod`` before the softmax.
 
     Layout as ``jax.nn.dot_product_attention``: ``query`` is
@@ -56,7 +57,15 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         down when building it) then runs on the next one that can, with a
         warning.
       return_lse: also return the log-sum-exp of the modified scores,
-        float32 [batch, q_heads, q_len].
+        float32 [batch, q_heads, q_len] (the sinks included, if any).
+      sinks: attention sinks, or None: a float array of shape [q_heads] (or
+        broadcastable to [batch, q_heads]), in any float dtype and
+        differentiable. Row ``i`` of head ``h`` then computes
+        ``softmax([scores_i..., sinks[h]])`` and drops the sink's column
+        before multiplying by V: one more key with no value, so that a row
+        can put weight on nothing (gpt-oss). A fully masked row yields zeros
+        and an LSE of ``sinks[h]``. Works on every backend and with every mod;
+        ``jax.grad`` reaches the sinks.
       options: a :class:`~scoremod.LoweringOptions` (native masks, query-block
         split, scale folding); default: the innermost
         ``scoremod.lowering_options`` block's, else the environment's.
@@ -95,9 +104,11 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         mod.require_bound()
         check_operand_ranges(mod, problem)
     traced_scale = isinstance(scale, jax.core.Tracer)
+    if sinks is not None:
+        sinks = attention_sinks.check(sinks, problem)
     if nothing_to_compute(problem):
-        return _empty_call(asked, problem, mod, traced_scale, options, return_lse)
-    chosen = route(problem, mod, scale, options, implementation, return_lse)
+        return _empty_call(asked, problem, mod, traced_scale, options, return_lse, sinks)
+    chosen = route(problem, mod, scale, options, implementation, return_lse, sinks is not None)
     warn(chosen)
     if chosen.low_rank is not None:
         operands = dict(zip(mod.operand_names, (jnp.asarray(x) for x in mod.operands)))
@@ -107,7 +118,7 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     process_caches.setup()
     mod = chosen.mod
     operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
-    o, lse = execute(chosen.call, query, key, value, operands)
+    o, lse = execute(chosen.call, query, key, value, operands, sinks)
     return (o, lse) if return_lse else o
 
 
@@ -121,11 +132,12 @@ def nothing_to_compute(problem: Problem) -> bool:
     return problem.b * problem.hq * problem.sq == 0 or problem.skv == 0
 
 
-def _empty_call(asked, problem, mod, traced_scale, options, return_lse):
+def _empty_call(asked, problem, mod, traced_scale, options, return_lse, sinks=None):
     """The result of a call with nothing to compute, the same for every backend
-    (whose kernels need at least one tile): O of zeros, LSE of -inf, as a
-    fully masked row gives, and so zero gradients. A backend asked for by name
-    still refuses what it refuses on a call of these shapes with rows."""
+    (whose kernels need at least one tile): O of zeros, LSE of -inf (the sinks,
+    with them), as a fully masked row gives, and so zero gradients (but the
+    sinks' through the LSE). A backend asked for by name still refuses what it
+    refuses on a call of these shapes with rows."""
     if asked is not None:
         reason = refusal(asked, problem, mod, traced_scale, False, options)
         if reason is not None:
@@ -133,11 +145,14 @@ def _empty_call(asked, problem, mod, traced_scale, options, return_lse):
     p = problem
     o = jnp.zeros((p.b, p.sq, p.hq, p.dv), p.dtype)
     lse = jnp.full((p.b, p.hq, p.sq), -jnp.inf, jnp.float32)
+    if sinks is not None:
+        o, lse = attention_sinks.combine(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 
 def which_implementation(query, key, value, score_mod=None, *, scale=None, implementation=None,
-                         return_lse=False, options: LoweringOptions | None = None) -> Choice:
+                         return_lse=False, sinks=None,
+                         options: LoweringOptions | None = None) -> Choice:
     """``(implementation, reason)``: the backend ``attention`` called with the same
     arguments runs, and why (the same decision: ``scoremod.route``).
 
@@ -158,8 +173,9 @@ def which_implementation(query, key, value, score_mod=None, *, scale=None, imple
     inside QK^T (head dim and remaining mod), or why it stays in the mod (None:
     the mod has none); ``variant`` says which of the chosen backend's ways runs
     it and why, where it has several (the Pallas kernels' engine,
-    ``LoweringOptions.pallas_engine``), else None. Only the IR and the shapes
-    are looked at; nothing is compiled or run.
+    ``LoweringOptions.pallas_engine``), else None; ``sinks`` says how the
+    attention sinks join the call (None without them). Only the IR and the
+    shapes are looked at; nothing is compiled or run.
     """
     options = _options(options)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
@@ -168,7 +184,10 @@ def which_implementation(query, key, value, score_mod=None, *, scale=None, imple
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_scale(scale)
-    return route(problem, mod, scale, options, implementation, return_lse).describe()
+    if sinks is not None:
+        attention_sinks.check(sinks, problem)
+    return route(problem, mod, scale, options, implementation, return_lse,
+                 sinks is not None).describe()
 
 
 def _options(options):

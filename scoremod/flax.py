@@ -128,7 +128,20 @@ def attention_fn(score_mod=None, *, implementation=None):
         y = layer(x, mask=nnx.make_causal_mask(x[..., 0]))     # [2, 16, 64]
 
     A bias Flax's layers do not pass themselves (a learned relative-position
-    bias, say) can be bound with ``functools.partial(fn, bias=...)``.
+    bias, say) can be bound with ``functools.partial(fn, bias=...)``. So can
+    attention sinks (``sinks=``, one learned logit per head: see
+    :func:`scoremod.attention`), as a parameter of the module that builds the
+    layer::
+
+        class SinkAttention(nn.Module):
+            num_heads: int
+
+            @nn.compact
+            def __call__(self, x, mask=None):
+                sinks = self.param("sinks", nn.initializers.zeros, (self.num_heads,))
+                fn = functools.partial(scoremod.flax.attention_fn(softcap), sinks=sinks)
+                return nn.MultiHeadDotProductAttention(
+                    num_heads=self.num_heads, attention_fn=fn)(x, mask=mask)
     """
     mod = as_score_mod(score_mod)
     if mod is not None:
@@ -171,6 +184,7 @@ class _FlaxAttention:
         attn_weights_value_einsum=None,
         promote_dtype=None,
         is_causal=False,
+        sinks=None,
     ):
         del broadcast_dropout, dropout_rng  # dropout is refused below when it would apply
         del precision  # see the docstring of attention_fn
@@ -204,7 +218,8 @@ class _FlaxAttention:
         skv = key.shape[1]
         mod = combine(self.score_mod, mask=mask, bias=bias, is_causal=is_causal,
                       shape=(b, hq, sq, skv))
-        return _attention(query, key, value, mod, implementation=self.implementation)
+        return _attention(query, key, value, mod, implementation=self.implementation,
+                          sinks=sinks)
 
 
 def _promote(query, key, value, dtype, promote_dtype):

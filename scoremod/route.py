@@ -31,11 +31,13 @@ from scoremod.options import LoweringOptions
 class Choice(tuple):
     """``(implementation, reason)``, with every backend's verdict in ``verdicts``."""
 
-    def __new__(cls, implementation, reason, verdicts, low_rank_bias=None, variant=None):
+    def __new__(cls, implementation, reason, verdicts, low_rank_bias=None, variant=None,
+                sinks=None):
         self = super().__new__(cls, (implementation, reason))
         self.verdicts = verdicts
         self.low_rank_bias = low_rank_bias
         self.variant = variant
+        self.sinks = sinks
         return self
 
     @property
@@ -61,6 +63,7 @@ class Route:
     warning: str | None  # what the user should know (a faster backend here refused), or None
     low_rank_note: str | None
     variant: str | None  # which of the backend's ways runs it, and why
+    sinks_note: str | None = None  # how the attention sinks join the call, if it has them
 
     @property
     def backend(self):
@@ -80,12 +83,13 @@ class Route:
 
     def describe(self) -> "Choice":
         return Choice(self.backend.name, self.reason, dict(self.verdicts), self.low_rank_note,
-                      self.variant)
+                      self.variant, self.sinks_note)
 
 
 def route(problem: Problem, mod, scale, options: LoweringOptions, implementation=None,
-          return_lse=False) -> Route:
-    """The :class:`Route` of a call whose inputs passed ``attention``'s checks."""
+          return_lse=False, sinks=False) -> Route:
+    """The :class:`Route` of a call whose inputs passed ``attention``'s checks;
+    ``sinks``: whether it has attention sinks."""
     traced_scale = isinstance(scale, jax.core.Tracer)
     asked = None if implementation is None else registry.get(implementation)
     low_rank, note = None, None
@@ -113,7 +117,8 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
         backend, why = asked, f"{asked.name}: asked for by name (implementation=\"{asked.name}\")"
     else:
         backend, why, warning = _choose(problem, mod, dict(verdicts), options)
-    plan = backend.plan(problem, mod, scale, options, return_lse)
+    # With sinks the kernel's LSE is needed: the sinks join it (lowering/sinks.py).
+    plan = backend.plan(problem, mod, scale, options, return_lse or sinks)
     fallback = forward_mode_fallback = None
     if asked is None:
         takes = dict(verdicts)
@@ -122,9 +127,19 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
         forward_mode_fallback = _fallback(backend, problem, mod, scale, options, takes,
                                           lambda b: b.differentiable)
     call = Call(backend, plan, problem, options, bool(return_lse), fallback,
-                forward_mode_fallback)
+                forward_mode_fallback, bool(sinks))
     return Route(call, mod, low_rank, verdicts, why, warning, note,
-                 backend.variant(problem, mod, options))
+                 backend.variant(problem, mod, options), _sinks_note(backend) if sinks else None)
+
+
+def _sinks_note(backend) -> str:
+    if backend.differentiable:
+        return (f"the sinks join each row's softmax after {backend.title}'s scores; JAX "
+                "differentiates it")
+    return (f"the sinks join each row's softmax after {backend.title}'s forward (LSE = "
+            "logaddexp(LSE, sink), O scaled by exp(LSE_kernel - LSE)); its backward runs "
+            "unchanged on the final O and LSE, and the sinks' gradient is one reduction "
+            "(lowering/sinks.py)")
 
 
 def refusal(backend, problem, mod, traced_scale, automatic, options) -> str | None:

@@ -41,7 +41,7 @@ def h200(monkeypatch):
     ran = []
     api = __import__("importlib").import_module("scoremod.attention")
 
-    def spy(call, q, k, v, operands):
+    def spy(call, q, k, v, operands, sinks=None):
         ran.append(call.backend.name)
         problem = call.problem
         o = jnp.zeros((problem.b, problem.sq, problem.hq, problem.dv), q.dtype)

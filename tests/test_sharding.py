@@ -185,6 +185,31 @@ def test_training_step_runs_per_shard_without_communication(name):
 
 
 @eight
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_sinks_on_shards(name):
+    """Attention sinks ([batch, heads] after broadcasting) on sharded inputs: they
+    join each shard's O and LSE outside the kernel, their gradient is summed to
+    the user's [heads]; no collective but the scalar loss's and the sinks' own
+    gradient."""
+    spec, _ = SPECS[name]
+    mesh = _mesh()
+    q, k, v, w = _inputs()
+    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+
+    def step(impl):
+        def loss(q, k, v, w, s):
+            return jnp.sum(scoremod.attention(q, k, v, ALIBI_B, implementation=impl,
+                                              sinks=s) * w)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 4))
+
+    want = step("xla")(q, k, v, w, sinks)
+    compiled = jax.jit(step("standin")).lower(*_put(mesh, spec, q, k, v, w), sinks).compile()
+    for op, shape in _collectives(compiled.as_text()):
+        assert op == "all-reduce" and re.fullmatch(r"f32\[(4)?\]", shape), (op, shape)
+    _close(compiled(*_put(mesh, spec, q, k, v, w), sinks), want)
+
+
+@eight
 def test_operand_sliced_with_heads_and_global_indices():
     """A [b, h] table read directly keeps its per-shard slice; the mod's b and h
     are global (a shard's first row is not b = 0)."""
@@ -282,9 +307,11 @@ def test_nonfinite_values_at_masked_keys_per_shard(spec):
     q, k, v, w = _inputs()
     v = v.at[1, 40, 0].set(jnp.nan)  # masked for batch 1's rows 0..39
 
+    checked = scoremod.LoweringOptions(check_values=True)  # the rule is off by default
+
     def step(impl):
         def loss(q, k, v, w):
-            o = scoremod.attention(q, k, v, mod, implementation=impl)
+            o = scoremod.attention(q, k, v, mod, implementation=impl, options=checked)
             return jnp.sum(jnp.where(jnp.isnan(o), 0.0, o) * w), o
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))

@@ -60,6 +60,7 @@ from jax.interpreters import ad, batching, mlir
 
 from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
 from scoremod.lowering import sharding
+from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.problem import Problem
 
 
@@ -133,6 +134,7 @@ class Call:
     return_lse: bool = True
     fallback: tuple | None = None
     forward_mode_fallback: tuple | None = None
+    sinks: bool = False  # the call has attention sinks (lowering/sinks.py), applied around it
 
     def on(self, problem, mod, why: str) -> "Call":
         """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod),
@@ -164,20 +166,27 @@ class Call:
                                    fallback=None, forward_mode_fallback=None)
 
 
-def execute(call: Call, q, k, v, operands):
-    """``(O, LSE)`` of ``call``, differentiable in q, k, v (and in the operands
-    where its backend or its ``fallback`` computes their gradients). A
-    ``differentiable`` backend's forward is called directly; any other runs in
-    the ``custom_jvp`` below, through ``lowering.sharding``."""
+def execute(call: Call, q, k, v, operands, sinks=None):
+    """``(O, LSE)`` of ``call``, differentiable in q, k, v and ``sinks`` (float32
+    [b, hq], with ``call.sinks``; else None) and in the operands where its
+    backend or its ``fallback`` computes their gradients. A ``differentiable``
+    backend's forward is called directly; any other runs in the ``custom_jvp``
+    below, through ``lowering.sharding``."""
     backend = call.backend
     if backend.differentiable:
-        return backend.forward(call.plan, q, k, v, operands)
-    if forward_mode((q, k, v, operands)):
-        return _forward_mode_fallback(call, q, k, v, operands)
+        return _with_sinks(backend.forward(call.plan, q, k, v, operands), sinks)
+    if forward_mode((q, k, v, operands, sinks)):
+        return _forward_mode_fallback(call, q, k, v, operands, sinks)
     try:
-        return _fused(call, q, k, v, tuple(operands))
+        return _fused(call, q, k, v, tuple(operands), sinks)
     except UnsupportedOpError as e:  # refused only when building its kernels
-        return execute(call.to(_refused_when_built(call, e, "forward")), q, k, v, operands)
+        return execute(call.to(_refused_when_built(call, e, "forward")), q, k, v, operands,
+                       sinks)
+
+
+def _with_sinks(out, sinks):
+    """A kernel's ``(O, LSE)`` with the sinks joined (lowering/sinks.py), if any."""
+    return out if sinks is None else attention_sinks.combine(*out, sinks)
 
 
 def forward_mode(arrays) -> bool:
@@ -189,7 +198,7 @@ def forward_mode(arrays) -> bool:
     return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(arrays))
 
 
-def _forward_mode_fallback(call, q, k, v, operands):
+def _forward_mode_fallback(call, q, k, v, operands, sinks):
     """``jax.jvp`` of a fused call: a fused backward gives no tangents, so the
     reference path runs the call where the user allowed it (implementation=None);
     its tangents need the reference forward anyway, so the fused one would only
@@ -204,7 +213,7 @@ def _forward_mode_fallback(call, q, k, v, operands):
     warnings.warn(f"scoremod: jax.jvp needs forward-mode derivatives, which {backend.title} does "
                   f"not compute; implementation=None falls back to {other.title} for this call"
                   f"{_memory_note(other)}.", stacklevel=4)
-    return other.forward(other_plan, q, k, v, operands)
+    return _with_sinks(other.forward(other_plan, q, k, v, operands), sinks)
 
 
 # --------------------------------------------------------------------------- #
@@ -229,8 +238,8 @@ def _forward_mode_fallback(call, q, k, v, operands):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _fused(call, q, k, v, operands):
-    return sharding.forward(call, q, k, v, operands)
+def _fused(call, q, k, v, operands, sinks):
+    return _with_sinks(sharding.forward(call, q, k, v, operands), sinks)
 
 
 def _zero(t) -> bool:
@@ -240,15 +249,17 @@ def _zero(t) -> bool:
 
 
 def _fused_jvp(call, primals, tangents):
-    q, k, v, operands = primals
+    q, k, v, operands, sinks = primals
     perturbed = [n for n, t in zip(_names(call.plan), tangents[3]) if not _zero(t)]
     if perturbed and not call.backend.operand_gradients:
         _operand_fallback(call, perturbed)
-    o, lse = _fused(call, q, k, v, operands)
-    flat = (*tangents[:3], *tangents[3])
+    o, lse = _fused(call, q, k, v, operands, sinks)
+    with_sinks = () if sinks is None else (sinks,)
+    flat = (*tangents[:3], *tangents[3], *(() if sinks is None else (tangents[4],)))
     which = tuple(not _zero(t) for t in flat)
     lin = [t for t in flat if not _zero(t)]
-    to, tlse = _TANGENT.bind(q, k, v, o, lse, *operands, *lin, static=call, which=which)
+    to, tlse = _TANGENT.bind(q, k, v, o, lse, *operands, *with_sinks, *lin, static=call,
+                             which=which)
     return (o, lse), (to, tlse)
 
 
@@ -296,13 +307,21 @@ _SECOND_ORDER = ("second-order derivatives (jax.hessian, the gradient of a gradi
                  "fused backward's derivative)")
 
 
+# ``_TANGENT``'s arguments: q, k, v, O, LSE, the operands, the sinks (with
+# ``call.sinks``), then the nonzero tangents of q, k, v, each operand and the
+# sinks, in that order; ``which`` says which of those tangents are there.
+
+
 def _split(args, call, which):
-    """``(q, k, v, o, lse, operands, tangents)`` of ``_TANGENT``'s arguments:
-    ``tangents`` of q, k, v and then of each operand (None for a zero one)."""
+    """``(q, k, v, o, lse, operands, sinks, tangents)`` of ``_TANGENT``'s
+    arguments: ``tangents`` of q, k, v, each operand and the sinks (if any),
+    None for a zero one; ``sinks`` None without them."""
     n = 5 + len(_names(call.plan))
     q, k, v, o, lse = args[:5]
-    lin = iter(args[n:])
-    return q, k, v, o, lse, tuple(args[5:n]), tuple(next(lin) if w else None for w in which)
+    sinks = args[n] if call.sinks else None
+    lin = iter(args[n + call.sinks:])
+    return (q, k, v, o, lse, tuple(args[5:n]), sinks,
+            tuple(next(lin) if w else None for w in which))
 
 
 def _zeros_like(x):
@@ -314,12 +333,17 @@ def _zeros_like(x):
 
 def _tangent_value(*args, static, which):
     """``_TANGENT`` evaluated: the tangents of (O, LSE) on the fallback path."""
-    q, k, v, o, lse, operands, lin = _split(args, static, which)
+    q, k, v, o, lse, operands, sinks, lin = _split(args, static, which)
     fallback, fallback_plan = _fallback_for(static, _FORWARD_MODE)
-    primals = (q, k, v, *operands)
+    primals = (q, k, v, *operands, *(() if sinks is None else (sinks,)))
     tangents = tuple(_zeros_like(x) if t is None else t for x, t in zip(primals, lin))
-    _, (to, tlse) = jax.jvp(
-        lambda q, k, v, *ops: fallback.forward(fallback_plan, q, k, v, ops), primals, tangents)
+    n = len(operands)
+
+    def forward(q, k, v, *rest):
+        out = fallback.forward(fallback_plan, q, k, v, rest[:n])
+        return _with_sinks(out, rest[n] if sinks is not None else None)
+
+    _, (to, tlse) = jax.jvp(forward, primals, tangents)
     return [to.astype(o.dtype), tlse.astype(lse.dtype)]
 
 
@@ -333,27 +357,32 @@ def _tangent_avals(*avals, static, which):
 def _tangent_transpose(cts, *args, static, which):
     """``_TANGENT`` transposed: the backend's backward."""
     call = static
-    q, k, v, o, lse, operands, _ = _split(args, call, which)
+    q, k, v, o, lse, operands, sinks, _ = _split(args, call, which)
     do, dlse = cts
     dlse = None if type(dlse) is ad.Zero else dlse
     if type(do) is ad.Zero:
         do = jnp.zeros(o.shape, o.dtype)
-    wanted = tuple(which[3:])
+    n = len(operands)
+    wanted = tuple(which[3:3 + n])
     if any(wanted) and not call.backend.operand_gradients:
         # The operand fallback's reverse mode, for all of them (its forward runs again).
-        dq, dk, dv, learned = _vjp_on(call.to(call.fallback), q, k, v, do, dlse, operands, wanted)
+        dq, dk, dv, learned = _vjp_on(call.to(call.fallback), q, k, v, do, dlse, operands,
+                                      wanted, sinks)
     else:
-        dq, dk, dv, learned = _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands)
+        dq, dk, dv, learned = _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands,
+                                            sinks)
     by_operand = iter(learned)
     grads = (dq, dk, dv, *(next(by_operand) if w else None for w in wanted))
-    return [None] * (5 + len(operands)) + [g for g, w in zip(grads, which) if w]
+    if sinks is not None:  # O and LSE are the final ones (with the sinks): lowering/sinks.py
+        grads += (attention_sinks.gradient(o, lse, do, dlse, sinks) if which[-1] else None,)
+    return [None] * (5 + n + call.sinks) + [g for g, w in zip(grads, which) if w]
 
 
-def _vjp_on(call, q, k, v, do, dlse, operands, wanted):
+def _vjp_on(call, q, k, v, do, dlse, operands, wanted, sinks=None):
     """``(dQ, dK, dV, gradients of the wanted operands)`` by ``call``'s own
-    reverse mode (its forward runs for its residuals)."""
+    reverse mode (its forward runs for its residuals), the sinks held fixed."""
     learn = [i for i, w in enumerate(wanted) if w]
-    dq, dk, dv, grads = vjp_of(lambda q, k, v, ops: execute(call, q, k, v, ops),
+    dq, dk, dv, grads = vjp_of(lambda q, k, v, ops: execute(call, q, k, v, ops, sinks),
                                q, k, v, do, dlse, operands, learn)
     return dq, dk, dv, tuple(grads)
 
@@ -391,24 +420,29 @@ def _tangent_batched(args, dims, *, static, which):
     args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
     mapped = [d is not None for d in dims]
     names = _names(static.plan)
-    lin_at = iter(range(5 + len(names), len(args)))
+    at_sinks = 5 + len(names)
+    lin_at = iter(range(at_sinks + static.sinks, len(args)))
     where = [next(lin_at) if w else None for w in which]  # each tangent's argument, if any
-    heads = list(range(5)) + [i for i in where[:3] if i is not None]  # attention-shaped
+    # Batch-major: q, k, v, O, LSE, their tangents, and the sinks [b, hq] with theirs.
+    sink_args = [at_sinks, where[-1]] if static.sinks else []
+    heads = (list(range(5)) + [i for i in where[:3] if i is not None]
+             + [i for i in sink_args if i is not None])
     folded = {i: sharding.fold(args[i], mapped[i], n) for i in heads}
     b = args[0].shape[1] if mapped[0] else args[0].shape[0]
     ops_at = range(5, 5 + len(names))
-    alike = [mapped[i] or (t is not None and mapped[t]) for i, t in zip(ops_at, where[3:])]
+    op_tangents = where[3:3 + len(names)]
+    alike = [mapped[i] or (t is not None and mapped[t]) for i, t in zip(ops_at, op_tangents)]
 
     def as_mapped(i, flag):
         return args[i] if mapped[i] or not flag else jnp.broadcast_to(args[i], (n,) + args[i].shape)
 
     values = [as_mapped(i, f) for i, f in zip(ops_at, alike)]
     mod, operands = sharding.fold_batch(static.plan.mod, values, alike, n, b)
-    perturbed = [t is not None for t in where[3:]]
+    perturbed = [t is not None for t in op_tangents]
     new_perturbed, operand_tangents = [False] * len(operands), ()
     if any(perturbed):
         tangents = [as_mapped(t, f) if t is not None else x
-                    for t, f, x in zip(where[3:], alike, values)]
+                    for t, f, x in zip(op_tangents, alike, values)]
         _, operand_tangents = sharding.fold_batch(static.plan.mod, tangents, alike, n, b)
         source = dict(zip(names, perturbed))
         new_perturbed = [source[sharding.folded_from(name, source)]
@@ -416,10 +450,14 @@ def _tangent_batched(args, dims, *, static, which):
     q, k, v = folded[0], folded[1], folded[2]
     sub = static.refolded(Problem.of(q, k, v), mod,
                           "under jax.vmap (the mapped axes folded into the batch)")
+    sink_tangent = (folded[where[-1]],) if static.sinks and where[-1] is not None else ()
     outs = _TANGENT.bind(*(folded[i] for i in range(5)), *operands,
-                         *(folded[i] for i in heads[5:]),
+                         *((folded[at_sinks],) if static.sinks else ()),
+                         *(folded[i] for i in where[:3] if i is not None),
                          *(t for t, p in zip(operand_tangents, new_perturbed) if p),
-                         static=sub, which=(*which[:3], *new_perturbed))
+                         *sink_tangent,
+                         static=sub, which=(*which[:3], *new_perturbed,
+                                            *((which[-1],) if static.sinks else ())))
     return [sharding.unfold(x, n) for x in outs], [0, 0]
 
 
@@ -433,29 +471,32 @@ ad.primitive_jvps[_TANGENT] = _tangent_jvp
 batching.primitive_batchers[_TANGENT] = _tangent_batched
 
 
-def _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands):
+def _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks=None):
     try:
-        return _backward(call, wanted, q, k, v, o, lse, do, dlse, operands)
+        return _backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks)
     except UnsupportedOpError as e:
         pair = _refused_when_built(call, e, "backward")
-        return _vjp_on(call.to(pair), q, k, v, do, dlse, operands, wanted)
+        return _vjp_on(call.to(pair), q, k, v, do, dlse, operands, wanted, sinks)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _backward(call, wanted, q, k, v, o, lse, do, dlse, operands):
-    """``(dQ, dK, dV, gradients of the wanted operands)``."""
+def _backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks):
+    """``(dQ, dK, dV, gradients of the wanted operands)``; ``o`` and ``lse`` are the
+    call's final ones (with the sinks, which the kernel's backward needs no more of)."""
+    del sinks  # an argument for the derivative below: O and LSE move with them
     return sharding.backward(call, q, k, v, o, lse, do, operands, dlse,
                              tuple(n for n, w in zip(_names(call.plan), wanted) if w))
 
 
 @_backward.defjvp
 def _backward_jvp(call, wanted, primals, tangents):
-    q, k, v, _, _, do, dlse, operands = primals
-    tq, tk, tv, _, _, tdo, tdlse, toperands = tangents  # O and LSE move with q, k, v
+    q, k, v, _, _, do, dlse, operands, sinks = primals
+    tq, tk, tv, _, _, tdo, tdlse, toperands, tsinks = tangents  # O, LSE move with q, k, v, sinks
     pair = _fallback_for(call, _SECOND_ORDER)
-    return jax.jvp(lambda q, k, v, do, dlse, operands: _vjp_on(call.to(pair), q, k, v, do, dlse,
-                                                              operands, wanted),
-                   (q, k, v, do, dlse, operands), (tq, tk, tv, tdo, tdlse, toperands))
+    return jax.jvp(lambda q, k, v, do, dlse, operands, sinks: _vjp_on(
+                       call.to(pair), q, k, v, do, dlse, operands, wanted, sinks),
+                   (q, k, v, do, dlse, operands, sinks),
+                   (tq, tk, tv, tdo, tdlse, toperands, tsinks))
 
 
 def _memory_note(backend) -> str:

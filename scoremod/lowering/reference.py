@@ -14,7 +14,29 @@ import jax.numpy as jnp
 
 from scoremod import device
 from scoremod.dsl.scoremod import ScoreMod
-from scoremod.lowering.backend import Backend, vjp_of
+from scoremod.lowering.backend import Backend
+
+
+_PRECISION = jax.lax.Precision.HIGHEST
+
+
+def modified_scores(query, key, mod, scale):
+    """The float32 [B, Hq, Sq, Skv] scores ``mod(scale * q . k, b, h, q_idx, kv_idx)``."""
+    b, sq, hq, d = query.shape
+    _, skv, hkv, _ = key.shape
+    f32 = jnp.float32
+    # Query head i reads kv head i // groups (as jax.nn.dot_product_attention).
+    q = query.reshape(b, sq, hkv, hq // hkv, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, key, preferred_element_type=f32,
+                   precision=_PRECISION)
+    s = s.reshape(b, hq, sq, skv) * jnp.asarray(scale, f32)
+    if mod is not None:
+        bi = jnp.arange(b, dtype=jnp.int32)[:, None, None, None]
+        hi = jnp.arange(hq, dtype=jnp.int32)[None, :, None, None]
+        qi = jnp.arange(sq, dtype=jnp.int32)[None, None, :, None]
+        ki = jnp.arange(skv, dtype=jnp.int32)[None, None, None, :]
+        s = jnp.broadcast_to(mod(s, bi, hi, qi, ki).astype(f32), s.shape)
+    return s
 
 
 def scores_and_lse_reference(query, key, value, mod, scale, return_lse):
@@ -23,17 +45,8 @@ def scores_and_lse_reference(query, key, value, mod, scale, return_lse):
     _, skv, hkv, dv = value.shape
     groups = hq // hkv
     f32 = jnp.float32
-    precision = jax.lax.Precision.HIGHEST
-    # Query head i reads kv head i // groups (as jax.nn.dot_product_attention).
-    q = query.reshape(b, sq, hkv, groups, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, key, preferred_element_type=f32, precision=precision)
-    s = s.reshape(b, hq, sq, skv) * jnp.asarray(scale, f32)
-    if mod is not None:
-        bi = jnp.arange(b, dtype=jnp.int32)[:, None, None, None]
-        hi = jnp.arange(hq, dtype=jnp.int32)[None, :, None, None]
-        qi = jnp.arange(sq, dtype=jnp.int32)[None, None, :, None]
-        ki = jnp.arange(skv, dtype=jnp.int32)[None, None, None, :]
-        s = jnp.broadcast_to(mod(s, bi, hi, qi, ki).astype(f32), s.shape)
+    precision = _PRECISION
+    s = modified_scores(query, key, mod, scale)
     # A fully masked row (every score -inf) gives output 0 and LSE -inf, with
     # zero gradients, instead of NaN.
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
@@ -117,11 +130,39 @@ class Reference(Backend):
         return scores_and_lse_reference(q, k, v, mod, plan.scale, plan.return_lse)
 
     def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+        """A flash-attention backward from the forward's O and LSE, as the fused
+        kernels compute it: ``P = exp(S - LSE)``, ``D = rowsum(dO * O) - dLSE``,
+        ``dS = P * (dP - D)``, then dQ, dK and the wanted operands' gradients
+        through the mod's derivative (JAX's). It reads O and LSE as given
+        (attention sinks rescale them), so a stand-in for a kernel built on it
+        behaves as one; the pipeline never calls it for this backend, whose
+        forward JAX differentiates."""
         names = () if plan.mod is None else plan.mod.operand_names
-        with_lse = dataclasses.replace(plan, return_lse=True)
-        dq, dk, dv, grads = vjp_of(lambda q, k, v, ops: self.forward(with_lse, q, k, v, ops),
-                                   q, k, v, do, dlse, operands, [names.index(n) for n in wanted])
-        return dq, dk, dv, dict(zip(wanted, grads))
+        learn = [names.index(n) for n in wanted]
+        f32 = jnp.float32
+
+        def scores(q, k, *learned):
+            ops = list(operands)
+            for i, x in zip(learn, learned):
+                ops[i] = x
+            mod = None if plan.mod is None else ScoreMod(plan.mod.expr, tuple(ops))
+            return modified_scores(q, k, mod, plan.scale)
+
+        s, scores_vjp = jax.vjp(scores, q, k, *(operands[i] for i in learn))
+        b, sq, hq, _ = q.shape
+        _, skv, hkv, dv_ = v.shape
+        g = hq // hkv
+        p = jnp.where(s == -jnp.inf, 0.0, jnp.exp(s - lse.astype(f32)[..., None]))
+        p = p.reshape(b, hkv, g, sq, skv)
+        do32 = do.astype(f32).reshape(b, sq, hkv, g, dv_)
+        dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, do32, precision=_PRECISION)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", do32, v.astype(f32), precision=_PRECISION)
+        d = jnp.einsum("bqhd,bqhd->bhq", do.astype(f32), o.astype(f32))
+        if dlse is not None:
+            d = d - dlse.astype(f32)
+        ds = p * (dp - d.reshape(b, hkv, g, sq)[..., None])
+        dq, dk, *grads = scores_vjp(ds.reshape(b, hq, sq, skv))
+        return dq, dk, dv.astype(v.dtype), dict(zip(wanted, grads))
 
 
 REFERENCE = Reference()
