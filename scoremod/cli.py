@@ -191,7 +191,8 @@ def doctor(args) -> int:
 
 def check(args) -> int:
     """Each fused backend that takes the mod here (or the one named) against the
-    reference path on this machine: max errors of O, dQ, dK, dV and times."""
+    reference path on this machine: max errors of O, dQ, dK, dV (and d(sinks),
+    with --sinks) and times."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -206,18 +207,20 @@ def check(args) -> int:
     b, h, s, d = args.batch, args.heads, args.seq, args.head_dim
     ks = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(key, (b, s, h, d), jnp.float32).astype(dtype) for key in ks)
+    sinks = None if args.sinks is None else jnp.full((h,), args.sinks, jnp.float32)
     print(f"mod:   {mod}")
-    print(f"shape: batch {b}, heads {h}, seq {s}, head_dim {d}, {dtype.name}")
+    print(f"shape: batch {b}, heads {h}, seq {s}, head_dim {d}, {dtype.name}"
+          + ("" if sinks is None else f", a sink of {args.sinks} per head"))
 
     def run(impl):
-        def step(q, k, v):
-            o, vjp = jax.vjp(lambda q, k, v: scoremod.attention(q, k, v, mod,
-                                                                implementation=impl), q, k, v)
+        def step(q, k, v, sinks):
+            o, vjp = jax.vjp(lambda q, k, v, sinks: scoremod.attention(
+                q, k, v, mod, implementation=impl, sinks=sinks), q, k, v, sinks)
             return (o, *vjp(do))
 
-        return _timed(jax.jit(step), q, k, v)
+        return _timed(jax.jit(step), q, k, v, sinks)
 
-    choice = scoremod.which_implementation(q, k, v, mod)
+    choice = scoremod.which_implementation(q, k, v, mod, sinks=sinks)
     if args.implementation:  # by name: it runs or says why not (interpret mode off a GPU)
         fused = [args.implementation]
     else:
@@ -232,7 +235,9 @@ def check(args) -> int:
         print(f"fused ({name}):{'':{max(1, 11 - len(name))}s}{seconds * 1e3:8.3f} ms per "
               "forward+backward" + (" (chosen by implementation=None)" if name == choice[0]
                                     else ""))
-        for label, a, r in zip(("O", "dQ", "dK", "dV"), out, ref):
+        for label, a, r in zip(("O", "dQ", "dK", "dV", "dsinks"), out, ref):
+            if a is None:  # no sinks: their gradient is None
+                continue
             a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
             err = float(np.max(np.abs(a - r)))
             print(f"max |{label:2s} {name} - reference| = {err:.3e}  "
@@ -281,6 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--sinks", type=float, metavar="LOGIT",
+                   help="attention sinks: this logit for every head (docs/guide.md)")
     p.add_argument("--implementation", metavar="NAME",
                    help="check this backend only (default: every fused one that takes the mod "
                         "here); 'pallas' runs in interpret mode off a GPU")

@@ -54,7 +54,7 @@ def _errors(out, name):
     errors = {}
     for line in out.splitlines():
         if line.startswith("max |") and f" {name} - reference|" in line:
-            errors[line[5:7].strip()] = float(line.split("relative ")[1].rstrip(")"))
+            errors[line[5:].split()[0]] = float(line.split("relative ")[1].rstrip(")"))
     return errors
 
 
@@ -68,6 +68,13 @@ def test_check_compares_fused_with_reference_on_a_gpu(capsys):
         errors = _errors(out, name)
         assert sorted(errors) == ["O", "dK", "dQ", "dV"], out
         assert max(errors.values()) < 3e-2, (name, errors)
+    assert main(["check", "30.0 * tanh(score / 30.0)", "--seq", "256", "--heads", "4",
+                 "--head-dim", "64", "--sinks", "1.0"]) == 0
+    out = capsys.readouterr().out
+    for name in ("cudnn", "pallas"):
+        errors = _errors(out, name)
+        assert sorted(errors) == ["O", "dK", "dQ", "dV", "dsinks"], out
+        assert max(errors.values()) < 3e-2, (name, errors)
 
 
 def test_check_by_name_runs_the_pallas_kernels(capsys):
@@ -80,6 +87,14 @@ def test_check_by_name_runs_the_pallas_kernels(capsys):
     assert "fused (pallas):" in out, out
     errors = _errors(out, "pallas")
     assert sorted(errors) == ["O", "dK", "dQ", "dV"] and max(errors.values()) < 1e-3, out
+    assert main(["check", "30.0 * tanh(score / 30.0)", "--seq", "64", "--heads", "2",
+                 "--head-dim", "64", "--batch", "1", "--dtype", "float32",
+                 "--implementation", "pallas", "--sinks", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "a sink of 0.5 per head" in out, out
+    errors = _errors(out, "pallas")
+    assert sorted(errors) == ["O", "dK", "dQ", "dV", "dsinks"], out
+    assert max(errors.values()) < 1e-3, out
     assert main(["check", "score", "--seq", "64", "--implementation", "cudnnn"]) == 2
     streams = capsys.readouterr()
     assert "unknown implementation 'cudnnn'" in streams.err and "reference" not in streams.out
