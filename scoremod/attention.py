@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scoremod import options as lowering_options
-from scoremod import process_caches
+from scoremod import positions, process_caches
 from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModTypeError, ScoreModValueError
@@ -31,7 +31,8 @@ _DTYPES = ("float16", "bfloat16", "float32")
 
 
 def attention(query, key, value, score_mod=None, *, scale=None, implementation=None,
-              return_lse=False, sinks=None, options: LoweringOptions | None = None):
+              return_lse=False, sinks=None, q_offset=None, kv_lengths=None, page_table=None,
+              options: LoweringOptions | None = None):
     """Attention whose scaled scores pass through ``score_mod`` before the softmax.
 
     Layout as ``jax.nn.dot_product_attention``: ``query`` is
@@ -66,6 +67,19 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
         can put weight on nothing (gpt-oss). A fully masked row yields zeros
         and an LSE of ``sinks[h]``. Works on every backend and with every mod;
         ``jax.grad`` reaches the sinks.
+      q_offset: int32 [batch] (or a scalar), or None: the position of each
+        row's first query, so that the mod's ``q_idx`` is ``q_offset[b] + i``
+        (a chunk of a longer sequence, a decode step). May be traced: a new
+        offset never recompiles.
+      kv_lengths: int32 [batch] (or a scalar), or None: the keys at or past
+        ``kv_lengths[b]`` are masked (a padded batch, the unused tail of a
+        KV cache). May be traced. Their values must still be finite unless
+        ``LoweringOptions(check_values=True)``, as any masked key's.
+      page_table: int32 [batch, pages_per_row], or None: ``key`` and
+        ``value`` are then a paged cache [num_pages, page_size, kv_heads,
+        head_dim], and row ``b``'s key at logical position ``j`` (the mod's
+        ``kv_idx``) is ``key[page_table[b, j // page_size], j % page_size]``.
+        Page numbers past the cache clip to its last page.
       options: a :class:`~scoremod.LoweringOptions` (native masks, query-block
         split, scale folding); default: the innermost
         ``scoremod.lowering_options`` block's, else the environment's.
@@ -93,6 +107,8 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     asked = None if implementation is None else registry.get(implementation)
     options = _options(options)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    if page_table is not None:
+        key, value = positions.gather_pages(key, value, page_table)
     # The inputs first: float64 ones (with x64 on) are refused for what they
     # are, before tracing the mod meets the same x64 in its literals.
     problem = check_inputs(query, key, value)
@@ -102,6 +118,8 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     check_scale(scale)
     if mod is not None:
         mod.require_bound()
+    mod = positions.apply_positions(mod, problem.b, q_offset, kv_lengths)
+    if mod is not None:
         check_operand_ranges(mod, problem)
     traced_scale = isinstance(scale, jax.core.Tracer)
     if sinks is not None:
@@ -151,8 +169,8 @@ def _empty_call(asked, problem, mod, traced_scale, options, return_lse, sinks=No
 
 
 def which_implementation(query, key, value, score_mod=None, *, scale=None, implementation=None,
-                         return_lse=False, sinks=None,
-                         options: LoweringOptions | None = None) -> Choice:
+                         return_lse=False, sinks=None, q_offset=None, kv_lengths=None,
+                         page_table=None, options: LoweringOptions | None = None) -> Choice:
     """``(implementation, reason)``: the backend ``attention`` called with the same
     arguments runs, and why (the same decision: ``scoremod.route``).
 
@@ -179,11 +197,14 @@ def which_implementation(query, key, value, score_mod=None, *, scale=None, imple
     """
     options = _options(options)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    if page_table is not None:
+        key, value = positions.gather_pages(key, value, page_table)
     problem = check_inputs(query, key, value)
     mod = as_score_mod(score_mod)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_scale(scale)
+    mod = positions.apply_positions(mod, problem.b, q_offset, kv_lengths)
     if sinks is not None:
         attention_sinks.check(sinks, problem)
     return route(problem, mod, scale, options, implementation, return_lse,

@@ -1,0 +1,106 @@
+"""Positions and lengths on the GPU: decode steps (one and four query rows at
+traced offsets, ragged lengths, a paged cache) and a prefill chunk's gradients,
+on each fused backend, against the reference path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scoremod
+from tests.pallas_cases import quiet  # noqa: F401 - the autouse fixture
+
+pytestmark = pytest.mark.gpu
+
+TOL = 3e-2
+B, HQ, HKV, D, SKV, PAGE = 4, 8, 2, 128, 2048, 64
+SLOPES = jnp.asarray([2.0 ** (-(i + 1)) for i in range(HQ)], jnp.float32)
+MODS = {
+    "softcap": lambda s, b, h, q, k: jnp.where(q >= k, 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
+    "window": lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 512), s, -jnp.inf),
+    "alibi": lambda s, b, h, q, k: jnp.where(q >= k, s + SLOPES[h] * (k - q), -jnp.inf),
+}
+ROUTES = {"pallas": ("pallas", scoremod.LoweringOptions(pallas_engine="mosaic")),
+          "cudnn": ("cudnn", None), "auto": (None, None)}
+
+
+def _skip_unless_hopper(impl):
+    from scoremod import device
+
+    if impl == "pallas" and device.current().family != 9:
+        pytest.skip("the Mosaic GPU engine runs on Hopper GPUs only")
+
+
+def _inputs(sq, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return tuple(jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+                 for key, shape in zip(ks, [(B, sq, HQ, D), (B, SKV, HKV, D), (B, SKV, HKV, D),
+                                            (B, sq, HQ, D)]))
+
+
+def _err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b))
+    fin = np.isfinite(b)
+    assert np.isfinite(a[fin]).all()
+    return np.max(np.abs(a[fin] - b[fin]), initial=0) / (np.max(np.abs(b[fin]), initial=0) + 1e-6)
+
+
+def _paged(k, v, seed=1):
+    """The cache as shuffled pages, and its page table."""
+    pages = SKV // PAGE
+    order = np.random.default_rng(seed).permutation(B * pages).reshape(B, pages)
+    cache = [np.zeros((B * pages, PAGE, HKV, D), np.float32) for _ in range(2)]
+    for b in range(B):
+        for p in range(pages):
+            for c, x in zip(cache, (k, v)):
+                c[order[b, p]] = np.asarray(x[b, p * PAGE:(p + 1) * PAGE], np.float32)
+    return (*(jnp.asarray(c, jnp.bfloat16) for c in cache), jnp.asarray(order, jnp.int32))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("name", sorted(MODS))
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_decode_steps_match_the_reference(route, name, sq, paged):
+    impl, options = ROUTES[route]
+    _skip_unless_hopper(impl)
+    q, k, v, _ = _inputs(sq)
+    lengths = jnp.asarray([1000, SKV, 17, 1500], jnp.int32)
+    offsets = lengths - sq
+    table = None
+    if paged:
+        k, v, table = _paged(k, v)
+
+    def run(impl, options):
+        return jax.jit(lambda q, k, v, off, n: scoremod.attention(
+            q, k, v, MODS[name], implementation=impl, options=options, return_lse=True,
+            q_offset=off, kv_lengths=n, page_table=table))(q, k, v, offsets, lengths)
+
+    want = run("xla", None)
+    got = run(impl, options)
+    for a, b in zip(got, want):
+        assert _err(a, b) < TOL
+    # the next step, at new positions: the same compiled call
+    again = run(impl, options)
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(got[0]))
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_a_prefill_chunk_has_the_reference_gradients(route):
+    impl, options = ROUTES[route]
+    _skip_unless_hopper(impl)
+    q, k, v, do = _inputs(256)
+    offsets = jnp.asarray([0, 512, 1024, 1792], jnp.int32)
+    lengths = offsets + 256
+
+    def grads(impl, options):
+        def loss(q, k, v):
+            o = scoremod.attention(q, k, v, MODS["softcap"], implementation=impl,
+                                   options=options, q_offset=offsets, kv_lengths=lengths)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    for a, b in zip(grads(impl, options), grads("xla", None)):
+        assert _err(a, b) < TOL
