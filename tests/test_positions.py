@@ -120,20 +120,20 @@ def _close(got, want, tol):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
 
 
-def test_pallas_kernels_and_the_fused_pipeline_take_them(fused_first):
-    """The Pallas kernels by name and the stand-in fused kernel (implementation=None)
-    give the reference path's O, LSE and gradients; with sinks too."""
+@pytest.mark.parametrize("impl", [None, "pallas"], ids=["fused-standin", "pallas"])
+def test_the_fused_pipeline_and_the_pallas_kernels_take_them(fused_first, impl):
+    """The stand-in fused kernel (implementation=None) and the Pallas kernels by
+    name give the reference path's O, LSE and gradients; with sinks too."""
     sq, off, lengths = CASES["speculative"]
     q, k, v = _inputs(sq, 48)
     off, lengths = jnp.asarray(off), jnp.asarray(lengths)
     sinks = jnp.asarray([0.5, -1.0, 1.0, 0.0])
     assert scoremod.which_implementation(q, k, v, mod, q_offset=off,
                                          kv_lengths=lengths)[0] == "fused-standin"
-    for impl in ("pallas", None):
-        _close(_attention(q, k, v, impl, q_offset=off, kv_lengths=lengths),
-               _attention(q, k, v, "xla", q_offset=off, kv_lengths=lengths), 2e-6)
-        _close(_grads(impl, q, k, v, off, lengths, sinks),
-               _grads("xla", q, k, v, off, lengths, sinks), 2e-5)
+    _close(_attention(q, k, v, impl, q_offset=off, kv_lengths=lengths),
+           _attention(q, k, v, "xla", q_offset=off, kv_lengths=lengths), 2e-6)
+    _close(_grads(impl, q, k, v, off, lengths, sinks),
+           _grads("xla", q, k, v, off, lengths, sinks), 2e-5)
 
 
 def test_a_decode_loop_at_traced_positions_compiles_once():

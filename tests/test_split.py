@@ -32,6 +32,16 @@ MODS = {
     "alibi_causal": lambda s, b, h, q, k: jnp.where(q >= k, s + SLOPES[h] * (k - q), NEG),
     "q_bias_causal": lambda s, b, h, q, k: jnp.where(k <= q, s + Q_BIAS[q] - 0.5 * Q_BIAS[k], NEG),
     "document_causal": lambda s, b, h, q, k: jnp.where((q >= k) & (DOCS[b, q] == DOCS[b, k]), s * 0.9, NEG),
+    # static masks that are no band: their tiles are classified when planning
+    "softcap_prefix_lm": lambda s, b, h, q, k: jnp.where((k < 100) | (q >= k), 30 * jnp.tanh(s / 30), NEG),
+    "global_window": lambda s, b, h, q, k: jnp.where(((q >= k) & (q - k < 150)) | (k < 64), 0.8 * s, NEG),
+}
+
+# mask of each static mod above, in numpy: (q, kv) -> kept
+STATIC = {
+    "softcap_prefix_lm": lambda q, k: (k < 100) | (q >= k),
+    "global_window": lambda q, k: ((q >= k) & (q - k < 150)) | (k < 64),
+    "prefix_lm_doc": lambda q, k: (k < 700) | (q >= k),
 }
 
 
@@ -84,6 +94,26 @@ def test_plan_covers_every_visible_key_and_skips_the_rest():
         assert b.k1 - b.k0 <= 256 + 199 + 128
     visited = sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in blocks)
     assert visited < 0.25 * 2048 * 2048
+
+
+@pytest.mark.parametrize("name", sorted(STATIC))
+def test_static_masks_split_and_every_visible_key_is_inside_its_block(name):
+    """A static mask that is no band (prefix-LM, global tokens + window, and one
+    that also reads captured arrays, which count as true): each block's key
+    range is the tightest tile-aligned one that holds every key its rows see
+    under the static conditions."""
+    docs = DOCS
+    fns = {"prefix_lm_doc": lambda s, b, h, q, k: jnp.where(
+        ((k < 700) | (q >= k)) & (docs[b, q] == docs[b, k]), s, NEG)}
+    mod = scoremod.trace(fns.get(name) or MODS[name])
+    n = 2048
+    blocks = split.plan(canonical(mod.expr), n, n, blocks=8, sms=1)
+    assert blocks is not None and len(blocks) == 8, blocks
+    q, k = np.arange(n)[:, None], np.arange(n)[None, :]
+    kept = STATIC[name](q, k)
+    for b in blocks:  # the tightest tile-aligned range that holds every visible key
+        seen = np.flatnonzero(kept[b.q0:b.q1].any(axis=0))
+        assert (b.k0, b.k1) == (seen[0] // 128 * 128, min(n, (seen[-1] // 128 + 1) * 128)), b
 
 
 @pytest.mark.parametrize("fn,sq", [

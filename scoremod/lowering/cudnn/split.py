@@ -1,4 +1,4 @@
-"""Band-masked mods with a modifier, split into query blocks.
+"""Masked mods with a modifier, split into query blocks.
 
 cuDNN does not take score_mod together with its native masks, so a mod like
 ``where(q_idx >= kv_idx, 30 * tanh(score / 30), -inf)`` visits every tile,
@@ -10,6 +10,13 @@ its keys inside its own call, so the blocks' outputs and LSEs are its rows
 of the whole (no softmax merging, no new kernel), and the key gradients of
 the blocks add up. ``blockwise`` says this in JAX; the fused path
 (``plan.Plan``) does it in place, without slicing.
+
+A mask that is no band but is fixed by the indices alone (prefix-LM's
+``kv_idx < P or q_idx >= kv_idx``, a window with global tokens) splits the
+same way: its tiles are classified when the call is planned
+(``block_maps.classify_tiles`` on the mask's conditions that read no
+captured array), and each block takes the keys from its first to its last
+visited tile.
 
     >>> import jax.numpy as jnp, scoremod
     >>> from scoremod.lowering.cudnn.rules import canonical
@@ -25,6 +32,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from scoremod.dsl import ir, ops
 from scoremod.dsl.scoremod import ScoreMod
@@ -54,13 +62,20 @@ def plan(expr: ir.Node, sq: int, skv: int, blocks: int, batch_heads: int = 1,
     masked tiles but makes smaller kernels, whose last wave may leave the GPU
     half idle (at batch 1, 8 heads, seq 4096 the model rates four blocks
     slower than one call, and picks two). ``sms=1`` counts visited tiles only."""
-    band = masks.band_of(expr)
-    if band is None or blocks < 2:
+    if blocks < 2:
         return None
+    band = masks.band_of(expr)
+    if band is not None:
+        make = lambda n: _blocks(band, sq, skv, n)  # noqa: E731
+    else:
+        visited = static_tiles(expr, sq, skv)
+        if visited is None:
+            return None
+        make = lambda n: _blocks_of_tiles(visited, sq, skv, n)  # noqa: E731
     limit = MAX_COST * _cost((Block(0, sq, 0, skv),), batch_heads, sms)
     best, best_cost = None, math.inf
     for n in range(2, blocks + 1):  # fewest blocks among the cheapest
-        parts = _blocks(band, sq, skv, n)
+        parts = make(n)
         cost = math.inf if parts is None else _cost(parts, batch_heads, sms)
         if cost <= limit and cost < best_cost:
             best, best_cost = parts, cost
@@ -80,6 +95,49 @@ def _blocks(band, sq, skv, n):
         if k1 <= k0:  # rows that see no key: leave them to one unsplit call
             return None
         out.append(Block(q0, q1, int(k0), int(k1)))
+    return tuple(out)
+
+
+def static_tiles(expr, sq: int, skv: int):
+    """bool [query tiles, key tiles] (of ``TILE``): where the mask conditions
+    of ``expr`` that read only the indices and constants can hold (for some
+    batch and head); None when it has none. Conditions that read captured
+    arrays count as true (their values are not known when planning)."""
+    import jax
+
+    from scoremod.lowering import block_maps, patterns
+    from scoremod.lowering.problem import Problem
+
+    conds, _ = patterns.mask_conditions(expr)
+    deps = patterns.dependencies(expr)
+    static = [c if keep else ops.apply("not", c) for c, keep in conds.items()
+              if not any(n.op == ir.OPERAND for n in ir.toposort(c))
+              and {"q_idx", "kv_idx"} & deps[c]]
+    if not static:
+        return None
+    cond = static[0]
+    for c in static[1:]:
+        cond = ops.apply("and", cond, c)
+    mask = ops.apply("where", cond, ir.var(ir.SCORE), ir.const(-math.inf, ir.F32))
+    problem = Problem(1, sq, skv, 1, 1, 8, 8, "bfloat16")  # b and h: the union below
+    with jax.ensure_compile_time_eval():
+        visited, _ = block_maps.classify_tiles(mask, (), problem, TILE, TILE, exact="never")
+        return np.asarray(visited).any(axis=(0, 1))
+
+
+def _blocks_of_tiles(visited, sq, skv, n):
+    """Query blocks of ``n``-way split and the keys from each one's first to its
+    last visited tile (one tile for a block that sees no key: its rows are
+    fully masked there too)."""
+    size = math.ceil(sq / n / TILE) * TILE
+    if size >= sq:
+        return None
+    out = []
+    for q0 in range(0, sq, size):
+        q1 = min(sq, q0 + size)
+        seen = np.flatnonzero(visited[q0 // TILE:-(-q1 // TILE)].any(axis=0))
+        first, last = (seen[0], seen[-1]) if seen.size else (0, 0)
+        out.append(Block(q0, q1, int(first * TILE), int(min(skv, (last + 1) * TILE))))
     return tuple(out)
 
 
