@@ -367,6 +367,9 @@ SPLIT = {
     "softcap_causal": lambda s, b, h, q, k: jnp.where(q >= k, 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
     "alibi_causal": lambda s, b, h, q, k: jnp.where(q >= k, s + SLOPES[h] * (k - q), -jnp.inf),
     "softcap_window": lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 200), 20.0 * jnp.tanh(s / 20.0), -jnp.inf),
+    # static masks that are no band: split by their tiles (split.static_tiles)
+    "softcap_prefix_lm": lambda s, b, h, q, k: jnp.where((k < 64) | (q >= k), 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
+    "global_window": lambda s, b, h, q, k: jnp.where(((q >= k) & (q - k < 150)) | (k < 32), s * 0.8, -jnp.inf),
 }
 
 
