@@ -73,6 +73,7 @@ IMPLS = {
     "scoremod": "scoremod fused",
     "scoremod-plain": "scoremod fused, plain score_mod",
     "scoremod-ids": "scoremod fused, operands as jit arguments",
+    "scoremod-sinks": "scoremod fused, with sinks (learned)",
     "direct": "same graph, cuDNN frontend Python",
     "xla": "scoremod XLA reference",
     "pallas": "scoremod Pallas kernels",
@@ -84,7 +85,9 @@ IMPLS = {
 }
 PALLAS_IMPLS = ("pallas", "pallas-mosaic")  # by name only, as the backend
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
-        "document", "document_random", "document_noncausal", "document_softcap", "mla_rope")
+        "document", "document_random", "document_noncausal", "document_softcap", "mla_rope",
+        "prefix_lm", "softcap_prefix_lm", "alibi_causal")
+PREFIX = 8  # prefix-LM: the first S / PREFIX keys are seen by every query
 # MLA's decoupled RoPE: causal, plus q_pe . k_pe of rank ROPE_DIM (k_pe shared by the
 # heads), a low-rank bias scoremod folds into the head dim (q and k at D + ROPE_DIM, v at
 # D); plain cuDNN runs q and k at head dim D + ROPE_DIM, the comparison the issue asks for:
@@ -109,13 +112,14 @@ OPS = "fwdbwd_ops"
 DIRECTIONS = {"fwd": "fwd", "fwdbwd": "fwd+bwd", OPS: "fwd+bwd, operand grads"}
 DEFAULT_DIRECTIONS = ("fwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, OPS: 3.5}  # backward counted as 2.5x the forward
-PLANNED_IMPLS = ("scoremod", "scoremod-plain", "scoremod-ids")  # on fused_backend: recorded
+PLANNED_IMPLS = ("scoremod", "scoremod-plain", "scoremod-ids",
+                 "scoremod-sinks")  # on fused_backend: recorded
 CUDNN_IMPLS = PLANNED_IMPLS + ("direct",)  # the cuDNN lowerings' switches apply when planned there
 CUDNN_BACKENDS = ("cudnn", "cudnn-varlen")
 OPS_IMPLS = ("scoremod", "xla", "pallas", "pallas-mosaic", "flex")
 # The captured float arrays of FlexAttention's score_mods, by aux_arrays name (those of the
 # JAX mods are their float operands)
-FLEX_LEARNED = {"alibi": ("slopes",), "relbias": ("table",)}
+FLEX_LEARNED = {"alibi": ("slopes",), "alibi_causal": ("slopes",), "relbias": ("table",)}
 SOFTCAP, DOCS = 30.0, 4
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -174,8 +178,14 @@ def mod_parts(name, t, tanh):
         "alibi": lambda sc, b, h, q, k: sc + slopes[h] * (k - q),
         "relbias": lambda sc, b, h, q, k: sc + table[h, q - k + s - 1],
     }
+    def prefix_lm(b, h, q, k):
+        return (k < s // PREFIX) | (q >= k)
+
+    scores["softcap_prefix_lm"] = softcap
+    scores["alibi_causal"] = scores["alibi"]
     masks = {"causal": causal, "softcap_causal": causal, "mla_rope": causal,
-             "window": lambda b, h, q, k: (q >= k) & (q - k < w)}
+             "window": lambda b, h, q, k: (q >= k) & (q - k < w),
+             "prefix_lm": prefix_lm, "softcap_prefix_lm": prefix_lm, "alibi_causal": causal}
     if name in DOC_IDS:
         masks[name] = document_mask(t[DOC_IDS[name][0]], DOC_IDS[name][1])
     return scores.get(name), masks.get(name)
@@ -403,6 +413,12 @@ def make_call(impl, name, shape, direction):
 
         def fn(q, k, v, *ops):
             return scoremod.attention(q, k, v, scoremod.ScoreMod(mod.expr, ops), implementation=how)
+    elif impl == "scoremod-sinks":  # implementation=None, sinks differentiated in fwd+bwd
+        mod = shape.mod(name)
+        learned = (jax.numpy.linspace(-1.0, 1.0, shape.h, dtype=jax.numpy.float32),)
+
+        def fn(q, k, v, sinks):
+            return scoremod.attention(q, k, v, mod, sinks=sinks)
     elif impl in ("scoremod", "scoremod-plain", "xla") + PALLAS_IMPLS:
         mod = shape.mod(name)
         # scoremod: implementation=None, what the planner picks (run() records it)
@@ -902,6 +918,10 @@ TARGETS = [
      "scoremod", 1.5, True),
     ("vs XLA reference at seq 4096", None, ("fwdbwd",), ("xla", None), "scoremod", 4.0, True),
     ("vs FlexAttention", None, ("fwd", "fwdbwd", OPS), ("flex", None), "scoremod", 1.2, True),
+    ("prefix-LM vs FlexAttention", ("prefix_lm", "softcap_prefix_lm"), ("fwd", "fwdbwd"),
+     ("flex", None), "scoremod", 1.3, True),
+    ("sinks / without", ("softcap_causal", "window"), ("fwd", "fwdbwd"), ("scoremod-sinks", None),
+     "scoremod", 1.05, False),
 ]
 
 
