@@ -503,6 +503,73 @@ def test_backward_learned_operands_deterministic(interprets):
         assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
 
 
+@pytest.mark.parametrize("case,shape", [
+    ("relative_causal", dict(sq=130, skv=190, hq=2, hkv=1, d=64)),
+    ("relative_softcap", dict(sq=100, skv=70, hq=2, hkv=2, d=64, dtype=jnp.float16)),
+    ("relative_masked", dict(sq=200, skv=136, hq=2, hkv=1, d=64)),
+])
+def test_backward_learns_relative_tables_interpreted(case, shape, interprets):
+    """A table read at q_idx - kv_idx (causal, jax.numpy's wrapped index under a
+    softcap, -inf runs the map skips), learned: its gradient from the
+    per-block-diagonal kernel (mosaic_backward.diagonal_sums) in interpret mode,
+    every diagonal's two shares added and placed at the entry it reads, against
+    the reference path; no Triton kernel; twice the same bits."""
+    shape = dict(shape)
+    dtype = shape.pop("dtype", jnp.bfloat16)
+    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
+    mod, operands = pc.traced_vector_mod(case, q, k)
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
+    assert plan.diagonal_operands == (mod.operand_names[-1],) and plan.triton_operands == ()
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
+    o, lse = want[0], want[1]
+    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
+    runs = [pallas_backend._backward(plan, q, k, v, o.astype(dtype), lse, do, dlse, operands,
+                                     (mod.operand_names[-1],)) for _ in range(2)]
+    dq, dk, dv, grads = runs[0]
+    op_grads = tuple(grads.get(name) for name in mod.operand_names)
+    errs = pc.relative_errors((o, lse, dq, dk, dv, op_grads), want)
+    assert "d_operand0" in errs and all(e < 3e-2 for e in errs.values()), errs
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
+def test_diagonal_map_and_gradient_place_every_diagonal_once():
+    """The per-block-diagonal lists hold exactly the block map's visited tiles of
+    each block diagonal, in ascending order; ``diagonal_gradient`` adds the two
+    shares of each diagonal (a numpy scatter of the same sums, for comparison)."""
+    from scoremod.lowering import block_maps
+
+    blk = mosaic_backward.BLOCK
+    nq, nk = 5, 3
+    rng = np.random.default_rng(0)
+    visited = rng.random((1, 2, nq, nk)) < 0.6
+    full = visited & (rng.random(visited.shape) < 0.5)
+    bmap = block_maps.block_lists(jnp.asarray(visited), jnp.asarray(full))
+    counts, blocks, fulls = mosaic_backward.diagonal_map(bmap, nq, nk)
+    for h in range(2):
+        for t in range(nq + nk - 1):
+            shift = t - (nk - 1)
+            want = [i for i in range(nq) if 0 <= i - shift < nk and visited[0, h, i, i - shift]]
+            n = int(counts[0, h, t])
+            assert list(np.asarray(blocks[0, h, t, :n])) == want, (h, t)
+            assert list(np.asarray(fulls[0, h, t, :n])) == [
+                bool(full[0, h, i, i - shift]) for i in want]
+    sums = rng.standard_normal((1, 1, 1, nq + nk - 1, 2, blk)).astype(np.float32)
+    sums[..., 1, 0] = 0.0  # upper[0] is the main diagonal's, counted in lower
+    got = np.asarray(mosaic_backward.diagonal_gradient(jnp.asarray(sums), nq, nk))[0, 0, 0]
+    want = np.zeros((nq + nk) * blk - 1)
+    first = nk * blk - 1
+    for t in range(nq + nk - 1):
+        base = (t - (nk - 1)) * blk
+        for u in range(blk):
+            want[first + base + u] += sums[0, 0, 0, t, 0, u]  # lower: q - kv = base + u
+            if u:
+                want[first + base - u] += sums[0, 0, 0, t, 1, u]  # upper: base - u
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_learning_refusal(monkeypatch, hopper_here):
     """A read at an index that varies over the tile, or one whose derivative the
     engine cannot evaluate, is not learned by the Mosaic backward: the plan names
@@ -886,7 +953,9 @@ def test_offset_reads_interpreted(case, b, shape, dtype, interprets):
 
 def test_offset_reads_lower(hopper_here):
     """A relative-position table lowers for CUDA to the three Mosaic GPU kernels;
-    with the table learned, its gradient on the Triton backward."""
+    with the table learned, to four: its gradient from the per-block-diagonal
+    kernel, no Triton one (with dK and dV not asked for, JAX drops the dK/dV
+    kernel: three)."""
     q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
     fn, operands = pc.vector_mod("relative_softcap", 2, 4, 300, 260)
 
@@ -897,8 +966,10 @@ def test_offset_reads_lower(hopper_here):
 
     assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, *operands)) == \
         {"mosaic": 3, "triton": 0}
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, *operands)) == \
+        {"mosaic": 4, "triton": 0}
     assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 3)), q, k, v, *operands)) == \
-        {"mosaic": 1, "triton": 2}
+        {"mosaic": 3, "triton": 0}
 
 
 def test_offset_and_vector_reads_share_shared_memory(hopper_here, monkeypatch):

@@ -438,7 +438,7 @@ def test_mosaic_offset_reads(case, b, shape, dtype, hopper):
 def test_relative_table_through_attention(hopper):
     """implementation=None runs a relative-bias table (the harness's form, the index
     wrapped by jax.numpy) on the Mosaic engine, jitted, with the table's gradient
-    too (the Triton backward), against implementation="xla"."""
+    too (the per-block-diagonal kernel, no Triton one), against implementation="xla"."""
     q, k, v, do = pc.inputs(b=2, sq=1024, skv=1024, hq=8, hkv=2, d=128, dtype=jnp.bfloat16)
     table = jax.random.normal(jax.random.PRNGKey(4), (8, 2047), jnp.float32)
 
@@ -457,6 +457,9 @@ def test_relative_table_through_attention(hopper):
     choice = scoremod.which_implementation(
         q, k, v, lambda s, b, h, qi, ki: s + table[h, qi - ki + 1023])
     assert choice.implementation == "pallas" and "Mosaic GPU" in choice.variant, choice
+    plan = PALLAS.plan(Problem.of(q, k, v), scoremod.trace(
+        lambda s, b, h, qi, ki: s + table[h, qi - ki + 1023]), 0.125, MOSAIC, True)
+    assert plan.diagonal_operands and not plan.triton_operands, plan.describe()
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     for argnums in ((0, 1, 2), (0, 3)):
         want = grads("xla", f32(q), f32(k), f32(v), table, argnums)
@@ -528,6 +531,41 @@ def test_mosaic_backward_learns_operands(case, dtype, d, hopper):
                         check_plan=_mosaic_learns)
     assert all(g is not None for g in got[5]), "no operand gradient"
     _check(got, want, dtype)
+
+
+_DIAGONAL_CASES = [
+    ("relative_bias", dict(sq=300, skv=260, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("relative_softcap", dict(sq=384, skv=1024, hq=2, hkv=2, d=64), jnp.float16),
+    ("relative_causal", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("relative_masked", dict(sq=1000, skv=1000, hq=2, hkv=1, d=128), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case,shape,dtype", _DIAGONAL_CASES,
+                         ids=[f"{c}-{s['sq']}x{s['skv']}-{jnp.dtype(t).name}-d{s['d']}"
+                              for c, s, t in _DIAGONAL_CASES])
+def test_mosaic_learns_relative_tables(case, shape, dtype, hopper):
+    """A learned table read at q_idx - kv_idx: O, LSE, dQ, dK, dV and the table's
+    gradient (the per-block-diagonal kernel) against the reference path, no
+    Triton kernel in the plan; and the same bits on a second run."""
+    def diagonal(plan):
+        _mosaic_backward(plan)
+        assert plan.diagonal_operands and plan.triton_operands == (), plan.describe()
+
+    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
+    runs = []
+    for _ in range(2):
+        mod, operands = pc.traced_vector_mod(case, q, k)
+        plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
+        diagonal(plan)
+        runs.append(pc.run(PALLAS, plan, q, k, v, do, operands, True))
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
+    assert runs[0][5][-1] is not None, "no table gradient"
+    _check(runs[0], want, dtype)
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
 
 
 def test_mosaic_backward_learned_deterministic(hopper):

@@ -40,6 +40,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scoremod import device, support
 from scoremod import options as lowering_options
@@ -108,6 +109,9 @@ class PallasPlan:
     # cannot compute (a read that varies over the tile); a call asking for one
     # runs the Triton backward.
     triton_operands: tuple = ()
+    # Float operands read at q_idx - kv_idx only, whose gradients the Mosaic backward's
+    # per-block-diagonal kernel sums (mosaic_backward.diagonal_sums).
+    diagonal_operands: tuple = ()
     # Whether pallas_engine="auto" chose ``engine``; where it chose the Triton
     # engine, why the Mosaic GPU engine does not take the call.
     auto_engine: bool = False
@@ -276,13 +280,13 @@ class Pallas(Backend):
         if mod is not None:
             block_map = AnalysedMap(mod.expr)
             full_expr = _full_expr(mod)
-        backward_engine, backward_note, triton_operands = "triton", None, ()
+        backward_engine, backward_note, triton_operands, diagonal_operands = "triton", None, (), ()
         if engine == "mosaic":
             backward_note = _mosaic_backward_refusal(mod, full_expr)
             if backward_note is None:  # its tiles are fixed by its warpgroups too
                 backward_engine = "mosaic"
                 bwd = (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
-                triton_operands = _mosaic_unlearnable(mod, full_expr)
+                triton_operands, diagonal_operands = _mosaic_unlearnable(mod, full_expr)
             elif not interpret and support.pallas_triton_missing():
                 backward_engine = None  # the backward refuses, saying why (_backward)
         return PallasPlan(
@@ -291,7 +295,8 @@ class Pallas(Backend):
             backward_blocks=bwd, num_warps=warps, num_stages=options.pallas_num_stages,
             interpret=interpret, block_map=block_map, full_expr=full_expr, engine=engine,
             backward_engine=backward_engine, backward_note=backward_note,
-            triton_operands=triton_operands, auto_engine=options.pallas_engine == "auto",
+            triton_operands=triton_operands, diagonal_operands=diagonal_operands,
+            auto_engine=options.pallas_engine == "auto",
             engine_note=engine_note)
 
     def forward(self, plan, q, k, v, operands):
@@ -324,18 +329,24 @@ def _mosaic_backward_refusal(mod, full_expr):
 
 
 def _mosaic_unlearnable(mod, full_expr) -> tuple:
-    """((name, why), ...) for the float operands of ``mod`` whose gradients the
-    Mosaic GPU backward cannot compute (``mosaic_backward.learning_refusal``)."""
-    out = []
+    """``(((name, why), ...), diagonal names)``: the float operands of ``mod`` whose
+    gradients the Mosaic GPU backward cannot compute (``learning_refusal``, and
+    not read at q_idx - kv_idx alone: ``diagonal_refusal``), and those read there,
+    which its per-block-diagonal kernel sums."""
+    out, diagonal = [], []
+    exprs = [mod.expr] + ([full_expr] if full_expr is not None else []) if mod else []
     for name, node in zip(mod.operand_names, mod.operand_nodes) if mod is not None else ():
         if node.dtype != ir.F32:
             continue
-        why = mosaic_backward.learning_refusal(mod.expr, name, mod.sources)
-        if why is None and full_expr is not None:
-            why = mosaic_backward.learning_refusal(full_expr, name, mod.sources)
-        if why:
+        why = next((w for e in exprs
+                    if (w := mosaic_backward.learning_refusal(e, name, mod.sources))), None)
+        if why is None:
+            continue
+        if all(mosaic_backward.diagonal_refusal(e, name, mod.sources) is None for e in exprs):
+            diagonal.append(name)
+        else:
             out.append((name, why))
-    return tuple(out)
+    return tuple(out), tuple(diagonal)
 
 
 # --------------------------------------------------------------------------- #
@@ -446,6 +457,78 @@ def _operand_gradient(part, node, expr, b, hq):
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def _diagonal_parts(plan, spec, sums, windows, sq, skv) -> dict:
+    """The partial rows [B, Hq, 1, window] of each operand read at q_idx - kv_idx
+    (``windows``: (name, axes, size)) from ``diagonal_sums``' sums (tiles of
+    padded ``sq`` x ``skv``): the sum along each real diagonal placed at the
+    position its read takes there, the read's index evaluated when tracing
+    (it reads no captured array: ``diagonal_refusal``); each position sums its
+    diagonals in a fixed order (a gather and a sum: the same bits on every run)."""
+    p = plan.problem
+    blk = mosaic_backward.BLOCK
+    nq, nk = sq // blk, skv // blk
+    per_diagonal = mosaic_backward.diagonal_gradient(sums, nq, nk)  # [B, Hq, reads, P]
+    first = nk * blk - 1  # the padded matrix's diagonal 0 (q_idx == kv_idx)
+    d = np.arange(-(p.skv - 1), p.sq)  # the real diagonals q_idx - kv_idx
+    values = per_diagonal[..., first + d]
+    loads = mosaic_backward.learned_loads(spec.expr, spec.learned)
+    parts = {}
+    for name, axes, size in windows:
+        part = jnp.zeros((p.b, p.hq, 1, size), jnp.float32)
+        for r, node in enumerate(loads):
+            if node.args[0].attr[0] != name:
+                continue
+            at = _static_positions(patterns.difference_form(node), axes, d, p.b, p.hq)
+            members = _members(at, size, len(d))  # [Bx, Hx, size, m], len(d): a zero
+            padded = jnp.pad(values[:, :, r], [(0, 0), (0, 0), (0, 1)])
+            rows = jnp.broadcast_to(members, (p.b, p.hq) + members.shape[2:])
+            gathered = jnp.take_along_axis(padded[:, :, None, :],
+                                           rows.reshape(p.b, p.hq, 1, -1), -1)
+            part = part + gathered.reshape(rows.shape).sum(-1)[:, :, None, :]
+        parts[name] = part
+    return parts
+
+
+def _static_positions(read, axes, d, b, hq):
+    """int [Bx, Hx, len(d)]: the flat position along ``axes`` that ``read`` (a
+    function of b, h and q_idx standing for q_idx - kv_idx) takes on each
+    diagonal ``d``, clamped as reads clamp; Bx, Hx 1 where it does not read b, h."""
+    used = ir.variables(read)
+    grid = {"q_idx": d[None, None, :].astype(np.int32),
+            "b": np.arange(b if "b" in used else 1, dtype=np.int32)[:, None, None],
+            "h": np.arange(hq if "h" in used else 1, dtype=np.int32)[None, :, None]}
+    with jax.ensure_compile_time_eval():
+        index = codegen.evaluate_tile(list(read.args[1:]), grid, {})
+        flat = codegen.flat_index(read, index, axes)
+        return np.broadcast_to(np.asarray(flat), (grid["b"].shape[0], grid["h"].shape[1],
+                                                  len(d)))
+
+
+_MAX_MEMBERS = 1 << 26
+
+
+def _members(at, size, none):
+    """int [Bx, Hx, size, m]: per position, the diagonals (indices into ``at``'s
+    last axis) that land there in ascending order, padded with ``none``."""
+    m = max(1, max(int(np.bincount(row, minlength=size).max()) for row in at.reshape(
+        -1, at.shape[-1])))
+    if at.shape[0] * at.shape[1] * size * m > _MAX_MEMBERS:
+        raise ScoreModError(
+            f"implementation=\"pallas\" cannot place the gradient of a table read at "
+            f"q_idx - kv_idx: up to {m} diagonals share one of its {size} entries (more than "
+            "the backward gathers); use implementation=\"xla\", or keep the table fixed "
+            "(jax.lax.stop_gradient)")
+    out = np.full(at.shape[:2] + (size, m), none, np.int32)
+    for bi in range(at.shape[0]):
+        for hi in range(at.shape[1]):
+            row = at[bi, hi]
+            order = np.argsort(row, kind="stable")  # ascending diagonals within a position
+            landed = row[order]
+            rank = np.arange(len(row)) - np.searchsorted(landed, landed)
+            out[bi, hi, landed, rank] = order
+    return out
+
+
 def _refuse_without_triton(plan, learned_on_triton, on_triton):
     """The error for a backward that needs the Triton kernels where this jax cannot
     compile them (support.pallas_triton_missing): the Mosaic GPU backward refused
@@ -488,10 +571,16 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     if plan.backward_engine == "mosaic" and not learned_on_triton:
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
         lse2 = jnp.where(lse_p == -jnp.inf, jnp.inf, lse_p * jnp.float32(mosaic_backward.LOG2E))
-        mspec = plan.mosaic_backward_spec(learned=(w[0] for w in windows))
+        diagonal = tuple(w for w in windows if w[0] in plan.diagonal_operands)
+        per_key = tuple(w for w in windows if w not in diagonal)
+        mspec = plan.mosaic_backward_spec(learned=(w[0] for w in per_key))
         dq = mosaic_backward.dq(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
         dk, dv, sums = mosaic_backward.dkdv(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
-        parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, windows)
+        parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, per_key)
+        if diagonal:
+            dspec = plan.mosaic_backward_spec(learned=(w[0] for w in diagonal))
+            sums = mosaic_backward.diagonal_sums(dspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
+            parts.update(_diagonal_parts(plan, dspec, sums, diagonal, sq, skv))
     else:  # the Triton backward: it learns any captured float array (``windows``)
         dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
         dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, windows)

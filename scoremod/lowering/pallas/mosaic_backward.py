@@ -696,3 +696,294 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
+
+
+# --- gradients of reads at q_idx - kv_idx: one program per block diagonal ----------------
+#
+# A read at a relative position (``table[h, q_idx - kv_idx + S - 1]``, T5's buckets) has one
+# value per diagonal of the score matrix, so its gradient is a sum of dS (times the read's
+# local derivative) along each diagonal. The tiles of one block diagonal (query block i,
+# key block i - delta) all cover the same 2 * BLOCK - 1 diagonals, so one program per
+# block diagonal sums its tiles' diagonals in registers, in tile order, and writes them
+# once: no atomics, the same bits on every run. It recomputes S and dP (two products per
+# tile), as the dQ kernel does. Neighbouring block diagonals overlap by BLOCK - 1
+# diagonals; ``diagonal_gradient`` adds the two shares of each in XLA, in a fixed order.
+
+
+def diagonal_refusal(expr, name, sources) -> str | None:
+    """Why ``diagonal_sums`` cannot compute the gradient of float operand ``name``
+    (some read of it is not at q_idx - kv_idx, or its index reads captured
+    arrays; the mod reads captured arrays along a tile axis, which this kernel
+    does not stream; a read's derivative it cannot evaluate), or None."""
+    loads = learned_loads(expr, (name,))
+    for node in loads:
+        index = node.args[1:]
+        if mosaic.read_axis(node) != mosaic.OFFSET or any(
+                n.op == ir.OPERAND for i in index for n in ir.toposort(i)):
+            return (f"`{format_expr(node)}` is not read at q_idx - kv_idx with an index of the "
+                    "positions alone")
+    if mosaic.vector_reads(expr):
+        return "the mod reads captured arrays along a tile axis"
+    for local in load_derivatives(expr, loads):
+        why = mosaic.refusal(local, sources, advice=False)
+        if why:
+            return f"in the derivative of a read of `{name}`, " + why
+    return None
+
+
+def diagonal_map(bmap, nq, nk):
+    """Per block diagonal ``t`` (query block i, key block i - (t - nk + 1)), its visited
+    tiles' query blocks in ascending order and whether each is full: (counts [Bm, Hm,
+    nq + nk - 1], blocks, full [Bm, Hm, nq + nk - 1, nq]), from the block map's lists."""
+    from scoremod.lowering import block_maps
+
+    bm, hm = bmap.q_counts.shape[:2]
+    valid = jnp.arange(nk)[None, None, None, :] < bmap.q_counts[..., None]
+    idx = (jnp.arange(bm)[:, None, None, None], jnp.arange(hm)[None, :, None, None],
+           jnp.arange(nq)[None, None, :, None], bmap.q_blocks)
+    visited = jnp.zeros((bm, hm, nq, nk), bool).at[idx].max(valid)
+    full = jnp.zeros((bm, hm, nq, nk), bool).at[idx].max(valid & bmap.q_full)
+    delta = jnp.arange(nq + nk - 1) - (nk - 1)
+    i = jnp.arange(nq)
+    j = i[None, :] - delta[:, None]  # [diagonals, nq]
+    inside = (j >= 0) & (j < nk)
+    jj = jnp.clip(j, 0, nk - 1)
+
+    def skew(x):
+        return jnp.take_along_axis(x[:, :, None], jnp.broadcast_to(jj, (bm, hm) + jj.shape)
+                                   [..., None], -1)[..., 0] & inside
+
+    # x[:, :, i, j] at (t, i): x[:, :, None] is [Bm, Hm, 1, nq, nk]
+    return block_maps._lists(skew(visited), skew(full))
+
+
+def _diagonal_reduce(x, scratch, interpret):
+    """``(lower, upper)`` [BLOCK] (rows layout) of a [BLOCK, BLOCK] tile ``x`` (queries
+    down, keys across): ``lower[t]`` the sum of ``x[i, i - t]``, ``upper[t]`` that of
+    ``x[i - t, i]`` (0 at t = 0), each in ascending i. On the GPU through ``scratch``
+    (float32 [BLOCK, BLOCK] shared memory): every thread stores its elements, then sums
+    its rows' diagonals in order (Pallas has no such reduction: written in Mosaic GPU)."""
+    n = BLOCK
+    if interpret:
+        i = jnp.arange(n)[:, None]
+        t = jnp.arange(n)[None, :]
+        lower = jnp.where(i >= t, x[i, jnp.clip(i - t, 0, n - 1)], 0.0).sum(0)
+        upper = jnp.where((i >= t) & (t > 0), x[jnp.clip(i - t, 0, n - 1), i], 0.0).sum(0)
+        return lower, upper
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import numpy as np
+    from jax._src.lib.mlir import ir as mir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+
+    rows = plgpu.Layout.WGMMA.reduce(1)
+    out = plgpu.ShapeDtypeStruct((n,), jnp.float32, layout=rows)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()), return_type=(out, out))
+    def reduce(ctx, tile, smem):
+        del ctx
+        tile.store_untiled(smem, optimized=False)
+        mgpu.warpgroup_barrier()
+        index = mir.IndexType.get()
+        layout = mgpu.WGMMA_ROW_LAYOUT
+        f32 = mir.F32Type.get()
+        vec_type = layout.registers_element_type(f32)
+        results = []
+        for upper in (False, True):
+            regs = np.empty(layout.registers_shape((n,)), dtype=object)
+            for (row,), at in zip(layout.thread_idxs((n,)), np.ndindex(regs.shape)):
+                total = arith.constant(f32, 0.0)
+                for i in range(n):  # diagonal `row`: x[i, i - row] (x[i - row, i] above)
+                    off = arith.constant(index, i)
+                    other = arith.subi(off, row)
+                    ok = arith.cmpi(arith.CmpIPredicate.sge, other, arith.constant(index, 0))
+                    safe = arith.select(ok, other, arith.constant(index, 0))
+                    at_ = [safe, off] if upper else [off, safe]
+                    val = memref.load(smem, at_)
+                    val = arith.select(ok, val, arith.constant(f32, 0.0))
+                    total = arith.addf(total, val)
+                if upper:
+                    zero = arith.cmpi(arith.CmpIPredicate.eq, row, arith.constant(index, 0))
+                    total = arith.select(zero, arith.constant(f32, 0.0), total)
+                regs[at] = vector.broadcast(vec_type, total)
+            results.append(mgpu.FragmentedArray(_registers=regs, _layout=layout,
+                                                _is_signed=None))
+        mgpu.warpgroup_barrier()  # the scratch is reused by the next tile
+        return tuple(results)
+
+    return reduce(x, scratch)
+
+
+def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
+    """The sums along each diagonal of the cotangents of the reads of ``spec.learned``
+    (all at q_idx - kv_idx: ``diagonal_refusal``), per block diagonal: float32 [B, Hq,
+    reads, nq + nk - 1, 2, BLOCK] (``[..., 0, t]``: the diagonal ``t`` below the block
+    diagonal's first, ``[..., 1, t]``: ``t`` above), on arrays padded to whole tiles
+    (``lse2``, ``delta`` as for ``dkdv``)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, sq, hq, d = q.shape
+    skv = k.shape[1]
+    dtype = q.dtype
+    nq, nk = sq // BLOCK, skv // BLOCK
+    n_diag = nq + nk - 1
+    n_ops = len(operands)
+    counts, blocks_, full = diagonal_map(bmap, nq, nk)
+    full = full.astype(jnp.int32)
+    along_rows = plgpu.Layout.WGMMA.reduce(1)
+    with_full = spec.full_expr is not None
+    loads = learned_loads(spec.expr, spec.learned)
+    mods = [e for e in (spec.expr, spec.full_expr) if e is not None]
+    exprs = mods + [local_derivative(e) for e in mods]
+    exprs += [t for e in mods for t in load_derivatives(e, loads)]
+    copied = mosaic.CopiedReads.build([e for e in exprs if e is not None], spec.operand_names,
+                                      operands, b, hq, BLOCK, BLOCK, sq, skv)
+    assert not copied.sources, "diagonal_refusal routes vector reads elsewhere"
+    offsets = copied.offsets
+    n_off = len(copied.arrays)
+
+    def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                delta_ref, operand_refs, offset_refs, out_ref, scoped):
+        (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, red_smem, out_smem, *staging), \
+            (q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready), free, \
+            off_smem, off_ready = scoped
+        staging = staging[0] if staging else None
+        wg = lax.axis_index("wg")
+        bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
+        t = lax.axis_index("diag")
+        mb, mh = _map_index(counts, bi, hi)
+        count = counts_ref[mb, mh, t]
+        shift = t - (nk - 1)  # query block - key block
+
+        def q_block(step):
+            return blocks_ref[mb, mh, t, step]
+
+        @pl.when(wg == 0)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            # The window of diagonals is the same on every tile of a block diagonal.
+            q0_any, k0_any = jnp.maximum(shift, 0) * BLOCK, jnp.maximum(-shift, 0) * BLOCK
+            for ref, src, buf, bar in zip(offset_refs, offsets.sources, off_smem, off_ready):
+                plgpu.copy_gmem_to_smem(offsets.at(ref, src, bi, hi, q0_any, k0_any), buf, bar)
+            for bar in off_ready:
+                plgpu.barrier_wait(bar)
+            refs = dict(zip(spec.operand_names, operand_refs))
+
+            def reads(roots):
+                diagonal = mosaic.offset_reads(*roots)
+                if not diagonal:
+                    return {}
+                return mosaic.offset_values(diagonal, {
+                    src: offsets.tile(buf, 0, (BLOCK, BLOCK), False, spec.interpret)
+                    for src, buf in zip(offsets.sources, off_smem)})
+
+            def step_fn(step, sums):
+                slot = lax.rem(step, STAGES)
+                i = q_block(step)
+                q0, k0 = i * BLOCK, (i - shift) * BLOCK
+                is_full = full_ref[mb, mh, t, step] if with_full else None
+                qs, dos, ks, vs = (q_smem.at[slot], do_smem.at[slot], k_smem.at[slot],
+                                   v_smem.at[slot])
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(k_ready.at[slot])
+                s = _product(qs, ks)  # [queries, keys]
+                inputs = _tile_inputs(spec, bi, hi, q0, k0)
+                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(lse_ready.at[slot])
+
+                def probabilities(dp_acc):
+                    plgpu.wgmma(dp_acc, dos, vs.transpose((1, 0)))  # dP, while ...
+                    value, _, terms = _tile_terms(spec, s, inputs, refs, is_full,
+                                                  shape=(BLOCK, BLOCK), reads=reads, loads=loads)
+                    lse = plgpu.load(lse_smem.at[slot], layout=along_rows)
+                    p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
+                    return p, terms, dp_acc[...]  # ... P is computed
+
+                p, terms, dp = pl.run_scoped(probabilities, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                plgpu.barrier_wait(delta_ready.at[slot])
+                dd = plgpu.load(delta_smem.at[slot], layout=along_rows)
+                ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [0]))
+                plgpu.barrier_arrive(free.at[slot])
+                out = []
+                for (lower, upper), term in zip(sums, terms):
+                    lo, up = _diagonal_reduce(term * ds, red_smem, spec.interpret)
+                    out.append((lower + lo, upper + up))
+                return tuple(out)
+
+            zero = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), along_rows)
+            sums = lax.fori_loop(0, count, step_fn, tuple((zero, zero) for _ in loads))
+            for r, (lower, upper) in enumerate(sums):
+                out_smem.at[r, 0][...] = lower
+                out_smem.at[r, 1][...] = upper
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bi, hi, :, t])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+            kv_head = lax.div(hi, jnp.int32(spec.groups))
+
+            def fetch(step, slot):
+                i = q_block(step)
+                rows, keys = pl.ds(i * BLOCK, BLOCK), pl.ds((i - shift) * BLOCK, BLOCK)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kv_head], k_smem.at[slot],
+                                        k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], do_smem.at[slot],
+                                        do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, kv_head], v_smem.at[slot],
+                                        v_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[slot],
+                                        lse_ready.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
+                                        delta_ready.at[slot])
+
+            _stream(count, fetch, free)
+
+    def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+              *rest):
+        operand_refs, offset_refs = rest[:n_ops], rest[n_ops:n_ops + n_off]
+        (out_ref,) = rest[n_ops + n_off:]
+        swizzled = mosaic.swizzled()
+        tiles = [plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled) for _ in range(2)]
+        vecs = [plgpu.SMEM((STAGES, BLOCK), jnp.float32) for _ in range(2)]
+        smem = (tiles + vecs + [plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)
+                                for _ in range(2)]
+                + [plgpu.SMEM((BLOCK, BLOCK), jnp.float32),
+                   plgpu.SMEM((len(loads), 2, BLOCK), jnp.float32)])
+        smem += mosaic.staging(spec, 1, BLOCK, BLOCK, dtype)
+        ready = tuple(plgpu.Barrier(num_barriers=STAGES) for _ in range(6))
+        free = plgpu.Barrier(num_barriers=STAGES)
+        off_smem = [plgpu.SMEM((offsets.window,), x.dtype) for x in copied.arrays]
+        off_ready = [plgpu.Barrier() for _ in copied.arrays]
+        pl.run_scoped(
+            lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
+                                    lse_ref, delta_ref, operand_refs, offset_refs, out_ref,
+                                    scoped),
+            smem, ready, free, off_smem, off_ready, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry, out_type=jax.ShapeDtypeStruct((b, hq, len(loads), n_diag, 2, BLOCK), jnp.float32),
+        grid=(hq, n_diag, b), grid_names=("heads", "diag", "batch"), num_threads=2,
+        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mosaic.interpret_params(spec),
+    )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *copied.arrays)
+
+
+def diagonal_gradient(sums, nq, nk):
+    """Per read, the sum along every diagonal ``q_idx - kv_idx = d`` of the padded
+    score matrix, for d from ``-(nk * BLOCK - 1)`` to ``nq * BLOCK - 1``: float32 [B,
+    Hq, reads, (nq + nk) * BLOCK - 1], from ``diagonal_sums``. Block diagonal t's
+    diagonal ``t * BLOCK + u - (nk * BLOCK - 1)`` is its upper[BLOCK - 1 - u] for u <
+    BLOCK - 1, its lower[u - BLOCK + 1] from there: two shares per diagonal, added."""
+    lower, upper = sums[..., 0, :], sums[..., 1, :]
+    # window [t, u], u in [0, 2 * BLOCK): upper reversed (u = 0 .. BLOCK - 2), lower, a 0
+    window = jnp.concatenate([upper[..., :0:-1], lower, jnp.zeros_like(lower[..., :1])], -1)
+    first, second = window[..., :BLOCK], window[..., BLOCK:]
+    pad = [(0, 0)] * (window.ndim - 2)
+    total = (jnp.pad(first, pad + [(0, 1), (0, 0)]) + jnp.pad(second, pad + [(1, 0), (0, 0)]))
+    flat = total.reshape(total.shape[:-2] + (-1,))
+    return flat[..., :(nq + nk) * BLOCK - 1]
