@@ -16,6 +16,7 @@ refuses that backward with the reason.
 import warnings
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import scoremod
@@ -32,8 +33,12 @@ GPUS = {"ampere": device.Device("gpu", "NVIDIA A100", 8, 108),
 GONE = "this jax (9.9) has no Pallas Triton backend (No module named 'jax._src.pallas.triton')"
 S = 1024
 TABLE = jnp.zeros((2, 2 * S - 1))
+BUCKETS = jnp.asarray(np.clip(np.arange(-S + 1, S) // 16, -8, 8) + 8, jnp.int32)
+BUCKET_TABLE = jnp.zeros((17, 2))
 MODS = {"softcap": lambda s, b, h, q, k: 30 * jnp.tanh(s / 30),
-        "relative_table": lambda s, b, h, q, k: s + TABLE[h, q - k + S - 1]}
+        "relative_table": lambda s, b, h, q, k: s + TABLE[h, q - k + S - 1],
+        # T5's, through an int bucket array: its gradient a gather
+        "bucket_table": lambda s, b, h, q, k: s + BUCKET_TABLE[BUCKETS[k - q + S - 1], h]}
 
 
 @pytest.fixture
@@ -111,18 +116,24 @@ def test_on_hopper_routes_do_not_need_triton(gpu, triton):
 
 def test_a_backward_only_triton_computes_is_refused_without_it(gpu, monkeypatch):
     """On Hopper the Mosaic GPU backward leaves two things to the Triton kernels:
-    a learned table read at q_idx - kv_idx (its gradient), and mods whose
-    derivative it cannot evaluate. Without Triton the plan keeps the Mosaic
-    forward, and that backward refuses, naming why."""
+    the gradient of an array read through a gather (a table read at
+    bucket[q_idx - kv_idx]; one read at q_idx - kv_idx itself is its own, per
+    block diagonal), and mods whose derivative it cannot evaluate. Without
+    Triton the plan keeps the Mosaic forward, and that backward refuses,
+    naming why."""
     if support.mosaic_missing():
         pytest.skip(f"the Mosaic GPU engine is {support.mosaic_missing()}")
-    mod = scoremod.trace(MODS["relative_table"])
     q = jnp.zeros((1, S, 2, 128), jnp.bfloat16)
     problem, options, pallas = Problem.of(q, q, q), scoremod.LoweringOptions(), pallas_backend.PALLAS
+    gpu("hopper", triton=False)
+    table = pallas.plan(problem, scoremod.trace(MODS["relative_table"]), 0.125, options, True)
+    assert table.diagonal_operands and not table.triton_operands, table.describe()
+    pallas_backend._refuse_without_triton(table, [], {})  # its gradient needs no Triton
+    mod = scoremod.trace(MODS["bucket_table"])
     gpu("hopper", triton=True)
     plan = pallas.plan(problem, mod, 0.125, options, True)
     assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
-    (name, why), = plan.triton_operands  # the table's gradient: Triton's backward
+    (name, why), = plan.triton_operands  # the bucket table's gradient: Triton's backward
     pallas_backend._refuse_without_triton(plan, [name], dict(plan.triton_operands))
     gpu("hopper", triton=False)
     plan = pallas.plan(problem, mod, 0.125, options, True)
