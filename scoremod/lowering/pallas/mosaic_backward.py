@@ -754,7 +754,8 @@ def diagonal_map(bmap, nq, nk):
                                    [..., None], -1)[..., 0] & inside
 
     # x[:, :, i, j] at (t, i): x[:, :, None] is [Bm, Hm, 1, nq, nk]
-    return block_maps._lists(skew(visited), skew(full))
+    lists = block_maps.block_lists(skew(visited), skew(full))
+    return lists.q_counts, lists.q_blocks, lists.q_full
 
 
 def _diagonal_reduce(x, scratch, interpret):
