@@ -547,7 +547,7 @@ def test_diagonal_map_and_gradient_place_every_diagonal_once():
     visited = rng.random((1, 2, nq, nk)) < 0.6
     full = visited & (rng.random(visited.shape) < 0.5)
     bmap = block_maps.block_lists(jnp.asarray(visited), jnp.asarray(full))
-    counts, blocks, fulls = mosaic_backward.diagonal_map(bmap, nq, nk)
+    counts, blocks, fulls = (np.asarray(x) for x in mosaic_backward.diagonal_map(bmap, nq, nk))
     for h in range(2):
         for t in range(nq + nk - 1):
             shift = t - (nk - 1)
