@@ -179,3 +179,19 @@ def test_a_page_table_needs_a_paged_cache():
     q, k, v = _inputs(2, 16)
     with pytest.raises(ScoreModTypeError, match="must be a paged cache"):
         scoremod.attention(q, k[0], v[0], page_table=jnp.zeros((B, 2), jnp.int32))
+
+
+def test_the_block_map_skips_the_keys_past_each_rows_length():
+    """The block-sparse kernels' map, computed from the traced lengths and offsets,
+    visits for each row only the key tiles before its length (a decode step reads
+    its own row's keys, not the longest row's)."""
+    from scoremod.lowering import block_maps
+    from scoremod.lowering.problem import Problem
+
+    lengths, offsets = jnp.asarray([100, 1000], jnp.int32), jnp.asarray([99, 999], jnp.int32)
+    causal = scoremod.parse("where(q_idx >= kv_idx, score, -inf)")
+    seen = scoremod.positions.apply_positions(causal, 2, offsets, lengths)
+    problem = Problem(2, 1, 1024, 4, 4, 64, 64, "bfloat16")
+    tiles = jax.jit(lambda ops: block_maps.block_map(seen.expr, ops, problem, 64, 64).q_counts)(
+        tuple(seen.operands))
+    np.testing.assert_array_equal(np.asarray(tiles)[:, 0, 0], [2, 16])  # ceil(length / 64)
