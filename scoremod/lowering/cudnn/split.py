@@ -29,6 +29,7 @@ visited tile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -66,36 +67,54 @@ def plan(expr: ir.Node, sq: int, skv: int, blocks: int, batch_heads: int = 1,
         return None
     band = masks.band_of(expr)
     if band is not None:
-        make = lambda n: _blocks(band, sq, skv, n)  # noqa: E731
+        keys = functools.partial(_band_keys, band, skv)
     else:
         visited = static_tiles(expr, sq, skv)
         if visited is None:
             return None
-        make = lambda n: _blocks_of_tiles(visited, sq, skv, n)  # noqa: E731
+        keys = functools.partial(_visited_keys, visited, skv)
     limit = MAX_COST * _cost((Block(0, sq, 0, skv),), batch_heads, sms)
     best, best_cost = None, math.inf
     for n in range(2, blocks + 1):  # fewest blocks among the cheapest
-        parts = make(n)
+        parts = _blocks(sq, n, keys)
         cost = math.inf if parts is None else _cost(parts, batch_heads, sms)
         if cost <= limit and cost < best_cost:
             best, best_cost = parts, cost
     return best
 
 
-def _blocks(band, sq, skv, n):
-    lo, hi = band[0], band[1]
+def _blocks(sq, n, keys):
+    """The ``n``-way split of the queries into tile-aligned blocks, each with the
+    key range ``keys(q0, q1)`` gives it; None where that is too short to split or
+    a block's range is None."""
     size = math.ceil(sq / n / TILE) * TILE
     if size >= sq:
         return None
     out = []
     for q0 in range(0, sq, size):
         q1 = min(sq, q0 + size)
-        k0 = 0 if lo == -math.inf else max(0, (q0 + lo) // TILE * TILE)
-        k1 = skv if hi == math.inf else min(skv, -(-(q1 + hi) // TILE) * TILE)
-        if k1 <= k0:  # rows that see no key: leave them to one unsplit call
+        span = keys(q0, q1)
+        if span is None:
             return None
-        out.append(Block(q0, q1, int(k0), int(k1)))
+        out.append(Block(q0, q1, *span))
     return tuple(out)
+
+
+def _band_keys(band, skv, q0, q1):
+    """The keys rows ``[q0, q1)`` see under ``lo <= kv_idx - q_idx <= hi``, tile-aligned;
+    None for rows that see no key (left to one unsplit call)."""
+    lo, hi = band[0], band[1]
+    k0 = 0 if lo == -math.inf else max(0, (q0 + lo) // TILE * TILE)
+    k1 = skv if hi == math.inf else min(skv, -(-(q1 + hi) // TILE) * TILE)
+    return None if k1 <= k0 else (int(k0), int(k1))
+
+
+def _visited_keys(visited, skv, q0, q1):
+    """The keys from the first to the last visited tile of rows ``[q0, q1)`` (one
+    tile for rows that see no key: they are fully masked there too)."""
+    seen = np.flatnonzero(visited[q0 // TILE:-(-q1 // TILE)].any(axis=0))
+    first, last = (seen[0], seen[-1]) if seen.size else (0, 0)
+    return int(first * TILE), int(min(skv, (last + 1) * TILE))
 
 
 def static_tiles(expr, sq: int, skv: int):
@@ -123,22 +142,6 @@ def static_tiles(expr, sq: int, skv: int):
     with jax.ensure_compile_time_eval():
         visited, _ = block_maps.classify_tiles(mask, (), problem, TILE, TILE, exact="never")
         return np.asarray(visited).any(axis=(0, 1))
-
-
-def _blocks_of_tiles(visited, sq, skv, n):
-    """Query blocks of ``n``-way split and the keys from each one's first to its
-    last visited tile (one tile for a block that sees no key: its rows are
-    fully masked there too)."""
-    size = math.ceil(sq / n / TILE) * TILE
-    if size >= sq:
-        return None
-    out = []
-    for q0 in range(0, sq, size):
-        q1 = min(sq, q0 + size)
-        seen = np.flatnonzero(visited[q0 // TILE:-(-q1 // TILE)].any(axis=0))
-        first, last = (seen[0], seen[-1]) if seen.size else (0, 0)
-        out.append(Block(q0, q1, int(first * TILE), int(min(skv, (last + 1) * TILE))))
-    return tuple(out)
 
 
 def _cost(blocks, batch_heads, sms):
