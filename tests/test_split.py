@@ -116,6 +116,17 @@ def test_static_masks_split_and_every_visible_key_is_inside_its_block(name):
         assert (b.k0, b.k1) == (seen[0] // 128 * 128, min(n, (seen[-1] // 128 + 1) * 128)), b
 
 
+def test_a_static_condition_on_the_head_or_batch_is_not_narrowed_to_head_zero():
+    """Every block serves every batch and head: a condition that also reads h (head
+    1 sees all keys) must not narrow the blocks to what head 0 sees; with no
+    other condition, no split by tiles at all."""
+    for fn in (lambda s, b, h, q, k: jnp.where((k < 100) | (q >= k) | (h == 1), s * 0.5, NEG),
+               lambda s, b, h, q, k: jnp.where((k < 100) | (q >= k) | (b == 1), s * 0.5, NEG)):
+        expr = canonical(scoremod.trace(fn).expr)
+        assert split.static_tiles(expr, 2048, 2048) is None
+        assert split.plan(expr, 2048, 2048, blocks=8, sms=1) is None
+
+
 @pytest.mark.parametrize("fn,sq", [
     (lambda s, b, h, q, k: 30 * jnp.tanh(s / 30), 4096),                        # no band
     (MODS["softcap_causal"], 128),                                               # one tile

@@ -119,9 +119,10 @@ def _visited_keys(visited, skv, q0, q1):
 
 def static_tiles(expr, sq: int, skv: int):
     """bool [query tiles, key tiles] (of ``TILE``): where the mask conditions
-    of ``expr`` that read only the indices and constants can hold (for some
-    batch and head); None when it has none. Conditions that read captured
-    arrays count as true (their values are not known when planning)."""
+    of ``expr`` that read only q_idx, kv_idx and constants can hold; None when
+    it has none. Conditions that read captured arrays (their values are not
+    known when planning), the batch or the head (every block serves all of
+    them) count as true."""
     import jax
 
     from scoremod.lowering import block_maps, patterns
@@ -131,17 +132,17 @@ def static_tiles(expr, sq: int, skv: int):
     deps = patterns.dependencies(expr)
     static = [c if keep else ops.apply("not", c) for c, keep in conds.items()
               if not any(n.op == ir.OPERAND for n in ir.toposort(c))
-              and {"q_idx", "kv_idx"} & deps[c]]
+              and {"q_idx", "kv_idx"} & deps[c] and not {"b", "h"} & deps[c]]
     if not static:
         return None
     cond = static[0]
     for c in static[1:]:
         cond = ops.apply("and", cond, c)
     mask = ops.apply("where", cond, ir.var(ir.SCORE), ir.const(-math.inf, ir.F32))
-    problem = Problem(1, sq, skv, 1, 1, 8, 8, "bfloat16")  # b and h: the union below
+    problem = Problem(1, sq, skv, 1, 1, 8, 8, "bfloat16")  # the mask reads neither b nor h
     with jax.ensure_compile_time_eval():
         visited, _ = block_maps.classify_tiles(mask, (), problem, TILE, TILE, exact="never")
-        return np.asarray(visited).any(axis=(0, 1))
+        return np.asarray(visited)[0, 0]
 
 
 def _cost(blocks, batch_heads, sms):
