@@ -197,6 +197,18 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}
     return value, local
 
 
+def _copied_reads(spec, operands, b, hq, sq, skv):
+    """``mosaic.CopiedReads`` of every expression a backward kernel evaluates: the
+    mod (and its full-tile form), their local derivatives and the learned reads'
+    cotangents."""
+    mods = [e for e in (spec.expr, spec.full_expr) if e is not None]
+    learned = learned_loads(spec.expr, spec.learned)
+    exprs = mods + [local_derivative(e) for e in mods]
+    exprs += [t for e in mods for t in load_derivatives(e, learned)]
+    return mosaic.CopiedReads.build([e for e in exprs if e is not None], spec.operand_names,
+                                    operands, b, hq, BLOCK, BLOCK, sq, skv)
+
+
 class _Vectors:
     """The reads of captured arrays along one tile axis in a backward kernel's
     expressions (``mosaic.vector_reads``): the program's own rows' slice (``own``,
@@ -209,13 +221,7 @@ class _Vectors:
 
     def __init__(self, spec, operands, b, hq, sq, skv, own):
         self.interpret = spec.interpret
-        mods = [e for e in (spec.expr, spec.full_expr) if e is not None]
-        learned = learned_loads(spec.expr, spec.learned)
-        exprs = mods + [local_derivative(e) for e in mods]
-        exprs += [t for e in mods for t in load_derivatives(e, learned)]  # learned reads' cotangents
-        exprs = [e for e in exprs if e is not None]
-        copied = mosaic.CopiedReads.build(exprs, spec.operand_names, operands, b, hq, BLOCK,
-                                          BLOCK, sq, skv)
+        copied = _copied_reads(spec, operands, b, hq, sq, skv)
         self.sources, self.side = copied.sources, copied.side
         self.offsets, self.arrays = copied.offsets, copied.arrays
         self.own, self.streamed = own, ("kv_idx" if own == "q_idx" else "q_idx")
@@ -835,11 +841,7 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     along_rows = plgpu.Layout.WGMMA.reduce(1)
     with_full = spec.full_expr is not None
     loads = learned_loads(spec.expr, spec.learned)
-    mods = [e for e in (spec.expr, spec.full_expr) if e is not None]
-    exprs = mods + [local_derivative(e) for e in mods]
-    exprs += [t for e in mods for t in load_derivatives(e, loads)]
-    copied = mosaic.CopiedReads.build([e for e in exprs if e is not None], spec.operand_names,
-                                      operands, b, hq, BLOCK, BLOCK, sq, skv)
+    copied = _copied_reads(spec, operands, b, hq, sq, skv)
     assert not copied.sources, "diagonal_refusal routes vector reads elsewhere"
     offsets = copied.offsets
     n_off = len(copied.arrays)
@@ -948,13 +950,11 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
               *rest):
         operand_refs, offset_refs = rest[:n_ops], rest[n_ops:n_ops + n_off]
         (out_ref,) = rest[n_ops + n_off:]
-        swizzled = mosaic.swizzled()
-        tiles = [plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled) for _ in range(2)]
-        vecs = [plgpu.SMEM((STAGES, BLOCK), jnp.float32) for _ in range(2)]
-        smem = (tiles + vecs + [plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)
-                                for _ in range(2)]
-                + [plgpu.SMEM((BLOCK, BLOCK), jnp.float32),
-                   plgpu.SMEM((len(loads), 2, BLOCK), jnp.float32)])
+        tile = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=mosaic.swizzled())
+        vector = plgpu.SMEM((STAGES, BLOCK), jnp.float32)
+        # q, dO, LSE, D, k, v; the diagonal reduction's scratch; the sums' way out
+        smem = [tile, tile, vector, vector, tile, tile, plgpu.SMEM((BLOCK, BLOCK), jnp.float32),
+                plgpu.SMEM((len(loads), 2, BLOCK), jnp.float32)]
         smem += mosaic.staging(spec, 1, BLOCK, BLOCK, dtype)
         ready = tuple(plgpu.Barrier(num_barriers=STAGES) for _ in range(6))
         free = plgpu.Barrier(num_barriers=STAGES)
