@@ -32,7 +32,7 @@ from scoremod.attention import attention as _attention
 from scoremod.dsl import ir
 from scoremod.dsl.ir import F32, const
 from scoremod.dsl.ops import apply
-from scoremod.dsl.scoremod import ScoreMod, as_score_mod
+from scoremod.dsl.scoremod import ScoreMod, as_score_mod, fresh_operand_name
 from scoremod.errors import ScoreModError, ScoreModTypeError
 
 __all__ = ["attention_fn", "combine", "FlaxAttentionError"]
@@ -263,7 +263,7 @@ def combine(score_mod=None, *, mask=None, bias=None, is_causal=False, shape) -> 
             raise ScoreModTypeError(f"bias must be a float array, got dtype {bias.dtype}")
         if np.dtype(bias.dtype).name not in ("float32", "float16", "bfloat16"):
             bias = bias.astype(jnp.float32)
-        read, bias = _read(_fresh("bias", values), bias, shape, "bias")
+        read, bias = _read(fresh_operand_name("bias", values), bias, shape, "bias")
         values[read.args[0].attr[0]] = bias
         expr = apply("add", expr, read)
     cond = None
@@ -271,7 +271,7 @@ def combine(score_mod=None, *, mask=None, bias=None, is_causal=False, shape) -> 
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
             mask = mask != 0
-        cond, mask = _read(_fresh("mask", values), mask, shape, "mask")
+        cond, mask = _read(fresh_operand_name("mask", values), mask, shape, "mask")
         values[cond.args[0].attr[0]] = mask
     if is_causal:
         causal = apply("ge", ir.var("q_idx"), ir.var("kv_idx"))
@@ -281,13 +281,6 @@ def combine(score_mod=None, *, mask=None, bias=None, is_causal=False, shape) -> 
     if expr.dtype != F32:  # pragma: no cover - add and where keep float32
         raise AssertionError(expr)
     return ScoreMod(expr, tuple(values[n.attr[0]] for n in ir.operands_of(expr)))
-
-
-def _fresh(name, taken):
-    out, i = name, 1
-    while out in taken:
-        out, i = f"{name}{i}", i + 1
-    return out
 
 
 def _read(name, array, shape, what):

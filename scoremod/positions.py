@@ -30,7 +30,7 @@ import numpy as np
 from scoremod.dsl import ir
 from scoremod.dsl.ir import F32, const
 from scoremod.dsl.ops import apply
-from scoremod.dsl.scoremod import ScoreMod
+from scoremod.dsl.scoremod import ScoreMod, fresh_operand_name
 from scoremod.errors import ScoreModTypeError
 
 
@@ -73,13 +73,6 @@ def gather_pages(key, value, page_table):
     return rows(key), rows(value)
 
 
-def _fresh(name, taken):
-    out, i = name, 1
-    while out in taken:
-        out, i = f"{name}{i}", i + 1
-    return out
-
-
 def apply_positions(mod: ScoreMod | None, b: int, q_offset=None, kv_lengths=None):
     """``mod`` with ``q_idx`` read as ``q_idx + q_offset[b]`` and the keys at or
     past ``kv_lengths[b]`` masked (each None: left as is); the checked arrays
@@ -89,13 +82,13 @@ def apply_positions(mod: ScoreMod | None, b: int, q_offset=None, kv_lengths=None
     expr = ir.var(ir.SCORE) if mod is None else mod.expr
     values = {} if mod is None else dict(zip(mod.operand_names, mod.operands))
     if q_offset is not None:
-        name = _fresh("q_offset", values)
+        name = fresh_operand_name("q_offset", values)
         values[name] = _per_row(q_offset, "q_offset", b)
         node = ir.operand(name, (b,), np.dtype(np.int32))
         q = ir.var("q_idx")
         expr = ir.substitute(expr, {q: apply("add", q, apply(ir.LOAD, node, ir.var("b")))})
     if kv_lengths is not None:
-        name = _fresh("kv_lengths", values)
+        name = fresh_operand_name("kv_lengths", values)
         values[name] = _per_row(kv_lengths, "kv_lengths", b)
         node = ir.operand(name, (b,), np.dtype(np.int32))
         kept = apply("lt", ir.var("kv_idx"), apply(ir.LOAD, node, ir.var("b")))

@@ -218,6 +218,15 @@ class ScoreMod:
         return evaluate(self.expr, inputs, dict(zip(self.operand_names, self._values)))
 
 
+def fresh_operand_name(name: str, taken) -> str:
+    """``name``, or ``name1``, ``name2``, ... : the first not in ``taken`` (an
+    operand added to a mod whose own operands may already use the name)."""
+    out, i = name, 1
+    while out in taken:
+        out, i = f"{name}{i}", i + 1
+    return out
+
+
 def snapshot(value):
     """``value`` as a mod keeps it: a NumPy array (also JAX's wrapper of one
     that ``jnp.asarray(bias)`` in a traced body gives) as a read-only copy,
