@@ -106,24 +106,9 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     """
     asked = None if implementation is None else registry.get(implementation)
     options = _options(options)
-    query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    if page_table is not None:
-        key, value = positions.gather_pages(key, value, page_table)
-    # The inputs first: float64 ones (with x64 on) are refused for what they
-    # are, before tracing the mod meets the same x64 in its literals.
-    problem = check_inputs(query, key, value)
-    mod = as_score_mod(score_mod)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    check_scale(scale)
-    if mod is not None:
-        mod.require_bound()
-    mod = positions.apply_positions(mod, problem.b, q_offset, kv_lengths)
-    if mod is not None:
-        check_operand_ranges(mod, problem)
+    query, key, value, problem, mod, scale, sinks = _call(
+        query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page_table, runs=True)
     traced_scale = isinstance(scale, jax.core.Tracer)
-    if sinks is not None:
-        sinks = attention_sinks.check(sinks, problem)
     if nothing_to_compute(problem):
         return _empty_call(asked, problem, mod, traced_scale, options, return_lse, sinks)
     chosen = route(problem, mod, scale, options, implementation, return_lse, sinks is not None)
@@ -196,19 +181,35 @@ def which_implementation(query, key, value, score_mod=None, *, scale=None, imple
     shapes are looked at; nothing is compiled or run.
     """
     options = _options(options)
+    _, _, _, problem, mod, scale, sinks = _call(
+        query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page_table, runs=False)
+    return route(problem, mod, scale, options, implementation, return_lse,
+                 sinks is not None).describe()
+
+
+def _call(query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page_table, runs):
+    """``(query, key, value, problem, mod, scale, sinks)`` of a call, checked: the
+    pages gathered into rows, the positions and lengths in the mod, the default
+    scale, the sinks as float32 [batch, q_heads]. ``runs``: the call is run, so
+    the mod's operands must be bound and cover their index ranges."""
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     if page_table is not None:
         key, value = positions.gather_pages(key, value, page_table)
+    # The inputs first: float64 ones (with x64 on) are refused for what they
+    # are, before tracing the mod meets the same x64 in its literals.
     problem = check_inputs(query, key, value)
     mod = as_score_mod(score_mod)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_scale(scale)
+    if runs and mod is not None:
+        mod.require_bound()
     mod = positions.apply_positions(mod, problem.b, q_offset, kv_lengths)
+    if runs and mod is not None:
+        check_operand_ranges(mod, problem)
     if sinks is not None:
-        attention_sinks.check(sinks, problem)
-    return route(problem, mod, scale, options, implementation, return_lse,
-                 sinks is not None).describe()
+        sinks = attention_sinks.check(sinks, problem)
+    return query, key, value, problem, mod, scale, sinks
 
 
 def _options(options):
