@@ -83,7 +83,7 @@ def _skip_unless_hopper(impl):
 @pytest.mark.parametrize("sq,skv", [(512, 512), (256, 640)], ids=["square", "sq<skv"])
 @pytest.mark.parametrize("name", ["causal", "window", "softcap_causal", "alibi", "document"])
 @pytest.mark.parametrize("route", sorted(ROUTES))
-def test_sinks_match_the_reference_and_repeat_bitwise(route, name, sq, skv, dtype):
+def test_sinks_match_the_reference_and_repeat(route, name, sq, skv, dtype):
     impl, options = ROUTES[route]
     _skip_unless_hopper(impl)
     if name == "document" and sq != skv:
@@ -99,5 +99,11 @@ def test_sinks_match_the_reference_and_repeat_bitwise(route, name, sq, skv, dtyp
     got = _run(impl, options, mod, q, k, v, do, SINKS)
     _check(got, want)
     again = _run(impl, options, mod, q, k, v, do, SINKS)
-    for a, b in zip(got, again):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The forward, the LSE and the sinks' gradient (one reduction over them) repeat
+    # bitwise on every route; dQ, dK and dV too on the Pallas kernels. cuDNN's Hopper
+    # backward accumulates in an order that varies between runs (last bits, measured).
+    names = ("O", "LSE", "dQ", "dK", "dV", "dsinks")
+    repeat = names if route == "pallas" else ("O", "LSE", "dsinks")
+    for name, a, b in zip(names, got, again):
+        if name in repeat:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
