@@ -365,12 +365,10 @@ def _tangent_transpose(cts, *args, static, which):
     n = len(operands)
     wanted = tuple(which[3:3 + n])
     if any(wanted) and not call.backend.operand_gradients:
-        # The operand fallback's reverse mode, for all of them (its forward runs again).
-        dq, dk, dv, learned = _vjp_on(call.to(call.fallback), q, k, v, do, dlse, operands,
-                                      wanted, sinks)
-    else:
-        dq, dk, dv, learned = _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands,
-                                            sinks)
+        # The operand fallback's backward, for all of them, on this forward's O and LSE
+        # (every backward takes them from any forward: the same softmax).
+        call = call.to(call.fallback)
+    dq, dk, dv, learned = _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks)
     by_operand = iter(learned)
     grads = (dq, dk, dv, *(next(by_operand) if w else None for w in wanted))
     if sinks is not None:  # O and LSE are the final ones (with the sinks): lowering/sinks.py

@@ -709,10 +709,12 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 # A read at a relative position (``table[h, q_idx - kv_idx + S - 1]``, T5's buckets) has one
 # value per diagonal of the score matrix, so its gradient is a sum of dS (times the read's
 # local derivative) along each diagonal. The tiles of one block diagonal (query block i,
-# key block i - delta) all cover the same 2 * BLOCK - 1 diagonals, so one program per
-# block diagonal sums its tiles' diagonals in registers, in tile order, and writes them
-# once: no atomics, the same bits on every run. It recomputes S and dP (two products per
-# tile), as the dQ kernel does. Neighbouring block diagonals overlap by BLOCK - 1
+# key block i - delta) all cover the same 2 * BLOCK - 1 diagonals at the same places in
+# the tile, so one program per block diagonal adds its tiles' cotangents into one register
+# tile, in tile order, and sums that tile's diagonals once at the end (through shared
+# memory: the reduction costs about as much as a tile's products, so once per program, not
+# per tile), then writes them: no atomics, the same bits on every run. It recomputes S and
+# dP (two products per tile), as the dQ kernel does. Neighbouring block diagonals overlap by BLOCK - 1
 # diagonals; ``diagonal_gradient`` adds the two shares of each in XLA, in a fixed order.
 
 
@@ -881,7 +883,7 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     src: offsets.tile(buf, 0, (BLOCK, BLOCK), False, spec.interpret)
                     for src, buf in zip(offsets.sources, off_smem)})
 
-            def step_fn(step, sums):
+            def step_fn(step, accs):
                 slot = lax.rem(step, STAGES)
                 i = q_block(step)
                 q0, k0 = i * BLOCK, (i - shift) * BLOCK
@@ -909,15 +911,12 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 dd = plgpu.load(delta_smem.at[slot], layout=along_rows)
                 ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [0]))
                 plgpu.barrier_arrive(free.at[slot])
-                out = []
-                for (lower, upper), term in zip(sums, terms):
-                    lo, up = _diagonal_reduce(term * ds, red_smem, spec.interpret)
-                    out.append((lower + lo, upper + up))
-                return tuple(out)
+                return tuple(acc + term * ds for acc, term in zip(accs, terms))
 
-            zero = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), along_rows)
-            sums = lax.fori_loop(0, count, step_fn, tuple((zero, zero) for _ in loads))
-            for r, (lower, upper) in enumerate(sums):
+            zero = plgpu.layout_cast(jnp.zeros((BLOCK, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
+            accs = lax.fori_loop(0, count, step_fn, tuple(zero for _ in loads))
+            for r, acc in enumerate(accs):
+                lower, upper = _diagonal_reduce(acc, red_smem, spec.interpret)
                 out_smem.at[r, 0][...] = lower
                 out_smem.at[r, 1][...] = upper
             plgpu.commit_smem()
