@@ -17,8 +17,8 @@ two calls with different options never share a plan or a graph. A call takes
 ``attention(..., options=...)`` when given, else the innermost
 ``with lowering_options(...)``, else the defaults, which the environment
 variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS``,
-``SCOREMOD_FOLD_SCALE``, ``SCOREMOD_LOW_RANK_BIAS``, ``SCOREMOD_MAX_SEGMENTS`` and
-``SCOREMOD_CHECK_VALUES`` set (read once, here and nowhere else).
+``SCOREMOD_FOLD_SCALE``, ``SCOREMOD_LOW_RANK_BIAS``, ``SCOREMOD_MAX_SEGMENTS``,
+``SCOREMOD_CHECK_VALUES`` and ``SCOREMOD_DETERMINISTIC`` set (read once, here and nowhere else).
 """
 
 from __future__ import annotations
@@ -83,12 +83,20 @@ class LoweringOptions:
         predicate XLA reads on the host) and runs twice when V holds one.
         Off by default (V is taken to be finite): a non-finite value at a
         masked key may then make NaN the rows of the tiles that read it.
+      deterministic: every gradient repeats bitwise from run to run. cuDNN's
+        backward does not (its dQ accumulation order varies: measured on the
+        H200, cuDNN 9.19), so a call whose forward runs on cuDNN runs its
+        backward on the Pallas kernels (no atomics) from cuDNN's O and LSE
+        with ``implementation=None``, and ``implementation="cudnn"`` refuses
+        its gradients. The reference path repeats as XLA's ops do (on a GPU,
+        ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` for its scatters). The
+        forward is the same either way.
 
     Example: softcap + causal as one score_mod call, for comparison::
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='auto', check_values=False)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='auto', check_values=False, deterministic=False)
     """
 
     native_masks: bool = True
@@ -105,9 +113,11 @@ class LoweringOptions:
     pallas_num_stages: int = 2
     pallas_engine: str = "auto"
     check_values: bool = False
+    deterministic: bool = False
 
     def __post_init__(self):
-        for name in ("native_masks", "fold_scale", "low_rank_bias", "check_values"):
+        for name in ("native_masks", "fold_scale", "low_rank_bias", "check_values",
+                     "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ScoreModError(f"LoweringOptions.{name} must be True or False, "
                                     f"got {getattr(self, name)!r}")
@@ -152,6 +162,7 @@ _ENVIRONMENT = {
     "SCOREMOD_LOW_RANK_BIAS": ("low_rank_bias", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_MAX_SEGMENTS": ("max_segments", int, "a positive number of segments per row"),
     "SCOREMOD_CHECK_VALUES": ("check_values", bool, "0 (off) or 1 (on)"),
+    "SCOREMOD_DETERMINISTIC": ("deterministic", bool, "0 (off) or 1 (on)"),
 }
 
 

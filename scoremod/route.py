@@ -32,12 +32,13 @@ class Choice(tuple):
     """``(implementation, reason)``, with every backend's verdict in ``verdicts``."""
 
     def __new__(cls, implementation, reason, verdicts, low_rank_bias=None, variant=None,
-                sinks=None):
+                sinks=None, backward=None):
         self = super().__new__(cls, (implementation, reason))
         self.verdicts = verdicts
         self.low_rank_bias = low_rank_bias
         self.variant = variant
         self.sinks = sinks
+        self.backward = backward  # where the backward runs, when not on the same backend
         return self
 
     @property
@@ -64,6 +65,7 @@ class Route:
     low_rank_note: str | None
     variant: str | None  # which of the backend's ways runs it, and why
     sinks_note: str | None = None  # how the attention sinks join the call, if it has them
+    backward_note: str | None = None  # where the backward runs, when not on the same backend
 
     @property
     def backend(self):
@@ -83,7 +85,7 @@ class Route:
 
     def describe(self) -> "Choice":
         return Choice(self.backend.name, self.reason, dict(self.verdicts), self.low_rank_note,
-                      self.variant, self.sinks_note)
+                      self.variant, self.sinks_note, self.backward_note)
 
 
 def route(problem: Problem, mod, scale, options: LoweringOptions, implementation=None,
@@ -123,13 +125,25 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
     if asked is None:
         takes = dict(verdicts)
         fallback = _fallback(backend, problem, mod, scale, options, takes,
-                             lambda b: b.operand_gradients)
+                             lambda b: b.operand_gradients and (b.repeatable_backward
+                                                               or not options.deterministic))
         forward_mode_fallback = _fallback(backend, problem, mod, scale, options, takes,
                                           lambda b: b.differentiable)
     call = Call(backend, plan, problem, options, bool(return_lse), fallback,
                 forward_mode_fallback, bool(sinks))
     return Route(call, mod, low_rank, verdicts, why, warning, note,
-                 backend.variant(problem, mod, options), _sinks_note(backend) if sinks else None)
+                 backend.variant(problem, mod, options), _sinks_note(backend) if sinks else None,
+                 _backward_note(backend, fallback, options))
+
+
+def _backward_note(backend, fallback, options) -> str | None:
+    if not options.deterministic or backend.repeatable_backward:
+        return None
+    if fallback is None:
+        return (f"deterministic=True: {backend.title} refuses gradients (its backward is not "
+                "bitwise repeatable)")
+    return (f"deterministic=True: the backward runs on {fallback[0].title}, from "
+            f"{backend.title}'s O and LSE ({backend.title}'s backward is not bitwise repeatable)")
 
 
 def _sinks_note(backend) -> str:

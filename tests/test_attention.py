@@ -1,5 +1,6 @@
 """scoremod.attention(implementation="xla") against an independent naive version."""
 
+import functools
 import math
 
 import jax
@@ -8,8 +9,9 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod import ScoreModTypeError, device
+from scoremod import ScoreModError, ScoreModTypeError, device
 from scoremod.lowering import registry
+from scoremod.lowering.backend import Backend
 from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.reference import REFERENCE
 from tests.test_sharding import StandIn  # the stand-in fused backend
@@ -536,30 +538,8 @@ def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch
     reference path."""
     import warnings
 
-    from scoremod.lowering.backend import Backend
-
-    Fused = _StandInFused
-
-    class WithGradients(Backend):  # the reference's numbers, through the pipeline (as Pallas)
-        name, title = "gradients-standin", "the stand-in gradient kernels"
-        operand_gradients = True
-        partitioned = False
-        declines = False
-
-        def why_not(self, problem, mod, automatic, options=None):
-            return "declined" if self.declines else None
-
-        def plan(self, problem, mod, scale, options, return_lse):
-            return REFERENCE.plan(problem, mod, scale, options, True)
-
-        def forward(self, plan, q, k, v, operands):
-            return REFERENCE.forward(plan, q, k, v, operands)
-
-        def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
-            return REFERENCE.backward(plan, q, k, v, o, lse, do, operands, dlse, wanted)
-
-    grads_backend = WithGradients()
-    monkeypatch.setattr(registry, "_BACKENDS", [Fused(), grads_backend, REFERENCE])
+    grads_backend = _WithGradients()
+    monkeypatch.setattr(registry, "_BACKENDS", [_StandInFused(), grads_backend, REFERENCE])
     q, k, v = _inputs(jnp.float32)
     slopes = jnp.linspace(0.1, 0.5, q.shape[2])
 
@@ -584,6 +564,96 @@ def test_what_the_chosen_backend_cannot_do_runs_on_the_next_that_can(monkeypatch
         jax.jvp(lambda q: scoremod.attention(q, k, v, mod), (q,), (q,))
     said = [str(w.message) for w in caught if "jax.jvp" in str(w.message)]
     assert said and "reference path" in said[0], said  # the stand-in has no forward mode
+
+
+class _WithGradients(Backend):
+    """The reference's numbers through the pipeline, with operand gradients and a
+    repeatable backward (as the Pallas kernels); records what it ran."""
+
+    name, title = "gradients-standin", "the stand-in gradient kernels"
+    operand_gradients = True
+    repeatable_backward = True
+    partitioned = False
+    declines = False
+
+    def __init__(self):
+        self.ran = []
+
+    def why_not(self, problem, mod, automatic, options=None):
+        return "declined" if self.declines else None
+
+    def plan(self, problem, mod, scale, options, return_lse):
+        return REFERENCE.plan(problem, mod, scale, options, True)
+
+    def forward(self, plan, q, k, v, operands):
+        self.ran.append("forward")
+        return REFERENCE.forward(plan, q, k, v, operands)
+
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+        self.ran.append("backward")
+        return REFERENCE.backward(plan, q, k, v, o, lse, do, operands, dlse, wanted)
+
+
+class _Unrepeatable(_StandInFused):
+    """The stand-in fused backend whose backward does not repeat bitwise (as cuDNN's)."""
+
+    repeatable_backward = False
+
+    def __init__(self):
+        self.ran = []
+
+    def forward(self, plan, q, k, v, operands):
+        self.ran.append("forward")
+        return super().forward(plan, q, k, v, operands)
+
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+        self.ran.append("backward")
+        return super().backward(plan, q, k, v, o, lse, do, operands, dlse, wanted)
+
+
+def test_deterministic_runs_the_backward_where_it_repeats(monkeypatch):
+    """LoweringOptions(deterministic=True): a call whose forward runs on a backend
+    whose backward does not repeat bitwise (as cuDNN) keeps that forward and runs
+    its backward on the next backend that repeats (as the Pallas kernels), from
+    the forward's O and LSE, silently (the user asked), with the sinks too;
+    which_implementation says so. By name, that backend refuses the gradient
+    (its forward still runs); without the option its own backward runs."""
+    import warnings
+
+    fused, grads = _Unrepeatable(), _WithGradients()
+    monkeypatch.setattr(registry, "_BACKENDS", [fused, grads, REFERENCE])
+    q, k, v = _inputs(jnp.float32)
+    sinks = jnp.linspace(-1.0, 1.0, q.shape[2])
+    mod = lambda x, b, h, qi, ki: jnp.where(qi >= ki, 30 * jnp.tanh(x / 30), -jnp.inf)  # noqa: E731
+    on = scoremod.LoweringOptions(deterministic=True)
+
+    def loss(q, k, v, s, impl=None, options=None):
+        o = scoremod.attention(q, k, v, mod, implementation=impl, options=options, sinks=s)
+        return jnp.sum(o * jnp.cos(o))
+
+    want = jax.grad(lambda *a: loss(*a, "xla"), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for options, forward_on, backward_on in ((on, fused, grads), (None, fused, fused)):
+        fused.ran.clear()
+        grads.ran.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning: the route the user asked for
+            got = jax.jit(jax.grad(lambda *a: loss(*a, options=options), argnums=(0, 1, 2, 3)))(
+                q, k, v, sinks)
+        for g, x in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=2e-4, atol=2e-5)
+        assert "forward" in forward_on.ran and "backward" in backward_on.ran
+        other = grads if backward_on is fused else fused
+        assert "backward" not in other.ran and "forward" not in grads.ran
+    choice = scoremod.which_implementation(q, k, v, mod, options=on)
+    assert choice.implementation == fused.name
+    assert grads.title in choice.backward and "deterministic=True" in choice.backward
+    assert scoremod.which_implementation(q, k, v, mod).backward is None
+    assert scoremod.which_implementation(q, k, v, mod, implementation=grads.name,
+                                         options=on).backward is None
+    by_name = functools.partial(loss, impl=fused.name, options=on)
+    by_name(q, k, v, sinks)  # the forward runs
+    with pytest.raises(ScoreModError, match=r"deterministic=True.*implementation=None"):
+        jax.grad(by_name)(q, k, v, sinks)
 
 
 class _CudnnHere(type(registry.get("cudnn"))):

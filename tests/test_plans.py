@@ -124,6 +124,19 @@ def test_options_from_argument_context_and_defaults(monkeypatch):
         scoremod.LoweringOptions(split_blocks=-1)
     with pytest.raises(scoremod.ScoreModError, match="LoweringOptions"):
         scoremod.attention(q, q, q, implementation="xla", options={"fold_scale": False})
+    with pytest.raises(scoremod.ScoreModError, match="deterministic must be True or False"):
+        scoremod.LoweringOptions(deterministic=1)
+    scoremod.options.defaults.cache_clear()
+    monkeypatch.setenv("SCOREMOD_DETERMINISTIC", "1")
+    try:
+        assert scoremod.options.defaults() == scoremod.LoweringOptions(deterministic=True)
+        scoremod.options.defaults.cache_clear()
+        monkeypatch.setenv("SCOREMOD_DETERMINISTIC", "yes")
+        with pytest.raises(scoremod.ScoreModError, match="SCOREMOD_DETERMINISTIC"):
+            scoremod.options.defaults()
+    finally:
+        monkeypatch.delenv("SCOREMOD_DETERMINISTIC")
+        scoremod.options.defaults.cache_clear()
 
 
 @pytest.mark.parametrize("fn, at_zero", [

@@ -26,7 +26,7 @@ Class attributes say what it can do: ``differentiable`` (its forward is a
 JAX function that JAX differentiates itself, forward mode and second order
 included: the reference path; it is called directly), ``operand_gradients``
 (its backward computes the mod's captured arrays' gradients),
-``traced_scale``, ``partitioned`` (its calls take ``lowering.sharding``'s
+``repeatable_backward`` (its gradients repeat bitwise), ``traced_scale``, ``partitioned`` (its calls take ``lowering.sharding``'s
 partitioning rule), ``materializes_scores`` (O(S^2) memory: the warnings
 say so) and ``specialized`` (it takes one kind of mod; its refusals of
 others are not what a warning should give); ``present()`` says whether its
@@ -39,9 +39,10 @@ reverse mode is the backend's backward, around ``lowering.sharding``
 rule for non-finite V (``lowering.nonfinite``) when asked for: a backend's
 kernel need not. Where the user allowed fallbacks (``implementation=None``),
 what the backend cannot do runs on the next registered backend that can and
-takes the call: operand gradients and a call refused only when built on the
-first with ``operand_gradients`` (the Pallas kernels on a GPU, else the
-reference path), forward-mode and second-order derivatives on the first that
+takes the call: operand gradients, the backward of a call that asks for
+repeatable gradients (``LoweringOptions.deterministic``) from a backend
+whose backward is not, and a call refused only when built on the first with
+``operand_gradients`` (the Pallas kernels on a GPU, else the reference path), forward-mode and second-order derivatives on the first that
 is ``differentiable`` (the reference path); by name, each is a
 ScoreModError.
 """
@@ -71,6 +72,9 @@ class Backend:
     title: str = ""  # how messages name it, e.g. "the fused cuDNN path"
     differentiable: bool = False  # JAX differentiates forward() itself (any order, any mode)
     operand_gradients: bool = False  # its backward computes the mod's captured operands' gradients
+    # Its gradients repeat bitwise from run to run (no atomics, or an order that
+    # never changes): LoweringOptions.deterministic runs the others' backward elsewhere.
+    repeatable_backward: bool = False
     traced_scale: bool = False  # takes a scale that is a traced value (else it is compiled in)
     partitioned: bool = True  # its calls take lowering.sharding's partitioning rule
     materializes_scores: bool = False  # holds [B, H, Sq, Skv] scores: O(S^2) memory
@@ -364,9 +368,10 @@ def _tangent_transpose(cts, *args, static, which):
         do = jnp.zeros(o.shape, o.dtype)
     n = len(operands)
     wanted = tuple(which[3:3 + n])
-    if any(wanted) and not call.backend.operand_gradients:
-        # The operand fallback's backward, for all of them, on this forward's O and LSE
-        # (every backward takes them from any forward: the same softmax).
+    why = _backward_elsewhere(call, wanted)
+    if why is not None:
+        # The fallback's backward, on this forward's O and LSE (every backward
+        # takes them from any forward: the same softmax).
         call = call.to(call.fallback)
     dq, dk, dv, learned = _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks)
     by_operand = iter(learned)
@@ -374,6 +379,23 @@ def _tangent_transpose(cts, *args, static, which):
     if sinks is not None:  # O and LSE are the final ones (with the sinks): lowering/sinks.py
         grads += (attention_sinks.gradient(o, lse, do, dlse, sinks) if which[-1] else None,)
     return [None] * (5 + n + call.sinks) + [g for g, w in zip(grads, which) if w]
+
+
+def _backward_elsewhere(call, wanted) -> str | None:
+    """Why ``call``'s backward runs on its fallback (operand gradients its backend
+    does not compute, repeatable gradients it does not give), or None; the error
+    where it has no fallback (a backend asked for by name)."""
+    if any(wanted) and not call.backend.operand_gradients:
+        return "operand gradients"  # _operand_fallback raised or warned already
+    if call.options.deterministic and not call.backend.repeatable_backward:
+        if call.fallback is None:
+            raise call.backend.error(
+                f"LoweringOptions(deterministic=True) asks for gradients that repeat bitwise, "
+                f"and {call.backend.title}'s backward does not (the order it accumulates dQ in "
+                "varies from run to run). Use implementation=None (its backward then runs on "
+                "the Pallas kernels) or implementation=\"pallas\", or deterministic=False.")
+        return "repeatable gradients"
+    return None
 
 
 def _vjp_on(call, q, k, v, do, dlse, operands, wanted, sinks=None):

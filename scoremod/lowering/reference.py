@@ -104,6 +104,8 @@ class Reference(Backend):
     title = "the reference path"
     differentiable = True
     operand_gradients = True
+    # As XLA's ops repeat (on a GPU, scatters with --xla_gpu_deterministic_ops=true).
+    repeatable_backward = True
     traced_scale = True
     materializes_scores = True
 

@@ -1,7 +1,9 @@
 """Attention sinks on the GPU: O, LSE, dQ, dK, dV and d(sinks) on each fused
 backend against the reference path, for causal, sliding window, document
 masks, softcap + causal and ALiBi, with GQA and Sq != Skv, in bfloat16 and
-float16; and the same bits on a second run (issue: sinks with any mod)."""
+float16; and on a second run the same O, LSE and d(sinks) on every route, the same
+dQ, dK, dV on the Pallas kernels and with deterministic=True (issue: sinks with any
+mod)."""
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +49,8 @@ ROUTES = {
     "pallas": ("pallas", scoremod.LoweringOptions(pallas_engine="mosaic")),
     "cudnn": ("cudnn", None),
     "auto": (None, None),
+    # cuDNN's forward (or the variable-length route's), the backward on the Pallas kernels
+    "deterministic": (None, scoremod.LoweringOptions(deterministic=True)),
 }
 
 
@@ -100,10 +104,11 @@ def test_sinks_match_the_reference_and_repeat(route, name, sq, skv, dtype):
     _check(got, want)
     again = _run(impl, options, mod, q, k, v, do, SINKS)
     # The forward, the LSE and the sinks' gradient (one reduction over them) repeat
-    # bitwise on every route; dQ, dK and dV too on the Pallas kernels. cuDNN's Hopper
-    # backward accumulates in an order that varies between runs (last bits, measured).
+    # bitwise on every route; dQ, dK and dV too on the Pallas kernels and wherever
+    # deterministic=True. cuDNN's Hopper backward accumulates in an order that varies
+    # between runs (last bits, measured).
     names = ("O", "LSE", "dQ", "dK", "dV", "dsinks")
-    repeat = names if route == "pallas" else ("O", "LSE", "dsinks")
+    repeat = names if route in ("pallas", "deterministic") else ("O", "LSE", "dsinks")
     for name, a, b in zip(names, got, again):
         if name in repeat:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

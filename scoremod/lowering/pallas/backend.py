@@ -167,6 +167,7 @@ class Pallas(Backend):
     name = "pallas"
     title = "the Pallas block-sparse kernels"
     operand_gradients = True
+    repeatable_backward = True  # no atomics in either engine's kernels; fixed-order sums
     partitioned = False
     hint = "Use implementation=\"xla\", or implementation=None to choose automatically."
 
