@@ -35,7 +35,11 @@ MODS = {
     # static masks that are no band: their tiles are classified when planning
     "softcap_prefix_lm": lambda s, b, h, q, k: jnp.where((k < 100) | (q >= k), 30 * jnp.tanh(s / 30), NEG),
     "global_window": lambda s, b, h, q, k: jnp.where(((q >= k) & (q - k < 150)) | (k < 64), 0.8 * s, NEG),
+    # pure static masks: a block where the mask is one band (or none) runs natively
+    "prefix_lm": lambda s, b, h, q, k: jnp.where((k < 128) | (q >= k), s, NEG),
+    "prefix_lm_unaligned": lambda s, b, h, q, k: jnp.where((k < 100) | (q >= k), s, NEG),
 }
+NARROWED = ("prefix_lm", "prefix_lm_unaligned")  # some blocks take another mod
 
 # mask of each static mod above, in numpy: (q, kv) -> kept
 STATIC = {
@@ -116,6 +120,92 @@ def test_static_masks_split_and_every_visible_key_is_inside_its_block(name):
         assert (b.k0, b.k1) == (seen[0] // 128 * 128, min(n, (seen[-1] // 128 + 1) * 128)), b
 
 
+def _mask_values(expr, q0, q1, k0, k1):
+    from scoremod.dsl.evaluate import evaluate
+
+    grids = {"score": jnp.zeros((1, 1)), "b": 0, "h": 0,
+             "q_idx": jnp.arange(q0, q1)[:, None], "kv_idx": jnp.arange(k0, k1)[None, :]}
+    return np.broadcast_to(np.asarray(evaluate(expr, grids, {})) == 0, (q1 - q0, k1 - k0))
+
+
+# Pure static masks: (fn, whether some block of BOXES narrows it; one with a hole or
+# global keys narrows only on the blocks that do not hold them)
+PURE = [
+    (lambda q, k: (k < 100) | (q >= k), True),                      # prefix-LM
+    (lambda q, k: (k < 128) | (q >= k), True),
+    (lambda q, k: (q >= k) & (q - k < 200), True),                  # a band as written
+    (lambda q, k: ((q >= k) & (q - k < 150)) | (k < 64), True),      # global tokens + window
+    (lambda q, k: (q >= k) | (q < 300), True),                      # the first rows see everything
+    (lambda q, k: ~(k > q) & (k >= 50), True),                       # keys from 50, causal
+    (lambda q, k: (q >= k) & ((k < 32) | (k >= 40)), True),          # a hole in the keys
+    (lambda q, k: (q + k < 700) | (q >= k), False),                 # not linear in kv - q
+    (lambda q, k: (k - q <= 5) | (k == 0), True),
+    (lambda q, k: (q == k) | (k < 0), True),                         # the diagonal only
+]
+BOXES = [(0, 128, 0, 128), (128, 256, 0, 256), (256, 512, 0, 512), (384, 512, 128, 512),
+         (0, 512, 0, 640), (300, 301, 0, 400), (512, 1024, 0, 1024)]
+
+
+@pytest.mark.parametrize("i", range(len(PURE)))
+def test_narrowed_masks_equal_the_mask_on_every_position_of_the_block(i):
+    """split.narrowed rewrites a pure static mask as one band (or no mask) only where
+    that equals the mask at every (q, kv) of the block, checked here position by
+    position; and it does narrow where it should."""
+    fn, narrows = PURE[i]
+    mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(fn(q, k), s, NEG))
+    changed = 0
+    for q0, q1, k0, k1 in BOXES:
+        got = split.narrowed(mod, split.Block(q0, q1, k0, k1))
+        if got is mod:
+            continue
+        changed += 1
+        qs, ks = np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :]
+        want = np.broadcast_to(np.asarray(fn(qs, ks)), (q1 - q0, k1 - k0))
+        if got is None:
+            assert want.all(), (i, q0, k0)
+        else:
+            np.testing.assert_array_equal(_mask_values(got.expr, q0, q1, k0, k1), want)
+            assert split.masks.band_of(got.expr)[3] == ()  # nothing but a band
+    assert (changed > 0) == narrows, (i, changed)
+
+
+def test_narrowed_blocks_compute_the_same_attention():
+    """Prefix-LM split with its blocks narrowed (the first as plain attention, the
+    rest causal): the same O, LSE and dQ as one call (the fast tier's check; the
+    full tier runs every mod through test_blocks_compute_the_same_attention_and_gradients)."""
+    mod = scoremod.trace(MODS["prefix_lm"])
+    blocks = split.plan(canonical(mod.expr), 512, 512, blocks=4, sms=1)
+    mods = split.block_mods(mod, blocks)
+    assert mods[0] is None and all("kv_idx < 128" not in str(m) for m in mods[1:])
+    q, k, v = inputs(512, 512)
+    whole = jax.jit(lambda q: reference(q, k, v, mod))
+    parts = jax.jit(lambda q: split.blockwise(q, k, v, mod, blocks, reference))
+    for a, b in zip(parts(q), whole(q)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    g1, g2 = (jax.grad(lambda q: jnp.sum(f(q)[0] ** 2))(q) for f in (whole, parts))
+    np.testing.assert_allclose(g2, g1, atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_lm_blocks_run_natively_past_the_prefix():
+    """Pure prefix-LM at seq 4096 (prefix 512, eight blocks): the prefix's rows as
+    plain attention, every other block under cuDNN's native causal mask
+    (bottom-right in its own keys); with a softcap, or with native masks off,
+    every block keeps the score_mod. Softcap's blocks are one graph structure."""
+    shape = Problem(4, 4096, 4096, 16, 16, 128, 128, "bfloat16")
+    pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k), s, NEG))
+    soft = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k),
+                                                          30 * jnp.tanh(s / 30), NEG))
+    plan = Plan(pure, shape, 0.088, scoremod.LoweringOptions(sms=132))
+    assert len(plan.blocks) == 8 and plan.parts[0].mod is None
+    assert all(p.band is not None and p.band.alignment == "BOTTOM_RIGHT" and p.fwd is None
+               for p in plan.parts[1:])
+    assert "8 of them as plain attention or under cuDNN's native mask" in plan.describe()
+    for mod, options in ((soft, scoremod.LoweringOptions(sms=132)),
+                         (pure, scoremod.LoweringOptions(sms=132, native_masks=False))):
+        plan = Plan(mod, shape, 0.088, options)
+        assert len(plan.blocks) == 8 and all(p.fwd is not None for p in plan.parts)
+
+
 def test_a_static_condition_on_the_head_or_batch_is_not_narrowed_to_head_zero():
     """Every block serves every batch and head: a condition that also reads h (head
     1 sees all keys) must not narrow the blocks to what head 0 sees; with no
@@ -181,7 +271,7 @@ def _structure(root):
             for n in order]
 
 
-@pytest.mark.parametrize("name", sorted(MODS))
+@pytest.mark.parametrize("name", sorted(set(MODS) - set(NARROWED)))
 def test_every_block_of_a_split_has_one_graph_structure(name):
     # cuDNN compiles a kernel per graph structure (measured on the H200: 1.4 s for
     # the first block, 0.9 s for the second, whose indices were shifted, 0.07 s

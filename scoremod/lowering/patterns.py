@@ -32,7 +32,8 @@ def reads_score(d) -> bool:
     return SCORE in d or COTANGENT in d
 
 
-def _is_neg_inf(node):
+def is_neg_inf(node) -> bool:
+    """The constant -inf (float32)."""
     return node.op == CONST and node.dtype == F32 and node.attr == -math.inf
 
 
@@ -93,9 +94,9 @@ def mask_conditions(expr) -> tuple:
     for n in ir.toposort(expr):
         if n.op == "where":
             c, x, y = n.args
-            if _is_neg_inf(y):
+            if is_neg_inf(y):
                 need(c, True)
-            elif _is_neg_inf(x):
+            elif is_neg_inf(x):
                 need(c, False)
     return conds, conflicting
 

@@ -370,7 +370,13 @@ SPLIT = {
     # static masks that are no band: split by their tiles (split.static_tiles)
     "softcap_prefix_lm": lambda s, b, h, q, k: jnp.where((k < 64) | (q >= k), 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
     "global_window": lambda s, b, h, q, k: jnp.where(((q >= k) & (q - k < 150)) | (k < 32), s * 0.8, -jnp.inf),
+    # pure prefix-LM: the prefix's block as plain attention, the others under the native
+    # causal mask (split.narrowed); with the prefix inside the first block, that block
+    # keeps the score_mod
+    "prefix_lm": lambda s, b, h, q, k: jnp.where((k < 128) | (q >= k), s, -jnp.inf),
+    "prefix_lm_straddling": lambda s, b, h, q, k: jnp.where((k < 64) | (q >= k), s, -jnp.inf),
 }
+NATIVE_BLOCKS = {"prefix_lm": 4, "prefix_lm_straddling": 3}  # of the 4 blocks
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
@@ -380,6 +386,7 @@ def test_split_into_query_blocks_matches_reference(name, dtype):
     mod = scoremod.trace(SPLIT[name])
     plan = Plan(mod, Problem(2, 512, 512, 4, 2, 64, 64, np.dtype(dtype).name), 0.125, four)
     assert len(plan.blocks) == 4
+    assert sum(p.fwd is None for p in plan.parts) == NATIVE_BLOCKS.get(name, 0)
     check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2, options=four)
 
 

@@ -20,9 +20,10 @@ import math
 from fractions import Fraction
 
 from scoremod.dsl.ir import CONST, MATERIALIZE, SCORE, VAR, Node
+from scoremod.lowering.patterns import is_neg_inf
 
 # A linear integer form: {"q_idx": a, "kv_idx": b, 1: c} means a*q + b*kv + c.
-_ONE = 1
+ONE = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ def band_of(expr: Node):
     """
     conds = []
     while True:
-        if expr.op == "where" and _is_neg_inf(expr.args[2]):
+        if expr.op == "where" and is_neg_inf(expr.args[2]):
             conds.append(expr.args[0])
             expr = expr.args[1]
             continue
@@ -99,14 +100,10 @@ def _materialized_mask(expr):
     for m, x in ((expr.args[1], expr.args[0]), (expr.args[0], expr.args[1])):
         if m.op == MATERIALIZE:
             w = m.args[0]
-            if (w.op == "where" and _is_neg_inf(w.args[2]) and w.args[1].op == CONST
+            if (w.op == "where" and is_neg_inf(w.args[2]) and w.args[1].op == CONST
                     and w.args[1].attr == 0.0):
                 return w.args[0], x
     return None
-
-
-def _is_neg_inf(node):
-    return node.op == CONST and node.attr == -math.inf
 
 
 def _conjuncts(cond):
@@ -115,28 +112,28 @@ def _conjuncts(cond):
     return [cond]
 
 
-def _linear(node):
+def linear_form(node):
     """``node`` as a linear form in q_idx and kv_idx, or None."""
     if node.op == VAR and node.attr in ("q_idx", "kv_idx"):
         return {node.attr: 1}
     if node.op == CONST and isinstance(node.attr, int) and not isinstance(node.attr, bool):
-        return {_ONE: node.attr}
+        return {ONE: node.attr}
     if node.op in ("add", "offset", "sub"):
-        a, b = (_linear(x) for x in node.args)
+        a, b = (linear_form(x) for x in node.args)
         if a is None or b is None:
             return None
         sign = -1 if node.op == "sub" else 1
         return {k: a.get(k, 0) + sign * b.get(k, 0) for k in set(a) | set(b)}
     if node.op == "neg":
-        a = _linear(node.args[0])
+        a = linear_form(node.args[0])
         return None if a is None else {k: -v for k, v in a.items()}
     if node.op == "mul":
-        a, b = (_linear(x) for x in node.args)
+        a, b = (linear_form(x) for x in node.args)
         if a is None or b is None:
             return None
         for x, y in ((a, b), (b, a)):
-            if set(y) <= {_ONE}:
-                c = y.get(_ONE, 0)
+            if set(y) <= {ONE}:
+                c = y.get(ONE, 0)
                 return {k: v * c for k, v in x.items()}
     return None
 
@@ -151,11 +148,11 @@ def _d_bound(atom):
     """(lo, hi) with lo <= kv_idx - q_idx <= hi equivalent to ``atom``, or None."""
     if atom.op not in ("lt", "le", "gt", "ge", "eq"):
         return None
-    a, b = (_linear(x) for x in atom.args)
+    a, b = (linear_form(x) for x in atom.args)
     if a is None or b is None:
         return None
     f = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}  # f OP 0
-    t, cq, c = f.get("kv_idx", 0), f.get("q_idx", 0), f.get(_ONE, 0)
+    t, cq, c = f.get("kv_idx", 0), f.get("q_idx", 0), f.get(ONE, 0)
     if t == 0 or cq != -t:  # not a function of kv - q alone
         return None
     x = Fraction(-c, t)  # t*d + c OP 0  <=>  d OP' x, OP' flipped when t < 0

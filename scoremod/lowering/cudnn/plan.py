@@ -255,12 +255,11 @@ class Plan:
             self.parts = (Part(mod, shape, scale, options),)
         else:
             self.blocks = tuple(blocks)
-            uniform = split.shifted_indices(self.blocks)  # one graph structure for all blocks
             self.parts = tuple(
-                Part(split.shifted(mod, blk.q0, blk.k0, uniform),
-                     shape.rows(blk.q1 - blk.q0, blk.k1 - blk.k0), scale, options,
+                Part(m, shape.rows(blk.q1 - blk.q0, blk.k1 - blk.k0), scale, options,
                      rows=(shape.sq, shape.skv))
-                for blk in self.blocks)
+                for blk, m in zip(self.blocks, split.block_mods(mod, self.blocks,
+                                                                options.native_masks)))
         self.key = (mod.key if mod is not None else None, self.blocks,
                     tuple(p.key for p in self.parts))
 
@@ -272,7 +271,10 @@ class Plan:
 
     def describe(self):
         if self.split:
-            return f"score_mod `{self.mod}` in {len(self.blocks)} query blocks"
+            native = sum(p.fwd is None for p in self.parts)
+            return (f"score_mod `{self.mod}` in {len(self.blocks)} query blocks"
+                    + (f", {native} of them as plain attention or under cuDNN's native mask"
+                       if native else ""))
         return self.parts[0].describe()
 
     def offsets(self, blk):

@@ -16,7 +16,10 @@ A mask that is no band but is fixed by the indices alone (prefix-LM's
 same way: its tiles are classified when the call is planned
 (``block_maps.classify_tiles`` on the mask's conditions that read no
 captured array), and each block takes the keys from its first to its last
-visited tile.
+visited tile. Where such a mask is the whole mod, a block on which it is one
+band (prefix-LM's rows past the prefix see ``q_idx >= kv_idx`` only) or no
+mask at all (the prefix's rows) runs under cuDNN's native mask or none
+(``block_mods``): it skips the masked tiles inside the block too.
 
     >>> import jax.numpy as jnp, scoremod
     >>> from scoremod.lowering.cudnn.rules import canonical
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from fractions import Fraction
 
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +42,7 @@ import numpy as np
 from scoremod.dsl import ir, ops
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.lowering.cudnn import masks
+from scoremod.lowering.patterns import is_neg_inf
 
 TILE = 128  # cuDNN's key and query tile: block edges on it waste no tile
 MAX_COST = 0.8  # split only when the modelled time is at most this share of one call's
@@ -182,15 +187,170 @@ def shifted_indices(blocks) -> tuple:
                                            ("kv_idx", [b.k0 for b in blocks])) if any(starts))
 
 
+def block_mods(mod: ScoreMod, blocks, native: bool = True) -> tuple:
+    """The mod each block runs (``shifted`` to its first row and key), or None for
+    plain attention: with ``native``, a pure static mask narrowed on the block
+    (``narrowed``) where that makes it a band cuDNN takes natively or no mask."""
+    from scoremod.lowering.cudnn import rules
+
+    uniform = shifted_indices(blocks)  # one graph structure for the score_mod blocks
+    out = []
+    for b in blocks:
+        narrow = narrowed(mod, b) if native else mod
+        if narrow is None:
+            out.append(None)
+            continue
+        if narrow is not mod:
+            local = shifted(narrow, b.q0, b.k0)
+            if masks.native_band(rules.canonical(local.expr), b.q1 - b.q0, b.k1 - b.k0):
+                out.append(local)
+                continue
+        out.append(shifted(mod, b.q0, b.k0, uniform))
+    return tuple(out)
+
+
+def narrowed(mod: ScoreMod, blk: Block):
+    """``mod`` on the rows and keys of ``blk`` with its mask of the indices alone
+    written as one band of ``kv_idx - q_idx`` (None: no mask, plain attention),
+    when ``mod`` is ``where(mask, score, -inf)`` and the mask equals such a band
+    on every (q_idx, kv_idx) of the block; else ``mod`` itself.
+
+    Exact, not sampled: the mask's comparisons must be linear in q_idx alone,
+    kv_idx alone or kv_idx - q_idx. The block is cut where a comparison of one
+    index changes value; on each piece those are constants and the mask is a
+    function of d = kv_idx - q_idx, evaluated at every d the piece holds.
+
+        >>> import jax.numpy as jnp, scoremod
+        >>> prefix_lm = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k), s, -jnp.inf))
+        >>> narrowed(prefix_lm, Block(0, 512, 0, 512)) is None      # the prefix sees all its keys
+        True
+        >>> str(narrowed(prefix_lm, Block(512, 1024, 0, 1024)))      # the rest: causal
+        'where(kv_idx - q_idx <= 0, score, -inf)'
+    """
+    conds, body = [], mod.expr
+    while body.op == "where" and is_neg_inf(body.args[2]):
+        conds.append(body.args[0])
+        body = body.args[1]
+    if not conds or body.op != ir.VAR or body.attr != ir.SCORE:
+        return mod
+    cond = conds[0]
+    for c in conds[1:]:
+        cond = ops.apply("and", cond, c)
+    atoms = _atoms(cond)
+    if atoms is None:
+        return mod
+    cuts = {"q_idx": {blk.q0, blk.q1}, "kv_idx": {blk.k0, blk.k1}}
+    for kind, (coef, c), _ in atoms.values():
+        if kind in cuts:  # coef * x + c OP 0 changes value between floor(r) and floor(r) + 1
+            r = math.floor(Fraction(-c, coef))
+            lo, hi = (blk.q0, blk.q1) if kind == "q_idx" else (blk.k0, blk.k1)
+            cuts[kind].update(x for x in (r, r + 1) if lo < x < hi)
+    lo, hi = [], []  # per piece: what the band's bounds must be
+    qs, ks = sorted(cuts["q_idx"]), sorted(cuts["kv_idx"])
+    for q0, q1 in zip(qs, qs[1:]):
+        for k0, k1 in zip(ks, ks[1:]):
+            d = np.arange(k0 - (q1 - 1), k1 - q0)  # every d of the piece (each occurs)
+            kept = _truth(cond, atoms, q0, k0, d)
+            if not kept.any():
+                lo.append(("empty", d[0], d[-1]))
+                continue
+            first, last = np.flatnonzero(kept)[[0, -1]]
+            if not kept[first:last + 1].all():
+                return mod  # no band on this piece
+            lo.append(("at", d[first], d[0]))
+            hi.append(("at", d[last], d[-1]))
+    band_lo = _bound([x for x in lo if x[0] == "at"], low=True)
+    band_hi = _bound(hi, low=False)
+    if band_lo is None or band_hi is None:
+        return mod
+    for kind, a, b in lo:  # an empty piece must see no d of the band
+        if kind == "empty" and not (band_hi < a or band_lo > b):
+            return mod
+    if band_lo == -math.inf and band_hi == math.inf:
+        return None
+    d = ops.apply("sub", ir.var("kv_idx"), ir.var("q_idx"))
+    parts = ([ops.apply("ge", d, ir.const(int(band_lo), ir.I32))] if band_lo > -math.inf else []) + \
+        ([ops.apply("le", d, ir.const(int(band_hi), ir.I32))] if band_hi < math.inf else [])
+    band = parts[0] if len(parts) == 1 else ops.apply("and", *parts)
+    return mod.derived(ops.apply("where", band, body, ir.const(-math.inf, ir.F32)))
+
+
+_COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+            "eq": np.equal, "ne": np.not_equal}
+
+
+def _atoms(cond):
+    """{comparison: (kind, (coef, c), op)} for the comparisons of a boolean ``cond``
+    built with and / or / not: kind "q_idx" or "kv_idx" (``coef * x + c OP 0``),
+    "d" (``coef * (kv_idx - q_idx) + c OP 0``) or "const"; None when another node
+    or a comparison of another form occurs."""
+    out = {}
+
+    def walk(n):
+        if n.op in ("and", "or", "not"):
+            return all(walk(a) for a in n.args)
+        if n.op not in _COMPARE:
+            return False
+        a, b = (masks.linear_form(x) for x in n.args)
+        if a is None or b is None:
+            return False
+        f = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
+        cq, ck, c = f.get("q_idx", 0), f.get("kv_idx", 0), f.get(masks.ONE, 0)
+        if cq == 0 and ck == 0:
+            kind, coef = "const", 0
+        elif ck == 0:
+            kind, coef = "q_idx", cq
+        elif cq == 0:
+            kind, coef = "kv_idx", ck
+        elif cq == -ck:
+            kind, coef = "d", ck
+        else:
+            return False
+        out[n] = (kind, (coef, c), n.op)
+        return True
+
+    return out if walk(cond) else None
+
+
+def _truth(cond, atoms, q, kv, d):
+    """``cond`` at every d of ``d`` on a piece where q-only and kv-only comparisons
+    are constant (their values at ``q``, ``kv``)."""
+    if cond.op in ("and", "or"):
+        parts = [_truth(a, atoms, q, kv, d) for a in cond.args]
+        return functools.reduce(np.logical_and if cond.op == "and" else np.logical_or, parts)
+    if cond.op == "not":
+        return ~_truth(cond.args[0], atoms, q, kv, d)
+    kind, (coef, c), op = atoms[cond]
+    x = {"q_idx": q, "kv_idx": kv, "const": 0}.get(kind)
+    value = coef * d + c if kind == "d" else np.full(d.shape, coef * x + c)
+    return _COMPARE[op](value, 0)
+
+
+def _bound(seen, low):
+    """The band's lower (``low``) or upper bound from the pieces' ``("at", t, edge)``:
+    t where a piece's kept d start (end); t at the piece's own edge says only that
+    the bound lies at or past it. None where the pieces disagree."""
+    exact = {int(t) for _, t, edge in seen if t != edge}
+    if len(exact) > 1:
+        return None
+    if not exact:
+        return -math.inf if low else math.inf
+    (b,) = exact
+    # the pieces whose kept d reach their edge need the bound at or past that edge
+    if any((b > edge) if low else (b < edge) for _, t, edge in seen if t == edge):
+        return None
+    return b
+
+
 def blockwise(query, key, value, mod, blocks, run):
     """Attention as the concatenation of ``run(q, k, v, mod) -> (out, lse)`` over
     ``blocks`` (arrays [B, S, H, D]; the LSE is [B, H, Sq]): the split's meaning,
-    which the tests check against one call."""
+    as the fused path runs it (``block_mods``), which the tests check against one
+    call."""
     outs, lses = [], []
-    uniform = shifted_indices(blocks)  # as the fused path shifts them
-    for b in blocks:
+    for b, m in zip(blocks, block_mods(mod, blocks)):
         o, lse = run(query[:, b.q0:b.q1], key[:, b.k0:b.k1], value[:, b.k0:b.k1],
-                     shifted(mod, b.q0, b.k0, uniform))
+                     ScoreMod(ir.var(ir.SCORE)) if m is None else m)
         outs.append(o)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
