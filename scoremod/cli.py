@@ -192,7 +192,8 @@ def doctor(args) -> int:
 def check(args) -> int:
     """Each fused backend that takes the mod here (or the one named) against the
     reference path on this machine: max errors of O, dQ, dK, dV (and d(sinks),
-    with --sinks) and times."""
+    with --sinks), times, and whether a second run gives the same bits (with
+    --deterministic, under LoweringOptions(deterministic=True))."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -208,6 +209,7 @@ def check(args) -> int:
     ks = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(key, (b, s, h, d), jnp.float32).astype(dtype) for key in ks)
     sinks = None if args.sinks is None else jnp.full((h,), args.sinks, jnp.float32)
+    options = scoremod.LoweringOptions(deterministic=True) if args.deterministic else None
     print(f"mod:   {mod}")
     print(f"shape: batch {b}, heads {h}, seq {s}, head_dim {d}, {dtype.name}"
           + ("" if sinks is None else f", a sink of {args.sinks} per head"))
@@ -215,12 +217,14 @@ def check(args) -> int:
     def run(impl):
         def step(q, k, v, sinks):
             o, vjp = jax.vjp(lambda q, k, v, sinks: scoremod.attention(
-                q, k, v, mod, implementation=impl, sinks=sinks), q, k, v, sinks)
+                q, k, v, mod, implementation=impl, sinks=sinks, options=options), q, k, v, sinks)
             return (o, *vjp(do))
 
-        return _timed(jax.jit(step), q, k, v, sinks)
+        step = jax.jit(step)
+        out, seconds = _timed(step, q, k, v, sinks)
+        return out, seconds, step(q, k, v, sinks)  # another run, for the bits
 
-    choice = scoremod.which_implementation(q, k, v, mod, sinks=sinks)
+    choice = scoremod.which_implementation(q, k, v, mod, sinks=sinks, options=options)
     if args.implementation:  # by name: it runs or says why not (interpret mode off a GPU)
         fused = [args.implementation]
     else:
@@ -228,14 +232,21 @@ def check(args) -> int:
     if not fused:  # said before the reference is timed: nothing to compare it with
         print(f"fused path not run: {choice.verdicts['cudnn']}")
         return 0
-    ref, t_ref = run("xla")
+    ref, t_ref, _ = run("xla")
     print(f"reference (xla):    {t_ref * 1e3:8.3f} ms per forward+backward")
+    labels = ("O", "dQ", "dK", "dV", "dsinks")
     for name in fused:
-        out, seconds = run(name)
+        out, seconds, again = run(name)
         print(f"fused ({name}):{'':{max(1, 11 - len(name))}s}{seconds * 1e3:8.3f} ms per "
               "forward+backward" + (" (chosen by implementation=None)" if name == choice[0]
                                     else ""))
-        for label, a, r in zip(("O", "dQ", "dK", "dV", "dsinks"), out, ref):
+        if name == choice[0] and choice.backward:
+            print(f"  backward: {choice.backward}")
+        differ = [label for label, a, b in zip(labels, out, again)
+                  if a is not None and not np.array_equal(np.asarray(a), np.asarray(b))]
+        print("  a second run: " + ("the same bits" if not differ else
+                                    f"{', '.join(differ)} differ in their bits"))
+        for label, a, r in zip(labels, out, ref):
             if a is None:  # no sinks: their gradient is None
                 continue
             a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
@@ -291,6 +302,9 @@ def main(argv=None) -> int:
     p.add_argument("--implementation", metavar="NAME",
                    help="check this backend only (default: every fused one that takes the mod "
                         "here); 'pallas' runs in interpret mode off a GPU")
+    p.add_argument("--deterministic", action="store_true",
+                   help="under LoweringOptions(deterministic=True): gradients that repeat "
+                        "bitwise (cuDNN's forward, the Pallas kernels' backward)")
     p.set_defaults(run=check)
     sub.add_parser("bench", add_help=False, help="moved: python benchmarks/run.py (in a checkout)")
     args, rest = parser.parse_known_args(argv)

@@ -75,6 +75,13 @@ def test_check_compares_fused_with_reference_on_a_gpu(capsys):
         errors = _errors(out, name)
         assert sorted(errors) == ["O", "dK", "dQ", "dV", "dsinks"], out
         assert max(errors.values()) < 3e-2, (name, errors)
+    # cuDNN's forward with the Pallas kernels' backward: the same bits on a second run
+    assert main(["check", "30.0 * tanh(score / 30.0)", "--seq", "256", "--heads", "4",
+                 "--head-dim", "64", "--deterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "backward: deterministic=True: the backward runs on" in out, out
+    assert out.count("a second run: the same bits") == 2, out
+    assert max(_errors(out, "cudnn").values()) < 3e-2, out
 
 
 def test_check_by_name_runs_the_pallas_kernels(capsys):
@@ -95,6 +102,12 @@ def test_check_by_name_runs_the_pallas_kernels(capsys):
     errors = _errors(out, "pallas")
     assert sorted(errors) == ["O", "dK", "dQ", "dV", "dsinks"], out
     assert max(errors.values()) < 1e-3, out
+    assert "a second run: the same bits" in out, out
+    assert main(["check", "score", "--seq", "64", "--heads", "2", "--head-dim", "64",
+                 "--batch", "1", "--dtype", "float32", "--implementation", "pallas",
+                 "--deterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "a second run: the same bits" in out and "backward:" not in out, out
     assert main(["check", "score", "--seq", "64", "--implementation", "cudnnn"]) == 2
     streams = capsys.readouterr()
     assert "unknown implementation 'cudnnn'" in streams.err and "reference" not in streams.out
