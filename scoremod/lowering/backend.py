@@ -26,9 +26,9 @@ Class attributes say what it can do: ``differentiable`` (its forward is a
 JAX function that JAX differentiates itself, forward mode and second order
 included: the reference path; it is called directly), ``operand_gradients``
 (its backward computes the mod's captured arrays' gradients),
-``repeatable_backward`` (its gradients repeat bitwise), ``traced_scale``, ``partitioned`` (its calls take ``lowering.sharding``'s
-partitioning rule), ``materializes_scores`` (O(S^2) memory: the warnings
-say so) and ``specialized`` (it takes one kind of mod; its refusals of
+``repeatable_backward`` (its gradients repeat bitwise), ``traced_scale``,
+``partitioned`` (its calls take ``lowering.sharding``'s partitioning rule),
+``materializes_scores`` (O(S^2) memory: the warnings say so) and ``specialized`` (it takes one kind of mod; its refusals of
 others are not what a warning should give); ``present()`` says whether its
 hardware is on this machine (passing over a present backend warns).
 
@@ -42,9 +42,9 @@ what the backend cannot do runs on the next registered backend that can and
 takes the call: operand gradients, the backward of a call that asks for
 repeatable gradients (``LoweringOptions.deterministic``) from a backend
 whose backward is not, and a call refused only when built on the first with
-``operand_gradients`` (the Pallas kernels on a GPU, else the reference path), forward-mode and second-order derivatives on the first that
-is ``differentiable`` (the reference path); by name, each is a
-ScoreModError.
+``operand_gradients`` (the Pallas kernels on a GPU, else the reference
+path); forward-mode and second-order derivatives on the first that is
+``differentiable`` (the reference path); by name, each is a ScoreModError.
 """
 
 from __future__ import annotations
@@ -368,8 +368,7 @@ def _tangent_transpose(cts, *args, static, which):
         do = jnp.zeros(o.shape, o.dtype)
     n = len(operands)
     wanted = tuple(which[3:3 + n])
-    why = _backward_elsewhere(call, wanted)
-    if why is not None:
+    if _backward_elsewhere(call, wanted):
         # The fallback's backward, on this forward's O and LSE (every backward
         # takes them from any forward: the same softmax).
         call = call.to(call.fallback)
@@ -381,12 +380,13 @@ def _tangent_transpose(cts, *args, static, which):
     return [None] * (5 + n + call.sinks) + [g for g, w in zip(grads, which) if w]
 
 
-def _backward_elsewhere(call, wanted) -> str | None:
-    """Why ``call``'s backward runs on its fallback (operand gradients its backend
-    does not compute, repeatable gradients it does not give), or None; the error
-    where it has no fallback (a backend asked for by name)."""
+def _backward_elsewhere(call, wanted) -> bool:
+    """Whether ``call``'s backward runs on its fallback: operand gradients its
+    backend does not compute (``_operand_fallback`` warned, or raised, already) or
+    repeatable gradients it does not give (the error where it has no fallback: a
+    backend asked for by name)."""
     if any(wanted) and not call.backend.operand_gradients:
-        return "operand gradients"  # _operand_fallback raised or warned already
+        return True
     if call.options.deterministic and not call.backend.repeatable_backward:
         if call.fallback is None:
             raise call.backend.error(
@@ -394,8 +394,8 @@ def _backward_elsewhere(call, wanted) -> str | None:
                 f"and {call.backend.title}'s backward does not (the order it accumulates dQ in "
                 "varies from run to run). Use implementation=None (its backward then runs on "
                 "the Pallas kernels) or implementation=\"pallas\", or deterministic=False.")
-        return "repeatable gradients"
-    return None
+        return True
+    return False
 
 
 def _vjp_on(call, q, k, v, do, dlse, operands, wanted, sinks=None):
