@@ -243,29 +243,29 @@ def narrowed(mod: ScoreMod, blk: Block):
     for kind, (coef, c), _ in atoms.values():
         if kind in cuts:  # coef * x + c OP 0 changes value between floor(r) and floor(r) + 1
             r = math.floor(Fraction(-c, coef))
-            lo, hi = (blk.q0, blk.q1) if kind == "q_idx" else (blk.k0, blk.k1)
-            cuts[kind].update(x for x in (r, r + 1) if lo < x < hi)
-    lo, hi = [], []  # per piece: what the band's bounds must be
+            start, stop = (blk.q0, blk.q1) if kind == "q_idx" else (blk.k0, blk.k1)
+            cuts[kind].update(x for x in (r, r + 1) if start < x < stop)
+    # Per piece, (the first or last kept d, the piece's own first or last d); and
+    # the d ranges of the pieces that keep none.
+    lows, highs, empty = [], [], []
     qs, ks = sorted(cuts["q_idx"]), sorted(cuts["kv_idx"])
     for q0, q1 in zip(qs, qs[1:]):
         for k0, k1 in zip(ks, ks[1:]):
             d = np.arange(k0 - (q1 - 1), k1 - q0)  # every d of the piece (each occurs)
             kept = _truth(cond, atoms, q0, k0, d)
             if not kept.any():
-                lo.append(("empty", d[0], d[-1]))
+                empty.append((d[0], d[-1]))
                 continue
             first, last = np.flatnonzero(kept)[[0, -1]]
             if not kept[first:last + 1].all():
                 return mod  # no band on this piece
-            lo.append(("at", d[first], d[0]))
-            hi.append(("at", d[last], d[-1]))
-    band_lo = _bound([x for x in lo if x[0] == "at"], low=True)
-    band_hi = _bound(hi, low=False)
+            lows.append((d[first], d[0]))
+            highs.append((d[last], d[-1]))
+    band_lo, band_hi = _bound(lows, low=True), _bound(highs, low=False)
     if band_lo is None or band_hi is None:
         return mod
-    for kind, a, b in lo:  # an empty piece must see no d of the band
-        if kind == "empty" and not (band_hi < a or band_lo > b):
-            return mod
+    if any(not (band_hi < a or band_lo > b) for a, b in empty):  # the band would keep some
+        return mod
     if band_lo == -math.inf and band_hi == math.inf:
         return None
     d = ops.apply("sub", ir.var("kv_idx"), ir.var("q_idx"))
@@ -327,17 +327,17 @@ def _truth(cond, atoms, q, kv, d):
 
 
 def _bound(seen, low):
-    """The band's lower (``low``) or upper bound from the pieces' ``("at", t, edge)``:
-    t where a piece's kept d start (end); t at the piece's own edge says only that
-    the bound lies at or past it. None where the pieces disagree."""
-    exact = {int(t) for _, t, edge in seen if t != edge}
+    """The band's lower (``low``) or upper bound from the pieces' ``(t, edge)``: t
+    where a piece's kept d start (end); t at the piece's own edge says only that the
+    bound lies at or past it (unbounded when no piece says more). None where the
+    pieces disagree."""
+    exact = {int(t) for t, edge in seen if t != edge}
     if len(exact) > 1:
         return None
     if not exact:
         return -math.inf if low else math.inf
     (b,) = exact
-    # the pieces whose kept d reach their edge need the bound at or past that edge
-    if any((b > edge) if low else (b < edge) for _, t, edge in seen if t == edge):
+    if any((b > edge) if low else (b < edge) for t, edge in seen if t == edge):
         return None
     return b
 
