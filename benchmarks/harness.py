@@ -74,6 +74,7 @@ IMPLS = {
     "scoremod-plain": "scoremod fused, plain score_mod",
     "scoremod-ids": "scoremod fused, operands as jit arguments",
     "scoremod-sinks": "scoremod fused, with sinks (learned)",
+    "scoremod-deterministic": "scoremod fused, deterministic=True",
     "direct": "same graph, cuDNN frontend Python",
     "xla": "scoremod XLA reference",
     "pallas": "scoremod Pallas kernels",
@@ -113,7 +114,7 @@ DIRECTIONS = {"fwd": "fwd", "fwdbwd": "fwd+bwd", OPS: "fwd+bwd, operand grads"}
 DEFAULT_DIRECTIONS = ("fwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, OPS: 3.5}  # backward counted as 2.5x the forward
 PLANNED_IMPLS = ("scoremod", "scoremod-plain", "scoremod-ids",
-                 "scoremod-sinks")  # on fused_backend: recorded
+                 "scoremod-sinks", "scoremod-deterministic")  # on fused_backend: recorded
 CUDNN_IMPLS = PLANNED_IMPLS + ("direct",)  # the cuDNN lowerings' switches apply when planned there
 CUDNN_BACKENDS = ("cudnn", "cudnn-varlen")
 OPS_IMPLS = ("scoremod", "xla", "pallas", "pallas-mosaic", "flex")
@@ -419,12 +420,13 @@ def make_call(impl, name, shape, direction):
 
         def fn(q, k, v, sinks):
             return scoremod.attention(q, k, v, mod, sinks=sinks)
-    elif impl in ("scoremod", "scoremod-plain", "xla") + PALLAS_IMPLS:
+    elif impl in ("scoremod", "scoremod-plain", "scoremod-deterministic", "xla") + PALLAS_IMPLS:
         mod = shape.mod(name)
         # scoremod: implementation=None, what the planner picks (run() records it)
         how = ("xla" if impl == "xla" else "pallas" if impl in PALLAS_IMPLS
                else fused_backend(name, shape).name if impl == "scoremod-plain" else None)
         options = {"scoremod-plain": scoremod.LoweringOptions.plain(),
+                   "scoremod-deterministic": scoremod.LoweringOptions(deterministic=True),
                    "pallas": scoremod.LoweringOptions(pallas_engine="triton"),
                    "pallas-mosaic": scoremod.LoweringOptions(pallas_engine="mosaic")}.get(impl)
         with_learned = (lambda learned: mod) if direction != OPS else learned_operands(name, mod)
@@ -922,6 +924,10 @@ TARGETS = [
      ("flex", None), "scoremod", 1.3, True),
     ("sinks / without", ("softcap_causal", "window"), ("fwd", "fwdbwd"), ("scoremod-sinks", None),
      "scoremod", 1.05, False),
+    # the cost of repeatable gradients where cuDNN's backward is not: the Pallas kernels'
+    # backward at 0.65x cuDNN's (measured) makes about 1.4x; past 1.6 the fallback costs more
+    ("deterministic / default", ("softcap", "causal", "softcap_causal"), ("fwdbwd",),
+     ("scoremod-deterministic", None), "scoremod", 1.6, False),
 ]
 
 
