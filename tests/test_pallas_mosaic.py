@@ -1153,3 +1153,33 @@ def test_kernel_digests_identify_the_kernels(lowers, tmp_path):
     assert digests(copy) == here
     kernels = [k for ks in here.values() for k in ks]
     assert len(set(kernels)) == len(kernels), here
+
+
+def test_learned_relative_tables_have_no_size_bound_on_the_mosaic_backward(interprets,
+                                                                          monkeypatch):
+    """The Triton backward sums a learned array's share in a row of at most
+    MAX_GRADIENT_ELEMENTS (a table read at q_idx - kv_idx: up to seq 32768) and refuses
+    a longer one; the per-block-diagonal kernel needs no such row: with the bound
+    below the table's length, the Mosaic backward still learns it (the same bits as
+    with the bound above it) and the Triton one refuses, saying why."""
+    q, k, v, do = pc.inputs(b=1, sq=70, skv=100, hq=1, hkv=1, d=64, dtype=jnp.bfloat16)
+    mod, operands = pc.traced_vector_mod("relative_causal", q, k)
+    name = mod.operand_names[-1]
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    o, lse = pc.run(REFERENCE, ref, q, k, v, do, operands, True)[:2]
+    dlse = jnp.zeros_like(lse)
+
+    def learn(plan):
+        return pallas_backend._backward(plan, q, k, v, o.astype(q.dtype), lse, do, dlse,
+                                        operands, (name,))
+
+    want = learn(plan)
+    monkeypatch.setattr(pallas_backend, "MAX_GRADIENT_ELEMENTS", 64)
+    got = learn(plan)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    triton = pc.pallas_plan(mod, q, k, v, scoremod.LoweringOptions(pallas_engine="triton"),
+                            skip=True, scale=0.3)
+    with pytest.raises(scoremod.ScoreModError, match="up to seq 32768 on the Triton backward"):
+        learn(triton)

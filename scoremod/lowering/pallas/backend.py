@@ -401,10 +401,12 @@ def _names(plan):
     return plan.mod.operand_names if plan.mod is not None else ()
 
 
-def _windows(plan, wanted) -> tuple:
+def _windows(plan, wanted, unbounded=()) -> tuple:
     """``(name, axes, elements)`` per float operand whose gradient is computed:
     the axes one program's partial row covers (those not read at the
-    program's own batch or head) and their element count."""
+    program's own batch or head) and their element count; a row past
+    ``MAX_GRADIENT_ELEMENTS`` is refused, except for the operands in
+    ``unbounded`` (the per-block-diagonal kernel's: O(Sq + Skv) per head)."""
     out = []
     for name, node in zip(_names(plan), plan.mod.operand_nodes if plan.mod else ()):
         if name not in wanted or node.dtype != ir.F32:
@@ -413,7 +415,7 @@ def _windows(plan, wanted) -> tuple:
         fixed = codegen.program_axes(plan.mod.expr, name)
         axes = tuple(a for a in range(len(shape)) if a not in fixed)
         size = math.prod(shape[a] for a in axes)
-        if size > MAX_GRADIENT_ELEMENTS:
+        if size > MAX_GRADIENT_ELEMENTS and name not in unbounded:
             raise ScoreModError(_too_large_to_learn(plan.mod, name, shape, size))
         out.append((name, axes, size))
     return tuple(out)
@@ -434,7 +436,9 @@ def _too_large_to_learn(mod, name, shape, size) -> str:
         f"a row of at most {MAX_GRADIENT_ELEMENTS} elements, and this read's share has "
         f"{size}"
         + (" (a table read at q_idx - kv_idx needs Sq + Skv - 1 entries per head: up to "
-           "seq 32768)" if relative else "")
+           "seq 32768 on the Triton backward; the Mosaic GPU backward, on Hopper, learns a "
+           "table read at q_idx - kv_idx with an index of the positions alone at any length)"
+           if relative else "")
         + ". Keep it fixed (jax.lax.stop_gradient), learn a smaller array (a bucketed "
         "relative table, as T5's), or use implementation=\"xla\" (O(S^2) memory).")
 
@@ -567,11 +571,14 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     qp, kp, vp = _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv)
     dop, deltap = _pad(do, 1, sq), _pad(delta, 2, sq)
     kops = _kernel_operands(plan, operands)
-    windows = _windows(plan, wanted)
     on_triton = dict(plan.triton_operands)
+    learned = [name for name, node in zip(_names(plan), plan.mod.operand_nodes if plan.mod else ())
+               if name in wanted and node.dtype == ir.F32]
+    mosaic = plan.backward_engine == "mosaic" and not any(n in on_triton for n in learned)
+    windows = _windows(plan, wanted, unbounded=plan.diagonal_operands if mosaic else ())
     learned_on_triton = [w[0] for w in windows if w[0] in on_triton]
     _refuse_without_triton(plan, learned_on_triton, on_triton)
-    if plan.backward_engine == "mosaic" and not learned_on_triton:
+    if mosaic:
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
         lse2 = jnp.where(lse_p == -jnp.inf, jnp.inf, lse_p * jnp.float32(mosaic_backward.LOG2E))
         diagonal = tuple(w for w in windows if w[0] in plan.diagonal_operands)
