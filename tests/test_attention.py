@@ -631,7 +631,7 @@ def test_deterministic_runs_the_backward_where_it_repeats(monkeypatch):
         o = scoremod.attention(q, k, v, mod, implementation=impl, options=options, sinks=s)
         return jnp.sum(o * jnp.cos(o))
 
-    want = jax.grad(lambda *a: loss(*a, "xla"), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    want = jax.jit(jax.grad(lambda *a: loss(*a, "xla"), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
     for options, forward_on, backward_on in ((on, fused, grads), (None, fused, fused)):
         fused.ran.clear()
         grads.ran.clear()
@@ -651,9 +651,16 @@ def test_deterministic_runs_the_backward_where_it_repeats(monkeypatch):
     assert scoremod.which_implementation(q, k, v, mod, implementation=grads.name,
                                          options=on).backward is None
     by_name = functools.partial(loss, impl=fused.name, options=on)
-    by_name(q, k, v, sinks)  # the forward runs
+    jax.jit(by_name)(q, k, v, sinks)  # the forward runs
     with pytest.raises(ScoreModError, match=r"deterministic=True.*implementation=None"):
         jax.grad(by_name)(q, k, v, sinks)
+    grads.declines = True  # the fallback is then the reference path: O(S^2) memory, said
+    with pytest.warns(UserWarning, match=r"deterministic=True runs this backward on the "
+                      r"reference path.*O\(S\^2\) memory"):
+        got = jax.jit(jax.grad(lambda *a: loss(*a, options=on), argnums=(0, 1, 2, 3)))(
+            q, k, v, sinks)
+    for g, x in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=2e-4, atol=2e-5)
 
 
 class _CudnnHere(type(registry.get("cudnn"))):

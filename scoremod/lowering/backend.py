@@ -394,6 +394,11 @@ def _backward_elsewhere(call, wanted) -> bool:
                 f"and {call.backend.title}'s backward does not (the order it accumulates dQ in "
                 "varies from run to run). Use implementation=None (its backward then runs on "
                 "the Pallas kernels) or implementation=\"pallas\", or deterministic=False.")
+        fallback = call.fallback[0]
+        if fallback.materializes_scores:  # the user asked for this, but not for O(S^2) memory
+            warnings.warn(f"scoremod: deterministic=True runs this backward on {fallback.title}"
+                          f"{_memory_note(fallback)}: the Pallas kernels do not take this call "
+                          "here.", stacklevel=3)
         return True
     return False
 
