@@ -23,7 +23,7 @@ from scoremod.dsl.ir import CONST, MATERIALIZE, SCORE, VAR, Node
 from scoremod.lowering.patterns import is_neg_inf
 
 # A linear integer form: {"q_idx": a, "kv_idx": b, 1: c} means a*q + b*kv + c.
-ONE = 1
+_ONE = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,28 +112,28 @@ def _conjuncts(cond):
     return [cond]
 
 
-def linear_form(node):
+def _linear(node):
     """``node`` as a linear form in q_idx and kv_idx, or None."""
     if node.op == VAR and node.attr in ("q_idx", "kv_idx"):
         return {node.attr: 1}
     if node.op == CONST and isinstance(node.attr, int) and not isinstance(node.attr, bool):
-        return {ONE: node.attr}
+        return {_ONE: node.attr}
     if node.op in ("add", "offset", "sub"):
-        a, b = (linear_form(x) for x in node.args)
+        a, b = (_linear(x) for x in node.args)
         if a is None or b is None:
             return None
         sign = -1 if node.op == "sub" else 1
         return {k: a.get(k, 0) + sign * b.get(k, 0) for k in set(a) | set(b)}
     if node.op == "neg":
-        a = linear_form(node.args[0])
+        a = _linear(node.args[0])
         return None if a is None else {k: -v for k, v in a.items()}
     if node.op == "mul":
-        a, b = (linear_form(x) for x in node.args)
+        a, b = (_linear(x) for x in node.args)
         if a is None or b is None:
             return None
         for x, y in ((a, b), (b, a)):
-            if set(y) <= {ONE}:
-                c = y.get(ONE, 0)
+            if set(y) <= {_ONE}:
+                c = y.get(_ONE, 0)
                 return {k: v * c for k, v in x.items()}
     return None
 
@@ -144,15 +144,24 @@ def difference_bound(atom):
     return _d_bound(atom)
 
 
+def compared_form(atom):
+    """``(cq, ck, c)`` with the comparison ``atom`` equivalent to ``cq * q_idx + ck *
+    kv_idx + c OP 0`` (OP its own), or None when a side is not linear in the indices."""
+    a, b = (_linear(x) for x in atom.args)
+    if a is None or b is None:
+        return None
+    f = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
+    return f.get("q_idx", 0), f.get("kv_idx", 0), f.get(_ONE, 0)
+
+
 def _d_bound(atom):
     """(lo, hi) with lo <= kv_idx - q_idx <= hi equivalent to ``atom``, or None."""
     if atom.op not in ("lt", "le", "gt", "ge", "eq"):
         return None
-    a, b = (linear_form(x) for x in atom.args)
-    if a is None or b is None:
+    form = compared_form(atom)
+    if form is None:
         return None
-    f = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}  # f OP 0
-    t, cq, c = f.get("kv_idx", 0), f.get("q_idx", 0), f.get(ONE, 0)
+    cq, t, c = form
     if t == 0 or cq != -t:  # not a function of kv - q alone
         return None
     x = Fraction(-c, t)  # t*d + c OP 0  <=>  d OP' x, OP' flipped when t < 0

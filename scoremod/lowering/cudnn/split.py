@@ -41,7 +41,7 @@ import numpy as np
 
 from scoremod.dsl import ir, ops
 from scoremod.dsl.scoremod import ScoreMod
-from scoremod.lowering.cudnn import masks
+from scoremod.lowering.cudnn import masks, rules
 from scoremod.lowering.patterns import is_neg_inf
 
 TILE = 128  # cuDNN's key and query tile: block edges on it waste no tile
@@ -191,8 +191,6 @@ def block_mods(mod: ScoreMod, blocks, native: bool = True) -> tuple:
     """The mod each block runs (``shifted`` to its first row and key), or None for
     plain attention: with ``native``, a pure static mask narrowed on the block
     (``narrowed``) where that makes it a band cuDNN takes natively or no mask."""
-    from scoremod.lowering.cudnn import rules
-
     uniform = shifted_indices(blocks)  # one graph structure for the score_mod blocks
     out = []
     for b in blocks:
@@ -289,13 +287,10 @@ def _atoms(cond):
     def walk(n):
         if n.op in ("and", "or", "not"):
             return all(walk(a) for a in n.args)
-        if n.op not in _COMPARE:
+        form = masks.compared_form(n) if n.op in _COMPARE else None
+        if form is None:
             return False
-        a, b = (masks.linear_form(x) for x in n.args)
-        if a is None or b is None:
-            return False
-        f = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
-        cq, ck, c = f.get("q_idx", 0), f.get("kv_idx", 0), f.get(masks.ONE, 0)
+        cq, ck, c = form
         if cq == 0 and ck == 0:
             kind, coef = "const", 0
         elif ck == 0:

@@ -401,12 +401,10 @@ def _names(plan):
     return plan.mod.operand_names if plan.mod is not None else ()
 
 
-def _windows(plan, wanted, unbounded=()) -> tuple:
+def _windows(plan, wanted) -> tuple:
     """``(name, axes, elements)`` per float operand whose gradient is computed:
     the axes one program's partial row covers (those not read at the
-    program's own batch or head) and their element count; a row past
-    ``MAX_GRADIENT_ELEMENTS`` is refused, except for the operands in
-    ``unbounded`` (the per-block-diagonal kernel's: O(Sq + Skv) per head)."""
+    program's own batch or head) and their element count."""
     out = []
     for name, node in zip(_names(plan), plan.mod.operand_nodes if plan.mod else ()):
         if name not in wanted or node.dtype != ir.F32:
@@ -414,11 +412,17 @@ def _windows(plan, wanted, unbounded=()) -> tuple:
         shape = node.attr[1]
         fixed = codegen.program_axes(plan.mod.expr, name)
         axes = tuple(a for a in range(len(shape)) if a not in fixed)
-        size = math.prod(shape[a] for a in axes)
-        if size > MAX_GRADIENT_ELEMENTS and name not in unbounded:
-            raise ScoreModError(_too_large_to_learn(plan.mod, name, shape, size))
-        out.append((name, axes, size))
+        out.append((name, axes, math.prod(shape[a] for a in axes)))
     return tuple(out)
+
+
+def _refuse_too_large(plan, windows, unbounded):
+    """A partial row past ``MAX_GRADIENT_ELEMENTS`` is refused, except for the
+    operands in ``unbounded`` (the per-block-diagonal kernel's: O(Sq + Skv) per head)."""
+    for name, _, size in windows:
+        if size > MAX_GRADIENT_ELEMENTS and name not in unbounded:
+            shape = plan.mod.operand_nodes[_names(plan).index(name)].attr[1]
+            raise ScoreModError(_too_large_to_learn(plan.mod, name, shape, size))
 
 
 def _too_large_to_learn(mod, name, shape, size) -> str:
@@ -571,12 +575,11 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     qp, kp, vp = _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv)
     dop, deltap = _pad(do, 1, sq), _pad(delta, 2, sq)
     kops = _kernel_operands(plan, operands)
+    windows = _windows(plan, wanted)
     on_triton = dict(plan.triton_operands)
-    learned = [name for name, node in zip(_names(plan), plan.mod.operand_nodes if plan.mod else ())
-               if name in wanted and node.dtype == ir.F32]
-    mosaic = plan.backward_engine == "mosaic" and not any(n in on_triton for n in learned)
-    windows = _windows(plan, wanted, unbounded=plan.diagonal_operands if mosaic else ())
     learned_on_triton = [w[0] for w in windows if w[0] in on_triton]
+    mosaic = plan.backward_engine == "mosaic" and not learned_on_triton
+    _refuse_too_large(plan, windows, plan.diagonal_operands if mosaic else ())
     _refuse_without_triton(plan, learned_on_triton, on_triton)
     if mosaic:
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.

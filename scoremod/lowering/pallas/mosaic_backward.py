@@ -350,6 +350,17 @@ def _map_index(counts, bi, hi):
     return (0 if counts.shape[0] == 1 else bi), (0 if counts.shape[1] == 1 else hi)
 
 
+def _memory_warpgroup(wg, count, fetch, free):
+    """Warpgroup 1, with few registers: ``_stream``'s loop of ``fetch``."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    @pl.when(wg == 1)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        _stream(count, fetch, free)
+
+
 def _stream(count, fetch, free):
     """The memory warpgroup's loop: ``fetch(step, slot)`` copies each step's
     tiles into slot ``step % STAGES`` once the compute warpgroup has freed it
@@ -407,6 +418,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
+        kv_head = lax.div(hi, jnp.int32(spec.groups))
         tile = lax.axis_index("kv_seq")
         mb, mh = _map_index(counts, bi, hi)
         count = counts_ref[mb, mh, tile]
@@ -418,7 +430,6 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         @pl.when(wg == 0)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            kv_head = lax.div(hi, jnp.int32(spec.groups))
             own = (bi, pl.ds(k0, BLOCK), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, kv_ready.at[0])
             plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, kv_ready.at[1])
@@ -490,23 +501,17 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 1)
-        def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        def fetch(step, slot):
+            rows = pl.ds(q_start(step), BLOCK)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[slot],
+                                    lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], do_smem.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
+                                    delta_ready.at[slot])
+            vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, k0, q_start(step), slot)
 
-            def fetch(step, slot):
-                rows = pl.ds(q_start(step), BLOCK)
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], q_smem.at[slot],
-                                        q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[slot],
-                                        lse_ready.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], do_smem.at[slot],
-                                        do_ready.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
-                                        delta_ready.at[slot])
-                vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, k0, q_start(step), slot)
-
-            _stream(count, fetch, free)
+        _memory_warpgroup(wg, count, fetch, free)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
@@ -594,6 +599,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
+        kv_head = lax.div(hi, jnp.int32(spec.groups))
         tile = n_tiles - 1 - lax.axis_index("q_seq")  # the longest (causal) tiles first
         mb, mh = _map_index(counts, bi, hi)
         count = counts_ref[mb, mh, tile]
@@ -661,20 +667,13 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 1)
-        def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            kv_head = lax.div(hi, jnp.int32(spec.groups))
+        def fetch(step, slot):
+            rows = pl.ds(kv_start(step), BLOCK)
+            plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot], v_ready.at[slot])
+            vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, q0, kv_start(step), slot)
 
-            def fetch(step, slot):
-                rows = pl.ds(kv_start(step), BLOCK)
-                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[slot],
-                                        k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot],
-                                        v_ready.at[slot])
-                vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, q0, kv_start(step), slot)
-
-            _stream(count, fetch, free)
+        _memory_warpgroup(wg, count, fetch, free)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
@@ -714,8 +713,9 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 # tile, in tile order, and sums that tile's diagonals once at the end (through shared
 # memory: the reduction costs about as much as a tile's products, so once per program, not
 # per tile), then writes them: no atomics, the same bits on every run. It recomputes S and
-# dP (two products per tile), as the dQ kernel does. Neighbouring block diagonals overlap by BLOCK - 1
-# diagonals; ``diagonal_gradient`` adds the two shares of each in XLA, in a fixed order.
+# dP (two products per tile), as the dQ kernel does. Neighbouring block diagonals overlap
+# by BLOCK - 1 diagonals; ``diagonal_gradient`` adds the two shares of each in XLA, in a
+# fixed order.
 
 
 def diagonal_refusal(expr, name, sources) -> str | None:
@@ -817,7 +817,7 @@ def _diagonal_reduce(x, scratch, interpret):
                 regs[at] = vector.broadcast(vec_type, total)
             results.append(mgpu.FragmentedArray(_registers=regs, _layout=layout,
                                                 _is_signed=None))
-        mgpu.warpgroup_barrier()  # the scratch is reused by the next tile
+        mgpu.warpgroup_barrier()  # the scratch is reused by the next read's tile
         return tuple(results)
 
     return reduce(x, scratch)
@@ -856,6 +856,7 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         staging = staging[0] if staging else None
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
+        kv_head = lax.div(hi, jnp.int32(spec.groups))
         t = lax.axis_index("diag")
         mb, mh = _map_index(counts, bi, hi)
         count = counts_ref[mb, mh, t]
@@ -923,27 +924,21 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bi, hi, :, t])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 1)
-        def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            kv_head = lax.div(hi, jnp.int32(spec.groups))
+        def fetch(step, slot):
+            i = q_block(step)
+            rows, keys = pl.ds(i * BLOCK, BLOCK), pl.ds((i - shift) * BLOCK, BLOCK)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kv_head], k_smem.at[slot],
+                                    k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], do_smem.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, kv_head], v_smem.at[slot],
+                                    v_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[slot],
+                                    lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
+                                    delta_ready.at[slot])
 
-            def fetch(step, slot):
-                i = q_block(step)
-                rows, keys = pl.ds(i * BLOCK, BLOCK), pl.ds((i - shift) * BLOCK, BLOCK)
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kv_head], k_smem.at[slot],
-                                        k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], do_smem.at[slot],
-                                        do_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, kv_head], v_smem.at[slot],
-                                        v_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[slot],
-                                        lse_ready.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
-                                        delta_ready.at[slot])
-
-            _stream(count, fetch, free)
+        _memory_warpgroup(wg, count, fetch, free)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
