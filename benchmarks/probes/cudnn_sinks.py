@@ -56,6 +56,12 @@ def mask_args(name):
     return args
 
 
+def new_graph(handle):
+    return cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16,
+                         intermediate_data_type=cudnn.data_type.FLOAT,
+                         compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+
+
 def build(g):
     g.validate()
     g.build_operation_graph()
@@ -72,9 +78,7 @@ def execute(g, pack, handle):
 
 
 def forward_graph(handle, q, k, v, sink, mask, mod):
-    g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16,
-                      intermediate_data_type=cudnn.data_type.FLOAT,
-                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    g = new_graph(handle)
     tq, tk, tv = g.tensor_like(q), g.tensor_like(k), g.tensor_like(v)
     extra = {}
     ts = None
@@ -104,9 +108,7 @@ def run_forward(handle, q, k, v, sink, mask, mod):
 
 def run_backward(handle, q, k, v, o, do, stats, sink, mask, with_sink, with_dsink):
     """Native masks only: a score_mod's backward is not probed here."""
-    g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16,
-                      intermediate_data_type=cudnn.data_type.FLOAT,
-                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    g = new_graph(handle)
     tq, tk, tv, to, tdo = (g.tensor_like(x) for x in (q, k, v, o, do))
     st = stats[..., None].contiguous()
     tst = g.tensor_like(st)
