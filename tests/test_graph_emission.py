@@ -97,7 +97,8 @@ def recorder(monkeypatch):
     return rec
 
 
-OPTIONS = {"default": scoremod.LoweringOptions(sms=1), "plain": scoremod.LoweringOptions.plain()}
+OPTIONS = {"default": scoremod.LoweringOptions(sms=1), "plain": scoremod.LoweringOptions.plain(),
+           "deterministic": scoremod.LoweringOptions(sms=1, deterministic=True)}
 
 
 @pytest.mark.parametrize("options", sorted(OPTIONS))
@@ -116,6 +117,9 @@ def test_every_plan_of_the_gpu_suite_builds_its_graphs(name, options, recorder):
             (call,) = [kw for n, kw in recorder.calls if n == direction]
             assert call["attn_scale"] == spec.scale
             assert ("diagonal_band_right_bound" in call) == (spec.band is not None)
+            # deterministic=True: cuDNN's deterministic backward, the forward as ever
+            assert bool(call.get("use_deterministic_algorithm")) == (
+                direction == "sdpa_backward" and OPTIONS[options].deterministic)
             q = call["q"].props
             assert q["uid"] == cg.UID_Q and q["dim"][0] == 2 and q["dim"][2] == spec.shape.sq
             rows = spec.q_rows or spec.shape.sq

@@ -289,10 +289,11 @@ def test_too_many_segments_or_reappearing_ids_are_not_ok():
 # --- the ragged graphs --------------------------------------------------------
 
 
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 16)])
-def test_ragged_graphs_have_the_layout_of_packed_tokens(recorder, causal, window):
+@pytest.mark.parametrize("causal,window,deterministic",
+                         [(False, None, False), (True, None, True), (True, 16, False)])
+def test_ragged_graphs_have_the_layout_of_packed_tokens(recorder, causal, window, deterministic):
     shape = Problem(2, 96, 80, 8, 2, 64, 32, "bfloat16")
-    spec = vg.RaggedSpec(shape, 2 * 5, 0.125, causal, window)
+    spec = vg.RaggedSpec(shape, 2 * 5, 0.125, causal, window, deterministic)
     for direction, build in (("sdpa", vg.build_forward), ("sdpa_backward", vg.build_backward)):
         recorder.calls.clear()
         built = build(spec, lambda: "test")
@@ -313,6 +314,7 @@ def test_ragged_graphs_have_the_layout_of_packed_tokens(recorder, causal, window
                            "dO": (vg.UID_DO, [10, 8, 96, 32], [96 * 8 * 32, 32, 8 * 32, 1], vg.UID_RO_O),
                            "stats": (vg.UID_STATS, [10, 8, 96, 1], [96 * 8, 1, 8, 1], vg.UID_RO_STATS)})
             assert call["max_total_seq_len_q"] == 2 * 96 and call["max_total_seq_len_kv"] == 2 * 80
+            assert call["use_deterministic_algorithm"] is deterministic
         for name, (uid, dim, stride, ro) in expect.items():
             t = call[name].props
             assert (t["uid"], t["dim"], t["stride"]) == (uid, dim, stride), name

@@ -26,7 +26,8 @@ Class attributes say what it can do: ``differentiable`` (its forward is a
 JAX function that JAX differentiates itself, forward mode and second order
 included: the reference path; it is called directly), ``operand_gradients``
 (its backward computes the mod's captured arrays' gradients),
-``repeatable_backward`` (its gradients repeat bitwise), ``traced_scale``,
+``repeatable_backward`` (under ``LoweringOptions.deterministic`` its gradients
+repeat bitwise), ``traced_scale``,
 ``partitioned`` (its calls take ``lowering.sharding``'s partitioning rule),
 ``materializes_scores`` (O(S^2) memory: the warnings say so) and ``specialized`` (it takes one kind of mod; its refusals of
 others are not what a warning should give); ``present()`` says whether its
@@ -72,8 +73,9 @@ class Backend:
     title: str = ""  # how messages name it, e.g. "the fused cuDNN path"
     differentiable: bool = False  # JAX differentiates forward() itself (any order, any mode)
     operand_gradients: bool = False  # its backward computes the mod's captured operands' gradients
-    # Its gradients repeat bitwise from run to run (no atomics, or an order that
-    # never changes): LoweringOptions.deterministic runs the others' backward elsewhere.
+    # Under LoweringOptions.deterministic its gradients repeat bitwise from run to run
+    # (no atomics, or an order that never changes); that option runs the others'
+    # backward elsewhere.
     repeatable_backward: bool = False
     traced_scale: bool = False  # takes a scale that is a traced value (else it is compiled in)
     partitioned: bool = True  # its calls take lowering.sharding's partitioning rule
@@ -391,9 +393,9 @@ def _backward_elsewhere(call, wanted) -> bool:
         if call.fallback is None:
             raise call.backend.error(
                 f"LoweringOptions(deterministic=True) asks for gradients that repeat bitwise, "
-                f"and {call.backend.title}'s backward does not (the order it accumulates dQ in "
-                "varies from run to run). Use implementation=None (its backward then runs on "
-                "the Pallas kernels) or implementation=\"pallas\", or deterministic=False.")
+                f"and {call.backend.title}'s backward does not. Use implementation=None (its "
+                "backward then runs on a backend whose gradients repeat) or "
+                "implementation=\"pallas\", or deterministic=False.")
         fallback = call.fallback[0]
         if fallback.materializes_scores:  # the user asked for this, but not for O(S^2) memory
             warnings.warn(f"scoremod: deterministic=True runs this backward on {fallback.title}"

@@ -49,8 +49,10 @@ ROUTES = {
     "pallas": ("pallas", scoremod.LoweringOptions(pallas_engine="mosaic")),
     "cudnn": ("cudnn", None),
     "auto": (None, None),
-    # cuDNN's forward (or the variable-length route's), the backward on the Pallas kernels
+    # cuDNN's (or the variable-length route's) backward graphs built with cuDNN's
+    # deterministic algorithm
     "deterministic": (None, scoremod.LoweringOptions(deterministic=True)),
+    "cudnn-deterministic": ("cudnn", scoremod.LoweringOptions(deterministic=True)),
 }
 
 
@@ -108,7 +110,8 @@ def test_sinks_match_the_reference_and_repeat(route, name, sq, skv, dtype):
     # deterministic=True. cuDNN's Hopper backward accumulates in an order that varies
     # between runs (last bits, measured).
     names = ("O", "LSE", "dQ", "dK", "dV", "dsinks")
-    repeat = names if route in ("pallas", "deterministic") else ("O", "LSE", "dsinks")
+    repeat = names if route in ("pallas", "deterministic", "cudnn-deterministic") else (
+        "O", "LSE", "dsinks")
     for name, a, b in zip(names, got, again):
         if name in repeat:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

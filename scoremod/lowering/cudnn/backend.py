@@ -33,6 +33,10 @@ class Cudnn(Backend):
     title = "the fused cuDNN path"
     error = CudnnUnavailableError
     hint = "Use implementation=\"xla\", or implementation=None to choose automatically."
+    # Under LoweringOptions.deterministic its backward graphs are built with cuDNN's
+    # deterministic algorithm (graph.GraphSpec.deterministic); by default dQ's
+    # accumulation order varies from run to run (last bits, measured on the H200).
+    repeatable_backward = True
 
     def present(self):
         return device.current().family is not None

@@ -144,6 +144,10 @@ class GraphSpec:
     # reads and writes its rows in place (None: the arrays are exactly sq, skv).
     q_rows: int | None = None
     kv_rows: int | None = None
+    # The backward's dQ accumulated in a fixed order (LoweringOptions.deterministic):
+    # bitwise repeatable at 1.04-1.08x the default backward (measured on the H200,
+    # benchmarks/probes/cudnn_deterministic.py).
+    deterministic: bool = False
 
     def stats_layout(self, packed=False):
         # cuDNN < 9.26 takes only a packed stats input in sdpa_backward.
@@ -277,7 +281,8 @@ def build_backward(fwd: Node, bwd: Node, p: GraphSpec, consts, load_nodes, descr
 
     mods = {} if fwd is None else {"score_mod": score_mod, "score_mod_bprop": score_mod_bprop}
     dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
-                                 attn_scale=p.scale, **_mask_args(p), **mods)
+                                 attn_scale=p.scale, use_deterministic_algorithm=p.deterministic,
+                                 **_mask_args(p), **mods)
     # dQ lands in its rows of the full array; a block's dK, dV are its own
     # arrays (blocks overlap in keys, so they are summed afterwards).
     for t, uid, (b, s, h, d, rows) in ((dq, UID_DQ, (p.shape.b, p.shape.sq, p.shape.hq, p.shape.d, p.q_rows)),

@@ -134,8 +134,9 @@ class Part:
             fwd_set = set(fwd_nodes)
             self.fwd_loads = tuple(l for l in self.loads if l.node in fwd_set)
         self.spec = cg.GraphSpec(shape, float(graph_scale), tuple(l.spec for l in self.loads),
-                                 self.band, *rows)
-        self.fwd_spec = dataclasses.replace(self.spec, loads=tuple(l.spec for l in self.fwd_loads))
+                                 self.band, *rows, deterministic=options.deterministic)
+        self.fwd_spec = dataclasses.replace(self.spec, loads=tuple(l.spec for l in self.fwd_loads),
+                                            deterministic=False)
         # The lowered expression and the options too: folding or not, the same
         # mod never shares a graph.
         self.key = (mod.key if mod is not None else None, self.fwd, self.spec, options)

@@ -83,12 +83,13 @@ class VarlenPlan:
     # With route "ragged": the sequences of those ids, computed when traced, so the
     # program only reads them (no XLA work per call). None: computed in the program.
     known: "KnownLayout | None" = None
+    deterministic: bool = False  # LoweringOptions.deterministic: a repeatable backward graph
 
     @property
     def spec(self) -> RaggedSpec:
         s = self.segments
         return RaggedSpec(self.shape, self.shape.b * self.max_segments, self.scale, s.causal,
-                          s.window)
+                          s.window, self.deterministic)
 
     def describe(self):
         if self.segments is None or self.route == "dense":
@@ -118,7 +119,8 @@ class VarlenPlan:
         return self.ragged_inputs(layout), layout.covered_q
 
     def forward_graph(self):
-        return cg.cached(("varlen-forward", self.spec), lambda: build_forward(self.spec, self.describe))
+        spec = dataclasses.replace(self.spec, deterministic=False)  # a backward-only choice
+        return cg.cached(("varlen-forward", spec), lambda: build_forward(spec, self.describe))
 
     def backward_graph(self):
         return cg.cached(("varlen-backward", self.spec),
@@ -132,6 +134,7 @@ class CudnnVarlen(Backend):
     partitioned = False
     specialized = True
     title = "cuDNN's variable-length attention"
+    repeatable_backward = True  # under LoweringOptions.deterministic, as the cuDNN path's
     error = CudnnUnavailableError
     hint = "Use implementation=\"cudnn\" or \"xla\", or implementation=None to choose automatically."
 
@@ -248,7 +251,8 @@ def _call(built, inputs, out_shapes, carried):
 def _cached_plan(mod, shape, scale, options, dense):
     found = seg.recognize(mod.expr, shape) if options.native_masks else None
     segments = found if isinstance(found, seg.Segments) else None
-    return VarlenPlan(mod, shape, scale, segments, options.max_segments, dense)
+    return VarlenPlan(mod, shape, scale, segments, options.max_segments, dense,
+                      deterministic=options.deterministic)
 
 
 def plan_for(mod, shape: Problem, scale: float, options: LoweringOptions) -> VarlenPlan:

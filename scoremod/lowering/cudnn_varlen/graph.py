@@ -35,6 +35,7 @@ class RaggedSpec:
     scale: float
     causal: bool
     window: int | None
+    deterministic: bool = False  # the backward's dQ in a fixed order (graph.GraphSpec's)
 
     def layout(self, s, h, d):
         """dims and strides of a ragged ``[n, h, s, d]`` tensor over token-major rows."""
@@ -111,7 +112,9 @@ def build_backward(p: RaggedSpec, describe) -> Built:
     stats = _ragged(g, "stats", UID_STATS, p.stats_layout(), "float32", ro[UID_RO_STATS])
     dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
                                  attn_scale=p.scale, max_total_seq_len_q=s.b * s.sq,
-                                 max_total_seq_len_kv=s.b * s.skv, **_mask_args(p, seq_q, seq_kv))
+                                 max_total_seq_len_kv=s.b * s.skv,
+                                 use_deterministic_algorithm=p.deterministic,
+                                 **_mask_args(p, seq_q, seq_kv))
     _output(dq, UID_DQ, p.layout(s.sq, s.hq, s.d), s.dtype, ro[UID_RO_Q])
     _output(dk, UID_DK, p.layout(s.skv, s.hkv, s.d), s.dtype, ro[UID_RO_K])
     _output(dv, UID_DV, p.layout(s.skv, s.hkv, s.dv), s.dtype, ro[UID_RO_V])
