@@ -187,23 +187,43 @@ def test_narrowed_blocks_compute_the_same_attention():
 
 
 def test_prefix_lm_blocks_run_natively_past_the_prefix():
-    """Pure prefix-LM at seq 4096 (prefix 512, eight blocks): the prefix's rows as
-    plain attention, every other block under cuDNN's native causal mask
-    (bottom-right in its own keys); with a softcap, or with native masks off,
-    every block keeps the score_mod. Softcap's blocks are one graph structure."""
+    """Pure prefix-LM (split.by_structure): two blocks at any length, the prefix's
+    rows as plain attention, the rest under cuDNN's native causal mask (bottom-right
+    in its own keys); a prefix off the tile makes the first block's rows the
+    prefix's tile row, with the score_mod. With a softcap, or with native masks
+    off, the blocks of the cost model, each with the score_mod."""
+    for s, prefix in ((4096, 512), (32768, 4096), (1000, 100)):
+        shape = Problem(4, s, s, 16, 16, 128, 128, "bfloat16")
+        pure = scoremod.trace(lambda x, b, h, q, k: jnp.where((k < prefix) | (q >= k), x, NEG))
+        plan = Plan(pure, shape, 0.088, scoremod.LoweringOptions(sms=132))
+        cut = -(-prefix // 128) * 128
+        assert plan.blocks == (split.Block(0, cut, 0, cut), split.Block(cut, s, 0, s)), plan.blocks
+        first, rest = plan.parts
+        assert (first.mod is None) == (prefix % 128 == 0)
+        assert rest.band is not None and rest.band.alignment == "BOTTOM_RIGHT" and rest.fwd is None
     shape = Problem(4, 4096, 4096, 16, 16, 128, 128, "bfloat16")
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k), s, NEG))
     soft = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k),
                                                           30 * jnp.tanh(s / 30), NEG))
-    plan = Plan(pure, shape, 0.088, scoremod.LoweringOptions(sms=132))
-    assert len(plan.blocks) == 8 and plan.parts[0].mod is None
-    assert all(p.band is not None and p.band.alignment == "BOTTOM_RIGHT" and p.fwd is None
-               for p in plan.parts[1:])
-    assert "8 of them as plain attention or under cuDNN's native mask" in plan.describe()
+    assert "2 of them as plain attention or under cuDNN's native mask" in Plan(
+        pure, shape, 0.088, scoremod.LoweringOptions(sms=132)).describe()
     for mod, options in ((soft, scoremod.LoweringOptions(sms=132)),
                          (pure, scoremod.LoweringOptions(sms=132, native_masks=False))):
         plan = Plan(mod, shape, 0.088, options)
         assert len(plan.blocks) == 8 and all(p.fwd is not None for p in plan.parts)
+
+
+def test_merged_joins_native_neighbours_only():
+    """split.merged joins neighbouring blocks that run natively when their union
+    does too (prefix-LM's blocks past the prefix: one causal call), never a
+    score_mod block with a native one, and keeps the rows and keys covered."""
+    pure = scoremod.trace(MODS["prefix_lm_unaligned"])  # kv < 100: the first tile row straddles
+    blocks = tuple(split.Block(q0, q0 + 128, 0, q0 + 128) for q0 in range(0, 512, 128))
+    got = split.merged(pure, blocks)
+    assert got == (split.Block(0, 128, 0, 128), split.Block(128, 512, 0, 512)), got
+    soft = scoremod.trace(MODS["softcap_prefix_lm"])
+    assert split.merged(soft, blocks) == blocks
+    assert split.merged(soft, blocks, joined_score_mods=True) == (split.Block(0, 512, 0, 512),)
 
 
 def test_a_static_condition_on_the_head_or_batch_is_not_narrowed_to_head_zero():

@@ -87,8 +87,15 @@ def split_blocks(mod, shape: Problem, options: LoweringOptions):
     expr = rules.canonical(mod.expr)
     if options.native_masks and masks.native_band(expr, shape.sq, shape.skv) is not None:
         return None  # a native mask skips masked tiles already
+    if options.native_masks:  # a pure static mask: blocks where its native form changes
+        blocks = split.by_structure(mod, shape.sq, shape.skv, options.split_blocks)
+        if blocks is not None:
+            return blocks
     sms = options.sms or device.current().sm_count or split.SMS
-    return split.plan(expr, shape.sq, shape.skv, options.split_blocks, shape.b * shape.hq, sms)
+    blocks = split.plan(expr, shape.sq, shape.skv, options.split_blocks, shape.b * shape.hq, sms)
+    if blocks is not None and options.native_masks:
+        blocks = split.merged(mod, blocks)
+    return blocks
 
 
 @dataclasses.dataclass(frozen=True)
