@@ -106,12 +106,12 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     """
     asked = None if implementation is None else registry.get(implementation)
     options = _options(options)
-    query, key, value, problem, mod, scale, sinks = _call(
+    query, key, value, problem, mod, scale, sinks, sink_layout = _call(
         query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page_table, runs=True)
     traced_scale = isinstance(scale, jax.core.Tracer)
     if nothing_to_compute(problem):
         return _empty_call(asked, problem, mod, traced_scale, options, return_lse, sinks)
-    chosen = route(problem, mod, scale, options, implementation, return_lse, sinks is not None)
+    chosen = route(problem, mod, scale, options, implementation, return_lse, sink_layout)
     warn(chosen)
     if chosen.low_rank is not None:
         operands = dict(zip(mod.operand_names, (jnp.asarray(x) for x in mod.operands)))
@@ -181,18 +181,20 @@ def which_implementation(query, key, value, score_mod=None, *, scale=None, imple
     shapes are looked at; nothing is compiled or run.
     """
     options = _options(options)
-    _, _, _, problem, mod, scale, sinks = _call(
+    _, _, _, problem, mod, scale, _, sink_layout = _call(
         query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page_table, runs=False)
     return route(problem, mod, scale, options, implementation, return_lse,
-                 sinks is not None).describe()
+                 sink_layout).describe()
 
 
 def _call(query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page_table, runs):
-    """``(query, key, value, problem, mod, scale, sinks)`` of a call, checked: the
-    pages gathered into rows, the positions and lengths in the mod, the default
-    scale, the sinks as float32 [batch, q_heads]. ``runs``: the call is run, so
+    """``(query, key, value, problem, mod, scale, sinks, sink layout)`` of a call,
+    checked: the pages gathered into rows, the positions and lengths in the mod, the
+    default scale, the sinks as float32 [batch, q_heads] and their ``sinks.layout``
+    (None without sinks). ``runs``: the call is run, so
     the mod's operands must be bound and cover their index ranges."""
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    sinks_given = sinks
     if page_table is not None:
         key, value = positions.gather_pages(key, value, page_table)
     # The inputs first: float64 ones (with x64 on) are refused for what they
@@ -207,9 +209,11 @@ def _call(query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page
     mod = positions.apply_positions(mod, problem.b, q_offset, kv_lengths)
     if runs and mod is not None:
         check_operand_ranges(mod, problem)
+    sink_layout = None
     if sinks is not None:
-        sinks = attention_sinks.check(sinks, problem)
-    return query, key, value, problem, mod, scale, sinks
+        sinks = attention_sinks.check(sinks, problem)  # a shape error first
+        sink_layout = attention_sinks.layout(sinks_given)
+    return query, key, value, problem, mod, scale, sinks, sink_layout
 
 
 def _options(options):

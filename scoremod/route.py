@@ -89,9 +89,10 @@ class Route:
 
 
 def route(problem: Problem, mod, scale, options: LoweringOptions, implementation=None,
-          return_lse=False, sinks=False) -> Route:
+          return_lse=False, sinks=None) -> Route:
     """The :class:`Route` of a call whose inputs passed ``attention``'s checks;
-    ``sinks``: whether it has attention sinks."""
+    ``sinks``: its attention sinks' ``lowering.sinks.layout`` ("head" or "batch"),
+    None without them (True: as "batch")."""
     traced_scale = isinstance(scale, jax.core.Tracer)
     asked = None if implementation is None else registry.get(implementation)
     low_rank, note = None, None
@@ -129,10 +130,12 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
                                                                or not options.deterministic))
         forward_mode_fallback = _fallback(backend, problem, mod, scale, options, takes,
                                           lambda b: b.differentiable)
+    inside = sinks == "head" and backend.joins_sinks(plan, options)
     call = Call(backend, plan, problem, options, bool(return_lse), fallback,
-                forward_mode_fallback, bool(sinks))
+                forward_mode_fallback, bool(sinks), inside)
     return Route(call, mod, low_rank, verdicts, why, warning, note,
-                 backend.variant(problem, mod, options), _sinks_note(backend) if sinks else None,
+                 backend.variant(problem, mod, options),
+                 _sinks_note(backend, inside) if sinks else None,
                  _backward_note(backend, fallback, options))
 
 
@@ -146,7 +149,11 @@ def _backward_note(backend, fallback, options) -> str | None:
             f"{backend.title}'s O and LSE ({backend.title}'s backward is not bitwise repeatable)")
 
 
-def _sinks_note(backend) -> str:
+def _sinks_note(backend, inside) -> str:
+    if inside:
+        return (f"the sinks join the softmax inside {backend.title}'s forward (one logit per "
+                "head, with the kernel's own LSE); its backward runs unchanged on the final O "
+                "and LSE, and the sinks' gradient is one reduction (lowering/sinks.py)")
     if backend.differentiable:
         return (f"the sinks join each row's softmax after {backend.title}'s scores; JAX "
                 "differentiates it")

@@ -201,3 +201,28 @@ def test_python_engines_that_drop_the_score_mod_are_excluded_and_refused(recorde
             build()
     finally:
         EngineGraph.engine = None
+
+
+@pytest.mark.parametrize("name", ["native_causal", "split_softcap_prefix_lm", "fold_softcap"])
+def test_forward_graphs_with_a_sink_take_it_last(name, recorder):
+    """Part.forward_graph(sink=True): the forward graph gets cuDNN's sink input, one
+    float32 logit per query head ([1, hq, 1, 1]), as its last input (after the
+    loads: a block's byte offsets put 0 there); the backward graph never has one."""
+    import dataclasses
+
+    fn, (sq, skv, hq) = CASES[name]
+    plan = Plan(scoremod.trace(fn), Problem(2, sq, skv, hq, 2, 64, 64, "bfloat16"), 0.125,
+                OPTIONS["default"])
+    for part in plan.parts:
+        recorder.calls.clear()
+        spec = dataclasses.replace(part.fwd_spec, sink=True)
+        built = cg.build_forward(part.fwd, spec, part.fwd_consts,
+                                 [l.node for l in part.fwd_loads], part.describe)
+        (call,) = [kw for n, kw in recorder.calls if n == "sdpa"]
+        sink = call["sink_token"].props
+        assert sink["uid"] == cg.UID_SINK and sink["dim"] == [1, hq, 1, 1]
+        assert sink["stride"] == [hq, 1, 1, 1] and sink["data_type"] == "FLOAT"
+        assert built.in_uids[-1] == cg.UID_SINK and built.in_uids[:3] == (cg.UID_Q, cg.UID_K, cg.UID_V)
+        recorder.calls.clear()
+        build_both(part, recorder)
+        assert all("sink_token" not in kw for _, kw in recorder.calls)

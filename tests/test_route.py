@@ -182,3 +182,33 @@ def test_a_cudnn_call_passes_few_frames_and_plans_once(monkeypatch):
     plans.clear()
     jax.jit(jax.grad(loss))(q)
     assert len(plans) == 1 and len(seen["forward"]) <= 5, (plans, seen["forward"])
+
+
+def test_cudnn_joins_per_head_sinks_inside_its_forward(h200):
+    """On cuDNN, sinks one per head join its forward graph's softmax (its sink
+    input: no pass over O after it), on the query blocks of a split too; sinks per
+    batch row, one query row (cuDNN refuses a sink there), check_values and the
+    other backends join them around the kernel's forward."""
+    q = jnp.zeros((2, 512, 8, 128), jnp.bfloat16)
+    k = jnp.zeros((2, 512, 2, 128), jnp.bfloat16)
+    per_head, per_batch = jnp.zeros(8), jnp.zeros((2, 8))
+    causal = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf)  # noqa: E731
+    softcap_causal = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
+        qi >= ki, 30 * jnp.tanh(s / 30), -jnp.inf)
+
+    def chosen(mod, sinks, q=q, **kw):
+        options = scoremod.LoweringOptions(**kw)
+        call = route_module.route(route_module.Problem.of(q, k, k), scoremod.trace(mod), 0.1,
+                                  options, None, False,
+                                  scoremod.lowering.sinks.layout(sinks)).call
+        return call.backend.name, call.sinks_inside
+
+    assert chosen(causal, per_head) == ("cudnn", True)
+    assert chosen(softcap_causal, per_head, split_blocks=4, sms=1) == ("cudnn", True)
+    assert chosen(causal, per_head[None]) == ("cudnn", True)
+    assert chosen(causal, per_batch) == ("cudnn", False)
+    assert chosen(causal, per_head, check_values=True) == ("cudnn", False)
+    assert chosen(causal, per_head, q=q[:, :1]) == ("cudnn", False)
+    docs = jnp.zeros((2, 512), jnp.int32)
+    assert chosen(lambda s, b, h, qi, ki: jnp.where(docs[b, qi] == docs[b, ki], s, -jnp.inf),
+                  per_head) == ("cudnn-varlen", False)

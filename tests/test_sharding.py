@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import scoremod
 from scoremod.lowering import registry
+from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.problem import Problem
 from scoremod.lowering.reference import Reference
 
@@ -83,14 +84,33 @@ class StandIn(Reference):
         return super().backward(plan, q, k, v, o, lse, do, operands, dlse, wanted)
 
 
-STANDIN = StandIn()
+class JoinsSinks(StandIn):
+    """The stand-in that joins per-head sinks in its own forward, as cuDNN's does
+    (from the first batch row: the route gives it only sinks that are one per head)."""
+
+    name = "standin-sinks"
+
+    def joins_sinks(self, plan, options):
+        return True
+
+    def forward(self, plan, q, k, v, operands, sinks=None):
+        out = super().forward(plan, q, k, v, operands)
+        if sinks is None:
+            return out
+        self.seen.append(("sinks", tuple(sinks.shape)))
+        return attention_sinks.combine(*out, jnp.broadcast_to(sinks[:1], sinks.shape))
+
+
+STANDIN, JOINS_SINKS = StandIn(), JoinsSinks()
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _registered():
     registry.register(STANDIN)
+    registry.register(JOINS_SINKS)
     yield
     registry.unregister(STANDIN.name)
+    registry.unregister(JOINS_SINKS.name)
 
 
 def _inputs(b=4, s=64, hq=4, hkv=2, d=16, seed=0):
@@ -185,10 +205,12 @@ def test_training_step_runs_per_shard_without_communication(name):
 
 
 @eight
+@pytest.mark.parametrize("impl", ["standin", "standin-sinks"])
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_sinks_on_shards(name):
+def test_sinks_on_shards(name, impl):
     """Attention sinks ([batch, heads] after broadcasting) on sharded inputs: they
-    join each shard's O and LSE outside the kernel, their gradient is summed to
+    join each shard's O and LSE outside the kernel, or (standin-sinks) inside its
+    forward with the shard's own slice of them; their gradient is summed to
     the user's [heads]; no collective but the scalar loss's and the sinks' own
     gradient."""
     spec, _ = SPECS[name]
@@ -203,7 +225,10 @@ def test_sinks_on_shards(name):
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 4))
 
     want = step("xla")(q, k, v, w, sinks)
-    compiled = jax.jit(step("standin")).lower(*_put(mesh, spec, q, k, v, w), sinks).compile()
+    StandIn.seen.clear()
+    compiled = jax.jit(step(impl)).lower(*_put(mesh, spec, q, k, v, w), sinks).compile()
+    joined = [shape for what, shape in StandIn.seen if what == "sinks"]
+    assert bool(joined) == (impl == "standin-sinks"), StandIn.seen
     for op, shape in _collectives(compiled.as_text()):
         assert op == "all-reduce" and re.fullmatch(r"f32\[(4)?\]", shape), (op, shape)
     _close(compiled(*_put(mesh, spec, q, k, v, w), sinks), want)

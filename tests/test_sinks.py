@@ -14,6 +14,7 @@ import pytest
 import scoremod
 from scoremod import ScoreModTypeError
 from scoremod.lowering import registry
+from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.reference import REFERENCE
 from tests.test_attention import _PallasHere, _StandInFused
 
@@ -215,6 +216,61 @@ def test_through_the_fused_pipeline(fused_first):
     got = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, 0, None)),
                   static_argnums=2)(jnp.stack([q, q * 0.5]), per, None)
     _close(got, want, 2e-5)
+
+
+class _JoinsSinks(_StandInFused):
+    """The stand-in fused kernel that joins per-head sinks in its own forward, as
+    cuDNN's does: from the first batch row (the route gives it per-head sinks only)."""
+
+    name = "fused-sinks-standin"
+    joined: list = []
+
+    def joins_sinks(self, plan, options):
+        return not options.check_values
+
+    def forward(self, plan, q, k, v, operands, sinks=None):
+        out = super().forward(plan, q, k, v, operands)
+        if sinks is None:
+            return out
+        self.joined.append(tuple(sinks.shape))
+        return attention_sinks.combine(*out, jnp.broadcast_to(sinks[:1], sinks.shape))
+
+
+def test_a_backend_that_joins_sinks_gets_them_per_head_only(monkeypatch):
+    """A backend whose forward joins sinks (Backend.joins_sinks, as cuDNN's) gets
+    them when they are one per head, under jit and jax.vmap with the sinks unmapped;
+    sinks per batch row, sinks vmapped per example and check_values=True join around
+    its forward instead. Every way gives the reference path's O, LSE and gradients."""
+    joins = _JoinsSinks()
+    monkeypatch.setattr(registry, "_BACKENDS", [joins, _PallasHere(), REFERENCE])
+    q, k, v = _inputs()
+    per_head = jnp.asarray(SINKS)
+    per_batch = jnp.asarray(SINKS[None].repeat(B, 0) + np.array([[0.0], [1.5]], np.float32))
+    choice = scoremod.which_implementation(q, k, v, mod, sinks=per_head)
+    assert choice[0] == joins.name and "inside" in choice.sinks, choice.sinks
+    assert "inside" not in scoremod.which_implementation(q, k, v, mod, sinks=per_batch).sinks
+    for sinks, inside in ((per_head, True), (per_head[None], True), (per_batch, False)):
+        joins.joined.clear()
+        _close(_attention(q, k, v, sinks, None), _attention(q, k, v, sinks, "xla"), 2e-6)
+        _close(jax.jit(lambda *a: _grads(None, *a))(q, k, v, sinks),
+               _grads("xla", q, k, v, sinks), 2e-5)
+        assert bool(joins.joined) == inside, (sinks.shape, joins.joined)
+    checked = scoremod.LoweringOptions(check_values=True)
+    assert "inside" not in scoremod.which_implementation(q, k, v, mod, sinks=per_head,
+                                                         options=checked).sinks
+
+    def loss(q, s, impl):
+        return _loss_of(*_attention(q, k, v, s, impl))
+
+    # Vmapped sinks differ per example: joined from the first batch row (as the
+    # stand-in does) they would give the second example the first one's sinks.
+    qs = jnp.stack([q, q * 0.5])
+    for sinks, axis in ((per_head, None), (jnp.stack([per_head, per_head[::-1]]), 0)):
+        joins.joined.clear()
+        grad = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, axis, None))
+        got = jax.jit(grad, static_argnums=2)(qs, sinks, None)
+        _close(got, grad(qs, sinks, "xla"), 2e-5)
+        assert joins.joined
 
 
 def test_forward_mode_and_second_order_with_sinks(fused_first):

@@ -113,11 +113,18 @@ class Backend:
     def plan(self, problem, mod, scale, options, return_lse):
         raise NotImplementedError
 
-    def forward(self, plan, q, k, v, operands):
+    def forward(self, plan, q, k, v, operands, sinks=None):
+        """``(O, LSE)``; with ``sinks`` (float32 [b, hq], the same in every batch row:
+        only where ``joins_sinks``) the sinks joined inside its softmax."""
         raise NotImplementedError
 
     def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         raise NotImplementedError
+
+    def joins_sinks(self, plan, options) -> bool:
+        """Whether its forward takes per-head sinks into its own softmax for ``plan``
+        (else they join around it: ``lowering/sinks.py``'s combine)."""
+        return False
 
     def __repr__(self):
         return f"<scoremod backend {self.name!r}>"
@@ -140,7 +147,10 @@ class Call:
     return_lse: bool = True
     fallback: tuple | None = None
     forward_mode_fallback: tuple | None = None
-    sinks: bool = False  # the call has attention sinks (lowering/sinks.py), applied around it
+    sinks: bool = False  # the call has attention sinks (lowering/sinks.py)
+    # ... which the backend's forward joins in its softmax (Backend.joins_sinks: one
+    # per head); else they are joined around it
+    sinks_inside: bool = False
 
     def on(self, problem, mod, why: str) -> "Call":
         """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod),
@@ -153,7 +163,8 @@ class Call:
                 "implementation=\"xla\" for it.")
         plan = self.backend.plan(problem, mod, self.plan.scale, self.options, self.return_lse)
         return dataclasses.replace(self, plan=plan, fallback=None, forward_mode_fallback=None,
-                                   problem=problem)
+                                   problem=problem, sinks_inside=self.sinks_inside
+                                   and self.backend.joins_sinks(plan, self.options))
 
     def refolded(self, problem, mod, why: str) -> "Call":
         """As :meth:`on`, with the fallbacks (if any) planned for it too."""
@@ -169,7 +180,9 @@ class Call:
     def to(self, pair) -> "Call":
         """The call on another (backend, plan) pair, a fallback, without fallbacks."""
         return dataclasses.replace(self, backend=pair[0], plan=pair[1], return_lse=True,
-                                   fallback=None, forward_mode_fallback=None)
+                                   fallback=None, forward_mode_fallback=None,
+                                   sinks_inside=self.sinks_inside
+                                   and pair[0].joins_sinks(pair[1], self.options))
 
 
 def execute(call: Call, q, k, v, operands, sinks=None):
@@ -245,6 +258,8 @@ def _forward_mode_fallback(call, q, k, v, operands, sinks):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _fused(call, q, k, v, operands, sinks):
+    if sinks is not None and call.sinks_inside:
+        return sharding.forward(call, q, k, v, operands, sinks)
     return _with_sinks(sharding.forward(call, q, k, v, operands), sinks)
 
 

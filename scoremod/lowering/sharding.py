@@ -41,6 +41,7 @@ from scoremod.dsl import ir, ops
 from scoremod.dsl.ir import I32
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.lowering import nonfinite
+from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.problem import AXES, Problem
 
 
@@ -132,10 +133,16 @@ def _count(mesh, entry):
     return math.prod(mesh.shape[a] for a in _axes(entry))
 
 
+# The kinds of call: "forward" (q, k, v), "forward_sinks" (q, k, v and the sinks
+# [b, hq], which the backend joins in its softmax: Backend.joins_sinks) and
+# "backward" (q, k, v, O, LSE, dO); the mod's operands follow.
+_ARRAYS = {"forward": 3, "forward_sinks": 4, "backward": 6}
+
+
 def _operand_arrays(kind):
     """How many leading arrays of a ``kind`` call are attention arrays (the
     rest are the mod's operands)."""
-    return 3 if kind == "forward" else 6
+    return _ARRAYS[kind]
 
 
 def _layout(kind, problem: Problem):
@@ -147,6 +154,8 @@ def _layout(kind, problem: Problem):
     lse = ("b", "h", "q_idx")
     if kind == "forward":
         return (q, kv, kv), (o, lse)
+    if kind == "forward_sinks":
+        return (q, kv, kv, ("b", "h")), (o, lse)
     return (q, kv, kv, o, lse, o), (q, kv, kv)
 
 
@@ -276,7 +285,7 @@ def _lower(kind, static, keep, sharded, mesh, *arrays):
         def run(*arrays):
             head, operands = arrays[:n], arrays[n:]
             out = _call(kind, sub, *head, *(operands[i] for i in order))
-            if kind == "forward" or sharded["q_idx"] is None:
+            if kind != "backward" or sharded["q_idx"] is None:
                 return out
             # Each query shard's rows contribute to every key's gradient.
             dq, dk, dv = out
@@ -328,10 +337,15 @@ def _call(kind, static, *arrays):
     check = static.options.check_values
     n = _operand_arrays(kind)
     head, operands = arrays[:n], arrays[n:]
-    if kind == "forward":
-        q, k, v = head
+    if kind != "backward":
+        q, k, v = head[:3]
+        sinks = head[3] if kind == "forward_sinks" else None
+        if sinks is not None and (check or not static.sinks_inside):  # joined around it
+            out = _call("forward", static, q, k, v, *operands)
+            return tuple(attention_sinks.combine(*out, sinks))
         if not check:
-            return tuple(backend.forward(plan, q, k, v, operands))
+            return tuple(backend.forward(plan, q, k, v, operands, *(
+                () if sinks is None else (sinks,))))
         return nonfinite.forward(backend, plan, q, k, v, operands)
     q, k, v, o, lse, do = head
     dq, dk, dv, _ = nonfinite.backward(backend, plan, q, k, v, o, lse, do, operands, check)
@@ -345,8 +359,7 @@ def _partitioned(kind):
     return fn
 
 
-_FORWARD = _partitioned("forward")
-_BACKWARD = _partitioned("backward")
+_PARTITIONED = {kind: _partitioned(kind) for kind in _ARRAYS}
 
 
 # --------------------------------------------------------------------------- #
@@ -425,7 +438,7 @@ def _batched(kind, static):
     """The ``kind`` call of ``static`` with the batching rule attached."""
     m = _operand_arrays(kind)
     if static.backend.partitioned:
-        call = functools.partial(_FORWARD if kind == "forward" else _BACKWARD, static)
+        call = functools.partial(_PARTITIONED[kind], static)
     else:  # one call on whole arrays: XLA gathers shards
         call = functools.partial(_call, kind, static)
     call = jax.custom_batching.custom_vmap(call)
@@ -439,16 +452,23 @@ def _batched(kind, static):
         q, k, v = head[:3]
         sub = static.on(Problem.of(q, k, v), mod,
                         "under jax.vmap (the mapped axes folded into the batch)")
-        outs = _batched(kind, sub)(*head, *operands)
+        if kind == "forward_sinks" and in_batched[3]:  # sinks per example: not one per head
+            outs = attention_sinks.combine(*_batched("forward", sub)(*head[:3], *operands),
+                                           head[3])
+        else:
+            outs = _batched(kind, sub)(*head, *operands)
         outs = jax.tree.map(lambda x: unfold(x, n), outs)
         return outs, jax.tree.map(lambda _: True, outs)
 
     return call
 
 
-def forward(static, q, k, v, operands):
-    """``(O, LSE)`` of the backend's forward, partitioned and batched as above."""
-    return _batched("forward", static)(q, k, v, *operands)
+def forward(static, q, k, v, operands, sinks=None):
+    """``(O, LSE)`` of the backend's forward, partitioned and batched as above; with
+    ``sinks`` (float32 [b, hq]; ``static.sinks_inside``), joined in its softmax."""
+    if sinks is None:
+        return _batched("forward", static)(q, k, v, *operands)
+    return _batched("forward_sinks", static)(q, k, v, sinks, *operands)
 
 
 def backward(static, q, k, v, o, lse, do, operands, dlse=None, wanted=()):

@@ -52,6 +52,14 @@ def check(sinks, problem):
     return jnp.broadcast_to(x.astype(_F32), want)
 
 
+def layout(sinks) -> str:
+    """"head" for sinks with one logit per query head ([q_heads], or [1, q_heads]),
+    the same in every batch row; "batch" for sinks that may differ per batch row.
+    A backend may join per-head sinks inside its own softmax (cuDNN's forward)."""
+    shape = np.shape(sinks)
+    return "head" if len(shape) < 2 or shape[0] == 1 else "batch"
+
+
 def _row(sinks):
     return sinks.astype(_F32)[:, :, None]  # [b, hq] -> [b, hq, 1], against LSE [b, hq, sq]
 

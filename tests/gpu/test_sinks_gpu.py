@@ -40,6 +40,8 @@ def _mods(sq, skv):
         "softcap_causal": lambda s, b, h, q, k: jnp.where(
             q + off >= k, 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
         "alibi": lambda s, b, h, q, k: s + slopes[h] * (k - q - off),
+        # rows 0-63 see no key: O = 0 and LSE = the sink (-inf for head 3's)
+        "masked_rows": lambda s, b, h, q, k: jnp.where((q + off >= k) & (q >= 64), s, -jnp.inf),
     }
 
 
@@ -87,7 +89,8 @@ def _skip_unless_hopper(impl):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("sq,skv", [(512, 512), (256, 640)], ids=["square", "sq<skv"])
-@pytest.mark.parametrize("name", ["causal", "window", "softcap_causal", "alibi", "document"])
+@pytest.mark.parametrize("name", ["causal", "window", "softcap_causal", "alibi", "document",
+                                  "masked_rows"])
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_sinks_match_the_reference_and_repeat(route, name, sq, skv, dtype):
     impl, options = ROUTES[route]
@@ -115,3 +118,16 @@ def test_sinks_match_the_reference_and_repeat(route, name, sq, skv, dtype):
     for name, a, b in zip(names, got, again):
         if name in repeat:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+@pytest.mark.parametrize("route", ["cudnn", "auto", "pallas"])
+@pytest.mark.parametrize("name", ["causal", "softcap_causal", "window"])
+def test_sinks_per_batch_row(route, name):
+    """Sinks [batch, q_heads] that differ per row: cuDNN joins them after its forward
+    (its sink input is one per head), and the results still match the reference."""
+    impl, options = ROUTES[route]
+    _skip_unless_hopper(impl)
+    q, k, v, do = pc.inputs(b=2, sq=512, skv=512, hq=HQ, hkv=HKV, d=128, dtype=jnp.bfloat16)
+    mod = scoremod.trace(_mods(512, 512)[name])
+    sinks = jnp.stack([SINKS, SINKS[::-1] + 0.5])
+    _check(_run(impl, options, mod, q, k, v, do, sinks), _run("xla", None, mod, q, k, v, do, sinks))

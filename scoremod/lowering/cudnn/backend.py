@@ -10,19 +10,23 @@ score_mod is the IR's derivative.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 
 import jax
 import jax.numpy as jnp
 
 from scoremod import device, kernels_ffi, support
-from scoremod.errors import CudnnUnavailableError, ScoreModError
+from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
+from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn import rules, verify
 from scoremod.lowering.cudnn.plan import plan_for
 
 # Architecture families (compute capability major) where score_mod graphs were
 # validated. Families, never exact capabilities: sm_121 behaves as sm_120.
+log = logging.getLogger("scoremod")
+
 VALIDATED_FAMILIES = (9,)
 KNOWN_FAMILIES = (9, 10, 12)
 FUSED_DTYPES = ("float16", "bfloat16")
@@ -77,18 +81,33 @@ class Cudnn(Backend):
     def plan(self, problem, mod, scale, options, return_lse):
         return plan_for(mod, problem, scale, options)
 
-    def forward(self, plan, q, k, v, operands):
+    def joins_sinks(self, plan, options):
+        # cuDNN takes a sink with every graph scoremod builds (its native masks, or a
+        # score_mod without one), but not at one query row (decode-only mode).
+        return not options.check_values and all(b.q1 - b.q0 > 1 for b in plan.blocks)
+
+    def forward(self, plan, q, k, v, operands, sinks=None):
         s = plan.shape
+        sink = None
+        if sinks is not None:  # per head (joins_sinks): the first batch row's
+            sink = sinks[0].astype(jnp.float32).reshape(1, s.hq, 1, 1)
+            try:
+                graphs = [part.forward_graph(sink=True) for part in plan.parts]
+            except UnsupportedOpError as e:  # this cuDNN refuses the sink: joined around it
+                log.info("cuDNN refused a sink in the forward graph (%s); joining it after", e)
+                return attention_sinks.combine(*self.forward(plan, q, k, v, operands), sinks)
+        else:
+            graphs = [part.forward_graph() for part in plan.parts]
         out_shapes = _forward_outputs(s.b, s.sq, s.hq, s.dv, q.dtype)
         carried = ()  # the first block's call allocates O and the stats, later ones fill in
-        for blk, part in zip(plan.blocks, plan.parts):
-            loads = part.load_arrays(operands, forward=True)
+        for blk, part, graph in zip(plan.blocks, plan.parts, graphs):
+            inputs = [q, k, v, *part.load_arrays(operands, forward=True)]
+            inputs += [] if sink is None else [sink]
             offsets = plan.offsets(blk)
             if offsets:
                 oq, ok, ov, oo, os_ = offsets
-                offsets = (oq, ok, ov) + (0,) * len(loads) + (oo, os_)
-            carried = tuple(_call(part.forward_graph(), [q, k, v, *loads], out_shapes, offsets,
-                                  carried))
+                offsets = (oq, ok, ov) + (0,) * (len(inputs) - 3) + (oo, os_)
+            carried = tuple(_call(graph, inputs, out_shapes, offsets, carried))
         o, stats = carried
         return o, stats[..., 0]
 

@@ -30,7 +30,7 @@ from scoremod.lowering.problem import AXIS, Problem
 
 log = logging.getLogger("scoremod")
 
-UID_Q, UID_K, UID_V, UID_O, UID_STATS, UID_DO, UID_DQ, UID_DK, UID_DV = range(1, 10)
+UID_Q, UID_K, UID_V, UID_O, UID_STATS, UID_DO, UID_DQ, UID_DK, UID_DV, UID_SINK = range(1, 11)
 UID_LOADS, UID_SCALARS = 100, 1000
 
 # Python engines that may claim an SDPA graph and drop score_mod (seed 003).
@@ -148,6 +148,11 @@ class GraphSpec:
     # bitwise repeatable at 1.04-1.08x the default backward (measured on the H200,
     # benchmarks/probes/cudnn_deterministic.py).
     deterministic: bool = False
+    # The forward joins one sink logit per query head into its softmax (sink_token,
+    # float32 [1, hq, 1, 1]); its stats are then the LSE with the sink. Measured on
+    # the H200 with cuDNN 9.19: taken with native masks and with a score_mod without
+    # one, at no cost (benchmarks/probes/cudnn_sinks.py); refused at one query row.
+    sink: bool = False
 
     def stats_layout(self, packed=False):
         # cuDNN < 9.26 takes only a packed stats input in sdpa_backward.
@@ -247,8 +252,13 @@ def build_forward(fwd: Node, p: GraphSpec, consts, load_nodes, describe) -> Buil
         em.env[SCORE] = score
         return _fresh(gg, em.emit(gg, fwd, score), score)
 
+    extra = {}
+    if p.sink:
+        extra["sink_token"] = _io_tensor(g, "sink", UID_SINK, (1, p.shape.hq, 1, 1),
+                                         (p.shape.hq, 1, 1, 1), "float32")
     o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, generate_stats=True,
-                      score_mod=score_mod if fwd is not None else None, **_mask_args(p))
+                      score_mod=score_mod if fwd is not None else None, **_mask_args(p),
+                      **extra)
     dims, strides = bshd(p.shape.b, p.shape.sq, p.shape.hq, p.shape.dv, p.q_rows)
     o.set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(_dtype(p.shape.dtype))
     o.set_uid(UID_O)
@@ -258,8 +268,8 @@ def build_forward(fwd: Node, p: GraphSpec, consts, load_nodes, describe) -> Buil
     stats.set_uid(UID_STATS)
     with frontend_release.releasing(g, em.env):  # nothing of the frontend outlives the build
         blob, gid, ws, plan, secs = _finalize(g, "forward", describe)
-    return Built(blob, gid, (UID_Q, UID_K, UID_V) + tuple(s.uid for s in p.loads),
-                 (UID_O, UID_STATS), tuple(UID_SCALARS + i for i in range(len(consts))),
+    ins = (UID_Q, UID_K, UID_V) + tuple(s.uid for s in p.loads) + ((UID_SINK,) if p.sink else ())
+    return Built(blob, gid, ins, (UID_O, UID_STATS), tuple(UID_SCALARS + i for i in range(len(consts))),
                  tuple(_scalar_bits(c) for c in consts), ws, plan, secs)
 
 

@@ -199,11 +199,14 @@ class Part:
         return LoadPlan(node, cg.TensorSpec(uid, tuple(dims), tuple(strides), dtype), None)
 
     # --- graphs
-    def forward_graph(self):
-        """The built forward graph (cached per mod, spec, options, GPU and cuDNN)."""
-        return cg.cached(("forward",) + self._graph_key(), lambda: cg.build_forward(
-            self.fwd, self.fwd_spec, self.fwd_consts, [l.node for l in self.fwd_loads],
-            self.describe))
+    def forward_graph(self, sink=False):
+        """The built forward graph (cached per mod, spec, options, GPU and cuDNN);
+        with ``sink``, the one that joins a sink per head (``GraphSpec.sink``)."""
+        spec = dataclasses.replace(self.fwd_spec, sink=True) if sink else self.fwd_spec
+        return cg.cached(("forward",) + self._graph_key() + (("sink",) if sink else ()),
+                         lambda: cg.build_forward(self.fwd, spec, self.fwd_consts,
+                                                  [l.node for l in self.fwd_loads],
+                                                  self.describe))
 
     def backward_graph(self):
         return cg.cached(("backward",) + self._graph_key(), lambda: cg.build_backward(
