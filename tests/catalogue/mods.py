@@ -206,7 +206,7 @@ entry(
     what="bidirectional over the first P keys, causal after", origin="masks/prefix_lm.py",
     setup=_prefix, reference=_prefix_ref, grad=True,
     code="mod = lambda s, b, h, q, k: jnp.where((k < P) | (q >= k), s, -jnp.inf)",
-    verdict="fused",
+    verdict="split into 2 query blocks",
 )
 
 
