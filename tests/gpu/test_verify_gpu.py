@@ -43,9 +43,10 @@ def test_doctor_verify_passes_on_this_gpu(verdicts, capsys):
 def test_an_unverified_cudnn_is_checked_at_its_first_automatic_use(verdicts, monkeypatch):
     """The loaded cuDNN reported as 9.27: the first implementation=None call, made
     while a jitted function is traced, runs the check (a few cases, for time) on
-    the real fused path, and then runs fused."""
+    the real fused path, and then runs fused. (The loaded one need not be
+    validated: on another cuDNN, 9.28 say, the verdicts folder is new all the same.)"""
     version, path = device.loaded_cudnn_version()
-    assert support.cudnn_validated(version)
+    assert support.cudnn_supported(version)
     monkeypatch.setattr(device, "loaded_cudnn_version", lambda: (92700, path))
     monkeypatch.setattr(verify, "CASES", tuple(c for c in verify.CASES
                                               if c.name in ("softcap", "document_ragged")))
