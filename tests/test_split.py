@@ -17,7 +17,7 @@ from scoremod.lowering.cudnn import split
 from scoremod.lowering.cudnn.plan import Plan
 from scoremod.lowering.problem import Problem
 from scoremod.lowering.cudnn.rules import canonical
-from scoremod.lowering.reference import scores_and_lse_reference
+from scoremod.lowering.reference import modified_scores, scores_and_lse_reference
 
 NEG = -jnp.inf
 SQ = SKV = 512
@@ -187,26 +187,29 @@ def test_narrowed_blocks_compute_the_same_attention():
 
 
 def test_prefix_lm_blocks_run_natively_past_the_prefix():
-    """Pure prefix-LM (split.by_structure): two blocks at any length, the prefix's
-    rows as plain attention, the rest under cuDNN's native causal mask (bottom-right
-    in its own keys); a prefix off the tile makes the first block's rows the
-    prefix's tile row, with the score_mod. With a softcap, or with native masks
-    off, the blocks of the cost model, each with the score_mod."""
-    for s, prefix in ((4096, 512), (32768, 4096), (1000, 100)):
-        shape = Problem(4, s, s, 16, 16, 128, 128, "bfloat16")
+    """Pure prefix-LM by query blocks (split.by_structure: the plan's way where the
+    prefix is off a tile edge): two blocks at any length, the prefix's rows as plain
+    attention (with the score_mod where the prefix ends inside the first tile row),
+    the rest under cuDNN's native causal mask (bottom-right in its own keys). With a
+    softcap, or with native masks off, the blocks of the cost model, each with the
+    score_mod."""
+    for s, prefix in ((4096, 512), (32768, 4096), (1000, 100), (4096, 500)):
         pure = scoremod.trace(lambda x, b, h, q, k: jnp.where((k < prefix) | (q >= k), x, NEG))
-        plan = Plan(pure, shape, 0.088, scoremod.LoweringOptions(sms=132))
         cut = -(-prefix // 128) * 128
-        assert plan.blocks == (split.Block(0, cut, 0, cut), split.Block(cut, s, 0, s)), plan.blocks
-        first, rest = plan.parts
-        assert (first.mod is None) == (prefix % 128 == 0)
-        assert rest.band is not None and rest.band.alignment == "BOTTOM_RIGHT" and rest.fwd is None
+        blocks = split.by_structure(pure, s, s, 8)
+        assert blocks == (split.Block(0, cut, 0, cut), split.Block(cut, s, 0, s)), blocks
+        first, rest = split.block_mods(pure, blocks)
+        assert (first is None) == (prefix % 128 == 0), first
+        band = split.masks.native_band(canonical(rest.expr), s - cut, s)
+        assert band is not None and band.alignment == "BOTTOM_RIGHT"
     shape = Problem(4, 4096, 4096, 16, 16, 128, 128, "bfloat16")
+    unaligned = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 500) | (q >= k), s, NEG))
+    plan = Plan(unaligned, shape, 0.088, scoremod.LoweringOptions(sms=132))
+    assert not plan.key_split and plan.blocks == split.by_structure(unaligned, 4096, 4096, 8)
+    assert "1 of them as plain attention or under cuDNN's native mask" in plan.describe()
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k), s, NEG))
     soft = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k),
                                                           30 * jnp.tanh(s / 30), NEG))
-    assert "2 of them as plain attention or under cuDNN's native mask" in Plan(
-        pure, shape, 0.088, scoremod.LoweringOptions(sms=132)).describe()
     for mod, options in ((soft, scoremod.LoweringOptions(sms=132)),
                          (pure, scoremod.LoweringOptions(sms=132, native_masks=False))):
         plan = Plan(mod, shape, 0.088, options)
@@ -339,3 +342,63 @@ def test_fused_path_splits_only_when_enabled():
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where(q >= k, s, NEG))
     assert split_blocks(pure, shape, options) is None  # the native mask is better
     assert len(split_blocks(pure, shape, options.replace(native_masks=False))) == 8
+
+
+@pytest.mark.parametrize("prefix,s", [(128, 512), (256, 512), (128, 640)])
+def test_key_blocks_compute_the_same_attention_and_gradients(prefix, s):
+    """Prefix-LM as key blocks (split.by_keys): every row against the prefix's
+    keys as plain attention, the rest a square causal block; joined by their
+    LSEs, the same O and LSE as one call, and each block's backward on the joined
+    O and LSE (the fused path's: its probabilities are the row's on its keys)
+    gives the gradients of one call once dQ is summed."""
+    mod = scoremod.trace(lambda x, b, h, q, k: jnp.where((k < prefix) | (q >= k), x, NEG))
+    blocks = split.by_keys(mod, s, s)
+    assert blocks == (split.Block(0, s, 0, prefix), split.Block(prefix, s, prefix, s))
+    first, rest = split.block_mods(mod, blocks)
+    assert first is None and "<= 0" in str(rest), rest  # plain; causal in its own indices
+    q, k, v = inputs(s, s)
+    do = jax.random.normal(jax.random.PRNGKey(7), q.shape)
+
+    def backward(q, k, v, m, o, lse, do):
+        # softmax's backward from the given O and LSE: P = exp(S - LSE), D = rowsum(dO O)
+        hi = jax.lax.Precision.HIGHEST
+        sc, vjp = jax.vjp(lambda q, k: modified_scores(q, k, m, 1 / math.sqrt(q.shape[-1])), q, k)
+        p = jnp.where(sc == -jnp.inf, 0.0, jnp.exp(sc - lse[..., None]))
+        g = q.shape[2] // v.shape[2]
+        vv = jnp.repeat(v, g, axis=2)
+        dp = jnp.einsum("bqhd,bkhd->bhqk", do, vv, precision=hi)
+        delta = jnp.einsum("bqhd,bqhd->bhq", do, o, precision=hi)
+        dq, dk = vjp(p * (dp - delta[..., None]))
+        dv = jnp.einsum("bhqk,bqhd->bkhd", p, do, precision=hi)
+        dv = dv.reshape(dv.shape[:2] + (v.shape[2], g) + dv.shape[3:]).sum(3)
+        return dq, dk, dv
+
+    (o, lse), grads = split.keywise(q, k, v, mod, blocks, reference, backward, do)
+    want_o, want_lse = reference(q, k, v, mod)
+    np.testing.assert_allclose(o, want_o, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
+    want = jax.grad(lambda q, k, v: jnp.sum(reference(q, k, v, mod)[0] * do), argnums=(0, 1, 2))(
+        q, k, v)
+    for got, w in zip(grads, want):
+        np.testing.assert_allclose(got, w, atol=5e-5, rtol=5e-5)
+
+
+def test_key_blocks_are_chosen_for_tile_aligned_prefixes_only():
+    """Plan: a pure prefix-LM with its prefix on a tile edge splits its keys (two
+    native blocks); off the tile edge it splits its queries; with a softcap, or
+    native masks off, neither way by keys."""
+    shape = Problem(4, 4096, 4096, 16, 16, 128, 128, "bfloat16")
+    options = scoremod.LoweringOptions(sms=132)
+    for prefix, keyed in ((512, True), (500, False)):
+        pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < prefix) | (q >= k), s, NEG))
+        plan = Plan(pure, shape, 0.088, options)
+        assert plan.key_split == keyed and plan.split and len(plan.blocks) == 2
+        if keyed:
+            assert [p.fwd is None for p in plan.parts] == [True, True]
+            assert plan.parts[1].band.alignment == "TOP_LEFT", plan.parts[1].band
+            assert "key blocks" in plan.describe()
+    soft = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k),
+                                                          30 * jnp.tanh(s / 30), NEG))
+    pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k), s, NEG))
+    assert not Plan(soft, shape, 0.088, options).key_split
+    assert not Plan(pure, shape, 0.088, options.replace(native_masks=False)).key_split

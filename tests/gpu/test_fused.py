@@ -370,14 +370,18 @@ SPLIT = {
     # static masks that are no band: split by their tiles (split.static_tiles)
     "softcap_prefix_lm": lambda s, b, h, q, k: jnp.where((k < 64) | (q >= k), 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
     "global_window": lambda s, b, h, q, k: jnp.where(((q >= k) & (q - k < 150)) | (k < 32), s * 0.8, -jnp.inf),
-    # pure prefix-LM: two blocks (split.by_structure), the prefix's as plain attention,
-    # the rest under the native causal mask (split.narrowed); with the prefix inside the
-    # first tile row, that block keeps the score_mod
+    # pure prefix-LM: a prefix on a tile edge as two key blocks (split.by_keys: every
+    # row against the prefix as plain attention, the rest a square causal block, joined
+    # by their LSEs); off it, two query blocks (split.by_structure), the prefix's as
+    # plain attention, the rest under the native causal mask (split.narrowed); with the
+    # prefix inside the first tile row, that block keeps the score_mod
     "prefix_lm": lambda s, b, h, q, k: jnp.where((k < 128) | (q >= k), s, -jnp.inf),
+    "prefix_lm_256": lambda s, b, h, q, k: jnp.where((k < 256) | (q >= k), s, -jnp.inf),
     "prefix_lm_straddling": lambda s, b, h, q, k: jnp.where((k < 64) | (q >= k), s, -jnp.inf),
 }
 # (blocks, of them native) where not (4, 0)
-BLOCKS = {"prefix_lm": (2, 2), "prefix_lm_straddling": (2, 1)}
+BLOCKS = {"prefix_lm": (2, 2), "prefix_lm_256": (2, 2), "prefix_lm_straddling": (2, 1)}
+KEY_SPLIT = ("prefix_lm", "prefix_lm_256")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
@@ -387,6 +391,7 @@ def test_split_into_query_blocks_matches_reference(name, dtype):
     mod = scoremod.trace(SPLIT[name])
     plan = Plan(mod, Problem(2, 512, 512, 4, 2, 64, 64, np.dtype(dtype).name), 0.125, four)
     assert (len(plan.blocks), sum(p.fwd is None for p in plan.parts)) == BLOCKS.get(name, (4, 0))
+    assert plan.key_split == (name in KEY_SPLIT)
     check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2, options=four)
 
 

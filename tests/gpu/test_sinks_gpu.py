@@ -40,6 +40,8 @@ def _mods(sq, skv):
         "softcap_causal": lambda s, b, h, q, k: jnp.where(
             q + off >= k, 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
         "alibi": lambda s, b, h, q, k: s + slopes[h] * (k - q - off),
+        # key blocks joined by their LSEs (split.by_keys), the sink in the first's graph
+        "prefix_lm": lambda s, b, h, q, k: jnp.where((k < 128) | (q + off >= k), s, -jnp.inf),
         # rows 0-63 see no key: O = 0 and LSE = the sink (-inf for head 3's)
         "masked_rows": lambda s, b, h, q, k: jnp.where((q + off >= k) & (q >= 64), s, -jnp.inf),
     }
@@ -90,7 +92,7 @@ def _skip_unless_hopper(impl):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("sq,skv", [(512, 512), (256, 640)], ids=["square", "sq<skv"])
 @pytest.mark.parametrize("name", ["causal", "window", "softcap_causal", "alibi", "document",
-                                  "masked_rows"])
+                                  "masked_rows", "prefix_lm"])
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_sinks_match_the_reference_and_repeat(route, name, sq, skv, dtype):
     impl, options = ROUTES[route]

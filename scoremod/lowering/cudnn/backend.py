@@ -20,7 +20,7 @@ from scoremod import device, kernels_ffi, support
 from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
 from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.backend import Backend
-from scoremod.lowering.cudnn import rules, verify
+from scoremod.lowering.cudnn import rules, split, verify
 from scoremod.lowering.cudnn.plan import plan_for
 
 # Architecture families (compute capability major) where score_mod graphs were
@@ -99,17 +99,23 @@ class Cudnn(Backend):
         else:
             graphs = [part.forward_graph() for part in plan.parts]
         out_shapes = _forward_outputs(s.b, s.sq, s.hq, s.dv, q.dtype)
-        carried = ()  # the first block's call allocates O and the stats, later ones fill in
-        for blk, part, graph in zip(plan.blocks, plan.parts, graphs):
+        carried, outs = (), []  # the first block's call allocates O and the stats
+        for i, (blk, part, graph) in enumerate(zip(plan.blocks, plan.parts, graphs)):
             inputs = [q, k, v, *part.load_arrays(operands, forward=True)]
-            inputs += [] if sink is None else [sink]
+            if sink is not None and (i == 0 or not plan.key_split):  # key blocks: the first's
+                inputs.append(sink)
+            elif sinks is not None:
+                graph = part.forward_graph()
             offsets = plan.offsets(blk)
             if offsets:
                 oq, ok, ov, oo, os_ = offsets
                 offsets = (oq, ok, ov) + (0,) * (len(inputs) - 3) + (oo, os_)
+            if plan.key_split and i:  # its own O and stats, its rows written in place
+                carried = (jnp.zeros(out_shapes[0].shape, q.dtype),
+                           jnp.full(out_shapes[1].shape, -jnp.inf, jnp.float32))
             carried = tuple(_call(graph, inputs, out_shapes, offsets, carried))
-        o, stats = carried
-        return o, stats[..., 0]
+            outs.append((carried[0], carried[1][..., 0]))
+        return split.joined(outs, plan.blocks) if plan.key_split else outs[-1]
 
     def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         if dlse is not None:
@@ -117,6 +123,8 @@ class Cudnn(Backend):
         return (*self._backward(plan, q, k, v, o, lse, do, operands), {})
 
     def _backward(self, plan, q, k, v, o, lse, do, operands):
+        if plan.key_split:
+            return _key_split_backward(plan, q, k, v, o, lse, do, operands)
         if not plan.split:
             (part,) = plan.parts
             out_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
@@ -146,6 +154,30 @@ class Cudnn(Backend):
             return total.astype(like.dtype)
 
         return carried[0], summed(dks, k), summed(dvs, v)
+
+
+def _key_split_backward(plan, q, k, v, o, lse, do, operands):
+    """dQ, dK, dV of key blocks: each block's backward on the joined O and LSE (its
+    probabilities are the row's, restricted to its keys), dQ summed over the blocks,
+    dK and dV each block's own keys."""
+    dq, dks, dvs = None, [], []
+    for blk, part in zip(plan.blocks, plan.parts):
+        loads = part.load_arrays(operands)
+        oq, ok, ov, oo, _ = plan.offsets(blk)
+        stats = lse[:, :, blk.q0:blk.q1, None]  # packed: see GraphSpec.stats_layout
+        n = blk.k1 - blk.k0
+        out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                      jax.ShapeDtypeStruct(k.shape[:1] + (n,) + k.shape[2:], k.dtype),
+                      jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
+        offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + (oq, 0, 0)
+        # dQ into zeros: the block writes its rows only
+        block_dq, dk, dv = _call(part.backward_graph(), [q, k, v, o, do, stats, *loads],
+                                 out_shapes, offsets, (jnp.zeros(q.shape, q.dtype),))
+        block_dq = block_dq.astype(jnp.float32)
+        dq = block_dq if dq is None else dq + block_dq
+        dks.append(dk)
+        dvs.append(dv)
+    return dq.astype(q.dtype), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
 
 
 def _frontend_installed() -> bool:

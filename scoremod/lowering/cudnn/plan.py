@@ -80,6 +80,15 @@ def native_band(mod, shape: Problem, options: LoweringOptions):
     return masks.native_band(rules.canonical(mod.expr), shape.sq, shape.skv)
 
 
+def key_blocks(mod, shape: Problem, options: LoweringOptions):
+    """The two key blocks of a pure static mask (``split.by_keys``), or None."""
+    if mod is None or options.split_blocks < 2 or not options.native_masks:
+        return None
+    if masks.native_band(rules.canonical(mod.expr), shape.sq, shape.skv) is not None:
+        return None  # one native mask skips the masked tiles already
+    return split.by_keys(mod, shape.sq, shape.skv)
+
+
 def split_blocks(mod, shape: Problem, options: LoweringOptions):
     """Query blocks for a band-masked mod (see ``split``), or None for one call."""
     if mod is None or options.split_blocks < 2:
@@ -259,7 +268,11 @@ class Plan:
         self.mod = None if mod is None else ScoreMod(mod.expr)
         self.scale = float(scale)  # the caller's: the reference fallback uses it
         self.shape, self.options = shape, options
-        blocks = split_blocks(mod, shape, options)
+        keyed = key_blocks(mod, shape, options)
+        # key_split: the blocks split the keys, and their rows join by their LSEs
+        # (else they split the queries: each row in one block)
+        self.key_split = keyed is not None
+        blocks = keyed if self.key_split else split_blocks(mod, shape, options)
         self.split = blocks is not None
         if not self.split:
             self.blocks = (split.Block(0, shape.sq, 0, shape.skv),)
@@ -281,6 +294,9 @@ class Plan:
         return isinstance(other, Plan) and other.key == self.key
 
     def describe(self):
+        if self.key_split:
+            return (f"score_mod `{self.mod}` in {len(self.blocks)} key blocks, each as plain "
+                    "attention or under cuDNN's native mask, their rows joined by their LSEs")
         if self.split:
             native = sum(p.fwd is None for p in self.parts)
             return (f"score_mod `{self.mod}` in {len(self.blocks)} query blocks"

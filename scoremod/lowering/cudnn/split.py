@@ -240,6 +240,43 @@ def by_structure(mod: ScoreMod, sq: int, skv: int, most: int):
     return out
 
 
+def by_keys(mod: ScoreMod, sq: int, skv: int):
+    """Two blocks that split a pure static mask's keys at a tile edge K, each run
+    natively (``_native``): all rows against keys ``[0, K)``, and the rows from
+    the first that sees a key past K against keys ``[K, skv)``. The rows of both
+    blocks join their softmaxes by their LSEs (the fused path's forward); each
+    block's backward runs on the joined O and LSE, its dQ summed. Prefix-LM's
+    rows see every key of the prefix (plain attention) and the rest causally: a
+    square top-left causal block, whose backward skips its masked tiles (cuDNN's
+    backward of a bottom-right causal block of 3584 x 4096 keys visits them:
+    measured 0.89x FlexAttention fwd+bwd at 4096 against 1.2x for causal). K is
+    where a comparison of kv_idx alone changes value; None where no K gives two
+    native blocks and an empty rest."""
+    pure = _pure_mask(mod)
+    if pure is None:
+        return None
+    cond, atoms = pure
+    cuts = set()
+    for kind, (coef, c), _ in atoms.values():
+        if kind == "kv_idx":
+            r = math.floor(Fraction(-c, coef))
+            cuts.update(x for x in (r, r + 1) if 0 < x < skv and x % TILE == 0)
+    if not cuts:
+        return None
+    visited = static_tiles(rules.canonical(mod.expr), sq, skv)
+    if visited is None:
+        return None
+    for k in sorted(cuts):
+        rows = np.flatnonzero(visited[:, k // TILE:].any(axis=1))
+        if not rows.size:
+            continue
+        q0 = int(rows[0]) * TILE
+        first, rest = Block(0, sq, 0, k), Block(q0, sq, k, skv)
+        if q0 < sq and _native(mod, first) is not False and _native(mod, rest) is not False:
+            return first, rest
+    return None
+
+
 def _native(mod: ScoreMod, blk: Block):
     """What ``blk`` runs without a score_mod: None for plain attention, its mask
     narrowed to one band and shifted to the block where cuDNN takes that band
@@ -392,6 +429,53 @@ def _bound(seen, low):
     if any((b > edge) if low else (b < edge) for t, edge in seen if t == edge):
         return None
     return b
+
+
+def joined(outs, blocks):
+    """The ``(O, LSE)`` of key blocks (``by_keys``) from each block's ``(O, LSE)``
+    (the first's over every row; a later one's on its rows, the rest ignored): each
+    row's softmaxes joined by their LSEs."""
+    o, lse = outs[0]
+    for (ob, lb), blk in zip(outs[1:], blocks[1:]):
+        rows = slice(blk.q0, blk.q1)
+        la, lb = lse[:, :, rows], lb[:, :, rows]
+        total = jnp.logaddexp(la, lb)
+        # exp(LSE_block - LSE) per row: 0 for a block the row sees nothing of
+        wa = jnp.where(la == -jnp.inf, 0.0, jnp.exp(la - total))
+        wb = jnp.where(lb == -jnp.inf, 0.0, jnp.exp(lb - total))
+        rows_o = (o[:, rows].astype(jnp.float32) * jnp.swapaxes(wa, 1, 2)[..., None]
+                  + ob[:, rows].astype(jnp.float32) * jnp.swapaxes(wb, 1, 2)[..., None])
+        o = o.at[:, rows].set(rows_o.astype(o.dtype))
+        lse = lse.at[:, :, rows].set(total)
+    return o, lse
+
+
+def keywise(query, key, value, mod, blocks, run, backward=None, do=None):
+    """Attention as key blocks (``by_keys``) as the fused path runs them:
+    ``run(q, k, v, mod) -> (out, lse)`` per block on its rows and keys, ``joined``;
+    with ``backward(q, k, v, mod, o, lse, do) -> (dq, dk, dv)`` also the
+    gradients: each block's backward on the joined O and LSE of its rows, dQ
+    summed, dK and dV each block's own keys. Arrays [B, S, H, D], LSE [B, H, Sq]."""
+    mods = [ScoreMod(ir.var(ir.SCORE)) if m is None else m for m in block_mods(mod, blocks)]
+    outs = []
+    for b, m in zip(blocks, mods):
+        o, lse = run(query[:, b.q0:b.q1], key[:, b.k0:b.k1], value[:, b.k0:b.k1], m)
+        pad = [(0, 0), (b.q0, query.shape[1] - b.q1), (0, 0), (0, 0)]
+        outs.append((jnp.pad(o, pad), jnp.pad(lse, pad[:1] + [(0, 0)] + pad[1:2],
+                                               constant_values=-jnp.inf)))
+    o, lse = joined(outs, blocks)
+    if backward is None:
+        return o, lse
+    dq = jnp.zeros(query.shape, jnp.float32)
+    dks, dvs = [], []
+    for b, m in zip(blocks, mods):
+        rows = slice(b.q0, b.q1)
+        bq, bk, bv = backward(query[:, rows], key[:, b.k0:b.k1], value[:, b.k0:b.k1], m,
+                              o[:, rows], lse[:, :, rows], do[:, rows])
+        dq = dq.at[:, rows].add(bq.astype(jnp.float32))
+        dks.append(bk)
+        dvs.append(bv)
+    return (o, lse), (dq.astype(query.dtype), jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
 
 
 def blockwise(query, key, value, mod, blocks, run):
