@@ -402,3 +402,37 @@ def test_key_blocks_are_chosen_for_tile_aligned_prefixes_only():
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k), s, NEG))
     assert not Plan(soft, shape, 0.088, options).key_split
     assert not Plan(pure, shape, 0.088, options.replace(native_masks=False)).key_split
+
+
+@pytest.mark.parametrize("sq", [256, 512, 640])
+def test_key_blocks_trace_through_the_fused_pipeline(monkeypatch, sq):
+    """The cuDNN path's forward and backward of key blocks, with and without sinks,
+    trace under jit and grad through lowering.sharding's custom_partitioning (which
+    refuses a body with constants: `.at[].set` over every row made one) on a faked
+    H200 whose graphs and FFI calls are stand-ins returning zeros."""
+    from scoremod import device, kernels_ffi
+    from scoremod.lowering.cudnn import backend as cudnn_backend
+    from scoremod.lowering.cudnn import graph as cg
+
+    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "NVIDIA H200", 9, 132))
+    monkeypatch.setattr(kernels_ffi, "available", lambda: True)
+    monkeypatch.setattr(kernels_ffi, "frontend_mismatch", lambda: "")
+    monkeypatch.setattr(cudnn_backend, "_frontend_installed", lambda: True)
+    monkeypatch.setattr(cudnn_backend.verify, "refusal", lambda automatic: None)
+    monkeypatch.setattr(cg, "cached", lambda key, build: cg.Built(b"", 0, (), (), (), (), 0, "", 0.0))
+    monkeypatch.setattr(cg, "backend_version", lambda: 91900)
+    monkeypatch.setattr(cg, "frontend_version", lambda: 13200)
+    monkeypatch.setattr(kernels_ffi, "call", lambda blob, gid, inputs, out_shapes, *a, **kw: [
+        jnp.zeros(s.shape, s.dtype) for s in out_shapes])
+    skv = 640
+    mod = lambda s, b, h, q, k: jnp.where((k < 128) | (q + skv - sq >= k), s, NEG)  # noqa: E731
+    q = jnp.zeros((2, sq, 8, 64), jnp.bfloat16)
+    k = jnp.zeros((2, skv, 2, 64), jnp.bfloat16)
+    plan = Plan(scoremod.trace(mod), Problem.of(q, k, k), 0.125, scoremod.LoweringOptions())
+    assert plan.key_split
+    for sinks in (None, jnp.zeros(8)):
+        def loss(q, k, s):
+            o = scoremod.attention(q, k, k, mod, sinks=s, implementation="cudnn")
+            return jnp.sum(o.astype(jnp.float32))
+        jax.jit(loss).lower(q, k, sinks)
+        jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, k, sinks)

@@ -36,6 +36,7 @@ import functools
 import math
 from fractions import Fraction
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -445,8 +446,10 @@ def joined(outs, blocks):
         wb = jnp.where(lb == -jnp.inf, 0.0, jnp.exp(lb - total))
         rows_o = (o[:, rows].astype(jnp.float32) * jnp.swapaxes(wa, 1, 2)[..., None]
                   + ob[:, rows].astype(jnp.float32) * jnp.swapaxes(wb, 1, 2)[..., None])
-        o = o.at[:, rows].set(rows_o.astype(o.dtype))
-        lse = lse.at[:, :, rows].set(total)
+        # (not .at[].set: over every row it makes a constant, which the fused call's
+        # custom_partitioning refuses)
+        o = jax.lax.dynamic_update_slice_in_dim(o, rows_o.astype(o.dtype), blk.q0, axis=1)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, total, blk.q0, axis=2)
     return o, lse
 
 
