@@ -107,7 +107,8 @@ def test_every_plan_of_the_gpu_suite_builds_its_graphs(name, options, recorder):
     fn, (sq, skv, hq) = CASES[name]
     plan = Plan(scoremod.trace(fn), Problem(2, sq, skv, hq, 2, 64, 64, "float16"), 0.125,
                 OPTIONS[options])
-    for part in plan.parts:
+    back = plan.backward_plan
+    for part in plan.parts + (back.parts if back is not plan else ()):
         for direction, spec, consts, loads, build in (
                 ("sdpa", part.fwd_spec, part.fwd_consts, part.fwd_loads, cg.build_forward),
                 ("sdpa_backward", part.spec, part.consts, part.loads, cg.build_backward)):

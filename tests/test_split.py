@@ -392,11 +392,14 @@ def test_key_blocks_are_chosen_for_tile_aligned_prefixes_only():
     for prefix, keyed in ((512, True), (500, False)):
         pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < prefix) | (q >= k), s, NEG))
         plan = Plan(pure, shape, 0.088, options)
-        assert plan.key_split == keyed and plan.split and len(plan.blocks) == 2
+        # the forward by query blocks (no join), the backward by key blocks
+        assert not plan.key_split and plan.split and len(plan.blocks) == 2
+        back = plan.backward_plan
+        assert back.key_split == keyed and (back is plan) == (not keyed)
         if keyed:
-            assert [p.fwd is None for p in plan.parts] == [True, True]
-            assert plan.parts[1].band.alignment == "TOP_LEFT", plan.parts[1].band
-            assert "key blocks" in plan.describe()
+            assert len(back.blocks) == 2 and [p.fwd is None for p in back.parts] == [True, True]
+            assert back.parts[1].band.alignment == "TOP_LEFT", back.parts[1].band
+            assert "the backward in 2 key blocks" in plan.describe()
     soft = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k),
                                                           30 * jnp.tanh(s / 30), NEG))
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k), s, NEG))
@@ -429,7 +432,10 @@ def test_key_blocks_trace_through_the_fused_pipeline(monkeypatch, sq):
     q = jnp.zeros((2, sq, 8, 64), jnp.bfloat16)
     k = jnp.zeros((2, skv, 2, 64), jnp.bfloat16)
     plan = Plan(scoremod.trace(mod), Problem.of(q, k, k), 0.125, scoremod.LoweringOptions())
-    assert plan.key_split
+    assert plan.backward_plan.key_split
+    for keyed in (plan.backward_plan, Plan(scoremod.trace(mod), Problem.of(q, k, k), 0.125,
+                                          scoremod.LoweringOptions(), key_split=plan.backward_plan.blocks)):
+        assert keyed.key_split
     for sinks in (None, jnp.zeros(8)):
         def loss(q, k, s):
             o = scoremod.attention(q, k, k, mod, sinks=s, implementation="cudnn")

@@ -391,7 +391,7 @@ def test_split_into_query_blocks_matches_reference(name, dtype):
     mod = scoremod.trace(SPLIT[name])
     plan = Plan(mod, Problem(2, 512, 512, 4, 2, 64, 64, np.dtype(dtype).name), 0.125, four)
     assert (len(plan.blocks), sum(p.fwd is None for p in plan.parts)) == BLOCKS.get(name, (4, 0))
-    assert plan.key_split == (name in KEY_SPLIT)
+    assert plan.backward_plan.key_split == (name in KEY_SPLIT)
     check(mod, dtype=dtype, sq=512, skv=512, hq=4, hkv=2, options=four)
 
 

@@ -123,6 +123,7 @@ class Cudnn(Backend):
         return (*self._backward(plan, q, k, v, o, lse, do, operands), {})
 
     def _backward(self, plan, q, k, v, o, lse, do, operands):
+        plan = plan.backward_plan  # any partition of the rows or keys takes the final O, LSE
         if plan.key_split:
             return _key_split_backward(plan, q, k, v, o, lse, do, operands)
         if not plan.split:
