@@ -344,7 +344,7 @@ def test_fused_path_splits_only_when_enabled():
     assert len(split_blocks(pure, shape, options.replace(native_masks=False))) == 8
 
 
-@pytest.mark.parametrize("prefix,s", [(128, 512), (256, 512), (128, 640)])
+@pytest.mark.parametrize("prefix,s", [(128, 512), (256, 512), (128, 640), (100, 512), (3, 256)])
 def test_key_blocks_compute_the_same_attention_and_gradients(prefix, s):
     """Prefix-LM as key blocks (split.by_keys): every row against the prefix's
     keys as plain attention, the rest a square causal block; joined by their
@@ -383,28 +383,48 @@ def test_key_blocks_compute_the_same_attention_and_gradients(prefix, s):
         np.testing.assert_allclose(got, w, atol=5e-5, rtol=5e-5)
 
 
-def test_key_blocks_are_chosen_for_tile_aligned_prefixes_only():
-    """Plan: a pure prefix-LM with its prefix on a tile edge splits its keys (two
-    native blocks); off the tile edge it splits its queries; with a softcap, or
-    native masks off, neither way by keys."""
+def test_key_blocks_for_the_backward_of_pure_masks():
+    """Plan: a pure prefix-LM (its prefix on a tile edge or not) runs its forward by
+    query blocks and its backward by two key blocks (a square top-left causal
+    block for the rest); a window with global keys too (the rest a band). With a
+    softcap, or native masks off, no key blocks."""
     shape = Problem(4, 4096, 4096, 16, 16, 128, 128, "bfloat16")
     options = scoremod.LoweringOptions(sms=132)
-    for prefix, keyed in ((512, True), (500, False)):
+    for prefix in (512, 500):
         pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < prefix) | (q >= k), s, NEG))
         plan = Plan(pure, shape, 0.088, options)
-        # the forward by query blocks (no join), the backward by key blocks
         assert not plan.key_split and plan.split and len(plan.blocks) == 2
         back = plan.backward_plan
-        assert back.key_split == keyed and (back is plan) == (not keyed)
-        if keyed:
-            assert len(back.blocks) == 2 and [p.fwd is None for p in back.parts] == [True, True]
-            assert back.parts[1].band.alignment == "TOP_LEFT", back.parts[1].band
-            assert "the backward in 2 key blocks" in plan.describe()
+        assert back.key_split and back.blocks == (
+            split.Block(0, 4096, 0, prefix), split.Block(prefix, 4096, prefix, 4096))
+        assert [p.fwd is None for p in back.parts] == [True, True]
+        assert back.parts[1].band.alignment == "TOP_LEFT", back.parts[1].band
+        assert "the backward in 2 key blocks" in plan.describe()
+    window = scoremod.trace(lambda s, b, h, q, k: jnp.where(((q >= k) & (q - k < 150)) | (k < 32),
+                                                            s, NEG))
+    back = Plan(window, shape, 0.088, options).backward_plan
+    assert back.key_split and back.blocks[1] == split.Block(32, 4096, 32, 4096)
+    assert back.parts[1].band.left_bound is not None
     soft = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k),
                                                           30 * jnp.tanh(s / 30), NEG))
     pure = scoremod.trace(lambda s, b, h, q, k: jnp.where((k < 512) | (q >= k), s, NEG))
-    assert not Plan(soft, shape, 0.088, options).key_split
-    assert not Plan(pure, shape, 0.088, options.replace(native_masks=False)).key_split
+    for mod, opts in ((soft, options), (pure, options.replace(native_masks=False))):
+        plan = Plan(mod, shape, 0.088, opts)
+        assert not plan.key_split and plan.backward_plan is plan
+
+
+def test_none_kept_is_exact():
+    """split._none_kept against the mask evaluated at every position of small blocks."""
+    masks = [lambda q, k: (k < 100) | (q >= k), lambda q, k: ((q >= k) & (q - k < 150)) | (k < 32),
+             lambda q, k: (q >= k) & (k >= 40)]
+    for fn in masks:
+        mod = scoremod.trace(lambda s, b, h, q, k: jnp.where(fn(q, k), s, NEG))
+        for blk in (split.Block(0, 100, 100, 300), split.Block(0, 99, 100, 300),
+                    split.Block(0, 40, 30, 300), split.Block(10, 20, 0, 5), split.Block(0, 0, 0, 5)):
+            q = np.arange(blk.q0, blk.q1)[:, None]
+            k = np.arange(blk.k0, blk.k1)[None]
+            want = not np.asarray(fn(q, k)).any()
+            assert split._none_kept(mod, blk) == want, (blk, want)
 
 
 @pytest.mark.parametrize("sq", [256, 512, 640])

@@ -381,7 +381,7 @@ SPLIT = {
 }
 # (blocks, of them native) where not (4, 0)
 BLOCKS = {"prefix_lm": (2, 2), "prefix_lm_256": (2, 2), "prefix_lm_straddling": (2, 1)}
-KEY_SPLIT = ("prefix_lm", "prefix_lm_256")
+KEY_SPLIT = ("prefix_lm", "prefix_lm_256", "prefix_lm_straddling")  # their backward
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)

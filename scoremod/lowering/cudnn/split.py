@@ -242,7 +242,7 @@ def by_structure(mod: ScoreMod, sq: int, skv: int, most: int):
 
 
 def by_keys(mod: ScoreMod, sq: int, skv: int):
-    """Two blocks that split a pure static mask's keys at a tile edge K, each run
+    """Two blocks that split a pure static mask's keys at K, each run
     natively (``_native``): all rows against keys ``[0, K)``, and the rows from
     the first that sees a key past K against keys ``[K, skv)``. The rows of both
     blocks join their softmaxes by their LSEs (the fused path's forward); each
@@ -251,30 +251,31 @@ def by_keys(mod: ScoreMod, sq: int, skv: int):
     square top-left causal block, whose backward skips its masked tiles (cuDNN's
     backward of a bottom-right causal block of 3584 x 4096 keys visits them:
     measured 0.89x FlexAttention fwd+bwd at 4096 against 1.2x for causal). K is
-    where a comparison of kv_idx alone changes value; None where no K gives two
-    native blocks and an empty rest."""
+    where a comparison of kv_idx alone changes value, the rest's first row where
+    one of q_idx alone does (or K, or 0); both blocks are checked exactly, and so
+    is that the rows before the rest's see no key past K. None where no K gives
+    two such blocks."""
     pure = _pure_mask(mod)
     if pure is None:
         return None
     cond, atoms = pure
-    cuts = set()
+    keys, rows = set(), set()
     for kind, (coef, c), _ in atoms.values():
+        r = math.floor(Fraction(-c, coef)) if kind in ("kv_idx", "q_idx") else None
         if kind == "kv_idx":
-            r = math.floor(Fraction(-c, coef))
-            cuts.update(x for x in (r, r + 1) if 0 < x < skv and x % TILE == 0)
-    if not cuts:
-        return None
-    visited = static_tiles(rules.canonical(mod.expr), sq, skv)
-    if visited is None:
-        return None
-    for k in sorted(cuts):
-        rows = np.flatnonzero(visited[:, k // TILE:].any(axis=1))
-        if not rows.size:
+            keys.update(x for x in (r, r + 1) if 0 < x < skv)
+        elif kind == "q_idx":
+            rows.update(x for x in (r, r + 1) if 0 < x < sq)
+    for k in sorted(keys):
+        first = Block(0, sq, 0, k)
+        if _native(mod, first) is False:
             continue
-        q0 = int(rows[0]) * TILE
-        first, rest = Block(0, sq, 0, k), Block(q0, sq, k, skv)
-        if q0 < sq and _native(mod, first) is not False and _native(mod, rest) is not False:
-            return first, rest
+        # the rest's first row: the first at which the rows before it see no key past k
+        for q0 in sorted({0, k} | rows):
+            rest = Block(q0, sq, k, skv)
+            if (q0 < sq and _none_kept(mod, Block(0, q0, k, skv))
+                    and _native(mod, rest) is not False):
+                return first, rest
     return None
 
 
@@ -313,30 +314,19 @@ def narrowed(mod: ScoreMod, blk: Block):
     pure = _pure_mask(mod)
     if pure is None:
         return mod
-    cond, atoms = pure
     body = ir.var(ir.SCORE)
-    cuts = {"q_idx": {blk.q0, blk.q1}, "kv_idx": {blk.k0, blk.k1}}
-    for kind, (coef, c), _ in atoms.values():
-        if kind in cuts:  # coef * x + c OP 0 changes value between floor(r) and floor(r) + 1
-            r = math.floor(Fraction(-c, coef))
-            start, stop = (blk.q0, blk.q1) if kind == "q_idx" else (blk.k0, blk.k1)
-            cuts[kind].update(x for x in (r, r + 1) if start < x < stop)
     # Per piece, (the first or last kept d, the piece's own first or last d); and
     # the d ranges of the pieces that keep none.
     lows, highs, empty = [], [], []
-    qs, ks = sorted(cuts["q_idx"]), sorted(cuts["kv_idx"])
-    for q0, q1 in zip(qs, qs[1:]):
-        for k0, k1 in zip(ks, ks[1:]):
-            d = np.arange(k0 - (q1 - 1), k1 - q0)  # every d of the piece (each occurs)
-            kept = _truth(cond, atoms, q0, k0, d)
-            if not kept.any():
-                empty.append((d[0], d[-1]))
-                continue
-            first, last = np.flatnonzero(kept)[[0, -1]]
-            if not kept[first:last + 1].all():
-                return mod  # no band on this piece
-            lows.append((d[first], d[0]))
-            highs.append((d[last], d[-1]))
+    for d, kept in _pieces(*pure, blk):
+        if not kept.any():
+            empty.append((d[0], d[-1]))
+            continue
+        first, last = np.flatnonzero(kept)[[0, -1]]
+        if not kept[first:last + 1].all():
+            return mod  # no band on this piece
+        lows.append((d[first], d[0]))
+        highs.append((d[last], d[-1]))
     band_lo, band_hi = _bound(lows, low=True), _bound(highs, low=False)
     if band_lo is None or band_hi is None:
         return mod
@@ -349,6 +339,33 @@ def narrowed(mod: ScoreMod, blk: Block):
         ([ops.apply("le", d, ir.const(int(band_hi), ir.I32))] if band_hi < math.inf else [])
     band = parts[0] if len(parts) == 1 else ops.apply("and", *parts)
     return mod.derived(ops.apply("where", band, body, ir.const(-math.inf, ir.F32)))
+
+
+def _pieces(cond, atoms, blk: Block):
+    """``(d, kept)`` per piece of ``blk``: the block cut where a comparison of one
+    index changes value (``coef * x + c OP 0`` between floor(r) and floor(r) + 1),
+    so that on each piece those are constants and ``cond`` is a function of d =
+    kv_idx - q_idx; ``d`` every d the piece holds (each occurs), ``kept`` ``cond``
+    at each."""
+    cuts = {"q_idx": {blk.q0, blk.q1}, "kv_idx": {blk.k0, blk.k1}}
+    for kind, (coef, c), _ in atoms.values():
+        if kind in cuts:
+            r = math.floor(Fraction(-c, coef))
+            start, stop = (blk.q0, blk.q1) if kind == "q_idx" else (blk.k0, blk.k1)
+            cuts[kind].update(x for x in (r, r + 1) if start < x < stop)
+    qs, ks = sorted(cuts["q_idx"]), sorted(cuts["kv_idx"])
+    for q0, q1 in zip(qs, qs[1:]):
+        for k0, k1 in zip(ks, ks[1:]):
+            d = np.arange(k0 - (q1 - 1), k1 - q0)
+            yield d, _truth(cond, atoms, q0, k0, d)
+
+
+def _none_kept(mod: ScoreMod, blk: Block) -> bool:
+    """Whether the pure static mask of ``mod`` keeps no (q_idx, kv_idx) of ``blk``
+    (exact, as ``narrowed``); True for an empty block."""
+    if blk.q0 >= blk.q1 or blk.k0 >= blk.k1:
+        return True
+    return not any(kept.any() for _, kept in _pieces(*_pure_mask(mod), blk))
 
 
 def _pure_mask(mod: ScoreMod):
