@@ -427,8 +427,8 @@ def test_none_kept_is_exact():
             assert split._none_kept(mod, blk) == want, (blk, want)
 
 
-@pytest.mark.parametrize("sq", [256, 512, 640])
-def test_key_blocks_trace_through_the_fused_pipeline(monkeypatch, sq):
+@pytest.mark.parametrize("sq,skv", [(256, 640), (512, 640), (640, 640), (1024, 1024)])
+def test_key_blocks_trace_through_the_fused_pipeline(monkeypatch, sq, skv):
     """The cuDNN path's forward and backward of key blocks, with and without sinks,
     trace under jit and grad through lowering.sharding's custom_partitioning (which
     refuses a body with constants: `.at[].set` over every row made one) on a faked
@@ -447,7 +447,6 @@ def test_key_blocks_trace_through_the_fused_pipeline(monkeypatch, sq):
     monkeypatch.setattr(cg, "frontend_version", lambda: 13200)
     monkeypatch.setattr(kernels_ffi, "call", lambda blob, gid, inputs, out_shapes, *a, **kw: [
         jnp.zeros(s.shape, s.dtype) for s in out_shapes])
-    skv = 640
     mod = lambda s, b, h, q, k: jnp.where((k < 128) | (q + skv - sq >= k), s, NEG)  # noqa: E731
     q = jnp.zeros((2, sq, 8, 64), jnp.bfloat16)
     k = jnp.zeros((2, skv, 2, 64), jnp.bfloat16)

@@ -88,24 +88,23 @@ class Cudnn(Backend):
 
     def forward(self, plan, q, k, v, operands, sinks=None):
         s = plan.shape
-        sink = None
-        if sinks is not None:  # per head (joins_sinks): the first batch row's
-            sink = sinks[0].astype(jnp.float32).reshape(1, s.hq, 1, 1)
-            try:
-                graphs = [part.forward_graph(sink=True) for part in plan.parts]
-            except UnsupportedOpError as e:  # this cuDNN refuses the sink: joined around it
-                log.info("cuDNN refused a sink in the forward graph (%s); joining it after", e)
-                return attention_sinks.combine(*self.forward(plan, q, k, v, operands), sinks)
-        else:
-            graphs = [part.forward_graph() for part in plan.parts]
+        # Which blocks' graphs take the sink (per head, joins_sinks: the first batch
+        # row's): every query block (each row is in one), or the first key block
+        # (it covers every row; the rows' softmaxes join after).
+        takes = [sinks is not None and (i == 0 or not plan.key_split)
+                 for i in range(len(plan.parts))]
+        try:
+            graphs = [part.forward_graph(sink=t) for part, t in zip(plan.parts, takes)]
+        except UnsupportedOpError as e:
+            if not any(takes):
+                raise
+            log.info("cuDNN refused a sink in the forward graph (%s); joining it after", e)
+            return attention_sinks.combine(*self.forward(plan, q, k, v, operands), sinks)
+        sink = None if sinks is None else sinks[0].astype(jnp.float32).reshape(1, s.hq, 1, 1)
         out_shapes = _forward_outputs(s.b, s.sq, s.hq, s.dv, q.dtype)
         carried, outs = (), []  # the first block's call allocates O and the stats
         for i, (blk, part, graph) in enumerate(zip(plan.blocks, plan.parts, graphs)):
-            inputs = [q, k, v, *part.load_arrays(operands, forward=True)]
-            if sink is not None and (i == 0 or not plan.key_split):  # key blocks: the first's
-                inputs.append(sink)
-            elif sinks is not None:
-                graph = part.forward_graph()
+            inputs = [q, k, v, *part.load_arrays(operands, forward=True)] + [sink] * takes[i]
             offsets = plan.offsets(blk)
             if offsets:
                 oq, ok, ov, oo, os_ = offsets
