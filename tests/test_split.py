@@ -455,9 +455,15 @@ def test_key_blocks_trace_through_the_fused_pipeline(monkeypatch, sq, skv):
     for keyed in (plan.backward_plan, Plan(scoremod.trace(mod), Problem.of(q, k, k), 0.125,
                                           scoremod.LoweringOptions(), key_split=plan.backward_plan.blocks)):
         assert keyed.key_split
-    for sinks in (None, jnp.zeros(8)):
-        def loss(q, k, s):
-            o = scoremod.attention(q, k, k, mod, sinks=s, implementation="cudnn")
-            return jnp.sum(o.astype(jnp.float32))
-        jax.jit(loss).lower(q, k, sinks)
-        jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, k, sinks)
+    # and query blocks of a score_mod (softcap + causal), for the same pipeline
+    softcap = lambda s, b, h, q, k: jnp.where(q + skv - sq >= k, 30 * jnp.tanh(s / 30), NEG)  # noqa: E731
+    four = scoremod.LoweringOptions(split_blocks=4, sms=1)
+    assert Plan(scoremod.trace(softcap), Problem.of(q, k, k), 0.125, four).split
+    for m, options in ((mod, None), (softcap, four)):
+        for sinks in (None, jnp.zeros(8)):
+            def loss(q, k, s):
+                o = scoremod.attention(q, k, k, m, sinks=s, implementation="cudnn",
+                                       options=options)
+                return jnp.sum(o.astype(jnp.float32))
+            jax.jit(loss).lower(q, k, sinks)
+            jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, k, sinks)

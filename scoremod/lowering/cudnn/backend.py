@@ -130,19 +130,9 @@ class Cudnn(Backend):
             out_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
             return _call(part.backward_graph(),
                          [q, k, v, o, do, lse[..., None], *part.load_arrays(operands)], out_shapes)
-        carried, dks, dvs = (), [], []  # dQ: the first block's call allocates it, later ones fill in
+        dq, dks, dvs = None, [], []  # dQ: the first block's call allocates it, later ones fill in
         for blk, part in zip(plan.blocks, plan.parts):
-            loads = part.load_arrays(operands)
-            oq, ok, ov, oo, _ = plan.offsets(blk)
-            stats = lse[:, :, blk.q0:blk.q1, None]  # packed: see GraphSpec.stats_layout
-            n = blk.k1 - blk.k0
-            out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                          jax.ShapeDtypeStruct(k.shape[:1] + (n,) + k.shape[2:], k.dtype),
-                          jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
-            offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + (oq, 0, 0)
-            dq, dk, dv = _call(part.backward_graph(), [q, k, v, o, do, stats, *loads], out_shapes,
-                               offsets, carried)
-            carried = (dq,)
+            dq, dk, dv = _block_backward(plan, blk, part, q, k, v, o, lse, do, operands, dq)
             dks.append(dk)
             dvs.append(dv)
 
@@ -153,7 +143,23 @@ class Cudnn(Backend):
                         for p, blk in zip(parts, plan.blocks))
             return total.astype(like.dtype)
 
-        return carried[0], summed(dks, k), summed(dvs, v)
+        return dq, summed(dks, k), summed(dvs, v)
+
+
+def _block_backward(plan, blk, part, q, k, v, o, lse, do, operands, dq=None):
+    """One block's (dQ, dK, dV), on its rows and keys of the full arrays: dQ written
+    into ``dq``'s rows in place (None: a new array, the other rows unwritten), dK
+    and dV its keys' own."""
+    loads = part.load_arrays(operands)
+    oq, ok, ov, oo, _ = plan.offsets(blk)
+    stats = lse[:, :, blk.q0:blk.q1, None]  # packed: see GraphSpec.stats_layout
+    n = blk.k1 - blk.k0
+    out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct(k.shape[:1] + (n,) + k.shape[2:], k.dtype),
+                  jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
+    offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + (oq, 0, 0)
+    return _call(part.backward_graph(), [q, k, v, o, do, stats, *loads], out_shapes, offsets,
+                 () if dq is None else (dq,))
 
 
 def _key_split_backward(plan, q, k, v, o, lse, do, operands):
@@ -162,17 +168,9 @@ def _key_split_backward(plan, q, k, v, o, lse, do, operands):
     dK and dV each block's own keys."""
     dq, dks, dvs = None, [], []
     for blk, part in zip(plan.blocks, plan.parts):
-        loads = part.load_arrays(operands)
-        oq, ok, ov, oo, _ = plan.offsets(blk)
-        stats = lse[:, :, blk.q0:blk.q1, None]  # packed: see GraphSpec.stats_layout
-        n = blk.k1 - blk.k0
-        out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                      jax.ShapeDtypeStruct(k.shape[:1] + (n,) + k.shape[2:], k.dtype),
-                      jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
-        offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + (oq, 0, 0)
         # dQ into zeros: the block writes its rows only
-        block_dq, dk, dv = _call(part.backward_graph(), [q, k, v, o, do, stats, *loads],
-                                 out_shapes, offsets, (jnp.zeros(q.shape, q.dtype),))
+        block_dq, dk, dv = _block_backward(plan, blk, part, q, k, v, o, lse, do, operands,
+                                           jnp.zeros(q.shape, q.dtype))
         block_dq = block_dq.astype(jnp.float32)
         dq = block_dq if dq is None else dq + block_dq
         dks.append(dk)
