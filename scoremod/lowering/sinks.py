@@ -90,7 +90,9 @@ def gradient(o, lse, do, dlse, sinks):
     s = _row(sinks)
     p_sink = jnp.where(s == -jnp.inf, 0.0, jnp.exp(s - lse.astype(_F32)))
     o32 = jnp.where(jnp.isnan(o), 0.0, o.astype(_F32))
-    d = jnp.einsum("bqhd,bqhd->bhq", do.astype(_F32), o32)
+    # rowsum(dO * O) as an elementwise product and a sum (one fused reduction), not a
+    # dot: XLA may run a float32 dot in TF32 on the GPU
+    d = jnp.swapaxes(jnp.sum(do.astype(_F32) * o32, axis=-1), 1, 2)
     if dlse is not None:
         d = d - dlse.astype(_F32)
     return jnp.sum(p_sink * -d, axis=-1)
