@@ -612,6 +612,9 @@ def make_direct(name, shape, direction):
     b, s, h, d = shape.b, shape.s, shape.h, shape.d
     mod = shape.mod(name)
     plan = plan_of(name, shape)
+    if plan.key_split or plan.backward_plan is not plan:
+        raise NotApplicable("key blocks (their rows joined, or a backward of its own plan) are "
+                            "not run here")
     q, k, v, do = shape.torch_inputs()
     shared = {cg.UID_Q: q, cg.UID_K: k, cg.UID_V: v, cg.UID_DO: do, cg.UID_O: torch.empty_like(q),
               cg.UID_STATS: torch.empty(b, h, s, 1, dtype=torch.float32, device="cuda"),
