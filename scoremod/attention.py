@@ -20,6 +20,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
+from scoremod.lowering import gathered
 from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.backend import execute
 from scoremod.lowering.cudnn import verify as cudnn_verify
@@ -209,6 +210,9 @@ def _call(query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page
     mod = positions.apply_positions(mod, problem.b, q_offset, kv_lengths)
     if runs and mod is not None:
         check_operand_ranges(mod, problem)
+    # A table read through an int array (T5's buckets) as one read of the gathered
+    # table: the kernels learn it per block diagonal (lowering/gathered.py).
+    mod = gathered.fold(mod)
     sink_layout = None
     if sinks is not None:
         sinks = attention_sinks.check(sinks, problem)  # a shape error first

@@ -152,3 +152,21 @@ def test_a_backward_only_triton_computes_is_refused_without_it(gpu, monkeypatch)
         pallas_backend._refuse_without_triton(plan, [], {})
     gpu("hopper", triton=True)
     assert pallas.plan(problem, mod, 0.125, options, True).backward_engine == "triton"
+
+
+def test_a_bucketed_table_folded_learns_on_the_mosaic_backward(gpu):
+    """T5's table read through an int bucket array, as attention passes it on
+    (lowering.gathered.fold: one read of the gathered table at q_idx - kv_idx):
+    on Hopper the Mosaic GPU backward's per-block-diagonal kernel learns it, and
+    no gradient is left to the Triton backward."""
+    if support.mosaic_missing():
+        pytest.skip(f"the Mosaic GPU engine is {support.mosaic_missing()}")
+    from scoremod.lowering import gathered
+
+    q = jnp.zeros((1, S, 2, 128), jnp.bfloat16)
+    problem, options, pallas = Problem.of(q, q, q), scoremod.LoweringOptions(), pallas_backend.PALLAS
+    gpu("hopper", triton=True)
+    folded = gathered.fold(scoremod.trace(bucket_table))
+    plan = pallas.plan(problem, folded, 0.125, options, True)
+    assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
+    assert not plan.triton_operands and plan.diagonal_operands == tuple(folded.operand_names)
