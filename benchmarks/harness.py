@@ -87,7 +87,7 @@ IMPLS = {
 PALLAS_IMPLS = ("pallas", "pallas-mosaic")  # by name only, as the backend
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
         "document", "document_random", "document_noncausal", "document_softcap", "mla_rope",
-        "prefix_lm", "softcap_prefix_lm", "alibi_causal")
+        "prefix_lm", "softcap_prefix_lm", "alibi_causal", "t5")
 PREFIX = 8  # prefix-LM: the first S / PREFIX keys are seen by every query
 # MLA's decoupled RoPE: causal, plus q_pe . k_pe of rank ROPE_DIM (k_pe shared by the
 # heads), a low-rank bias scoremod folds into the head dim (q and k at D + ROPE_DIM, v at
@@ -105,7 +105,7 @@ DOC_IDS = {"document": ("doc", True), "document_random": ("doc_random", True),
            "document_noncausal": ("doc", False), "document_softcap": ("doc", True)}
 DOC_MODS = ("document", "document_random", "document_noncausal")  # the pure document masks
 MASK_MODS = ("causal", "window") + DOC_MODS  # pure masks: jax.nn has them natively
-ARRAYS = ("slopes", "doc", "doc_random", "table")  # aux_arrays' arrays the mods capture
+ARRAYS = ("slopes", "doc", "doc_random", "table", "buckets", "t5_table")  # what the mods capture
 # fwdbwd_ops: forward+backward that also differentiates with respect to the mod's captured
 # float arrays (ALiBi's slopes, relbias's table: learned parameters), on the
 # implementations whose gradients reach them; not run unless --directions asks.
@@ -120,7 +120,9 @@ CUDNN_BACKENDS = ("cudnn", "cudnn-varlen")
 OPS_IMPLS = ("scoremod", "xla", "pallas", "pallas-mosaic", "flex")
 # The captured float arrays of FlexAttention's score_mods, by aux_arrays name (those of the
 # JAX mods are their float operands)
-FLEX_LEARNED = {"alibi": ("slopes",), "alibi_causal": ("slopes",), "relbias": ("table",)}
+FLEX_LEARNED = {"alibi": ("slopes",), "alibi_causal": ("slopes",), "relbias": ("table",),
+                "t5": ("t5_table",)}
+T5_BUCKETS = 32  # T5's: a bucket per distance up to 8 back or ahead, then logarithmic
 SOFTCAP, DOCS = 30.0, 4
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -144,6 +146,9 @@ def aux_arrays(b, h, s, window):
         "doc": np.repeat((np.arange(s) * DOCS // s)[None], b, 0).astype(np.int32),
         "doc_random": random_documents(b, s),
         "table": (0.1 * np.random.default_rng(0).standard_normal((h, 2 * s - 1))).astype(np.float32),
+        "buckets": t5_buckets(s),
+        "t5_table": (0.1 * np.random.default_rng(1).standard_normal((T5_BUCKETS, h))
+                     ).astype(np.float32),
         "window": window, "seq": s, "batch": b, "heads": h,
     }
 
@@ -162,6 +167,18 @@ def random_documents(b, s, seed=0):
     return np.stack(rows).astype(np.int32)
 
 
+def t5_buckets(s):
+    """T5's bidirectional relative buckets of ``kv_idx - q_idx + s - 1`` (int32 [2s - 1]):
+    half the buckets per direction, exact up to 8 apart, logarithmic to 128."""
+    rel = np.arange(2 * s - 1) - (s - 1)
+    half = T5_BUCKETS // 2
+    exact = half // 2
+    far = exact + (np.log(np.maximum(np.abs(rel), 1) / exact) / np.log(128 / exact)
+                   * (half - exact)).astype(np.int64)
+    bucket = np.where(np.abs(rel) < exact, np.abs(rel), np.minimum(far, half - 1))
+    return (bucket + np.where(rel > 0, half, 0)).astype(np.int32)
+
+
 def mod_parts(name, t, tanh):
     """(score part ``(sc, b, h, q, k)``, mask ``(b, h, q, k)``) of mod ``name``, either
     None, written once for JAX and torch alike: ``t`` holds ``aux_arrays``' arrays in
@@ -178,6 +195,7 @@ def mod_parts(name, t, tanh):
         "softcap": softcap, "softcap_causal": softcap, "document_softcap": softcap,
         "alibi": lambda sc, b, h, q, k: sc + slopes[h] * (k - q),
         "relbias": lambda sc, b, h, q, k: sc + table[h, q - k + s - 1],
+        "t5": lambda sc, b, h, q, k: sc + t["t5_table"][t["buckets"][k - q + s - 1], h],
     }
     def prefix_lm(b, h, q, k):
         return (k < s // PREFIX) | (q >= k)
@@ -295,15 +313,20 @@ def jax_bias(name, a, dtype):
     import jax.numpy as jnp
 
     s = a["seq"]
-    if name not in ("alibi", "relbias"):
+    if name not in ("alibi", "relbias", "t5"):
         return None
 
-    def build(slopes, table):
+    def build(slopes, table, buckets, t5_table):
         qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
-        bias = slopes[:, None, None] * (ki - qi) if name == "alibi" else table[:, qi - ki + s - 1]
+        if name == "alibi":
+            bias = slopes[:, None, None] * (ki - qi)
+        elif name == "relbias":
+            bias = table[:, qi - ki + s - 1]
+        else:
+            bias = jnp.moveaxis(t5_table[buckets[ki - qi + s - 1]], -1, 0)
         return bias[None].astype(dtype)
 
-    return jax.jit(build)(jnp.asarray(a["slopes"]), jnp.asarray(a["table"]))
+    return jax.jit(build)(*(jnp.asarray(a[n]) for n in ("slopes", "table", "buckets", "t5_table")))
 
 
 def flex_mods(name, a, learn=False):
