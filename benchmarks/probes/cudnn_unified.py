@@ -26,7 +26,7 @@ import math
 import torch
 
 import cudnn
-from scoremod.lowering.cudnn.graph import PYTHON_ENGINE_NAMES
+from cudnn_sinks import build, new_graph  # the sibling probe's graph and build steps
 
 B, H, S, D = 2, 4, 640, 128
 WINDOW, CAP, TILE = 128, 30.0, 128
@@ -129,20 +129,6 @@ def callbacks(g, extras, spec, backward):
         return out
 
     return {"score_mod": score_mod, **({"score_mod_bprop": score_mod_bprop} if backward else {})}
-
-
-def new_graph(handle):
-    return cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=F32,
-                         compute_data_type=F32, handle=handle)
-
-
-def build(g):
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.deselect_engines(list(PYTHON_ENGINE_NAMES))  # as scoremod builds its graphs
-    g.check_support()
-    g.build_plans()
 
 
 def runner(g, pack, handle):

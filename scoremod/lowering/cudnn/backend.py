@@ -23,10 +23,10 @@ from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn import rules, split, verify
 from scoremod.lowering.cudnn.plan import plan_for
 
-# Architecture families (compute capability major) where score_mod graphs were
-# validated. Families, never exact capabilities: sm_121 behaves as sm_120.
 log = logging.getLogger("scoremod")
 
+# Architecture families (compute capability major) where score_mod graphs were
+# validated. Families, never exact capabilities: sm_121 behaves as sm_120.
 VALIDATED_FAMILIES = (9,)
 KNOWN_FAMILIES = (9, 10, 12)
 FUSED_DTYPES = ("float16", "bfloat16")

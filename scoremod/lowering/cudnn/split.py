@@ -258,14 +258,7 @@ def by_keys(mod: ScoreMod, sq: int, skv: int):
     pure = _pure_mask(mod)
     if pure is None:
         return None
-    cond, atoms = pure
-    keys, rows = set(), set()
-    for kind, (coef, c), _ in atoms.values():
-        r = math.floor(Fraction(-c, coef)) if kind in ("kv_idx", "q_idx") else None
-        if kind == "kv_idx":
-            keys.update(x for x in (r, r + 1) if 0 < x < skv)
-        elif kind == "q_idx":
-            rows.update(x for x in (r, r + 1) if 0 < x < sq)
+    rows, keys = _cuts(pure[1], Block(0, sq, 0, skv))
     for k in sorted(keys):
         first = Block(0, sq, 0, k)
         if _native(mod, first) is False:
@@ -347,17 +340,25 @@ def _pieces(cond, atoms, blk: Block):
     so that on each piece those are constants and ``cond`` is a function of d =
     kv_idx - q_idx; ``d`` every d the piece holds (each occurs), ``kept`` ``cond``
     at each."""
-    cuts = {"q_idx": {blk.q0, blk.q1}, "kv_idx": {blk.k0, blk.k1}}
-    for kind, (coef, c), _ in atoms.values():
-        if kind in cuts:
-            r = math.floor(Fraction(-c, coef))
-            start, stop = (blk.q0, blk.q1) if kind == "q_idx" else (blk.k0, blk.k1)
-            cuts[kind].update(x for x in (r, r + 1) if start < x < stop)
-    qs, ks = sorted(cuts["q_idx"]), sorted(cuts["kv_idx"])
+    inner_q, inner_k = _cuts(atoms, blk)
+    qs, ks = sorted(inner_q | {blk.q0, blk.q1}), sorted(inner_k | {blk.k0, blk.k1})
     for q0, q1 in zip(qs, qs[1:]):
         for k0, k1 in zip(ks, ks[1:]):
             d = np.arange(k0 - (q1 - 1), k1 - q0)
             yield d, _truth(cond, atoms, q0, k0, d)
+
+
+def _cuts(atoms, blk: Block):
+    """(query rows, keys) strictly inside ``blk`` where a comparison of q_idx alone,
+    or of kv_idx alone, changes value (``coef * x + c OP 0`` between floor(r) and
+    floor(r) + 1, r = -c / coef)."""
+    out = {"q_idx": set(), "kv_idx": set()}
+    for kind, (coef, c), _ in atoms.values():
+        if kind in out:
+            r = math.floor(Fraction(-c, coef))
+            start, stop = (blk.q0, blk.q1) if kind == "q_idx" else (blk.k0, blk.k1)
+            out[kind].update(x for x in (r, r + 1) if start < x < stop)
+    return out["q_idx"], out["kv_idx"]
 
 
 def _none_kept(mod: ScoreMod, blk: Block) -> bool:
