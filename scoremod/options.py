@@ -1,11 +1,11 @@
 """Lowering options: how a fused backend may rewrite a mod, as one frozen value.
 
-The three lowerings below make common mods faster; each is on by default and
+The lowerings below make common mods faster; each is on by default and
 each can be switched off per call (for comparison, and as an escape hatch):
 
     >>> import scoremod
     >>> plain = scoremod.LoweringOptions(native_masks=False, split_blocks=0, fold_scale=False,
-    ...                                  low_rank_bias=False)
+    ...                                  low_rank_bias=False, decode_splits=0)
     >>> plain == scoremod.LoweringOptions.plain()
     True
     >>> with scoremod.lowering_options(plain):
@@ -18,7 +18,8 @@ two calls with different options never share a plan or a graph. A call takes
 ``with lowering_options(...)``, else the defaults, which the environment
 variables ``SCOREMOD_NATIVE_MASKS``, ``SCOREMOD_SPLIT_BLOCKS``,
 ``SCOREMOD_FOLD_SCALE``, ``SCOREMOD_LOW_RANK_BIAS``, ``SCOREMOD_MAX_SEGMENTS``,
-``SCOREMOD_CHECK_VALUES`` and ``SCOREMOD_DETERMINISTIC`` set (read once, here and nowhere else).
+``SCOREMOD_CHECK_VALUES``, ``SCOREMOD_DETERMINISTIC`` and ``SCOREMOD_DECODE_SPLITS`` set
+(read once, here and nowhere else).
 """
 
 from __future__ import annotations
@@ -91,12 +92,19 @@ class LoweringOptions:
         the reference path repeats as XLA's ops do (on a GPU,
         ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` for its scatters). The
         forward is the same either way.
+      decode_splits: short queries (at most 16 query rows, and 64 once a group's
+        query heads are packed together: decoding, speculative decoding) run folded
+        on the fused backends (``scoremod.lowering.decode``): the query heads
+        of each key/value head packed into query rows, and the keys cut into
+        this many chunks folded into the batch, joined by their LSEs. None:
+        the fewest chunks (of at least 1024 keys) that give the GPU two waves
+        of tiles; 1: packing only; 0: no folding.
 
     Example: softcap + causal as one score_mod call, for comparison::
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='auto', check_values=False, deterministic=False)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='auto', check_values=False, deterministic=False, decode_splits=None)
     """
 
     native_masks: bool = True
@@ -114,6 +122,7 @@ class LoweringOptions:
     pallas_engine: str = "auto"
     check_values: bool = False
     deterministic: bool = False
+    decode_splits: int | None = None
 
     def __post_init__(self):
         for name in ("native_masks", "fold_scale", "low_rank_bias", "check_values",
@@ -127,6 +136,11 @@ class LoweringOptions:
         if not isinstance(self.max_segments, int) or self.max_segments < 1:
             raise ScoreModError("LoweringOptions.max_segments must be a positive number of "
                                 f"segments per row, got {self.max_segments!r}")
+        if self.decode_splits is not None and (
+                not isinstance(self.decode_splits, int) or isinstance(self.decode_splits, bool)
+                or self.decode_splits < 0):
+            raise ScoreModError("LoweringOptions.decode_splits must be a number of key chunks "
+                                f"(0: no folding) or None, got {self.decode_splits!r}")
         if self.sms is not None and (not isinstance(self.sms, int) or self.sms < 1):
             raise ScoreModError(f"LoweringOptions.sms must be a positive int or None, got {self.sms!r}")
         for name in ("pallas_block_q", "pallas_block_kv", "pallas_backward_block_q",
@@ -147,8 +161,10 @@ class LoweringOptions:
 
     @classmethod
     def plain(cls) -> "LoweringOptions":
-        """The mod lowered as written: no native mask, no split, no folding."""
-        return cls(native_masks=False, split_blocks=0, fold_scale=False, low_rank_bias=False)
+        """The mod lowered as written: no native mask, no split, no folding (of the
+        scale, of a low-rank bias, of short queries)."""
+        return cls(native_masks=False, split_blocks=0, fold_scale=False, low_rank_bias=False,
+                   decode_splits=0)
 
     def replace(self, **changes) -> "LoweringOptions":
         return dataclasses.replace(self, **changes)
@@ -163,6 +179,7 @@ _ENVIRONMENT = {
     "SCOREMOD_MAX_SEGMENTS": ("max_segments", int, "a positive number of segments per row"),
     "SCOREMOD_CHECK_VALUES": ("check_values", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_DETERMINISTIC": ("deterministic", bool, "0 (off) or 1 (on)"),
+    "SCOREMOD_DECODE_SPLITS": ("decode_splits", int, "a number of key chunks (0: no folding)"),
 }
 
 

@@ -22,7 +22,7 @@ import warnings
 import jax
 
 from scoremod.dsl.scoremod import ScoreMod
-from scoremod.lowering import lowrank, registry
+from scoremod.lowering import decode, lowrank, registry
 from scoremod.lowering.backend import Call
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
@@ -133,8 +133,16 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
     inside = sinks == "head" and backend.joins_sinks(plan, options)
     call = Call(backend, plan, problem, options, bool(return_lse), fallback,
                 forward_mode_fallback, bool(sinks), inside)
-    return Route(call, mod, low_rank, verdicts, why, warning, note,
-                 backend.variant(problem, mod, options),
+    variant = backend.variant(problem, mod, options)
+    folded = decode.choose(call)
+    if folded is not None:  # short queries: the kernels run the folded call
+        fold, inner = folded
+        if inside:  # the folded call's chunks are joined first: the sinks join after
+            inside = False
+            call = dataclasses.replace(call, sinks_inside=False)
+        inner_variant = backend.variant(inner.problem, inner.plan.mod, inner.options)
+        variant = fold.describe(problem) + (f"; {inner_variant}" if inner_variant else "")
+    return Route(call, mod, low_rank, verdicts, why, warning, note, variant,
                  _sinks_note(backend, inside) if sinks else None,
                  _backward_note(backend, fallback, options))
 

@@ -82,6 +82,30 @@ def pytest_configure(config):
         jax.monitoring.register_event_duration_secs_listener(spent)
 
 
+@pytest.fixture
+def stand_in_h200(monkeypatch):
+    """A faked H200 on which the cuDNN path plans and traces for real, and whose
+    graph builds and FFI calls are stand-ins (the calls return zeros): for tests
+    that a call lowers through the fused pipeline (jit, grad,
+    custom_partitioning), not of its values."""
+    import jax.numpy as jnp
+
+    from scoremod import device, kernels_ffi
+    from scoremod.lowering.cudnn import backend as cudnn_backend
+    from scoremod.lowering.cudnn import graph as cg
+
+    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "NVIDIA H200", 9, 132))
+    monkeypatch.setattr(kernels_ffi, "available", lambda: True)
+    monkeypatch.setattr(kernels_ffi, "frontend_mismatch", lambda: "")
+    monkeypatch.setattr(cudnn_backend, "_frontend_installed", lambda: True)
+    monkeypatch.setattr(cudnn_backend.verify, "refusal", lambda automatic: None)
+    monkeypatch.setattr(cg, "cached", lambda key, build: cg.Built(b"", 0, (), (), (), (), 0, "", 0.0))
+    monkeypatch.setattr(cg, "backend_version", lambda: 91900)
+    monkeypatch.setattr(cg, "frontend_version", lambda: 13200)
+    monkeypatch.setattr(kernels_ffi, "call", lambda blob, gid, inputs, out_shapes, *a, **kw: [
+        jnp.zeros(s.shape, s.dtype) for s in out_shapes])
+
+
 @functools.cache
 def has_gpu():
     try:

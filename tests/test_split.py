@@ -428,25 +428,11 @@ def test_none_kept_is_exact():
 
 
 @pytest.mark.parametrize("sq,skv", [(256, 640), (512, 640), (640, 640), (1024, 1024)])
-def test_key_blocks_trace_through_the_fused_pipeline(monkeypatch, sq, skv):
+def test_key_blocks_trace_through_the_fused_pipeline(stand_in_h200, sq, skv):
     """The cuDNN path's forward and backward of key blocks, with and without sinks,
     trace under jit and grad through lowering.sharding's custom_partitioning (which
     refuses a body with constants: `.at[].set` over every row made one) on a faked
     H200 whose graphs and FFI calls are stand-ins returning zeros."""
-    from scoremod import device, kernels_ffi
-    from scoremod.lowering.cudnn import backend as cudnn_backend
-    from scoremod.lowering.cudnn import graph as cg
-
-    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "NVIDIA H200", 9, 132))
-    monkeypatch.setattr(kernels_ffi, "available", lambda: True)
-    monkeypatch.setattr(kernels_ffi, "frontend_mismatch", lambda: "")
-    monkeypatch.setattr(cudnn_backend, "_frontend_installed", lambda: True)
-    monkeypatch.setattr(cudnn_backend.verify, "refusal", lambda automatic: None)
-    monkeypatch.setattr(cg, "cached", lambda key, build: cg.Built(b"", 0, (), (), (), (), 0, "", 0.0))
-    monkeypatch.setattr(cg, "backend_version", lambda: 91900)
-    monkeypatch.setattr(cg, "frontend_version", lambda: 13200)
-    monkeypatch.setattr(kernels_ffi, "call", lambda blob, gid, inputs, out_shapes, *a, **kw: [
-        jnp.zeros(s.shape, s.dtype) for s in out_shapes])
     mod = lambda s, b, h, q, k: jnp.where((k < 128) | (q + skv - sq >= k), s, NEG)  # noqa: E731
     q = jnp.zeros((2, sq, 8, 64), jnp.bfloat16)
     k = jnp.zeros((2, skv, 2, 64), jnp.bfloat16)

@@ -1,31 +1,32 @@
-"""Whether packing a group's query heads into query rows pays when decoding (issue:
-decoding with the same mod): batch 8, 32 query heads on 8 key/value heads, KV
-32768, head dim 128, bf16, one query row and four (speculative decoding).
+"""Decoding with the same mod (issue: decoding): how fast short queries run as
+scoremod folds them (lowering/decode.py), against the call unfolded and against
+FlexAttention's decoding, in one run: batch 8, 32 query heads on 8 key/value
+heads, KV 32768, head dim 128, bf16, one query row and four (speculative
+decoding).
 
-Unpacked, each query head is its own head of the call: a kernel's query tile holds
-one or four live rows and reads its key/value head's K and V once per query head.
-Packed, q [b, sq, 32, d] becomes [b, sq * 4, 8, d] (row r = i * 4 + m: row i of the
-group's m-th head, h = kv_head * 4 + m), the mod reads ``h * 4 + r % 4`` for the
-head and ``offset + r // 4`` for the position, and O and the LSE are unpacked
-after: the same attention, K and V read once per key/value head, four times the
-live rows per tile. The call is otherwise scoremod's own (``implementation=None``
-and the Pallas kernels), under jax.jit.
-
-Split: the packed call with the keys cut into N chunks folded into the batch
-(K and V [b, skv, h, d] viewed as [b * N, skv / N, h, d], the mod reading
-``b // N`` and ``kv + (b % N) * skv / N``), each chunk's O and LSE joined after:
-N times the tiles in flight, the same bytes read. The window's chunks that hold
-no key of the window are dropped before the call (the position is static here).
+Variants (LoweringOptions.decode_splits): ``unfolded`` (0: each query head its
+own head of the call, one live row per query tile, K and V read once per query
+head); ``packed`` (1: a group's 4 query heads packed into query rows, K and V
+read once per key/value head); ``splitN`` (N key chunks folded into the batch,
+joined by their LSEs: N times the tiles in flight, the same bytes read);
+``auto`` (None: the library's choice). For the window, ``dropped8`` is the
+packed call by hand over only the chunks of 8 that hold a key of the window
+(the position static), what dropping dead chunks would gain; and ``traced``
+runs the library's choice with the position as a traced ``q_offset``, as a
+decode loop does (the mask then reads an array). Routes: ``implementation=None``
+and the Pallas kernels' Mosaic GPU engine, under jax.jit.
 
 FlexAttention decodes in the same run (torch.compile(flex_attention) at q_len 1
 and 4 with enable_gqa, which dispatches to its decoding kernel; the window as a
-block mask).
+block mask). ``read`` is this GPU's HBM read bandwidth, measured on the same
+K and V (a reduction over both).
 
 One line per (mod, query rows, route, variant): the time per call, the K and V
 bytes the call must read over that time (window: the last 4096 keys only), and
-the largest difference of O from the unpacked call's.
+the largest difference of O from the unfolded call's.
 
     python benchmarks/probes/gqa_pack_decode.py
+    PROBE_SKV_WINDOW=512,64 JAX_PLATFORMS=cpu python benchmarks/probes/gqa_pack_decode.py
 """
 
 import os
@@ -51,6 +52,11 @@ def mods(off):
                                                   -jnp.inf),
         "alibi": lambda s, b, h, q, k: s + SLOPES[h] * (k - q - off).astype(jnp.float32),
     }
+
+
+def traced_window(sq):
+    """The window at a traced position: ``q_offset`` makes the mod read an array."""
+    return lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < WINDOW), s, -jnp.inf)
 
 
 def packed_mod(fn):
@@ -150,46 +156,56 @@ def main():
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
     k = jax.random.normal(ks[1], (B, SKV, HKV, D), jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(ks[2], (B, SKV, HKV, D), jnp.float32).astype(jnp.bfloat16)
-    routes = {"auto": (None, None),
-              "pallas": ("pallas", scoremod.LoweringOptions(pallas_engine="mosaic"))}
+    read = timed(jax.jit(lambda k, v: jnp.sum(k, dtype=jnp.float32) + jnp.sum(v, dtype=jnp.float32)),
+                 k, v)
+    print(f"read: {2 * k.size * 2 / read / 1e9:.0f} GB/s (a reduction over K and V)", flush=True)
+    routes = {"auto": None, "pallas": "pallas"}
     for sq in (1, 4):
         q = jax.random.normal(ks[0], (B, sq, HQ, D), jnp.float32).astype(jnp.bfloat16)
         for name, fn in mods(SKV - sq).items():
             keys = min(SKV, WINDOW + sq) if name == "window" else SKV
             need = 2 * B * keys * HKV * D * 2  # K and V, bf16
-            for route, (impl, opts) in routes.items():
-                def plain(q, k, v, fn=fn, impl=impl, opts=opts):
-                    return scoremod.attention(q, k, v, fn, implementation=impl, options=opts)
-
-                def packed(q, k, v, fn=fn, impl=impl, opts=opts, sq=sq):
-                    o = scoremod.attention(pack(q), k, v, packed_mod(fn), implementation=impl,
-                                           options=opts)
-                    return unpack(o, sq)
-
-                variants = [("unpacked", plain), ("packed", packed)]
-                for n in (4, 16, 32):
-                    keep = None
-                    if name == "window":  # the chunks holding a key of the window
-                        c = SKV // n
-                        keep = [j for j in range(n) if (j + 1) * c > SKV - sq - WINDOW + 1]
-                    variants.append((f"split{n}", lambda q, k, v, fn=fn, impl=impl, opts=opts,
-                                     sq=sq, n=n, keep=keep:
-                                     split_call(fn, q, k, v, sq, n, impl, opts, keep)))
+            for route, impl in routes.items():
+                engine = {"pallas_engine": "mosaic"} if impl else {}
+                variants = []
+                for label, splits in (("unfolded", 0), ("packed", 1), ("split4", 4),
+                                      ("split8", 8), ("split16", 16), ("split32", 32),
+                                      ("auto", None)):
+                    opts = scoremod.LoweringOptions(decode_splits=splits, **engine)
+                    variants.append((label, opts, lambda q, k, v, fn=fn, impl=impl, opts=opts:
+                                     scoremod.attention(q, k, v, fn, implementation=impl,
+                                                        options=opts)))
+                if name == "window":
+                    opts = scoremod.LoweringOptions(decode_splits=0, **engine)
+                    c = SKV // 8
+                    keep = [j for j in range(8) if (j + 1) * c > SKV - sq - WINDOW + 1]
+                    variants.append(("dropped8", opts, lambda q, k, v, fn=fn, impl=impl, sq=sq,
+                                     opts=opts, keep=keep:
+                                     split_call(fn, q, k, v, sq, 8, impl, opts, keep)))
+                    opts = scoremod.LoweringOptions(**engine)
+                    variants.append(("traced", opts, lambda q, k, v, off, impl=impl, opts=opts,
+                                     sq=sq: scoremod.attention(q, k, v, traced_window(sq),
+                                                               implementation=impl, options=opts,
+                                                               q_offset=off)))
                 want = None
-                for label, f in variants:
+                for label, opts, f in variants:
                     try:
                         jf = jax.jit(f)
-                        chosen = "?" if label.startswith("split") else scoremod.which_implementation(
-                            pack(q) if label == "packed" else q, k, v,
-                            packed_mod(fn) if label == "packed" else fn, implementation=impl,
-                            options=opts)[0]
-                        secs = timed(jf, q, k, v)
-                        out = jf(q, k, v).astype(jnp.float32)
+                        if label in ("dropped8", "traced"):
+                            chosen = "by hand" if label == "dropped8" else "q_offset"
+                        else:
+                            choice = scoremod.which_implementation(q, k, v, fn, implementation=impl,
+                                                                   options=opts)
+                            chosen = f"{choice[0]}: {choice.variant or 'as it is'}"
+                        args = (q, k, v) + ((jnp.full((B,), SKV - sq, jnp.int32),)
+                                            if label == "traced" else ())
+                        secs = timed(jf, *args)
+                        out = jf(*args).astype(jnp.float32)
                         want = out if want is None else want
                         err = float(jnp.max(jnp.abs(out - want)))
-                        print(f"{name:8s} sq={sq} {route:6s} {label:8s} [{chosen}] "
-                              f"{secs * 1e3:.3f} ms, {need / secs / 1e9:.0f} GB/s of K and V, "
-                              f"|O - unpacked| {err:.2e}", flush=True)
+                        print(f"{name:8s} sq={sq} {route:6s} {label:8s} {secs * 1e3:.3f} ms, "
+                              f"{need / secs / 1e9:.0f} GB/s of K and V, |O - unfolded| {err:.2e}"
+                              f" [{chosen[:160]}]", flush=True)
                     except Exception as e:  # a route that refuses: say so, go on
                         print(f"{name:8s} sq={sq} {route:6s} {label:8s} failed: "
                               f"{type(e).__name__}: {str(e)[:300]}", flush=True)

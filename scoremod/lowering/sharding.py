@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from scoremod.dsl import ir, ops
 from scoremod.dsl.ir import I32
 from scoremod.dsl.scoremod import ScoreMod
-from scoremod.lowering import nonfinite
+from scoremod.lowering import decode, nonfinite
 from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.problem import AXES, Problem
 
@@ -337,6 +337,9 @@ def _call(kind, static, *arrays):
     check = static.options.check_values
     n = _operand_arrays(kind)
     head, operands = arrays[:n], arrays[n:]
+    folded = decode.choose(static)
+    if folded is not None:  # short queries: the same kernels on folded shapes
+        return _folded_call(kind, static, folded, head, operands)
     if kind != "backward":
         q, k, v = head[:3]
         sinks = head[3] if kind == "forward_sinks" else None
@@ -350,6 +353,20 @@ def _call(kind, static, *arrays):
     q, k, v, o, lse, do = head
     dq, dk, dv, _ = nonfinite.backward(backend, plan, q, k, v, o, lse, do, operands, check)
     return dq, dk, dv
+
+
+def _folded_call(kind, static, folded, head, operands):
+    """``_call`` of a call of short queries, on the folded call's kernels (the sinks
+    joined around them)."""
+    if kind != "backward":
+        out = decode.forward(static, folded, *head[:3], operands,
+                             lambda inner, q, k, v, ops: _call("forward", inner, q, k, v, *ops))
+        return out if kind == "forward" else tuple(attention_sinks.combine(*out, head[3]))
+
+    def run(inner, q, k, v, o, lse, do, ops, dlse, wanted):
+        return (*_call("backward", inner, q, k, v, o, lse, do, *ops), {})
+
+    return decode.backward(static, folded, *head, operands, None, (), run)[:3]
 
 
 def _partitioned(kind):
@@ -479,6 +496,14 @@ def backward(static, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
     are: JAX batches its kernels under ``jax.vmap``."""
     if dlse is None and not wanted:
         return (*_batched("backward", static)(q, k, v, o, lse, do, *operands), ())
-    dq, dk, dv, grads = nonfinite.backward(static.backend, static.plan, q, k, v, o, lse, do,
-                                           operands, static.options.check_values, dlse, wanted)
+    def run(call, q, k, v, o, lse, do, operands, dlse, wanted):
+        return nonfinite.backward(call.backend, call.plan, q, k, v, o, lse, do, operands,
+                                  call.options.check_values, dlse, wanted)
+
+    folded = decode.choose(static)
+    if folded is None:
+        dq, dk, dv, grads = run(static, q, k, v, o, lse, do, operands, dlse, wanted)
+    else:
+        dq, dk, dv, grads = decode.backward(static, folded, q, k, v, o, lse, do, operands, dlse,
+                                            wanted, run)
     return dq, dk, dv, tuple(grads[name] for name in wanted)
