@@ -88,6 +88,60 @@ PALLAS_IMPLS = ("pallas", "pallas-mosaic")  # by name only, as the backend
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
         "document", "document_random", "document_noncausal", "document_softcap", "mla_rope",
         "prefix_lm", "softcap_prefix_lm", "alibi_causal", "t5")
+
+
+def _canvas(s):
+    """R x C = s, as square as a power of two allows (64 x 64 at 4096, 128 x 256 at 32768)."""
+    r = 2 ** (int(math.log2(s)) // 2)
+    return {"R": r, "C": s // r}
+
+
+def _sta(s, dims):
+    """STA's canvas at seq s: tiles of 64 tokens (2-D) or 32 (3-D), s / 16 text tokens."""
+    tile = (8, 8) if dims == 2 else (2, 4, 4)
+    if s < 1024:
+        tile = (1,) * dims
+    text = s // 16
+    tiles = (s - text) // math.prod(tile)
+    if dims == 2:
+        rows = math.isqrt(tiles)
+        return {"CR": rows, "CC": tiles // rows, "TR": tile[0], "TC": tile[1], "KR": 3, "KC": 3,
+                "TEXT": text}
+    rest = tiles // 4
+    rows = math.isqrt(rest)
+    return {"CT": 4, "CR": rows, "CC": rest // rows, "TT": tile[0], "TR": tile[1], "TC": tile[2],
+            "KT": 3, "KR": 2, "KC": 3, "TEXT": text}
+
+
+def _svg(s):
+    p = 64 if s >= 1024 else s // 16
+    return {"P": p, "T": (s - p) // 4, "F": 4, "WIDTH": 2, "ROUND": 128 if s >= 1024 else 4,
+            "SINK": 1}
+
+
+# The attention-gym catalogue's static masks (tests/catalogue/mods.py), as "gym_<entry>": the
+# entry's own code, run by each library, with the constants it reads set for seq s (the
+# catalogue's kernels and tiles, its canvas grown to s); None where the mask has no form at s
+# (Morton order needs a square canvas).
+GYM = {
+    "dilated_sliding_window": lambda s: {"W": s // 8, "D": 3},
+    "global_sliding_window": lambda s: {"W": s // 16,
+                                        "is_global": np.random.default_rng(0).random(s) < 0.05},
+    "batchify_causal": lambda s: {"N": s // 32},
+    "block_diffusion": lambda s: {"L": s // 2, "BS": 16},
+    "natten": lambda s: dict(_canvas(s), KR=5, KC=7),
+    "tiled_natten": lambda s: dict(_canvas(s), TR=min(8, _canvas(s)["R"]),
+                                   TC=min(8, _canvas(s)["C"]), KR=7, KC=7),
+    "morton_natten": lambda s: (dict(_canvas(s), KR=5, KC=5)
+                                if _canvas(s)["R"] == _canvas(s)["C"] else None),
+    "sta_2d": lambda s: _sta(s, 2),
+    "sta_3d": lambda s: _sta(s, 3),
+    "svg_spatial_head": _svg,
+    "svg_temporal_head": _svg,
+}
+GYM_MODS = tuple(f"gym_{name}" for name in GYM)
+MODS += GYM_MODS
+DEFAULT_MODS = tuple(m for m in MODS if m not in GYM_MODS)  # the gym rows: --mods asks
 PREFIX = 8  # prefix-LM: the first S / PREFIX keys are seen by every query
 # MLA's decoupled RoPE: causal, plus q_pe . k_pe of rank ROPE_DIM (k_pe shared by the
 # heads), a low-rank bias scoremod folds into the head dim (q and k at D + ROPE_DIM, v at
@@ -179,11 +233,16 @@ def t5_buckets(s):
     return (bucket + np.where(rel > 0, half, 0)).astype(np.int32)
 
 
-def mod_parts(name, t, tanh):
+def mod_parts(name, t, lib):
     """(score part ``(sc, b, h, q, k)``, mask ``(b, h, q, k)``) of mod ``name``, either
     None, written once for JAX and torch alike: ``t`` holds ``aux_arrays``' arrays in
-    the library's own type, ``tanh`` its tanh (mla_rope is jax_mod's own)."""
+    the library's own type, ``lib`` its numpy-like namespace (jax.numpy, numpy,
+    ``TorchNumpy``); mla_rope is jax_mod's own."""
     w, s, slopes, table = t["window"], t["seq"], t["slopes"], t["table"]
+    tanh = lib.tanh
+    if name in GYM_MODS:
+        mod = gym_mod(name, s, lib)
+        return None, lambda b, h, q, k: lib.isfinite(mod(0.0, b, h, q, k))
 
     def softcap(sc, b, h, q, k):
         return SOFTCAP * tanh(sc / SOFTCAP)
@@ -210,6 +269,33 @@ def mod_parts(name, t, tanh):
     return scores.get(name), masks.get(name)
 
 
+def gym_mod(name, s, lib):
+    """The catalogue entry's ``mod(s, b, h, q, k)`` at seq ``s``, its code run with ``lib``
+    as ``jnp``; NotApplicable where the mask has no form at ``s``."""
+    from tests.catalogue.mods import CATALOGUE
+
+    consts = GYM[name[len("gym_"):]](s)
+    if consts is None:
+        raise NotApplicable(f"{name} has no form at seq {s}")
+    return CATALOGUE[name[len("gym_"):]].build(consts, namespace=lib)
+
+
+class TorchNumpy:
+    """The numpy functions the harness's mods use, on torch tensors (FlexAttention)."""
+
+    inf = math.inf
+
+    def __init__(self, device="cuda"):
+        import torch
+
+        self.torch, self.device = torch, device
+        self.tanh, self.abs, self.isfinite = torch.tanh, torch.abs, torch.isfinite
+        self.clip, self.where = torch.clamp, torch.where
+
+    def asarray(self, x):
+        return self.torch.as_tensor(x, device=self.device)
+
+
 def document_mask(ids, causal):
     """Packed documents: a query sees the keys of its own document (up to itself if
     ``causal``); ``ids`` [B, S], a JAX or torch array."""
@@ -224,7 +310,9 @@ def jax_mod(name, a, dtype="float32"):
     import scoremod
 
     t = dict(a, **{n: jnp.asarray(a[n]) for n in ARRAYS})
-    score, mask = mod_parts(name, t, jnp.tanh)
+    if name in GYM_MODS:
+        return scoremod.trace(gym_mod(name, a["seq"], jnp))
+    score, mask = mod_parts(name, t, jnp)
     if name == "mla_rope":
         q_pe, k_pe = rope_arrays(a, dtype)
         score = lambda sc, b, h, q, k: sc + jnp.dot(  # noqa: E731
@@ -338,7 +426,7 @@ def flex_mods(name, a, learn=False):
     learned = [t[n] for n in FLEX_LEARNED.get(name, ())]
     for x in learned if learn else ():
         x.requires_grad_()
-    score_mod, mask_mod = mod_parts(name, t, torch.tanh)
+    score_mod, mask_mod = mod_parts(name, t, TorchNumpy())
     return score_mod, mask_mod, learned
 
 
@@ -1312,7 +1400,8 @@ def parse_args(argv):
     ap.add_argument("--head-dims", type=_list(int), default=[64, 128])
     ap.add_argument("--long", type=int, default=32768,
                     help="the long case's seq (largest head dim); 0 for none")
-    ap.add_argument("--mods", type=_list(str, MODS), default=list(MODS), help=", ".join(MODS))
+    ap.add_argument("--mods", type=_list(str, MODS), default=list(DEFAULT_MODS),
+                    help=", ".join(MODS) + f" (default: all but {', '.join(GYM_MODS)})")
     ap.add_argument("--impls", type=_list(str, IMPLS),
                     default=[i for i in IMPLS if i not in PALLAS_IMPLS],
                     help=", ".join(IMPLS) + " (default: all but " + ", ".join(PALLAS_IMPLS) + ")")

@@ -431,7 +431,7 @@ def test_flex_and_jax_mods_share_their_definitions():
     for name in bench.MODS:
         if name in bench.ROPE_MODS:
             continue
-        score, mask = bench.mod_parts(name, aux, np.tanh)
+        score, mask = bench.mod_parts(name, aux, np)
         flex = score(sc, *grid) if score else sc
         flex = np.where(mask(*grid), flex, -np.inf) if mask else flex
         mod = bench.jax_mod(name, aux)
@@ -662,3 +662,35 @@ def test_results_are_data_with_one_readme_per_date_naming_each_run():
         for entry in date.iterdir():
             stem = entry.name.split(".")[0]
             assert entry.name == "README.md" or stem in readme, f"{date.name}/README.md does not name {entry.name}"
+
+
+def test_gym_masks_are_the_catalogues_code_at_every_seq(tmp_path):
+    """The gym_* mods run the catalogue entry's own code with constants for the seq:
+    opt-in (not in the default --mods), traced by scoremod as the catalogue's mod is,
+    a dry run gives their rows, and a mask with no form at a seq is no row."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests.catalogue.mods import CATALOGUE
+
+    assert not set(bench.GYM_MODS) & set(bench.parse_args([]).mods)
+    assert set(bench.GYM) <= set(CATALOGUE)
+    for s in (64, 4096, 32768):
+        for name in bench.GYM_MODS:
+            consts = bench.GYM[name[4:]](s)
+            if consts is None:
+                assert name == "gym_morton_natten" and s == 32768
+                continue
+            want = CATALOGUE[name[4:]].build(consts)
+            if s == 64:  # the same scores as the catalogue's own port
+                got = bench.jax_mod(name, bench.aux_arrays(1, 2, s, 8))
+                grid = [jnp.asarray(x) for x in _grid(1, 2, s)]
+                sc = jnp.zeros((1, 2, s, s))
+                np.testing.assert_array_equal(np.asarray(got(sc, *grid)),
+                                              np.asarray(want(sc, *grid)), err_msg=name)
+    out = tmp_path / "g.json"
+    assert bench.main(["--dry-run", "--mods", "gym_natten,gym_morton_natten", "--seqs", "64",
+                       "--long", "0", "--directions", "fwd", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["mod"], r["status"]) for r in rows] == [("gym_natten", "ok"),
+                                                       ("gym_morton_natten", "ok")]

@@ -69,10 +69,12 @@ class Entry:
     def env(self, shape: Shape, seed: int = 0) -> dict:
         return self.setup(shape, np.random.default_rng(seed))
 
-    def build(self, env: dict):
-        """The port: ``mod`` from ``code`` with ``env``'s arrays as jax arrays."""
-        scope = {"jnp": jnp, "jax": jax}
-        scope.update({k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+    def build(self, env: dict, namespace=jnp):
+        """The port: ``mod`` from ``code`` with ``env``'s arrays as jax arrays (or, with
+        another numpy-like ``namespace`` as ``jnp``, its ``asarray``'s: the benchmark
+        harness runs the code on torch tensors for FlexAttention)."""
+        scope = {"jnp": namespace, "jax": jax}
+        scope.update({k: namespace.asarray(v) if isinstance(v, np.ndarray) else v
                       for k, v in env.items()})
         exec(compile(textwrap.dedent(self.code), f"<catalogue {self.name}>", "exec"), scope)
         return scope["mod"]
