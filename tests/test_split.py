@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import scoremod
+from scoremod.lowering import block_maps
 from scoremod.lowering.cudnn import split
 from scoremod.lowering.cudnn.plan import Plan
 from scoremod.lowering.problem import Problem
@@ -236,7 +237,7 @@ def test_a_static_condition_on_the_head_or_batch_is_not_narrowed_to_head_zero():
     for fn in (lambda s, b, h, q, k: jnp.where((k < 100) | (q >= k) | (h == 1), s * 0.5, NEG),
                lambda s, b, h, q, k: jnp.where((k < 100) | (q >= k) | (b == 1), s * 0.5, NEG)):
         expr = canonical(scoremod.trace(fn).expr)
-        assert split.static_tiles(expr, 2048, 2048) is None
+        assert block_maps.static_tiles(expr, 2048, 2048) is None
         assert split.plan(expr, 2048, 2048, blocks=8, sms=1) is None
 
 

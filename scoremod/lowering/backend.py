@@ -105,6 +105,12 @@ class Backend:
     def claims(self, problem, mod, options, over) -> str | None:
         return None
 
+    def tile_share(self, problem, mod, options) -> float | None:
+        """The modelled share of the call's score tiles its kernels compute, forward
+        and backward weighted 1 : 2.5 (their FLOPs), or None where it models none: what
+        a later backend's ``claims`` weighs against its own."""
+        return None
+
     def variant(self, problem, mod, options) -> str | None:
         """Which of its ways runs the call under ``options`` and why, for a backend
         with more than one (the Pallas engines); None for one way."""

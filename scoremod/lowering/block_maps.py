@@ -24,6 +24,7 @@ conditions. ``dense_block_map`` visits everything and is right for any mod.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -369,3 +370,38 @@ def block_map(expr, operands, problem, block_q: int, block_kv: int, *,
         ([[[1, 2, 3]]], [0, 1, 1], [True, True, False])
     """
     return block_lists(*classify_tiles(expr, operands, problem, block_q, block_kv, exact=exact))
+
+
+STATIC_TILE = 128  # cuDNN's query and key tile, and the Pallas kernels' forward query tile
+
+
+@functools.lru_cache(maxsize=256)
+def static_tiles(expr, sq: int, skv: int, tile: int = STATIC_TILE):
+    """bool [query tiles, key tiles] (of ``tile``): where the mask conditions
+    of ``expr`` that read only q_idx, kv_idx and constants can hold; None when
+    it has none. Conditions that read captured arrays (their values are not
+    known when planning), the batch or the head (every block serves all of
+    them) count as true. Known when the call is planned: the planners count
+    the tiles a route computes with it."""
+    import jax
+
+    from scoremod.dsl import ops
+    from scoremod.lowering.problem import Problem
+
+    conds, _ = mask_conditions(expr)
+    deps = dependencies(expr)
+    static = [c if keep else ops.apply("not", c) for c, keep in conds.items()
+              if not any(n.op == OPERAND for n in ir.toposort(c))
+              and {"q_idx", "kv_idx"} & deps[c] and not {"b", "h"} & deps[c]]
+    if not static:
+        return None
+    cond = static[0]
+    for c in static[1:]:
+        cond = ops.apply("and", cond, c)
+    mask = ops.apply("where", cond, ir.var(ir.SCORE), ir.const(-math.inf, F32))
+    problem = Problem(1, sq, skv, 1, 1, 8, 8, "bfloat16")  # the mask reads neither b nor h
+    with jax.ensure_compile_time_eval():
+        visited, _ = classify_tiles(mask, (), problem, tile, tile, exact="never")
+        out = np.asarray(visited)[0, 0]
+    out.setflags(write=False)  # shared by every caller of the cache
+    return out

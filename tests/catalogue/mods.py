@@ -164,7 +164,7 @@ entry(
     what="keys within W of the query, every D-th one", origin="masks/dilated_sliding_window.py",
     setup=_dilated, reference=_dilated_ref,
     code="mod = lambda s, b, h, q, k: jnp.where((jnp.abs(q - k) <= W) & (jnp.abs(q - k) % D == 0), s, -jnp.inf)",
-    verdict="fused",
+    verdict="block-sparse Pallas kernels, static block map",
 )
 
 
@@ -231,7 +231,7 @@ entry(
     what="causal attention within consecutive chunks of N tokens", origin="masks/batchify.py",
     setup=_batchify, reference=_batchify_ref,
     code="mod = lambda s, b, h, q, k: jnp.where((q // N == k // N) & (q % N >= k % N), s, -jnp.inf)",
-    verdict="fused",
+    verdict="block-sparse Pallas kernels, static block map",
 )
 
 
@@ -406,7 +406,7 @@ entry(
             block_causal = (qb >= kb) & ~q_noised & ~k_noised
             return jnp.where(diagonal | offset_causal | block_causal, s, -jnp.inf)
         """,
-    verdict="fused",
+    verdict="block-sparse Pallas kernels, static block map",
 )
 
 
@@ -524,7 +524,7 @@ entry(
     what="neighborhood attention on a row-major R x C canvas: a KR x KC window clamped inside",
     origin="masks/natten.py (generate_natten)", setup=_natten,
     reference=_natten_ref, code=NATTEN_CODE, grad=True,
-    verdict="fused",
+    verdict="block-sparse Pallas kernels, static block map",
 )
 
 
@@ -919,7 +919,7 @@ entry(
             own_block = (k >= P) & (q // BS == j // BS) & (j % BS <= q % BS)
             return jnp.where((k < P) | own_block, s, -jnp.inf)
         """,
-    verdict="fused",
+    verdict="block-sparse Pallas kernels, static block map",
 )
 
 

@@ -21,7 +21,10 @@ query-block split is the one an H200 (132 SMs) gets.
 - ``block-sparse Pallas kernels, table per diagonal``: a table read at
   q_idx - kv_idx that cuDNN yields to the Pallas kernels' Mosaic GPU engine
   on an H200 (decided from the IR here: the engine's own refusals, not this
-  machine's GPU or jax).
+  machine's GPU or jax);
+- ``block-sparse Pallas kernels, static block map``: a static mask whose
+  block map keeps far fewer tiles than cuDNN's plan computes, claimed by the
+  Mosaic GPU engine the same way.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from scoremod.lowering import patterns
 from scoremod.lowering import lowrank, segments
 from scoremod.lowering.cudnn.plan import Plan
 from scoremod.lowering.pallas import mosaic
-from scoremod.lowering.pallas.backend import PALLAS
+from scoremod.lowering.cudnn.backend import CUDNN
+from scoremod.lowering.pallas.backend import CLAIM_MARGIN, MOSAIC_TILE_COST, PALLAS
 from scoremod.lowering.problem import Problem
 
 H200_SMS = 132
@@ -100,6 +104,14 @@ def planned(mod, shape, d=128, sms=H200_SMS):
     # A relative-position table: to the Mosaic GPU engine, where it reads the mod.
     if mosaic.offset_reads(mod.expr) and mosaic.refusal(mod.expr, mod.sources) is None:
         return notes + ["table per diagonal"], "pallas", None
+    # A static mask whose block map keeps far fewer tiles than cuDNN's plan computes:
+    # to the Mosaic GPU engine where it takes the mod (Pallas.claims' rule).
+    options = scoremod.LoweringOptions(sms=sms)
+    ours = PALLAS.tile_share(problem(shape, d), mod, options)
+    theirs = CUDNN.tile_share(problem(shape, d), mod, options)
+    if (ours * MOSAIC_TILE_COST <= CLAIM_MARGIN * theirs
+            and mosaic.refusal(mod.expr, mod.sources) is None):
+        return notes + ["static block map"], "pallas", None
     return notes, "cudnn", plan_of(mod, shape, d, sms)
 
 
@@ -112,7 +124,8 @@ def verdict(mod, shape, d=128, sms=H200_SMS) -> str:
         return f"refused: `{op.group(1) if op else '?'}`"
     said, backend, plan = planned(mod, shape, d, sms)
     if backend == "pallas":
-        what = said[-1] if said[-1:] == ["table per diagonal"] else "mask in the kernel"
+        what = (said[-1] if said[-1:] in (["table per diagonal"], ["static block map"])
+                else "mask in the kernel")
         return ", ".join([n for n in said if n != what] + [f"block-sparse Pallas kernels, {what}"])
     if plan is None:
         return ", ".join(said + ["ragged sequences (cudnn-varlen)"])

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from scoremod import device, kernels_ffi, support
 from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
+from scoremod.lowering import block_maps
 from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn import rules, split, verify
@@ -80,6 +81,30 @@ class Cudnn(Backend):
 
     def plan(self, problem, mod, scale, options, return_lse):
         return plan_for(mod, problem, scale, options)
+
+    def tile_share(self, problem, mod, options):
+        # The plan's blocks as its kernels walk them: a score_mod block computes every
+        # tile of its rectangle, a block under cuDNN's native mask (or plain attention)
+        # the tiles the mask keeps; the backward by its own plan (key blocks).
+        if mod is None:
+            return 1.0
+        plan = plan_for(mod, problem, 1.0, options)
+        kept = block_maps.static_tiles(rules.canonical(mod.expr), problem.sq, problem.skv,
+                                       split.TILE)
+        total = kept.size if kept is not None else 1
+
+        def share(plan):
+            if kept is None:
+                return 1.0
+            n = 0
+            for blk, part in zip(plan.blocks, plan.parts):
+                q0, q1 = blk.q0 // split.TILE, -(-blk.q1 // split.TILE)
+                k0, k1 = blk.k0 // split.TILE, -(-blk.k1 // split.TILE)
+                n += (kept[q0:q1, k0:k1].sum() if part.fwd is None
+                      else (q1 - q0) * (k1 - k0))
+            return n / total
+
+        return (share(plan) + 2.5 * share(plan.backward_plan)) / 3.5
 
     def joins_sinks(self, plan, options):
         # cuDNN takes a sink with every graph scoremod builds (its native masks, or a

@@ -14,7 +14,7 @@ the blocks add up. ``blockwise`` says this in JAX; the fused path
 A mask that is no band but is fixed by the indices alone (prefix-LM's
 ``kv_idx < P or q_idx >= kv_idx``, a window with global tokens) splits the
 same way: its tiles are classified when the call is planned
-(``block_maps.classify_tiles`` on the mask's conditions that read no
+(``block_maps.static_tiles``: the mask's conditions that read no
 captured array), and each block takes the keys from its first to its last
 visited tile. Where such a mask is the whole mod, a block on which it is one
 band (prefix-LM's rows past the prefix see ``q_idx >= kv_idx`` only) or no
@@ -42,6 +42,7 @@ import numpy as np
 
 from scoremod.dsl import ir, ops
 from scoremod.dsl.scoremod import ScoreMod
+from scoremod.lowering import block_maps
 from scoremod.lowering.cudnn import masks, rules
 from scoremod.lowering.patterns import is_neg_inf
 
@@ -75,7 +76,7 @@ def plan(expr: ir.Node, sq: int, skv: int, blocks: int, batch_heads: int = 1,
     if band is not None:
         keys = functools.partial(_band_keys, band, skv)
     else:
-        visited = static_tiles(expr, sq, skv)
+        visited = block_maps.static_tiles(expr, sq, skv, TILE)
         if visited is None:
             return None
         keys = functools.partial(_visited_keys, visited, skv)
@@ -121,34 +122,6 @@ def _visited_keys(visited, skv, q0, q1):
     seen = np.flatnonzero(visited[q0 // TILE:-(-q1 // TILE)].any(axis=0))
     first, last = (seen[0], seen[-1]) if seen.size else (0, 0)
     return int(first * TILE), int(min(skv, (last + 1) * TILE))
-
-
-def static_tiles(expr, sq: int, skv: int):
-    """bool [query tiles, key tiles] (of ``TILE``): where the mask conditions
-    of ``expr`` that read only q_idx, kv_idx and constants can hold; None when
-    it has none. Conditions that read captured arrays (their values are not
-    known when planning), the batch or the head (every block serves all of
-    them) count as true."""
-    import jax
-
-    from scoremod.lowering import block_maps, patterns
-    from scoremod.lowering.problem import Problem
-
-    conds, _ = patterns.mask_conditions(expr)
-    deps = patterns.dependencies(expr)
-    static = [c if keep else ops.apply("not", c) for c, keep in conds.items()
-              if not any(n.op == ir.OPERAND for n in ir.toposort(c))
-              and {"q_idx", "kv_idx"} & deps[c] and not {"b", "h"} & deps[c]]
-    if not static:
-        return None
-    cond = static[0]
-    for c in static[1:]:
-        cond = ops.apply("and", cond, c)
-    mask = ops.apply("where", cond, ir.var(ir.SCORE), ir.const(-math.inf, ir.F32))
-    problem = Problem(1, sq, skv, 1, 1, 8, 8, "bfloat16")  # the mask reads neither b nor h
-    with jax.ensure_compile_time_eval():
-        visited, _ = block_maps.classify_tiles(mask, (), problem, TILE, TILE, exact="never")
-        return np.asarray(visited)[0, 0]
 
 
 def _cost(blocks, batch_heads, sms):
@@ -230,7 +203,7 @@ def by_structure(mod: ScoreMod, sq: int, skv: int, most: int):
     ``most``, more than two keep the score_mod, or the mask is not pure."""
     if _pure_mask(mod) is None:
         return None
-    visited = static_tiles(rules.canonical(mod.expr), sq, skv)
+    visited = block_maps.static_tiles(rules.canonical(mod.expr), sq, skv, TILE)
     if visited is None:
         return None
     rows = [Block(q0, min(sq, q0 + TILE), *_visited_keys(visited, skv, q0, min(sq, q0 + TILE)))

@@ -62,6 +62,13 @@ HEAD_DIMS = (64, 128)
 # own batch or head: rows of up to this many elements (a relative-position
 # table per head, slopes, a scalar), not score-sized ones.
 MAX_GRADIENT_ELEMENTS = 1 << 16
+# The Mosaic GPU kernels' time per tile against cuDNN's, forward and backward of dense
+# softcap at b4 h16 s4096 d128 on the H200 (5.728 / 4.143 ms, docs/performance.md: the
+# forward level, the backward at 0.65x); and how much less modelled time a claim
+# on tile counts needs (a margin for what the model leaves out: partial tiles'
+# masks, smaller kernels' last waves), as the query-block split asks of its own.
+MOSAIC_TILE_COST = 5.728 / 4.143
+CLAIM_MARGIN = 0.8
 
 
 def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> block_maps.BlockMap:
@@ -237,7 +244,25 @@ class Pallas(Backend):
             return (f"`{format_expr(reads[0])}` reads a table at q_idx - kv_idx, which other "
                     "backends compute ahead as a [.., Sq, Skv] tensor; the Mosaic GPU engine "
                     "reads it a value per diagonal")
+        # A static mask whose block map keeps far fewer tiles than the other backend's
+        # plan computes (NATTEN, STA, block masks: cuDNN's query blocks take each
+        # block's keys from its first to its last live tile): per tile, the Mosaic GPU
+        # kernels take MOSAIC_TILE_COST of cuDNN's time, forward and backward.
+        ours = self.tile_share(problem, mod, options)
+        theirs = None if ours is None else over.tile_share(problem, mod, options)
+        if (theirs is not None and ours * MOSAIC_TILE_COST <= CLAIM_MARGIN * theirs
+                and self.engine(problem, mod, options)[0] == "mosaic"):
+            return (f"its block map of the mask keeps {ours:.0%} of the tiles, where "
+                    f"{over.name}'s plan computes {theirs:.0%} (forward and backward weighted "
+                    f"1 : 2.5), at {MOSAIC_TILE_COST:.2f}x cuDNN's time per tile")
         return None
+
+    def tile_share(self, problem, mod, options):
+        # The kernels visit the tiles the block map keeps, forward and backward.
+        if mod is None:
+            return 1.0
+        kept = block_maps.static_tiles(mod.expr, problem.sq, problem.skv)
+        return 1.0 if kept is None else float(kept.mean())
 
     def _why_not_mosaic(self, problem, mod, advice=True):
         """The Mosaic GPU forward's refusals (its backward falls back to the Triton
