@@ -170,6 +170,28 @@ def test_which_calls_fold():
     assert decode.choose(_call(p, opts, backend="xla")) is None
 
 
+def test_a_call_that_skips_tiles_is_not_folded(stand_in_h200):
+    """A window at a static position skips its dead tiles (cuDNN's native mask, the
+    Pallas block map); folded, its indices would read the batch row and every tile
+    would be computed. At a traced position (an operand) it folds."""
+    p = Problem(b=8, sq=1, skv=32768, hq=32, hkv=8, d=128, dv=128, dtype="bfloat16")
+    opts = scoremod.LoweringOptions(pallas_engine="triton", sms=132)
+    window = scoremod.trace(lambda s, b, h, q, k: jnp.where(
+        (q + 32767 >= k) & (q + 32767 - k < 4096), s, NEG))
+    causal = scoremod.trace(lambda s, b, h, q, k: jnp.where(q + 32767 >= k, s, NEG))
+    for name in ("pallas", "cudnn"):
+        be = registry.get(name)
+        for mod, folds in ((window, False), (causal, True)):
+            call = Call(be, be.plan(p, mod, 0.125, opts, True), p, opts)
+            assert (decode.choose(call) is not None) == folds, (name, mod)
+    q = jnp.zeros((8, 1, 32, 128), jnp.bfloat16)
+    k = jnp.zeros((8, 32768, 8, 128), jnp.bfloat16)
+    choice = scoremod.which_implementation(  # the offset an operand of the mod
+        q, k, k, lambda s, b, h, qi, ki: jnp.where((qi >= ki) & (qi - ki < 4096), s, NEG),
+        implementation="pallas", options=opts, q_offset=jnp.full((8,), 32767, jnp.int32))
+    assert "short queries folded" in choice.variant
+
+
 def test_decode_splits_is_checked():
     for bad in (-1, 1.5, True, "4"):
         with pytest.raises(ScoreModError, match="decode_splits"):

@@ -15,6 +15,10 @@ the same attention on other shapes, for the same kernels:
   once. The chunks' O and LSE are joined after, in a fixed order (the result
   repeats bitwise).
 
+A call whose plan skips tiles of a static mask (a sliding window at a
+static position) is not folded: the folded indices read the batch row,
+which a static block map does not, so every tile would be computed.
+
 The mod sees the call's own indices: ``b -> b' // n``, ``h -> h' * G + r % G``,
 ``q_idx -> r // G``, ``kv_idx -> kv' + (b' % n) * chunk``; an array read at
 ``b`` directly is repeated along that axis, so that its read stays direct.
@@ -91,6 +95,12 @@ def _choose(call):
         return None
     splits = _splits(p, group, options)
     if group == 1 and splits == 1:
+        return None
+    # A call whose plan skips tiles already (a static window under cuDNN's native mask,
+    # a block map): the fold's indices depend on the batch row, which no static block
+    # map reads, so the folded call would compute every tile.
+    share = call.backend.tile_share(p, call.plan.mod, options)
+    if share is not None and share < 1.0:
         return None
     fold = Fold(group, splits)
     mod = None if call.plan.mod is None else ScoreMod(rewrite(call.plan.mod, fold, p)[0])
