@@ -115,6 +115,8 @@ def trace(fn):
 
 RNG = np.random.default_rng(1)
 DOC = jnp.asarray(np.sort(RNG.integers(0, 4, (2, 40)), axis=1), jnp.int32)
+# A tile list (video sparse attention): query tile q // 4 sees the key tiles it lists.
+TOPK = jnp.asarray(np.random.default_rng(7).integers(0, 10, (2, 3, 10, 2)), jnp.int32)
 DOC_SHUFFLED = jnp.asarray(RNG.integers(0, 3, (2, 40)), jnp.int32)
 MASK = jnp.asarray(RNG.random((2, 40, 40)) < 0.3)
 BLOCKY = jnp.asarray(np.kron(RNG.random((5, 5)) < 0.5, np.ones((8, 8), bool)))
@@ -165,6 +167,13 @@ MODS = {
     "relative_condition": (lambda s, b, h, q, k: jnp.where(REL[h, k - q + 39] > 0.2, s,
                                                            NEG_INF), False),
     "relative_buckets": (lambda s, b, h, q, k: s + BUCKET_BIAS[BUCKETS[k - q + 39], h], False),
+    # Per tile, whether the listed tiles meet the keys' (a presence table): the visited
+    # tiles are tight (test_a_tile_list_is_tight_under_jit), a tile the two lists fill
+    # between them is not found full.
+    "tile_list": (lambda s, b, h, q, k: jnp.where(
+        (TOPK[b, h, q // 4, 0] == k // 4) | (TOPK[b, h, q // 4, 1] == k // 4), s, NEG_INF), False),
+    "tile_list_not": (lambda s, b, h, q, k: jnp.where(
+        (TOPK[b, h, q // 4, 0] != k // 4) & (q >= k), s, NEG_INF), False),
 }
 
 
@@ -265,6 +274,28 @@ def test_jit_takes_operands_as_arguments():
     eager = block_map(mod.expr, {"c0": DOC}, p, 8, 8)
     for a, b in zip(one, eager):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_tile_list_is_tight_under_jit():
+    """An equality of a value of the queries and one of the keys: the tiles where
+    their sets of values meet, from a presence table per tile, with the list a jit
+    argument (computed in the program): those the entries need, no more."""
+    mod = trace(MODS["tile_list"][0])
+    p = Problem(2, 40, 40, 3, 3, 8, 8, "float32")
+    exact, _ = classify_tiles(mod.expr, mod.operands, p, 8, 8, exact="always")
+    got = jax.jit(lambda topk: classify_tiles(mod.expr, (topk,), p, 8, 8)[0])(TOPK)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(exact))
+    # a range wider than the table takes: the interval rule, sound and looser
+    from scoremod.lowering import block_maps
+
+    wide = block_maps._Tiles.values_meet.__defaults__
+    try:
+        block_maps._Tiles.values_meet.__defaults__ = (3,)
+        fallback, _ = classify_tiles(mod.expr, mod.operands, p, 8, 8)
+    finally:
+        block_maps._Tiles.values_meet.__defaults__ = wide
+    assert bool((np.asarray(fallback) | ~np.asarray(exact)).all())
+    assert np.asarray(fallback).mean() > np.asarray(exact).mean()
 
 
 def test_wrong_operand_count_is_refused():

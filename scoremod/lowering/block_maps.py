@@ -36,7 +36,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, OPERAND, VAR
 from scoremod.errors import ScoreModValueError
-from scoremod.lowering.intervals import (F32_MAX, RULES, TIGHT, Floats, constant, every,
+from scoremod.lowering.intervals import (F32_MAX, RULES, TIGHT, Bools, Floats, constant, every,
                                          from_parts, reduce_parts, value_parts)
 from scoremod.lowering.patterns import (dependencies, difference_form, mask_conditions,
                                         reads_score)
@@ -105,6 +105,8 @@ _EXACT = ("auto", "always", "never")
 _JNP = {F32: jnp.float32, I32: jnp.int32, BOOL: jnp.bool_}
 # Elements of one step of the per-tile evaluation (query blocks batched to about this).
 _TILE_STEP_ELEMENTS = 2**24
+_MOST_VALUES = 4096  # the widest value range an equality of queries and keys is tabled over
+_MOST_PRODUCT = 2**28  # ... and the most tiles x values its product may take
 
 
 def _separable(d):
@@ -213,6 +215,64 @@ class _Tiles:
         parts = tuple(x[:, :, index] for x in parts)  # [Bm, Hm, nq, nk, span]
         return from_parts(node.dtype, reduce_parts(node.dtype, parts, 4, keepdims=False))
 
+    def values_meet(self, a, b, deps, most: int = _MOST_VALUES):
+        """``(meet, always)``, bool ``[Bm or 1, Hm or 1, nq, nk]``: whether some entry of
+        each tile gives the int nodes ``a`` and ``b`` (one of q_idx, the other of
+        kv_idx) the same value, and whether every entry does (each side one value
+        there, the same). One side must read no captured array: its values, known
+        when planning, give the range (at most ``most`` values); a presence table per
+        tile over that range for each side (a scatter, O(B*H*S)), then one product
+        over the range. None where neither side is known or the range is wider."""
+        import jax
+
+        p = self.problem
+        known = [n for n in (a, b) if not any(m.op == OPERAND for m in ir.toposort(n))]
+        if not known:
+            return None
+
+        def along(node):
+            on_q = "q_idx" in deps[node]
+            size = p.sq if on_q else p.skv
+            seq = jnp.arange(size, dtype=jnp.int32)[None, None, :]
+            zero = jnp.zeros((1, 1, 1), jnp.int32)
+            bs = jnp.arange(p.b if "b" in deps[node] else 1, dtype=jnp.int32)[:, None, None]
+            hs = jnp.arange(p.hq if "h" in deps[node] else 1, dtype=jnp.int32)[None, :, None]
+            v = self.evaluate(node, bs, hs, seq if on_q else zero, zero if on_q else seq)
+            return on_q, jnp.broadcast_to(v, (bs.shape[0], hs.shape[1], size))
+
+        with jax.ensure_compile_time_eval():
+            static = np.asarray(along(known[0])[1])
+        lo, hi = int(static.min()), int(static.max())
+        if hi - lo + 1 > most or self.nq * self.nk * (hi - lo + 1) > _MOST_PRODUCT:
+            return None
+
+        def presence(node):
+            """(on q_idx, [.., tiles, range] presence, [.., tiles] a value outside the range)"""
+            on_q, v = along(node)
+            block = self.block_q if on_q else self.block_kv
+            nb, nh, size = v.shape
+            n = num_blocks(size, block)
+            tile = jnp.arange(size, dtype=jnp.int32) // block
+            idx = (jnp.arange(nb)[:, None, None], jnp.arange(nh)[None, :, None],
+                   jnp.broadcast_to(tile, v.shape), v - lo)
+            table = jnp.zeros((nb, nh, n, hi - lo + 1), jnp.float32)
+            table = table.at[idx].max(1.0, mode="drop")  # values outside the range never meet
+            outside = jnp.pad((v < lo) | (v > hi), [(0, 0), (0, 0), (0, n * block - size)])
+            outside = outside.reshape(nb, nh, n, block).any(axis=-1)
+            if nb > 1 and self.bm == 1:
+                table, outside = table.max(axis=0, keepdims=True), outside.any(0, keepdims=True)
+            if nh > 1 and self.hm == 1:
+                table, outside = table.max(axis=1, keepdims=True), outside.any(1, keepdims=True)
+            return on_q, table, outside
+
+        (a_on_q, ta, oa), (_, tb, ob) = presence(a), presence(b)
+        (tq, oq), (tk, ok) = ((ta, oa), (tb, ob)) if a_on_q else ((tb, ob), (ta, oa))
+        # 0 / 1 entries summed over at most `most` values: exact in float32 (and TF32)
+        meet = jnp.matmul(tq, jnp.swapaxes(tk, -1, -2), precision=jax.lax.Precision.HIGHEST) > 0
+        single_q = (tq.sum(-1) == 1) & ~oq  # [.., nq]: one value on the tile's rows
+        single_k = (tk.sum(-1) == 1) & ~ok
+        return meet, meet & single_q[..., :, None] & single_k[..., None, :]
+
     def per_tile(self, nodes, deps) -> list:
         """Score-free nodes evaluated on every entry of every tile, reduced per
         tile: one (batch, head, query block) row of tiles per step (a node
@@ -249,6 +309,13 @@ class _Tiles:
         shape = (self.bm, self.hm, self.nq, nk)
         return [from_parts(n.dtype, tuple(x.reshape(shape) for x in parts))
                 for n, parts in zip(nodes, stacked)]
+
+
+def _opposite_sides(n, deps) -> bool:
+    """Whether ``n`` compares an int of q_idx (not kv_idx) with one of kv_idx (not q_idx)."""
+    sides = [frozenset(deps[a]) & {"q_idx", "kv_idx"} for a in n.args]
+    return (all(a.dtype == I32 for a in n.args)
+            and sorted(map(sorted, sides)) == [["kv_idx"], ["q_idx"]])
 
 
 def _mixed_uses(expr, conds, deps) -> list:
@@ -303,6 +370,15 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     exact_nodes = [n for n in exact_nodes if n not in diagonal]
     values = dict(zip(exact_nodes, tiles.per_tile(exact_nodes, deps))) if exact_nodes else {}
     values.update({n: tiles.diagonal(n, deps[n]) for n in diagonal})
+    # An equality of a value of the queries and one of the keys (a tile list,
+    # topk[b, h, q // T, j] == kv // T): per tile, whether their sets of values meet
+    # (the interval rule sees every value between a tile's least and greatest).
+    for n in ir.toposort(*conds) if conds else ():
+        if n not in values and n.op in ("eq", "ne") and _opposite_sides(n, deps):
+            found = tiles.values_meet(*n.args, deps)
+            if found is not None:
+                meet, always = found
+                values[n] = (Bools(meet, ~always) if n.op == "eq" else Bools(~always, meet))
 
     def leaf(n):
         return n in values or n.op == CONST or _separable(deps[n]) or n.op not in RULES
