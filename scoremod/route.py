@@ -23,7 +23,7 @@ import jax
 
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.lowering import decode, lowrank, registry
-from scoremod.lowering.backend import Call
+from scoremod.lowering.backend import Call, sinks_inside
 from scoremod.lowering.problem import Problem
 from scoremod.options import LoweringOptions
 
@@ -130,7 +130,7 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
                                                                or not options.deterministic))
         forward_mode_fallback = _fallback(backend, problem, mod, scale, options, takes,
                                           lambda b: b.differentiable)
-    inside = sinks == "head" and backend.joins_sinks(plan, options)
+    inside = sinks_inside(backend, plan, options, sinks)
     call = Call(backend, plan, problem, options, bool(return_lse), fallback,
                 forward_mode_fallback, bool(sinks), inside)
     variant = backend.variant(problem, mod, options)

@@ -129,11 +129,21 @@ class Backend:
 
     def joins_sinks(self, plan, options) -> bool:
         """Whether its forward takes per-head sinks into its own softmax for ``plan``
-        (else they join around it: ``lowering/sinks.py``'s combine)."""
+        (else they join around it: ``lowering/sinks.py``'s combine). Asked through
+        :func:`sinks_inside`, the one rule."""
         return False
 
     def __repr__(self):
         return f"<scoremod backend {self.name!r}>"
+
+
+def sinks_inside(backend, plan, options, layout) -> bool:
+    """Whether a call's sinks (``lowering.sinks.layout``: "head" or "batch"; None
+    without) join inside ``backend``'s forward: one logit per head, a backend that
+    takes them for ``plan``, and V known finite (``check_values`` runs the forward
+    twice around the kernel, lowering/nonfinite.py, which takes no sinks)."""
+    return (layout == "head" and not options.check_values
+            and backend.joins_sinks(plan, options))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +180,7 @@ class Call:
         plan = self.backend.plan(problem, mod, self.plan.scale, self.options, self.return_lse)
         return dataclasses.replace(self, plan=plan, fallback=None, forward_mode_fallback=None,
                                    problem=problem, sinks_inside=self.sinks_inside
-                                   and self.backend.joins_sinks(plan, self.options))
+                                   and sinks_inside(self.backend, plan, self.options, "head"))
 
     def refolded(self, problem, mod, why: str) -> "Call":
         """As :meth:`on`, with the fallbacks (if any) planned for it too."""
@@ -188,7 +198,7 @@ class Call:
         return dataclasses.replace(self, backend=pair[0], plan=pair[1], return_lse=True,
                                    fallback=None, forward_mode_fallback=None,
                                    sinks_inside=self.sinks_inside
-                                   and pair[0].joins_sinks(pair[1], self.options))
+                                   and sinks_inside(pair[0], pair[1], self.options, "head"))
 
 
 def execute(call: Call, q, k, v, operands, sinks=None):

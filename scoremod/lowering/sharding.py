@@ -134,7 +134,7 @@ def _count(mesh, entry):
 
 
 # The kinds of call: "forward" (q, k, v), "forward_sinks" (q, k, v and the sinks
-# [b, hq], which the backend joins in its softmax: Backend.joins_sinks) and
+# [b, hq], which the backend joins in its softmax: Call.sinks_inside) and
 # "backward" (q, k, v, O, LSE, dO); the mod's operands follow.
 _ARRAYS = {"forward": 3, "forward_sinks": 4, "backward": 6}
 
@@ -343,7 +343,7 @@ def _call(kind, static, *arrays):
     if kind != "backward":
         q, k, v = head[:3]
         sinks = head[3] if kind == "forward_sinks" else None
-        if sinks is not None and (check or not static.sinks_inside):  # joined around it
+        if sinks is not None and not static.sinks_inside:  # joined around it
             out = _call("forward", static, q, k, v, *operands)
             return tuple(attention_sinks.combine(*out, sinks))
         if not check:

@@ -109,7 +109,7 @@ class Cudnn(Backend):
     def joins_sinks(self, plan, options):
         # cuDNN takes a sink with every graph scoremod builds (its native masks, or a
         # score_mod without one), but not at one query row (decode-only mode).
-        return not options.check_values and all(b.q1 - b.q0 > 1 for b in plan.blocks)
+        return all(b.q1 - b.q0 > 1 for b in plan.blocks)
 
     def forward(self, plan, q, k, v, operands, sinks=None):
         s = plan.shape
