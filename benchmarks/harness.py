@@ -16,6 +16,9 @@ Same shapes, same run, side by side (``--impls``):
   scoremod-plain  the same backend by name with LoweringOptions.plain(): the mod lowered as
              written, no native mask, no query-block split, no scale folding (what those
              lowerings gain)
+  scoremod-cudnn  scoremod.attention(implementation="cudnn"): the cuDNN route by name,
+             for the calls the planner gives another backend (the static masks the
+             Pallas kernels claim by tile counts: the crossover's other side)
   scoremod-ids  scoremod with the mod's arrays passed as arguments of the jitted
              function, as in training (document ids change per batch): the document
              mods' route is then chosen per call inside the program (a lax.cond)
@@ -75,6 +78,7 @@ IMPLS = {
     "scoremod-ids": "scoremod fused, operands as jit arguments",
     "scoremod-sinks": "scoremod fused, with sinks (learned)",
     "scoremod-deterministic": "scoremod fused, deterministic=True",
+    "scoremod-cudnn": "scoremod on cuDNN by name",
     "direct": "same graph, cuDNN frontend Python",
     "xla": "scoremod XLA reference",
     "pallas": "scoremod Pallas kernels",
@@ -534,10 +538,12 @@ def make_call(impl, name, shape, direction):
 
         def fn(q, k, v, sinks):
             return scoremod.attention(q, k, v, mod, sinks=sinks)
-    elif impl in ("scoremod", "scoremod-plain", "scoremod-deterministic", "xla") + PALLAS_IMPLS:
+    elif impl in ("scoremod", "scoremod-plain", "scoremod-deterministic", "scoremod-cudnn",
+                  "xla") + PALLAS_IMPLS:
         mod = shape.mod(name)
         # scoremod: implementation=None, what the planner picks (run() records it)
         how = ("xla" if impl == "xla" else "pallas" if impl in PALLAS_IMPLS
+               else "cudnn" if impl == "scoremod-cudnn"
                else fused_backend(name, shape).name if impl == "scoremod-plain" else None)
         options = {"scoremod-plain": scoremod.LoweringOptions.plain(),
                    "scoremod-deterministic": scoremod.LoweringOptions(deterministic=True),
