@@ -1183,3 +1183,28 @@ def test_learned_relative_tables_have_no_size_bound_on_the_mosaic_backward(inter
                             skip=True, scale=0.3)
     with pytest.raises(scoremod.ScoreModError, match="up to seq 32768 on the Triton backward"):
         learn(triton)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["natten", "batchify_causal", "block_diffusion",
+                                  "dilated_sliding_window"])
+def test_claimed_static_masks_interpreted(name, dtype, interprets):
+    """The catalogue's static masks the Mosaic GPU engine claims by tile counts
+    (Pallas.claims), at the catalogue's CPU shape: forward and backward in
+    interpret mode against the reference path."""
+    from tests.catalogue.mods import CATALOGUE
+
+    entry = CATALOGUE[name]
+    shape = entry.cpu
+    mod = scoremod.trace(entry.build(entry.env(shape)))
+    q, k, v, do = pc.inputs(b=1, sq=shape.sq, skv=shape.skv, hq=2, hkv=1, d=64, dtype=dtype)
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.4)
+    assert plan.interpret and plan.engine == "mosaic" and plan.backward_engine == "mosaic"
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), (), False)
+    o, lse = pallas_backend._forward(plan, q, k, v, ())
+    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)  # the loss's 0.1 * sum(finite LSE)
+    dq, dk, dv, _ = pallas_backend._backward(plan, q, k, v, o, lse, do, dlse, (), ())
+    errs = pc.relative_errors((o, lse, dq, dk, dv, ()), want)
+    assert all(e < 3e-2 for e in errs.values()), errs
