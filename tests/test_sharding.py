@@ -304,8 +304,10 @@ def test_context_parallel_equals_unsharded(name, spec):
     got = step(*args)
     _close(got, want)
     seq_parts = 8 if spec == P(None, ("x", "y", "z")) else 4
-    # Each shard computes its rows against all keys.
-    assert any(p.sq == 64 // seq_parts and p.skv == 64 for _, p in StandIn.seen), StandIn.seen
+    # Each shard computes its rows against all keys (its few rows folded: a group's
+    # query heads packed into rows, lowering/decode.py, so rows x heads is the shard's).
+    assert any(p.sq * p.hq == 64 // seq_parts * 4 and p.skv == 64
+               for _, p in StandIn.seen), StandIn.seen
     dq = got[1][0]  # dQ keeps the query shards
     assert dq.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4), dq.sharding
 
