@@ -254,3 +254,22 @@ def test_the_fold_is_the_same_attention_on_random_mods(chunk):
         if done == 5:
             break
     assert done == 5
+
+
+def test_a_folded_decode_loop_compiles_once():
+    """Decode steps at new traced positions reuse the one compiled, folded call."""
+    q, k, v = _inputs(sq=1)
+    causal = lambda s, b, h, qi, ki: jnp.where(qi >= ki, 30.0 * jnp.tanh(s / 30.0), NEG)  # noqa: E731
+    step = jax.jit(lambda q, k, v, pos: scoremod.attention(
+        q, k, v, causal, implementation="pallas", options=TRITON, q_offset=pos,
+        kv_lengths=pos + 1))
+    for t in (100, 300, 511):
+        pos = jnp.full((q.shape[0],), t, jnp.int32)
+        got = step(q, k, v, pos)
+        want = scoremod.attention(q, k, v, causal, implementation="xla", q_offset=pos,
+                                  kv_lengths=pos + 1)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert step._cache_size() == 1
+    assert "short queries folded" in scoremod.which_implementation(
+        q, k, v, causal, implementation="pallas", options=TRITON, q_offset=pos,
+        kv_lengths=pos + 1).variant

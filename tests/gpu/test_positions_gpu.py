@@ -143,3 +143,19 @@ def test_folded_decode_matches_the_reference_with_gradients(route, name, splits,
     for a, b in zip(run(impl, options.replace(deterministic=True)),
                     run(impl, options.replace(deterministic=True))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_a_decode_loop_compiles_once(route):
+    """Steps at new traced positions reuse one compiled call on every route (a
+    module imported while the first call is traced may add a config state to
+    jit's cache key: kernels.py imports the known ones ahead)."""
+    impl, options = ROUTES[route]
+    _skip_unless_hopper(impl)
+    q, k, v, _ = _inputs(1)
+    step = jax.jit(lambda q, k, v, pos: scoremod.attention(
+        q, k, v, MODS["softcap"], implementation=impl, options=options, q_offset=pos,
+        kv_lengths=pos + 1))
+    for t in (100, 1000, SKV - 1):
+        jax.block_until_ready(step(q, k, v, jnp.full((B,), t, jnp.int32)))
+    assert step._cache_size() == 1

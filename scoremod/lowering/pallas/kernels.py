@@ -40,6 +40,16 @@ from jax.experimental import pallas as pl
 
 from scoremod.lowering.pallas import codegen
 
+# Pallas modules that JAX imports only when a kernel is first lowered define
+# config states of jit's trace context (jax 0.12: the fuser's, which interpret
+# mode brings in): imported while the first call is traced, they change the cache
+# key of every later call after that key was taken, so a jitted decode loop
+# compiled twice. Imported here, before any call is traced.
+try:
+    import jax.experimental.pallas.fuser  # noqa: F401
+except ImportError:  # a jax without it defines no such state
+    pass
+
 NEG_INF = float("-inf")
 # The softmax's exponentials are taken base 2 (one multiply and the hardware's
 # exp2), with the running maximum and the LSE kept in log2 units until the end.
