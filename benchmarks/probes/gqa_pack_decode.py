@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import scoremod
+from scoremod.lowering import decode
+from scoremod.lowering.problem import Problem
 
 B, HQ, HKV, D = 8, 32, 8, 128
 SKV, WINDOW = (int(x) for x in os.environ.get("PROBE_SKV_WINDOW", "32768,4096").split(","))  # small on a CPU
@@ -59,43 +61,23 @@ def traced_window(sq):
     return lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < WINDOW), s, -jnp.inf)
 
 
-def packed_mod(fn):
-    """``fn`` on the packed call: row r is row r // G of head h * G + r % G."""
-    return lambda s, b, h, r, k: fn(s, b, h * G + r % G, r // G, k)
-
-
-def pack(q):
-    b, sq, _, d = q.shape
-    return q.reshape(b, sq, HKV, G, d).transpose(0, 1, 3, 2, 4).reshape(b, sq * G, HKV, d)
-
-
-def unpack(o, sq):
-    b, _, _, dv = o.shape
-    return o.reshape(b, sq, G, HKV, dv).transpose(0, 1, 3, 2, 4).reshape(b, sq, HQ, dv)
-
-
-def split_call(fn, q, k, v, sq, n, impl, opts, keep=None):
+def split_call(fn, q, k, v, n, impl, opts, keep=None):
     """The packed call over ``n`` key chunks folded into the batch (``keep``: the chunk
-    indices that hold a live key, all by default), joined by their LSEs."""
+    indices that hold a live key, all by default), joined by their LSEs: the library's
+    fold (lowering/decode.py) with the dead chunks dropped, which it does not do."""
     b, skv, h, d = k.shape
     c = skv // n
     keep = list(range(n)) if keep is None else keep
     m = len(keep)
+    fold = decode.Fold(G, m)
     kc = k.reshape(b, n, c, h, d)[:, keep].reshape(b * m, c, h, d)
     vc = v.reshape(b, n, c, h, d)[:, keep].reshape(b * m, c, h, d)
-    qp = jnp.repeat(pack(q), m, axis=0)
     first = jnp.asarray(keep, jnp.int32) * c
-    pm = packed_mod(fn)
-    mod = lambda s, bb, hh, r, kk: pm(s, bb // m, hh, r, kk + first[bb % m])
-    o, lse = scoremod.attention(qp, kc, vc, mod, implementation=impl, options=opts,
-                                return_lse=True)
-    o = o.reshape(b, m, *o.shape[1:]).astype(jnp.float32)
-    lse = lse.reshape(b, m, *lse.shape[1:])  # [b, m, h, rows]
-    top = jnp.max(lse, axis=1, keepdims=True)
-    w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # [b, m, h, rows]
-    w = jnp.moveaxis(w, 3, 2)[..., None]  # [b, m, rows, h, 1]
-    out = jnp.sum(o * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1e-30)
-    return unpack(out.astype(q.dtype), sq)
+    mod = lambda s, bb, hh, r, kk: fn(s, bb // m, hh * G + r % G, r // G,  # noqa: E731
+                                      kk + first[bb % m])
+    o, lse = scoremod.attention(decode.fold_queries(q, fold, HKV), kc, vc, mod,
+                                implementation=impl, options=opts, return_lse=True)
+    return decode.join(o, lse, fold, Problem.of(q, k, v))[0]
 
 
 def flex_decode(sq, k, v):
@@ -181,7 +163,7 @@ def main():
                     keep = [j for j in range(8) if (j + 1) * c > SKV - sq - WINDOW + 1]
                     variants.append(("dropped8", opts, lambda q, k, v, fn=fn, impl=impl, sq=sq,
                                      opts=opts, keep=keep:
-                                     split_call(fn, q, k, v, sq, 8, impl, opts, keep)))
+                                     split_call(fn, q, k, v, 8, impl, opts, keep)))
                     opts = scoremod.LoweringOptions(**engine)
                     variants.append(("traced", opts, lambda q, k, v, off, impl=impl, opts=opts,
                                      sq=sq: scoremod.attention(q, k, v, traced_window(sq),

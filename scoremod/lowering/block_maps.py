@@ -28,11 +28,12 @@ import functools
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scoremod.dsl import ir
+from scoremod.dsl import ir, ops
 from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, OPERAND, VAR
 from scoremod.errors import ScoreModValueError
@@ -40,6 +41,7 @@ from scoremod.lowering.intervals import (F32_MAX, RULES, TIGHT, Bools, Floats, c
                                          from_parts, reduce_parts, value_parts)
 from scoremod.lowering.patterns import (dependencies, difference_form, mask_conditions,
                                         reads_score)
+from scoremod.lowering.problem import Problem
 
 
 class BlockMap(NamedTuple):
@@ -223,8 +225,6 @@ class _Tiles:
         when planning, give the range (at most ``most`` values); a presence table per
         tile over that range for each side (a scatter, O(B*H*S)), then one product
         over the range. None where neither side is known or the range is wider."""
-        import jax
-
         p = self.problem
         known = [n for n in (a, b) if not any(m.op == OPERAND for m in ir.toposort(n))]
         if not known:
@@ -459,11 +459,6 @@ def static_tiles(expr, sq: int, skv: int, tile: int = STATIC_TILE):
     known when planning), the batch or the head (every block serves all of
     them) count as true. Known when the call is planned: the planners count
     the tiles a route computes with it."""
-    import jax
-
-    from scoremod.dsl import ops
-    from scoremod.lowering.problem import Problem
-
     conds, _ = mask_conditions(expr)
     deps = dependencies(expr)
     static = [c if keep else ops.apply("not", c) for c, keep in conds.items()

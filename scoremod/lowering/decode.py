@@ -42,6 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from scoremod import device
 from scoremod.dsl import ir, ops
 from scoremod.dsl.ir import I32
 from scoremod.dsl.scoremod import ScoreMod
@@ -118,8 +119,6 @@ def _splits(p: Problem, group: int, options) -> int:
     query tiles, each chunk at least ``MIN_CHUNK`` keys on ``ALIGN``."""
     if options.decode_splits is not None:
         return max(n for n in range(1, options.decode_splits + 1) if p.skv % n == 0)
-    from scoremod import device
-
     sms = options.sms or device.current().sm_count or SMS
     tiles = p.b * p.hkv  # one query tile per (sequence, key/value head) once packed
     n = 1

@@ -88,21 +88,20 @@ class Cudnn(Backend):
         # the tiles the mask keeps; the backward by its own plan (key blocks).
         if mod is None:
             return 1.0
-        plan = plan_for(mod, problem, 1.0, options)
         kept = block_maps.static_tiles(rules.canonical(mod.expr), problem.sq, problem.skv,
                                        split.TILE)
-        total = kept.size if kept is not None else 1
+        if kept is None:
+            return 1.0
+        plan = plan_for(mod, problem, 1.0, options)
 
         def share(plan):
-            if kept is None:
-                return 1.0
             n = 0
             for blk, part in zip(plan.blocks, plan.parts):
                 q0, q1 = blk.q0 // split.TILE, -(-blk.q1 // split.TILE)
                 k0, k1 = blk.k0 // split.TILE, -(-blk.k1 // split.TILE)
                 n += (kept[q0:q1, k0:k1].sum() if part.fwd is None
                       else (q1 - q0) * (k1 - k0))
-            return n / total
+            return n / kept.size
 
         return (share(plan) + 2.5 * share(plan.backward_plan)) / 3.5
 

@@ -249,7 +249,7 @@ class Pallas(Backend):
         # block's keys from its first to its last live tile): per tile, the Mosaic GPU
         # kernels take MOSAIC_TILE_COST of cuDNN's time, forward and backward.
         ours = self.tile_share(problem, mod, options)
-        theirs = None if ours is None else over.tile_share(problem, mod, options)
+        theirs = over.tile_share(problem, mod, options)
         if (theirs is not None and ours * MOSAIC_TILE_COST <= CLAIM_MARGIN * theirs
                 and self.engine(problem, mod, options)[0] == "mosaic"):
             return (f"its block map of the mask keeps {ours:.0%} of the tiles, where "
