@@ -286,11 +286,11 @@ def _lower_backward(expr, q, k, operands=(), full_expr=None, lengths=None):
     names = tuple(n.attr[0] for n in ir.operands_of(expr)) if expr is not None else ()
     real = (sq, skv) if lengths is None else lengths
     spec = mosaic_backward.BackwardSpec(expr, names, 0.125, *real, groups, full_expr)
-    bmap = block_maps.dense_block_map(sq=sq, skv=skv, block_q=mosaic_backward.BLOCK,
-                                      block_kv=mosaic_backward.BLOCK)
     rows = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], sq), jnp.float32)
-    for kernel in (mosaic_backward.dq, mosaic_backward.dkdv):
-        fn = lambda q, k, v, do, lse2, delta, ops, kernel=kernel: kernel(  # noqa: E731
+    for kernel, (bq, bk) in ((mosaic_backward.dq, mosaic_backward.DQ_BLOCKS),
+                             (mosaic_backward.dkdv, mosaic_backward.DKDV_BLOCKS)):
+        bmap = block_maps.dense_block_map(sq=sq, skv=skv, block_q=bq, block_kv=bk)
+        fn = lambda q, k, v, do, lse2, delta, ops, kernel=kernel, bmap=bmap: kernel(  # noqa: E731
             spec, bmap, q, k, v, do, lse2, delta, ops)
         jax.jit(fn).trace(q, k, k, q, rows, rows, operands).lower(lowering_platforms=("cuda",))
 
@@ -313,7 +313,7 @@ def test_op_table_lowers_through_backward(name, lowers):
 @pytest.mark.parametrize("d,dtype,groups", [(64, jnp.float16, 1), (128, jnp.bfloat16, 2)])
 def test_backward_kernels_lower(d, dtype, groups, lowers):
     """Both kernels on their own: plain attention, a mask with its full-tile
-    variant, tails on both sides (96 x 160 rows in 128 x 192 padded arrays) and
+    variant, tails on both sides (96 x 160 rows in 128 x 256 padded arrays) and
     grouped heads (float32 dK/dV per query head)."""
     causal = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(qi >= ki, 20.0 * jnp.tanh(s / 20.0),
                                                                 -jnp.inf))
@@ -321,20 +321,20 @@ def test_backward_kernels_lower(d, dtype, groups, lowers):
     assert full is not causal.expr
     for expr, full_expr in ((None, None), (causal.expr, full)):
         q = jax.ShapeDtypeStruct((1, 128, 2 * groups, d), dtype)
-        k = jax.ShapeDtypeStruct((1, 192, 2, d), dtype)
+        k = jax.ShapeDtypeStruct((1, 256, 2, d), dtype)
         _lower_backward(expr, q, k, full_expr=full_expr, lengths=(96, 160))
 
 
 def test_backward_plan(monkeypatch):
-    """The plan takes the Mosaic GPU backward with the Mosaic engine (at its own
-    64 x 64 tiles), the Triton one with the Triton engine (the options' tiles) and
+    """The plan takes the Mosaic GPU backward with the Mosaic engine (padding to its
+    own 128-row programs), the Triton one with the Triton engine (the options' tiles) and
     where the Mosaic kernels cannot evaluate the mod's derivative (saying why)."""
     problem = _problem()
     softcap = scoremod.trace(lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0))
     for mod in (None, softcap):
         plan = PALLAS.plan(problem, mod, 0.125, MOSAIC, True)
         assert plan.backward_engine == "mosaic" and plan.backward_note is None
-        assert plan.backward_blocks == (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
+        assert plan.backward_blocks == (mosaic_backward.TILE, mosaic_backward.TILE)
         assert "Mosaic GPU forward and backward" in plan.describe()
         plain = PALLAS.plan(problem, mod, 0.125, TRITON, True)
         options = TRITON

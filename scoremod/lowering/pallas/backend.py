@@ -313,7 +313,7 @@ class Pallas(Backend):
             backward_note = _mosaic_backward_refusal(mod, full_expr)
             if backward_note is None:  # its tiles are fixed by its warpgroups too
                 backward_engine = "mosaic"
-                bwd = (mosaic_backward.BLOCK, mosaic_backward.BLOCK)
+                bwd = (mosaic_backward.TILE, mosaic_backward.TILE)  # the padding's
                 triton_operands, diagonal_operands = _mosaic_unlearnable(mod, full_expr)
             elif not interpret and support.pallas_triton_missing():
                 backward_engine = None  # the backward refuses, saying why (_backward)
@@ -493,16 +493,15 @@ def _operand_gradient(part, node, expr, b, hq):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _diagonal_parts(plan, spec, sums, windows, sq, skv) -> dict:
+def _diagonal_parts(plan, spec, sums, windows, nq, nk) -> dict:
     """The partial rows [B, Hq, 1, window] of each operand read at q_idx - kv_idx
-    (``windows``: (name, axes, size)) from ``diagonal_sums``' sums (tiles of
-    padded ``sq`` x ``skv``): the sum along each real diagonal placed at the
+    (``windows``: (name, axes, size)) from ``diagonal_sums``' sums (over ``nq`` x
+    ``nk`` tiles): the sum along each real diagonal placed at the
     position its read takes there, the read's index evaluated when tracing
     (it reads no captured array: ``diagonal_refusal``); each position sums its
     diagonals in a fixed order (a gather and a sum: the same bits on every run)."""
     p = plan.problem
     blk = mosaic_backward.BLOCK
-    nq, nk = sq // blk, skv // blk
     per_diagonal = mosaic_backward.diagonal_gradient(sums, nq, nk)  # [B, Hq, reads, P]
     first = nk * blk - 1  # the padded matrix's diagonal 0 (q_idx == kv_idx)
     d = np.arange(-(p.skv - 1), p.sq)  # the real diagonals q_idx - kv_idx
@@ -588,7 +587,6 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     p = plan.problem
     bq, bk = plan.backward_blocks
     spec = plan.spec(plan.backward_blocks, plan.num_warps[1])
-    bmap = _map(plan, plan.backward_blocks, operands)
     sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
     f32 = jnp.float32
     # D = rowsum(dO * O) - dLSE: LSE's gradient dLSE * P joins dS = P * (dP - D).
@@ -612,14 +610,20 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         diagonal = tuple(w for w in windows if w[0] in plan.diagonal_operands)
         per_key = tuple(w for w in windows if w not in diagonal)
         mspec = plan.mosaic_backward_spec(learned=(w[0] for w in per_key))
-        dq = mosaic_backward.dq(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
-        dk, dv, sums = mosaic_backward.dkdv(mspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
+        # Each kernel's own map: a program's rows by a streamed tile.
+        dq = mosaic_backward.dq(mspec, _map(plan, mosaic_backward.DQ_BLOCKS, operands), qp, kp,
+                                vp, dop, lse2, deltap, kops)
+        dk, dv, sums = mosaic_backward.dkdv(
+            mspec, _map(plan, mosaic_backward.DKDV_BLOCKS, operands), qp, kp, vp, dop, lse2,
+            deltap, kops)
         parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, per_key)
         if diagonal:
             dspec = plan.mosaic_backward_spec(learned=(w[0] for w in diagonal))
-            sums = mosaic_backward.diagonal_sums(dspec, bmap, qp, kp, vp, dop, lse2, deltap, kops)
-            parts.update(_diagonal_parts(plan, dspec, sums, diagonal, sq, skv))
+            dmap = _map(plan, mosaic_backward.DIAGONAL_BLOCKS, operands)
+            sums = mosaic_backward.diagonal_sums(dspec, dmap, qp, kp, vp, dop, lse2, deltap, kops)
+            parts.update(_diagonal_parts(plan, dspec, sums, diagonal, *dmap.block_counts))
     else:  # the Triton backward: it learns any captured float array (``windows``)
+        bmap = _map(plan, plan.backward_blocks, operands)
         dq = kernels.dq(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops)
         dk, dv, parts = kernels.dkdv(spec, bmap, qp, kp, vp, dop, lse_p, deltap, kops, windows)
     g = p.hq // p.hkv

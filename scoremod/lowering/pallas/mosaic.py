@@ -290,16 +290,16 @@ class OffsetDiagonals:
 
         return [plgpu.SMEM((slots, self.window), x.dtype) for x in self.arrays]
 
-    def tile(self, window, row, shape, keys_down, interpret):
-        """The values on a tile of ``shape`` (its keys: all ``cols`` of the program's)
-        whose first query is the program's query ``row`` (static or not): queries
-        down and keys across, or (``keys_down``, the dK/dV kernel's) keys down and
-        queries across."""
+    def tile(self, window, row, shape, keys_down, interpret, col=0):
+        """The values on a tile of ``shape`` whose first query is the program's query
+        ``row`` and first key its key ``col`` (static or not): queries down and keys
+        across, or (``keys_down``, the dK/dV kernel's) keys down and queries across."""
         import jax.experimental.pallas as pl
 
-        queries = shape[1] if keys_down else shape[0]
-        view = window.at[pl.ds(row, queries + self.cols - 1)]
-        return diagonal_gather(view, self.cols - 1, -1 if keys_down else 1, shape, interpret)
+        keys, queries = shape if keys_down else shape[::-1]
+        # The tile's diagonals run from row - col - keys + 1; the window's from -(cols - 1).
+        view = window.at[pl.ds(row - col + self.cols - keys, queries + keys - 1)]
+        return diagonal_gather(view, keys - 1, -1 if keys_down else 1, shape, interpret)
 
 
 def diagonal_gather(ref, start, sign, shape, interpret):

@@ -6,13 +6,17 @@ the tile, ``P = exp(mod(s) - LSE)`` (0 on rows whose LSE is -inf),
 ``dP = dO.V^T``, ``dS = P * (dP - D)`` and the score's gradient through the
 mod's symbolic derivative; on tiles the map marks full, the mod without its
 mask and that mod's derivative. Both kernels visit the tiles the block map
-lists, at ``BLOCK`` x ``BLOCK`` (the map's tiles).
+lists, a program's ``TILE`` rows by a streamed ``BLOCK`` (``DKDV_BLOCKS``,
+``DQ_BLOCKS``).
 
-Each program runs two warpgroups: a compute warpgroup that owns ``BLOCK``
-rows (keys for dK/dV, queries for dQ) and keeps their gradients in
-registers, and a memory warpgroup that streams the other side's tiles (the
-query, dO, LSE and D tiles for dK/dV; the key and value tiles for dQ) into
-``STAGES`` shared-memory slots with the copy engine. All five products run
+Each program runs three warpgroups: two compute warpgroups that own
+``BLOCK`` rows each (``TILE`` keys for dK/dV, queries for dQ) and keep their
+gradients in registers, and a memory warpgroup that streams the other side's
+tiles (the query, dO, LSE and D tiles for dK/dV; the key and value tiles for
+dQ) into ``STAGES`` shared-memory slots with the copy engine, each tile
+copied once for both compute warpgroups (one compute warpgroup per program
+left the tensor cores idle while it evaluated the mod, and read every
+streamed tile twice as often). All five products run
 on the tensor cores (``wgmma``): dK/dV computes the transposed tiles
 ``S^T = K.Q^T`` and ``dP^T = V.dO^T``, so that ``dV += P^T.dO`` and
 ``dK += dS^T.Q`` take their left operand from registers; dQ computes
@@ -66,10 +70,18 @@ from scoremod.dsl.ir import F32
 from scoremod.dsl.text import format_expr
 from scoremod.lowering.pallas import codegen, mosaic
 
-BLOCK = 64  # rows per tile on both sides: the block map's (block_q, block_kv)
+BLOCK = 64  # rows per compute warpgroup, and per streamed tile (wgmma's M is 64)
+COMPUTE_WGS = 2  # compute warpgroups per program, each owning BLOCK of its rows
+TILE = BLOCK * COMPUTE_WGS  # a program's own rows: dK/dV's keys, dQ's queries
 STAGES = 2  # streamed tiles in flight
-# Registers per thread: one compute warpgroup takes what the memory warpgroup gives up.
-COMPUTE_REGISTERS, MEMORY_REGISTERS = 256, 40
+# Registers per thread: the compute warpgroups take what the memory warpgroup gives up
+# (2 x 232 + 40 warps' worth fits the 64K registers of a multiprocessor).
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
+ONE_COMPUTE_REGISTERS = 256  # the per-block-diagonal kernel's single compute warpgroup
+# The block maps' (block_q, block_kv) of each kernel: a program's own rows by a streamed tile.
+DKDV_BLOCKS = (BLOCK, TILE)
+DQ_BLOCKS = (TILE, BLOCK)
+DIAGONAL_BLOCKS = (BLOCK, BLOCK)
 
 LOG2E = mosaic.LOG2E
 NEG_INF = float("-inf")
@@ -197,45 +209,46 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}
     return value, local
 
 
-def _copied_reads(spec, operands, b, hq, sq, skv):
+def _copied_reads(spec, operands, b, hq, sq, skv, blocks):
     """``mosaic.CopiedReads`` of every expression a backward kernel evaluates: the
     mod (and its full-tile form), their local derivatives and the learned reads'
-    cotangents."""
+    cotangents, for programs of ``blocks`` (queries, keys)."""
     mods = [e for e in (spec.expr, spec.full_expr) if e is not None]
     learned = learned_loads(spec.expr, spec.learned)
     exprs = mods + [local_derivative(e) for e in mods]
     exprs += [t for e in mods for t in load_derivatives(e, learned)]
     return mosaic.CopiedReads.build([e for e in exprs if e is not None], spec.operand_names,
-                                    operands, b, hq, BLOCK, BLOCK, sq, skv)
+                                    operands, b, hq, *blocks, sq, skv)
 
 
 class _Vectors:
     """The reads of captured arrays along one tile axis in a backward kernel's
-    expressions (``mosaic.vector_reads``): the program's own rows' slice (``own``,
-    the axis down the tile) is copied once, the streamed side's slice per step
-    beside its tiles (into the step's slot); the tile's values load where an
+    expressions (``mosaic.vector_reads``): each compute warpgroup's own rows' slice
+    (``own``, the axis down the tile) is copied once, the streamed side's slice per
+    step beside its tiles (into the step's slot); the tile's values load where an
     expression reads them. Reads at q_idx - kv_idx (``mosaic.offset_reads``)
-    come the same way, a window of their diagonals per step
-    (``mosaic.OffsetDiagonals``), spread over the tile in registers (keys down in
-    the dK/dV kernel)."""
+    come the same way, a window of the program's diagonals per step
+    (``mosaic.OffsetDiagonals``), spread over each warpgroup's tile in registers
+    (keys down in the dK/dV kernel)."""
 
     def __init__(self, spec, operands, b, hq, sq, skv, own):
         self.interpret = spec.interpret
-        copied = _copied_reads(spec, operands, b, hq, sq, skv)
+        blocks = DQ_BLOCKS if own == "q_idx" else DKDV_BLOCKS
+        copied = _copied_reads(spec, operands, b, hq, sq, skv, blocks)
         self.sources, self.side = copied.sources, copied.side
         self.offsets, self.arrays = copied.offsets, copied.arrays
         self.own, self.streamed = own, ("kv_idx" if own == "q_idx" else "q_idx")
 
     def scratch(self):
-        """(shared memory, barriers) for the own and the streamed slices."""
+        """(shared memory, barriers) for the own (per warpgroup) and the streamed slices."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         dtype = dict(zip(self.sources, (x.dtype for x in self.arrays)))
         own, streamed = self.side[self.own], self.side[self.streamed]
-        smem = ([plgpu.SMEM((BLOCK,), dtype[src]) for src in own],
+        smem = ([plgpu.SMEM((COMPUTE_WGS, BLOCK), dtype[src]) for src in own],
                 [plgpu.SMEM((STAGES, BLOCK), dtype[src]) for src in streamed]
                 + self.offsets.scratch(STAGES))
-        ready = ([plgpu.Barrier() for _ in own],
+        ready = ([plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own],
                  [plgpu.Barrier(num_barriers=STAGES)
                   for _ in streamed + self.offsets.sources])
         return smem, ready
@@ -246,21 +259,23 @@ class _Vectors:
         ref = dict(zip(self.sources, refs))[src]
         return ref.at[(*mosaic.vector_row(src, bi, hi), pl.ds(start, BLOCK))]
 
-    def load_own(self, refs, smem, ready, bi, hi, start):
-        """The program's own rows' vectors, in registers (along the tile's rows)."""
+    def load_own(self, refs, smem, ready, bi, hi, start, wg):
+        """Warpgroup ``wg``'s own rows' vectors (from ``start``), in registers (along
+        the tile's rows)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         for src, buf, bar in zip(self.side[self.own], smem, ready):
-            plgpu.copy_gmem_to_smem(self.slice(refs, src, bi, hi, start), buf, bar)
+            plgpu.copy_gmem_to_smem(self.slice(refs, src, bi, hi, start), buf.at[wg], bar.at[wg])
         out = {}
         for src, buf, bar in zip(self.side[self.own], smem, ready):
-            plgpu.barrier_wait(bar)
-            out[src] = plgpu.load(buf, layout=plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(bar.at[wg])
+            out[src] = plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         return out
 
     def fetch(self, refs, smem, ready, bi, hi, row0, start, slot):
         """The memory warpgroup's copies of one step's streamed slices (the tile's
-        columns from ``start``) and window of diagonals (for its rows from ``row0``)."""
+        columns from ``start``) and window of diagonals (for the program's rows
+        from ``row0``)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         for src, buf, bar in zip(self.side[self.streamed], smem, ready):
@@ -280,17 +295,21 @@ class _Vectors:
         for bar in ready:
             plgpu.barrier_wait(bar.at[slot])
 
-    def tile(self, own_values, smem, slot):
-        """``reads(roots)`` for ``_tile_terms``: the streamed slices load (along
-        the tile's columns) only where ``roots`` read them."""
+    def tile(self, own_values, smem, slot, wg):
+        """``reads(roots)`` for ``_tile_terms`` on warpgroup ``wg``'s tile: the
+        streamed slices load (along the tile's columns) only where ``roots`` read
+        them."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        keys_down = self.own == "kv_idx"
+        row, col = (0, wg * BLOCK) if keys_down else (wg * BLOCK, 0)
 
         def reads(roots):
             n = len(self.side[self.streamed])
             diagonal = mosaic.offset_reads(*roots)
             out = mosaic.offset_values(diagonal, {
-                src: self.offsets.tile(buf.at[slot], 0, (BLOCK, BLOCK), self.own == "kv_idx",
-                                       self.interpret)
+                src: self.offsets.tile(buf.at[slot], row, (BLOCK, BLOCK), keys_down,
+                                       self.interpret, col=col)
                 for src, buf in zip(self.offsets.sources, smem[n:])} if diagonal else {})
             mine = mosaic.vector_reads(*roots)
             if not mine:
@@ -350,12 +369,13 @@ def _map_index(counts, bi, hi):
     return (0 if counts.shape[0] == 1 else bi), (0 if counts.shape[1] == 1 else hi)
 
 
-def _memory_warpgroup(wg, count, fetch, free):
-    """Warpgroup 1, with few registers: ``_stream``'s loop of ``fetch``."""
+def _memory_warpgroup(wg, count, fetch, free, index=COMPUTE_WGS):
+    """Warpgroup ``index`` (after the compute warpgroups), with few registers:
+    ``_stream``'s loop of ``fetch``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    @pl.when(wg == 1)
+    @pl.when(wg == index)
     def _memory():
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
         _stream(count, fetch, free)
@@ -388,10 +408,14 @@ def _stream(count, fetch, free):
 
 def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     """Per query head dK, dV [B, Skv, Hq, D] (q's dtype, or float32 where query
-    heads share key heads) on arrays padded to whole tiles, and the sums of the
-    cotangents of the reads of ``spec.learned`` per key [B, Hq, reads, Skv]
-    (float32; None without such reads). ``lse2``: the LSE in log2 units, +inf
-    on rows that see no key; ``delta``: D [B, Hq, Sq]."""
+    heads share key heads) on arrays padded to whole tiles (``TILE``), and the
+    sums of the cotangents of the reads of ``spec.learned`` per key [B, Hq, reads,
+    Skv] (float32; None without such reads). ``bmap``: the block map at
+    ``DKDV_BLOCKS``; ``lse2``: the LSE in log2 units, +inf on rows that see no
+    key; ``delta``: D [B, Hq, Sq].
+
+    A program owns ``TILE`` keys, ``BLOCK`` per compute warpgroup; both take each
+    streamed query tile (Q, dO, LSE and D copied once for the two)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -411,7 +435,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, operand_refs, vector_refs, dk_ref, dv_ref, sums_ref, scoped):
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_smem, dv_smem, *staging), \
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, out_smem2, *staging), \
             (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, \
             (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem = scoped
         sums_smem = sums_smem[0] if sums_smem else None  # with learned reads only
@@ -422,20 +446,22 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         tile = lax.axis_index("kv_seq")
         mb, mh = _map_index(counts, bi, hi)
         count = counts_ref[mb, mh, tile]
-        k0 = tile * BLOCK
 
         def q_start(step):
             return blocks_ref[mb, mh, tile, step] * BLOCK
 
-        @pl.when(wg == 0)
+        @pl.when(wg < COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            k0 = tile * TILE + wg * BLOCK  # this warpgroup's keys
+            k_smem, v_smem, out_smem = k_smem2.at[wg], v_smem2.at[wg], out_smem2.at[wg]
             own = (bi, pl.ds(k0, BLOCK), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, kv_ready.at[0])
-            plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, kv_ready.at[1])
-            own_vectors = vectors.load_own(vector_refs, own_vec_smem, own_vec_ready, bi, hi, k0)
-            plgpu.barrier_wait(kv_ready.at[0])
-            plgpu.barrier_wait(kv_ready.at[1])
+            plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, kv_ready.at[2 * wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, kv_ready.at[2 * wg + 1])
+            own_vectors = vectors.load_own(vector_refs, own_vec_smem, own_vec_ready, bi, hi, k0,
+                                           wg)
+            plgpu.barrier_wait(kv_ready.at[2 * wg])
+            plgpu.barrier_wait(kv_ready.at[2 * wg + 1])
             refs = dict(zip(spec.operand_names, operand_refs))
             zeros = lambda cols: plgpu.layout_cast(  # noqa: E731
                 jnp.zeros((BLOCK, cols), jnp.float32), layout)
@@ -458,7 +484,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     plgpu.wgmma(dp_acc, v_smem, dos.transpose((1, 0)))  # dP^T, while ...
                     value, local, *terms = _tile_terms(
                         spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK),
-                        reads=vectors.tile(own_vectors, vec_smem, slot), loads=loads)
+                        reads=vectors.tile(own_vectors, vec_smem, slot, wg), loads=loads)
                     terms = terms[0] if loads else ()  # the learned reads' cotangents at dP = 1
                     lse = plgpu.load(lse_smem.at[slot], layout=along_q)
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [1]))
@@ -477,8 +503,10 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
                 def gradients(accs):  # both issued before one wait
                     dv_acc, dk_acc = accs
-                    plgpu.wgmma(dv_acc, mosaic.left_operand(spec, p.astype(dtype), staging, 0), dos)
-                    plgpu.wgmma(dk_acc, mosaic.left_operand(spec, ds.astype(dtype), staging, 1), qs)
+                    plgpu.wgmma(dv_acc, mosaic.left_operand(spec, p.astype(dtype), staging,
+                                                            2 * wg), dos)
+                    plgpu.wgmma(dk_acc, mosaic.left_operand(spec, ds.astype(dtype), staging,
+                                                            2 * wg + 1), qs)
 
                 dv, dk = mosaic.accumulate(spec, gradients, (dv, dk))
                 plgpu.barrier_arrive(free.at[slot])
@@ -487,18 +515,23 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             no_sums = tuple(plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), along_kv)
                             for _ in loads)
             dk, dv, sums = lax.fori_loop(0, count, step_fn, (zeros(d), zeros(d), no_sums))
-            dk_smem[...] = dk.astype(out_dtype)
-            dv_smem[...] = dv.astype(out_dtype)
-            for i, total in enumerate(sums):
-                sums_smem.at[i][...] = total
-            plgpu.commit_smem()
             rows = (bi, pl.ds(k0, BLOCK), hi)
-            plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[rows], commit_group=False)
-            plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[rows], commit_group=False)
-            for i in range(len(sums)):
-                plgpu.copy_smem_to_gmem(sums_smem.at[i], sums_ref.at[bi, hi, i, pl.ds(k0, BLOCK)],
-                                        commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+            # dK, then dV, through one tile of shared memory (float32 ones would not fit beside).
+            for i, (grad, out_ref) in enumerate(((dk, dk_ref), (dv, dv_ref))):
+                if i:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out_smem[...] = grad.astype(out_dtype)
+                if i == 0:
+                    for j, total in enumerate(sums):
+                        sums_smem.at[wg, j][...] = total
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows], commit_group=False)
+                if i == 0:
+                    for j in range(len(sums)):
+                        plgpu.copy_smem_to_gmem(sums_smem.at[wg, j],
+                                                sums_ref.at[bi, hi, j, pl.ds(k0, BLOCK)],
+                                                commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
 
         def fetch(step, slot):
@@ -509,7 +542,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], do_smem.at[slot], do_ready.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
                                     delta_ready.at[slot])
-            vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, k0, q_start(step), slot)
+            vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, tile * TILE, q_start(step),
+                          slot)
 
         _memory_warpgroup(wg, count, fetch, free)
 
@@ -518,19 +552,17 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
         dk_ref, dv_ref, *sums_ref = rest[n_ops + n_vec:]
         swizzled = mosaic.swizzled()
-        out_transforms = swizzled if out_dtype == dtype else ()
-        smem = [plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
-                plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
-                plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled),
-                plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled),
-                plgpu.SMEM((STAGES, BLOCK), jnp.float32),
-                plgpu.SMEM((STAGES, BLOCK), jnp.float32),
-                plgpu.SMEM((BLOCK, d), out_dtype, transforms=out_transforms),
-                plgpu.SMEM((BLOCK, d), out_dtype, transforms=out_transforms)]
-        smem += mosaic.staging(spec, 2, BLOCK, BLOCK, dtype)
-        ready = (plgpu.Barrier(num_barriers=2),) + (plgpu.Barrier(num_barriers=STAGES),) * 4
-        free = plgpu.Barrier(num_barriers=STAGES)
-        sums_smem = [plgpu.SMEM((len(loads), BLOCK), jnp.float32)] if loads else []
+        own = plgpu.SMEM((COMPUTE_WGS, BLOCK, d), dtype, transforms=swizzled)
+        streamed = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)
+        vector = plgpu.SMEM((STAGES, BLOCK), jnp.float32)
+        smem = [own, own, streamed, streamed, vector, vector,
+                plgpu.SMEM((COMPUTE_WGS, BLOCK, d), out_dtype,
+                           transforms=swizzled if out_dtype == dtype else ())]
+        smem += mosaic.staging(spec, 2 * COMPUTE_WGS, BLOCK, BLOCK, dtype)
+        ready = ((plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),)
+                 + (plgpu.Barrier(num_barriers=STAGES),) * 4)
+        free = plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES)
+        sums_smem = [plgpu.SMEM((COMPUTE_WGS, len(loads), BLOCK), jnp.float32)] if loads else []
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
                                     lse_ref, delta_ref, operand_refs, vector_refs, dk_ref,
@@ -540,8 +572,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     out = jax.ShapeDtypeStruct((b, skv, hq, d), out_dtype)
     sums = (jax.ShapeDtypeStruct((b, hq, len(loads), skv), jnp.float32),) if loads else ()
     outs = plgpu.kernel(
-        entry, out_type=(out, out) + sums, grid=(hq, skv // BLOCK, b),
-        grid_names=("heads", "kv_seq", "batch"), num_threads=2, thread_name="wg",
+        entry, out_type=(out, out) + sums, grid=(hq, skv // TILE, b),
+        grid_names=("heads", "kv_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
@@ -575,14 +607,17 @@ def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
 
 
 def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
-    """dQ [B, Sq, Hq, D] in q's dtype on arrays padded to whole tiles (``lse2``,
-    ``delta`` as for ``dkdv``)."""
+    """dQ [B, Sq, Hq, D] in q's dtype on arrays padded to whole tiles (``TILE``);
+    ``bmap``: the block map at ``DQ_BLOCKS``; ``lse2``, ``delta`` as for ``dkdv``.
+
+    A program owns ``TILE`` queries, ``BLOCK`` per compute warpgroup; both take
+    each streamed key tile (K and V copied once for the two)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     b, sq, hq, d = q.shape
     dtype = q.dtype
-    n_tiles = sq // BLOCK
+    n_tiles = sq // TILE
     n_ops = len(operands)
     counts, blocks_, full = bmap.q_counts, bmap.q_blocks, bmap.q_full.astype(jnp.int32)
     layout = plgpu.Layout.WGMMA
@@ -593,7 +628,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, operand_refs, vector_refs, dq_ref, scoped):
-        (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, *staging), \
+        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *staging), \
             (own_ready, k_ready, v_ready), free, \
             (own_vec_smem, vec_smem), (own_vec_ready, vec_ready) = scoped
         staging = staging[0] if staging else None  # interpret mode's
@@ -603,23 +638,27 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         tile = n_tiles - 1 - lax.axis_index("q_seq")  # the longest (causal) tiles first
         mb, mh = _map_index(counts, bi, hi)
         count = counts_ref[mb, mh, tile]
-        q0 = tile * BLOCK
 
         def kv_start(step):
             return blocks_ref[mb, mh, tile, step] * BLOCK
 
-        @pl.when(wg == 0)
+        @pl.when(wg < COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            q0 = tile * TILE + wg * BLOCK  # this warpgroup's queries
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
             rows = (bi, pl.ds(q0, BLOCK), hi)
             vec = (bi, hi, pl.ds(q0, BLOCK))
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, own_ready.at[0])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, own_ready.at[1])
-            plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, own_ready.at[2])
-            plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, own_ready.at[3])
-            own_vectors = vectors.load_own(vector_refs, own_vec_smem, own_vec_ready, bi, hi, q0)
-            for i in range(4):
-                plgpu.barrier_wait(own_ready.at[i])
+            mine = [own_ready.at[4 * wg + i] for i in range(4)]
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, mine[0])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, mine[1])
+            plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, mine[2])
+            plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, mine[3])
+            own_vectors = vectors.load_own(vector_refs, own_vec_smem, own_vec_ready, bi, hi, q0,
+                                           wg)
+            for bar in mine:
+                plgpu.barrier_wait(bar)
             lse = plgpu.load(lse_smem, layout=along_rows)
             dd = plgpu.load(delta_smem, layout=along_rows)
             refs = dict(zip(spec.operand_names, operand_refs))
@@ -642,7 +681,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     plgpu.wgmma(dp_acc, do_smem, vs.transpose((1, 0)))  # dP, while ...
                     value, local = _tile_terms(spec, s, inputs, refs, is_full,
                                                shape=(BLOCK, BLOCK),
-                                               reads=vectors.tile(own_vectors, vec_smem, slot))
+                                               reads=vectors.tile(own_vectors, vec_smem, slot, wg))
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
                     return p, local, dp_acc[...]  # ... P is computed
 
@@ -654,7 +693,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 ds = ds * jnp.float32(spec.scale)
 
                 def query_grad(acc_refs):
-                    ds_left = mosaic.left_operand(spec, ds.astype(dtype), staging, 0)
+                    ds_left = mosaic.left_operand(spec, ds.astype(dtype), staging, wg)
                     plgpu.wgmma(acc_refs[0], ds_left, ks)
 
                 (acc,) = mosaic.accumulate(spec, query_grad, (acc,))
@@ -671,7 +710,8 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             rows = pl.ds(kv_start(step), BLOCK)
             plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[slot], k_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot], v_ready.at[slot])
-            vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, q0, kv_start(step), slot)
+            vectors.fetch(vector_refs, vec_smem, vec_ready, bi, hi, tile * TILE, kv_start(step),
+                          slot)
 
         _memory_warpgroup(wg, count, fetch, free)
 
@@ -680,16 +720,14 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
         (dq_ref,) = rest[n_ops + n_vec:]
         swizzled = mosaic.swizzled()
-        smem = [plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
-                plgpu.SMEM((BLOCK, d), dtype, transforms=swizzled),
-                plgpu.SMEM((BLOCK,), jnp.float32),
-                plgpu.SMEM((BLOCK,), jnp.float32),
-                plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled),
-                plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)]
-        smem += mosaic.staging(spec, 1, BLOCK, BLOCK, dtype)
-        ready = (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=STAGES),
+        own = plgpu.SMEM((COMPUTE_WGS, BLOCK, d), dtype, transforms=swizzled)
+        own_vector = plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32)
+        streamed = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)
+        smem = [own, own, own_vector, own_vector, streamed, streamed]
+        smem += mosaic.staging(spec, COMPUTE_WGS, BLOCK, BLOCK, dtype)
+        ready = (plgpu.Barrier(num_barriers=4 * COMPUTE_WGS), plgpu.Barrier(num_barriers=STAGES),
                  plgpu.Barrier(num_barriers=STAGES))
-        free = plgpu.Barrier(num_barriers=STAGES)
+        free = plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES)
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
                                     lse_ref, delta_ref, operand_refs, vector_refs, dq_ref, scoped),
@@ -697,7 +735,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
     return plgpu.kernel(
         entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(hq, n_tiles, b),
-        grid_names=("heads", "q_seq", "batch"), num_threads=2, thread_name="wg",
+        grid_names=("heads", "q_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
@@ -828,14 +866,15 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     (all at q_idx - kv_idx: ``diagonal_refusal``), per block diagonal: float32 [B, Hq,
     reads, nq + nk - 1, 2, BLOCK] (``[..., 0, t]``: the diagonal ``t`` below the block
     diagonal's first, ``[..., 1, t]``: ``t`` above), on arrays padded to whole tiles
-    (``lse2``, ``delta`` as for ``dkdv``)."""
+    (``bmap`` at ``DIAGONAL_BLOCKS``; ``lse2``, ``delta`` as for ``dkdv``). One
+    compute warpgroup: its register tile of sums leaves no room for a second."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     b, sq, hq, d = q.shape
     skv = k.shape[1]
     dtype = q.dtype
-    nq, nk = sq // BLOCK, skv // BLOCK
+    nq, nk = bmap.block_counts  # the real lengths' tiles (the arrays may be padded further)
     n_diag = nq + nk - 1
     n_ops = len(operands)
     counts, blocks_, full = diagonal_map(bmap, nq, nk)
@@ -843,7 +882,7 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     along_rows = plgpu.Layout.WGMMA.reduce(1)
     with_full = spec.full_expr is not None
     loads = learned_loads(spec.expr, spec.learned)
-    copied = _copied_reads(spec, operands, b, hq, sq, skv)
+    copied = _copied_reads(spec, operands, b, hq, sq, skv, DIAGONAL_BLOCKS)
     assert not copied.sources, "diagonal_refusal routes vector reads elsewhere"
     offsets = copied.offsets
     n_off = len(copied.arrays)
@@ -867,7 +906,7 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
         @pl.when(wg == 0)
         def _compute():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(ONE_COMPUTE_REGISTERS, action="increase")
             # The window of diagonals is the same on every tile of a block diagonal.
             q0_any, k0_any = jnp.maximum(shift, 0) * BLOCK, jnp.maximum(-shift, 0) * BLOCK
             for ref, src, buf, bar in zip(offset_refs, offsets.sources, off_smem, off_ready):
@@ -938,7 +977,7 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
                                     delta_ready.at[slot])
 
-        _memory_warpgroup(wg, count, fetch, free)
+        _memory_warpgroup(wg, count, fetch, free, index=1)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
