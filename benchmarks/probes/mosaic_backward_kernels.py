@@ -1,0 +1,108 @@
+"""Where the Mosaic GPU backward's time goes: its dQ and dK/dV kernels timed apart.
+
+    python benchmarks/probes/mosaic_backward_kernels.py [--seq 4096] [--reps 5]
+
+At b4 h16 d128 bfloat16, for plain attention, softcap and causal (the block map
+skips the masked tiles), each kernel alone under jit on the plan the backend makes
+(its block maps, padding and spec), with TF/s counted from its own products (dQ
+three per tile: S, dP, dQ; dK/dV four: S, dP, dV, dK; dense, masked tiles counted
+too) and from the backward's usual dense count (2.5x the forward's 4*B*H*S*S*D,
+the five products of a fused backward), beside cuDNN's whole backward
+(scoremod's implementation="cudnn", fwd+bwd less fwd). Median over --reps runs
+of 10 calls after a warm-up.
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import scoremod
+from scoremod.lowering.pallas import backend as pallas_backend
+from scoremod.lowering.pallas import mosaic_backward
+from scoremod.lowering.pallas.backend import PALLAS
+from scoremod.lowering.problem import Problem
+
+MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
+
+
+def timed(f, args, reps, calls=10):
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(calls):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / calls)
+    return float(np.median(times))
+
+
+def mods():
+    return {"plain": None,
+            "softcap": lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0),
+            "causal": lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    b, h, d, s = 4, 16, 128, args.seq
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(x, (b, s, h, d), jnp.bfloat16) for x in keys)
+    dense = 4 * b * h * s * s * d
+    for name, fn in mods().items():
+        try:
+            run(name, fn, q, k, v, do, dense, args.reps)
+        except Exception as e:  # noqa: BLE001 - one failure must not hide the others
+            print(f"{name:8s} FAILED: {str(e).splitlines()[0][:300]}")
+
+
+def run(name, fn, q, k, v, do, dense, reps):
+    d = q.shape[-1]
+    mod = None if fn is None else scoremod.trace(fn)
+    plan = PALLAS.plan(Problem.of(q, k, v), mod, d ** -0.5, MOSAIC, True)
+    assert plan.backward_engine == "mosaic", plan.describe()
+    spec = plan.mosaic_backward_spec()
+    o, lse = jax.jit(lambda q, k, v: scoremod.attention(
+        q, k, v, fn, implementation="pallas", options=MOSAIC, return_lse=True))(q, k, v)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * jnp.float32(mosaic_backward.LOG2E))
+    for kernel, blocks, products in ((mosaic_backward.dq, mosaic_backward.DQ_BLOCKS, 3),
+                                     (mosaic_backward.dkdv, mosaic_backward.DKDV_BLOCKS, 4)):
+        bmap = pallas_backend._map(plan, blocks, ())
+        f = jax.jit(lambda q, k, v, do, lse2, delta, kernel=kernel, bmap=bmap: kernel(
+            spec, bmap, q, k, v, do, lse2, delta, ()))
+        try:
+            t = timed(f, (q, k, v, do, lse2, delta), reps)
+            print(f"{name:8s} {kernel.__name__:5s} {t * 1e3:8.3f} ms "
+                  f"{products * 2 * dense / 4 / t / 1e12:6.1f} TF/s of its products",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - one failure must not hide the others
+            print(f"{name:8s} {kernel.__name__:5s} FAILED: {str(e).splitlines()[0][:300]}")
+    for impl, options in (("mosaic", MOSAIC), ("cudnn", None)):
+        def fwd(q, k, v, impl=impl, options=options):
+            return scoremod.attention(q, k, v, fn, implementation="pallas" if impl == "mosaic"
+                                      else impl, options=options)
+
+        def step(q, k, v, do, fwd=fwd):
+            o, vjp = jax.vjp(fwd, q, k, v)
+            return (o, *vjp(do))
+
+        try:
+            t_fwd = timed(jax.jit(fwd), (q, k, v), reps)
+            t_all = timed(jax.jit(step), (q, k, v, do), reps)
+            t_bwd = t_all - t_fwd
+            print(f"{name:8s} {impl:6s} fwd {t_fwd * 1e3:7.3f} ms, fwd+bwd {t_all * 1e3:7.3f}"
+                  f" ms, bwd {t_bwd * 1e3:7.3f} ms = {2.5 * dense / t_bwd / 1e12:6.1f} TF/s "
+                  "counted dense", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"{name:8s} {impl:6s} FAILED: {str(e).splitlines()[0][:300]}")
+
+
+if __name__ == "__main__":
+    main()
