@@ -176,6 +176,10 @@ def vector_mod(name, b, hq, sq, skv):
         bias = jnp.asarray(np.random.default_rng(12).normal(size=(hq, n)), jnp.float32)
         return (lambda s, b, h, q, k, d, w: jnp.where(d[b, q] >= d[b, k + 1], s + w[h, k],
                                                       -jnp.inf)), (doc, bias)
+    if name == "key_chunks":  # a factor per 4 keys, shared by every head: positions repeat
+        factor = jnp.asarray(np.random.default_rng(19).normal(size=(-(-n // 4),)) * 0.3,
+                             jnp.float32)
+        return (lambda s, b, h, q, k, w: s * (1.0 + w[k // 4])), (factor,)
     if name == "grid_bias":  # a 2-D relative position (an 8 x 8 grid): a gather
         table = jnp.asarray(np.random.default_rng(13).normal(size=(hq, 15, 15)), jnp.float32)
         return (lambda s, b, h, q, k, t: s + t[h, q // 8 % 8 - k // 8 % 8 + 7,

@@ -568,6 +568,32 @@ def test_mosaic_learns_relative_tables(case, shape, dtype, hopper):
         assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
 
 
+@pytest.mark.parametrize("case,shape,dtype", [
+    ("shifted_bias", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("key_chunks", dict(sq=384, skv=1024, hq=4, hkv=1, d=64), jnp.float16),
+])
+def test_mosaic_learns_key_reads(case, shape, dtype, hopper):
+    """A learned array read along the keys (a per-head key bias under a document
+    mask; a factor of the score per 4 keys shared by the heads): O, LSE, dQ, dK, dV
+    and its gradient (the dK/dV kernel's per-key sums, placed where read) against
+    the reference path, no Triton kernel in the plan; the same bits on a second run."""
+    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
+    runs = []
+    for _ in range(2):
+        mod, operands = pc.traced_vector_mod(case, q, k)
+        plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
+        _mosaic_backward(plan)
+        assert plan.triton_operands == () and not plan.diagonal_operands, plan.describe()
+        runs.append(pc.run(PALLAS, plan, q, k, v, do, operands, True))
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
+    assert runs[0][5][-1] is not None, "no gradient of the array"
+    _check(runs[0], want, dtype)
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
 def test_mosaic_backward_learned_deterministic(hopper):
     """Two runs with the slopes' gradient give the same bits, the slopes' included
     (no atomics: each program writes its own sums), on the analysed causal map."""

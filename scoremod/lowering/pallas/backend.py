@@ -524,10 +524,49 @@ def _diagonal_parts(plan, spec, sums, windows, nq, nk) -> dict:
     return parts
 
 
+def _along_keys(plan) -> tuple:
+    """The learned operands with a read along the keys (``mosaic_backward.along_keys``)."""
+    if plan.mod is None:
+        return ()
+    return tuple(dict.fromkeys(
+        n.args[0].attr[0] for n in mosaic_backward.learned_loads(
+            plan.mod.expr, plan.mod.operand_names) if mosaic_backward.along_keys(n)))
+
+
+def _key_parts(plan, spec, sums, windows) -> dict:
+    """The partial rows [B, Hq, 1, window] of the reads along the keys of each learned
+    operand (``windows``: (name, axes, size)) from ``dkdv``'s sums per key (their
+    cotangents): each real key's sum placed at the position its read takes there,
+    the read's index evaluated when tracing; each position sums its keys in a
+    fixed order (a gather and a sum: the same bits on every run)."""
+    p = plan.problem
+    loads = mosaic_backward.learned_loads(spec.expr, spec.learned)
+    keys = np.arange(p.skv)
+    parts = {}
+    for name, axes, size in windows:
+        part = None
+        for r, node in enumerate(loads):
+            if node.args[0].attr[0] != name or not mosaic_backward.along_keys(node):
+                continue
+            at = _static_positions(mosaic.vector_source(node), axes, keys, p.b, p.hq)
+            members = _members(at, size, len(keys), f"`{format_expr(node)}`",
+                               "keys")  # [Bx, Hx, size, m], len(keys): a zero
+            padded = jnp.pad(sums[:, :, r, :p.skv], [(0, 0), (0, 0), (0, 1)])
+            rows = jnp.broadcast_to(members, (p.b, p.hq) + members.shape[2:])
+            gathered = jnp.take_along_axis(padded[:, :, None, :],
+                                           rows.reshape(p.b, p.hq, 1, -1), -1)
+            total = gathered.reshape(rows.shape).sum(-1)[:, :, None, :]
+            part = total if part is None else part + total
+        if part is not None:
+            parts[name] = part
+    return parts
+
+
 def _static_positions(read, axes, d, b, hq):
     """int [Bx, Hx, len(d)]: the flat position along ``axes`` that ``read`` (a
-    function of b, h and q_idx standing for q_idx - kv_idx) takes on each
-    diagonal ``d``, clamped as reads clamp; Bx, Hx 1 where it does not read b, h."""
+    function of b, h and q_idx standing for q_idx - kv_idx, or for kv_idx) takes
+    at each diagonal (or key) ``d``, clamped as reads clamp; Bx, Hx 1 where it
+    does not read b, h."""
     used = ir.variables(read)
     grid = {"q_idx": d[None, None, :].astype(np.int32),
             "b": np.arange(b if "b" in used else 1, dtype=np.int32)[:, None, None],
@@ -542,17 +581,16 @@ def _static_positions(read, axes, d, b, hq):
 _MAX_MEMBERS = 1 << 26
 
 
-def _members(at, size, none):
-    """int [Bx, Hx, size, m]: per position, the diagonals (indices into ``at``'s
-    last axis) that land there in ascending order, padded with ``none``."""
+def _members(at, size, none, what="a table read at q_idx - kv_idx", by="diagonals"):
+    """int [Bx, Hx, size, m]: per position, the diagonals (or keys: indices into
+    ``at``'s last axis) that land there in ascending order, padded with ``none``."""
     m = max(1, max(int(np.bincount(row, minlength=size).max()) for row in at.reshape(
         -1, at.shape[-1])))
     if at.shape[0] * at.shape[1] * size * m > _MAX_MEMBERS:
         raise ScoreModError(
-            f"implementation=\"pallas\" cannot place the gradient of a table read at "
-            f"q_idx - kv_idx: up to {m} diagonals share one of its {size} entries (more than "
-            "the backward gathers); use implementation=\"xla\", or keep the table fixed "
-            "(jax.lax.stop_gradient)")
+            f"implementation=\"pallas\" cannot place the gradient of {what}: up to {m} "
+            f"{by} share one of its {size} entries (more than the backward gathers); use "
+            "implementation=\"xla\", or keep the array fixed (jax.lax.stop_gradient)")
     out = np.full(at.shape[:2] + (size, m), none, np.int32)
     for bi in range(at.shape[0]):
         for hi in range(at.shape[1]):
@@ -602,7 +640,8 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     on_triton = dict(plan.triton_operands)
     learned_on_triton = [w[0] for w in windows if w[0] in on_triton]
     mosaic = plan.backward_engine == "mosaic" and not learned_on_triton
-    _refuse_too_large(plan, windows, plan.diagonal_operands if mosaic else ())
+    along_keys = _along_keys(plan) if mosaic else ()
+    _refuse_too_large(plan, windows, plan.diagonal_operands + along_keys if mosaic else ())
     _refuse_without_triton(plan, learned_on_triton, on_triton)
     if mosaic:
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
@@ -617,6 +656,9 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
             mspec, _map(plan, mosaic_backward.DKDV_BLOCKS, operands), qp, kp, vp, dop, lse2,
             deltap, kops)
         parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, per_key)
+        if sums is not None and along_keys:
+            for name, part in _key_parts(plan, mspec, sums, per_key).items():
+                parts[name] = parts[name].sum(2, keepdims=True) + part
         if diagonal:
             dspec = plan.mosaic_backward_spec(learned=(w[0] for w in diagonal))
             dmap = _map(plan, mosaic_backward.DIAGONAL_BLOCKS, operands)

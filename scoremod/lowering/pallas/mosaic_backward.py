@@ -42,9 +42,13 @@ carried across the query tiles in registers, and writes those sums per
 (batch, query head, read) ``[B, Hq, reads, Skv]``; ``operand_parts`` sums
 them per key block and places each read's total at the position it read,
 in the Triton kernels' partial rows, which the backend reduces as it does
-theirs. No atomics: the same bits on every run. Reads at an index that
-varies over the tile (a gather) are the Triton backward's
-(``learning_refusal``; the backend routes them).
+theirs. Reads along the keys at positions known when tracing (``w[h,
+kv_idx]``: ``along_keys``) take the same per-key sums, which are their
+cotangents; the backend places each key's at the position it reads, each
+position summing its keys in a fixed order. No atomics: the same bits on
+every run. Other reads at an index that varies over the tile (a gather,
+and reads along the queries, whose sums run across the dK/dV programs) are
+the Triton backward's (``learning_refusal``; the backend routes them).
 
 Off a GPU (the plan's interpret flag) the kernels run in Mosaic GPU's
 interpret mode, a CPU simulation of the warpgroups, barriers, copies and
@@ -137,17 +141,26 @@ def load_derivatives(expr, loads) -> tuple:
     return tuple(ir.substitute(cts[n], one) if n in cts else ir.const(0.0, F32) for n in loads)
 
 
+def along_keys(node) -> bool:
+    """Whether read ``node`` is along the keys with an index of the positions alone
+    (``w[h, kv_idx]``, ``w[kv_idx // 4]``; no captured array in it): the dK/dV
+    kernel's per-key sums are its cotangents, which the backend places at the
+    positions it reads, known when tracing."""
+    return mosaic.read_axis(node) == "kv_idx" and not any(
+        n.op == ir.OPERAND for i in node.args[1:] for n in ir.toposort(i))
+
+
 def learning_refusal(expr, name, sources) -> str | None:
     """Why the dK/dV kernel cannot compute the gradient of float operand ``name``
-    of ``expr`` (a read at an index that varies over the tile, or a read's
-    derivative it cannot evaluate), or None."""
+    of ``expr`` (a read at an index that varies over the tile other than along
+    the keys, or a read's derivative it cannot evaluate), or None."""
     loads = learned_loads(expr, (name,))
     for node in loads:
-        if not ir.variables(*node.args[1:]) <= {"b", "h"}:
+        if not ir.variables(*node.args[1:]) <= {"b", "h"} and not along_keys(node):
             where = ir.source_of(node, expr, sources)
-            return (f"it sums the gradients of reads at indices built from b, h and constants "
-                    f"only; `{format_expr(node)}`{' at ' + where if where else ''} varies over "
-                    f"the tile (a gather)")
+            return (f"it sums the gradients of reads at indices built from b, h and constants, "
+                    f"and of reads along the keys at positions known when tracing; "
+                    f"`{format_expr(node)}`{' at ' + where if where else ''} is neither")
     for local in load_derivatives(expr, loads):
         why = mosaic.refusal(local, sources, advice=False)
         if why:
@@ -583,9 +596,11 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
     """The partial rows [B, Hq, key blocks, window] of each learned operand
     (``windows``: the backend's (name, axes, size)) from ``dkdv``'s sums per
-    key: summed per key block, each read's total placed at the position it
-    reads within the window (one-hot products: the same sum on every run).
-    ``operands``: the kernel's flat operand arrays (index math may read them)."""
+    key, for its reads at one position per program: summed per key block, each
+    read's total placed at the position it reads within the window (one-hot
+    products: the same sum on every run); reads ``along_keys`` are the backend's
+    to place. ``operands``: the kernel's flat operand arrays (index math may
+    read them)."""
     b, hq, n_loads, skv = sums.shape
     loads = learned_loads(spec.expr, spec.learned)
     totals = sums.reshape(b, hq, n_loads, skv // BLOCK, BLOCK).sum(-1)
@@ -596,7 +611,7 @@ def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
     for name, axes, size in windows:
         part = jnp.zeros((b, hq, skv // BLOCK, size), jnp.float32)
         for i, node in enumerate(loads):
-            if node.args[0].attr[0] != name:
+            if node.args[0].attr[0] != name or along_keys(node):
                 continue
             index = codegen.evaluate_tile(list(node.args[1:]), grid, refs)
             at = jnp.broadcast_to(codegen.flat_index(node, index, axes), (b, hq))
