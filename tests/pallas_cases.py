@@ -180,6 +180,10 @@ def vector_mod(name, b, hq, sq, skv):
         factor = jnp.asarray(np.random.default_rng(19).normal(size=(-(-n // 4),)) * 0.3,
                              jnp.float32)
         return (lambda s, b, h, q, k, w: s * (1.0 + w[k // 4])), (factor,)
+    if name == "query_scale":  # a factor of the score per head and query, under a causal mask
+        factor = jnp.asarray(np.random.default_rng(20).normal(size=(hq, n)) * 0.3, jnp.float32)
+        return (lambda s, b, h, q, k, w: jnp.where(q >= k, s * (1.0 + w[h, q]), -jnp.inf)
+                ), (factor,)
     if name == "grid_bias":  # a 2-D relative position (an 8 x 8 grid): a gather
         table = jnp.asarray(np.random.default_rng(13).normal(size=(hq, 15, 15)), jnp.float32)
         return (lambda s, b, h, q, k, t: s + t[h, q // 8 % 8 - k // 8 % 8 + 7,

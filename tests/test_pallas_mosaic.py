@@ -538,13 +538,16 @@ def test_backward_learns_relative_tables_interpreted(case, shape, interprets):
 @pytest.mark.parametrize("case,shape", [
     ("shifted_bias", dict(sq=130, skv=190, hq=4, hkv=2, d=64)),
     ("key_chunks", dict(sq=100, skv=150, hq=2, hkv=1, d=128, dtype=jnp.float16)),
+    ("query_scale", dict(sq=200, skv=136, hq=4, hkv=2, d=64)),
 ])
-def test_backward_learns_key_reads_interpreted(case, shape, interprets):
-    """Arrays read along the keys at positions known when tracing (a per-head key
-    bias under a document mask; a factor of the score per 4 keys, shared by the
-    heads: each entry sums 4 keys of every head), learned: the Mosaic dK/dV
-    kernel's per-key sums in interpret mode, placed at the positions read, against
-    the reference path; no Triton kernel; twice the same bits."""
+def test_backward_learns_position_reads_interpreted(case, shape, interprets):
+    """Arrays read along the keys or the queries at positions known when tracing (a
+    per-head key bias under a document mask; a factor of the score per 4 keys,
+    shared by the heads: each entry sums 4 keys of every head; a factor per head
+    and query under a causal mask), learned: the Mosaic dK/dV kernel's per-key
+    sums, or the dQ kernel's per-query ones, in interpret mode, placed at the
+    positions read, against the reference path; no Triton kernel; twice the same
+    bits."""
     shape = dict(shape)
     dtype = shape.pop("dtype", jnp.bfloat16)
     q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
@@ -552,7 +555,7 @@ def test_backward_learns_key_reads_interpreted(case, shape, interprets):
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
     learned = mod.operand_names[-1]
     assert plan.backward_engine == "mosaic" and plan.triton_operands == ()
-    assert plan.diagonal_operands == () and pallas_backend._along_keys(plan) == (learned,)
+    assert plan.diagonal_operands == () and pallas_backend._along_axes(plan) == (learned,)
     ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
@@ -570,8 +573,8 @@ def test_backward_learns_key_reads_interpreted(case, shape, interprets):
         assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
 
 
-def test_key_reads_refusals():
-    """A read along the queries, or along the keys at an index that reads a captured
+def test_position_reads_refusals():
+    """A read along both axes, or along the keys at an index that reads a captured
     array, is not learned on the Mosaic backward (the Triton one's), saying why."""
     doc = pc.doc_ids(1, 64)
     w = jnp.ones((64,), jnp.float32)
@@ -579,13 +582,14 @@ def test_key_reads_refusals():
         return next(n for n, x in zip(mod.operand_names, mod.operands)
                     if jnp.issubdtype(x.dtype, jnp.floating))
 
-    for fn in (lambda s, b, h, q, k: s * w[q],
+    for fn in (lambda s, b, h, q, k: s * w[(q + k) % 64],
                lambda s, b, h, q, k: s + w[doc[0, k]]):
         mod = scoremod.trace(fn)
         why = mosaic_backward.learning_refusal(mod.expr, learned(mod), mod.sources)
         assert why is not None and "along the keys" in why, why
-    mod = scoremod.trace(lambda s, b, h, q, k: s + w[k // 2])
-    assert mosaic_backward.learning_refusal(mod.expr, learned(mod), mod.sources) is None
+    for fn in (lambda s, b, h, q, k: s + w[k // 2], lambda s, b, h, q, k: s * w[q]):
+        mod = scoremod.trace(fn)
+        assert mosaic_backward.learning_refusal(mod.expr, learned(mod), mod.sources) is None
 
 
 def test_diagonal_map_and_gradient_place_every_diagonal_once():

@@ -571,12 +571,15 @@ def test_mosaic_learns_relative_tables(case, shape, dtype, hopper):
 @pytest.mark.parametrize("case,shape,dtype", [
     ("shifted_bias", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("key_chunks", dict(sq=384, skv=1024, hq=4, hkv=1, d=64), jnp.float16),
+    ("query_scale", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
 ])
-def test_mosaic_learns_key_reads(case, shape, dtype, hopper):
-    """A learned array read along the keys (a per-head key bias under a document
-    mask; a factor of the score per 4 keys shared by the heads): O, LSE, dQ, dK, dV
-    and its gradient (the dK/dV kernel's per-key sums, placed where read) against
-    the reference path, no Triton kernel in the plan; the same bits on a second run."""
+def test_mosaic_learns_position_reads(case, shape, dtype, hopper):
+    """A learned array read along the keys or the queries (a per-head key bias under
+    a document mask; a factor of the score per 4 keys shared by the heads; a factor
+    per head and query under a causal mask): O, LSE, dQ, dK, dV and its gradient
+    (the dK/dV kernel's per-key sums, or the dQ kernel's per-query ones, placed
+    where read) against the reference path, no Triton kernel in the plan; the same
+    bits on a second run."""
     q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
     runs = []
     for _ in range(2):

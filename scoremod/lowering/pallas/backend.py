@@ -524,34 +524,38 @@ def _diagonal_parts(plan, spec, sums, windows, nq, nk) -> dict:
     return parts
 
 
-def _along_keys(plan) -> tuple:
-    """The learned operands with a read along the keys (``mosaic_backward.along_keys``)."""
+def _along_axes(plan) -> tuple:
+    """The learned operands with a read along the keys or the queries
+    (``mosaic_backward.along_keys``, ``along_queries``)."""
     if plan.mod is None:
         return ()
     return tuple(dict.fromkeys(
         n.args[0].attr[0] for n in mosaic_backward.learned_loads(
-            plan.mod.expr, plan.mod.operand_names) if mosaic_backward.along_keys(n)))
+            plan.mod.expr, plan.mod.operand_names)
+        if mosaic_backward.along_keys(n) or mosaic_backward.along_queries(n)))
 
 
-def _key_parts(plan, spec, sums, windows) -> dict:
-    """The partial rows [B, Hq, 1, window] of the reads along the keys of each learned
-    operand (``windows``: (name, axes, size)) from ``dkdv``'s sums per key (their
-    cotangents): each real key's sum placed at the position its read takes there,
-    the read's index evaluated when tracing; each position sums its keys in a
-    fixed order (a gather and a sum: the same bits on every run)."""
+def _position_parts(plan, loads, sums, windows) -> dict:
+    """The partial rows [B, Hq, 1, window] of the reads along the keys or the queries
+    among ``loads`` (a kernel's learned reads, in the order of its ``sums`` [B, Hq,
+    reads, positions]: the cotangents of each read summed per key, or per query)
+    of each learned operand (``windows``: (name, axes, size)): each real key's (or
+    query's) sum placed at the position its read takes there, the read's index
+    evaluated when tracing; each position sums its keys in a fixed order (a gather
+    and a sum: the same bits on every run)."""
     p = plan.problem
-    loads = mosaic_backward.learned_loads(spec.expr, spec.learned)
-    keys = np.arange(p.skv)
     parts = {}
     for name, axes, size in windows:
         part = None
         for r, node in enumerate(loads):
-            if node.args[0].attr[0] != name or not mosaic_backward.along_keys(node):
+            keys = mosaic_backward.along_keys(node)
+            if node.args[0].attr[0] != name or not (keys or mosaic_backward.along_queries(node)):
                 continue
-            at = _static_positions(mosaic.vector_source(node), axes, keys, p.b, p.hq)
-            members = _members(at, size, len(keys), f"`{format_expr(node)}`",
-                               "keys")  # [Bx, Hx, size, m], len(keys): a zero
-            padded = jnp.pad(sums[:, :, r, :p.skv], [(0, 0), (0, 0), (0, 1)])
+            where = np.arange(p.skv if keys else p.sq)
+            at = _static_positions(mosaic.vector_source(node), axes, where, p.b, p.hq)
+            members = _members(at, size, len(where), f"`{format_expr(node)}`",
+                               "keys" if keys else "queries")  # [Bx, Hx, size, m]
+            padded = jnp.pad(sums[:, :, r, :len(where)], [(0, 0), (0, 0), (0, 1)])  # a zero
             rows = jnp.broadcast_to(members, (p.b, p.hq) + members.shape[2:])
             gathered = jnp.take_along_axis(padded[:, :, None, :],
                                            rows.reshape(p.b, p.hq, 1, -1), -1)
@@ -640,8 +644,8 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     on_triton = dict(plan.triton_operands)
     learned_on_triton = [w[0] for w in windows if w[0] in on_triton]
     mosaic = plan.backward_engine == "mosaic" and not learned_on_triton
-    along_keys = _along_keys(plan) if mosaic else ()
-    _refuse_too_large(plan, windows, plan.diagonal_operands + along_keys if mosaic else ())
+    along_axes = _along_axes(plan) if mosaic else ()
+    _refuse_too_large(plan, windows, plan.diagonal_operands + along_axes if mosaic else ())
     _refuse_without_triton(plan, learned_on_triton, on_triton)
     if mosaic:
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
@@ -650,15 +654,22 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         per_key = tuple(w for w in windows if w not in diagonal)
         mspec = plan.mosaic_backward_spec(learned=(w[0] for w in per_key))
         # Each kernel's own map: a program's rows by a streamed tile.
-        dq = mosaic_backward.dq(mspec, _map(plan, mosaic_backward.DQ_BLOCKS, operands), qp, kp,
-                                vp, dop, lse2, deltap, kops)
+        dq, query_sums = mosaic_backward.dq(
+            mspec, _map(plan, mosaic_backward.DQ_BLOCKS, operands), qp, kp, vp, dop, lse2,
+            deltap, kops)
         dk, dv, sums = mosaic_backward.dkdv(
             mspec, _map(plan, mosaic_backward.DKDV_BLOCKS, operands), qp, kp, vp, dop, lse2,
             deltap, kops)
         parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, per_key)
-        if sums is not None and along_keys:
-            for name, part in _key_parts(plan, mspec, sums, per_key).items():
-                parts[name] = parts[name].sum(2, keepdims=True) + part
+        # Reads along the keys (the dK/dV kernel's sums) and the queries (the dQ kernel's).
+        for along, found in ((mosaic_backward.key_loads, sums),
+                             (mosaic_backward.query_loads, query_sums)):
+            if found is None:
+                continue
+            loads = along(mspec.expr, mspec.learned)
+            for name, part in _position_parts(plan, loads, found, per_key).items():
+                parts[name] = (parts[name].sum(2, keepdims=True) + part if name in parts
+                               else part)
         if diagonal:
             dspec = plan.mosaic_backward_spec(learned=(w[0] for w in diagonal))
             dmap = _map(plan, mosaic_backward.DIAGONAL_BLOCKS, operands)

@@ -44,11 +44,12 @@ them per key block and places each read's total at the position it read,
 in the Triton kernels' partial rows, which the backend reduces as it does
 theirs. Reads along the keys at positions known when tracing (``w[h,
 kv_idx]``: ``along_keys``) take the same per-key sums, which are their
-cotangents; the backend places each key's at the position it reads, each
-position summing its keys in a fixed order. No atomics: the same bits on
-every run. Other reads at an index that varies over the tile (a gather,
-and reads along the queries, whose sums run across the dK/dV programs) are
-the Triton backward's (``learning_refusal``; the backend routes them).
+cotangents; reads along the queries (``along_queries``) the dQ kernel's
+per-query sums, computed the same way; the backend places each key's (or
+query's) at the position it reads, each position summing its keys in a
+fixed order. No atomics: the same bits on every run. Other reads at an
+index that varies over the tile (a gather) are the Triton backward's
+(``learning_refusal``; the backend routes them).
 
 Off a GPU (the plan's interpret flag) the kernels run in Mosaic GPU's
 interpret mode, a CPU simulation of the warpgroups, barriers, copies and
@@ -141,13 +142,33 @@ def load_derivatives(expr, loads) -> tuple:
     return tuple(ir.substitute(cts[n], one) if n in cts else ir.const(0.0, F32) for n in loads)
 
 
+def _along(node, axis) -> bool:
+    return mosaic.read_axis(node) == axis and not any(
+        n.op == ir.OPERAND for i in node.args[1:] for n in ir.toposort(i))
+
+
 def along_keys(node) -> bool:
     """Whether read ``node`` is along the keys with an index of the positions alone
     (``w[h, kv_idx]``, ``w[kv_idx // 4]``; no captured array in it): the dK/dV
     kernel's per-key sums are its cotangents, which the backend places at the
     positions it reads, known when tracing."""
-    return mosaic.read_axis(node) == "kv_idx" and not any(
-        n.op == ir.OPERAND for i in node.args[1:] for n in ir.toposort(i))
+    return _along(node, "kv_idx")
+
+
+def along_queries(node) -> bool:
+    """``along_keys`` for the queries (``w[q_idx]``): the dQ kernel sums these, per query."""
+    return _along(node, "q_idx")
+
+
+def key_loads(expr, names) -> tuple:
+    """The ``learned_loads`` whose cotangents the dK/dV kernel sums per key (those
+    at one position per program, and those along the keys)."""
+    return tuple(n for n in learned_loads(expr, names) if not along_queries(n))
+
+
+def query_loads(expr, names) -> tuple:
+    """The ``learned_loads`` whose cotangents the dQ kernel sums per query."""
+    return tuple(n for n in learned_loads(expr, names) if along_queries(n))
 
 
 def learning_refusal(expr, name, sources) -> str | None:
@@ -156,11 +177,13 @@ def learning_refusal(expr, name, sources) -> str | None:
     the keys, or a read's derivative it cannot evaluate), or None."""
     loads = learned_loads(expr, (name,))
     for node in loads:
-        if not ir.variables(*node.args[1:]) <= {"b", "h"} and not along_keys(node):
+        if not (ir.variables(*node.args[1:]) <= {"b", "h"} or along_keys(node)
+                or along_queries(node)):
             where = ir.source_of(node, expr, sources)
             return (f"it sums the gradients of reads at indices built from b, h and constants, "
-                    f"and of reads along the keys at positions known when tracing; "
-                    f"`{format_expr(node)}`{' at ' + where if where else ''} is neither")
+                    f"and of reads along the keys or the queries at positions known when "
+                    f"tracing; `{format_expr(node)}`{' at ' + where if where else ''} is "
+                    f"neither")
     for local in load_derivatives(expr, loads):
         why = mosaic.refusal(local, sources, advice=False)
         if why:
@@ -422,7 +445,7 @@ def _stream(count, fetch, free):
 def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     """Per query head dK, dV [B, Skv, Hq, D] (q's dtype, or float32 where query
     heads share key heads) on arrays padded to whole tiles (``TILE``), and the
-    sums of the cotangents of the reads of ``spec.learned`` per key [B, Hq, reads,
+    sums of the cotangents of the reads of ``spec.learned`` (``key_loads``) per key [B, Hq, reads,
     Skv] (float32; None without such reads). ``bmap``: the block map at
     ``DKDV_BLOCKS``; ``lse2``: the LSE in log2 units, +inf on rows that see no
     key; ``delta``: D [B, Hq, Sq].
@@ -444,7 +467,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     with_full = spec.full_expr is not None
     vectors = _Vectors(spec, operands, b, hq, sq, skv, own="kv_idx")
     n_vec = len(vectors.arrays)
-    loads = learned_loads(spec.expr, spec.learned)
+    loads = key_loads(spec.expr, spec.learned)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, operand_refs, vector_refs, dk_ref, dv_ref, sums_ref, scoped):
@@ -602,7 +625,7 @@ def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
     to place. ``operands``: the kernel's flat operand arrays (index math may
     read them)."""
     b, hq, n_loads, skv = sums.shape
-    loads = learned_loads(spec.expr, spec.learned)
+    loads = key_loads(spec.expr, spec.learned)
     totals = sums.reshape(b, hq, n_loads, skv // BLOCK, BLOCK).sum(-1)
     refs = dict(zip(spec.operand_names, operands))
     grid = {"b": jnp.arange(b, dtype=jnp.int32)[:, None],
@@ -622,8 +645,11 @@ def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
 
 
 def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
-    """dQ [B, Sq, Hq, D] in q's dtype on arrays padded to whole tiles (``TILE``);
-    ``bmap``: the block map at ``DQ_BLOCKS``; ``lse2``, ``delta`` as for ``dkdv``.
+    """dQ [B, Sq, Hq, D] in q's dtype on arrays padded to whole tiles (``TILE``),
+    and the sums of the cotangents of the reads of ``spec.learned`` along the
+    queries (``query_loads``) per query [B, Hq, reads, Sq] (float32; None without
+    such reads); ``bmap``: the block map at ``DQ_BLOCKS``; ``lse2``, ``delta`` as
+    for ``dkdv``.
 
     A program owns ``TILE`` queries, ``BLOCK`` per compute warpgroup; both take
     each streamed key tile (K and V copied once for the two)."""
@@ -640,12 +666,14 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     with_full = spec.full_expr is not None
     vectors = _Vectors(spec, operands, b, hq, sq, k.shape[1], own="q_idx")
     n_vec = len(vectors.arrays)
+    loads = query_loads(spec.expr, spec.learned)
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, operand_refs, vector_refs, dq_ref, scoped):
+                delta_ref, operand_refs, vector_refs, dq_ref, sums_ref, scoped):
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *staging), \
             (own_ready, k_ready, v_ready), free, \
-            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready) = scoped
+            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem = scoped
+        sums_smem = sums_smem[0] if sums_smem else None  # with learned reads only
         staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -680,7 +708,8 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             zeros = lambda cols: plgpu.layout_cast(  # noqa: E731
                 jnp.zeros((BLOCK, cols), jnp.float32), layout)
 
-            def step_fn(step, acc):
+            def step_fn(step, carry):
+                acc, sums = carry
                 slot = lax.rem(step, STAGES)
                 k0 = kv_start(step)
                 is_full = full_ref[mb, mh, tile, step] if with_full else None
@@ -694,15 +723,18 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
                 def probabilities(dp_acc):
                     plgpu.wgmma(dp_acc, do_smem, vs.transpose((1, 0)))  # dP, while ...
-                    value, local = _tile_terms(spec, s, inputs, refs, is_full,
-                                               shape=(BLOCK, BLOCK),
-                                               reads=vectors.tile(own_vectors, vec_smem, slot, wg))
+                    value, local, *terms = _tile_terms(
+                        spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK),
+                        reads=vectors.tile(own_vectors, vec_smem, slot, wg), loads=loads)
+                    terms = terms[0] if loads else ()  # the learned reads' cotangents at dP = 1
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
-                    return p, local, dp_acc[...]  # ... P is computed
+                    return p, local, terms, dp_acc[...]  # ... P is computed
 
-                p, local, dp = pl.run_scoped(probabilities,
-                                             plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                p, local, terms, dp = pl.run_scoped(probabilities,
+                                                    plgpu.ACC((BLOCK, BLOCK), jnp.float32))
                 ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [0]))
+                # Each learned read's cotangent, summed over the tile's keys (per query).
+                sums = tuple(total + (term * ds).sum(axis=1) for total, term in zip(sums, terms))
                 if local is not None:
                     ds = ds * local
                 ds = ds * jnp.float32(spec.scale)
@@ -713,12 +745,21 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 
                 (acc,) = mosaic.accumulate(spec, query_grad, (acc,))
                 plgpu.barrier_arrive(free.at[slot])
-                return acc
+                return acc, sums
 
-            acc = lax.fori_loop(0, count, step_fn, zeros(d))
+            no_sums = tuple(plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), along_rows)
+                            for _ in loads)
+            acc, sums = lax.fori_loop(0, count, step_fn, (zeros(d), no_sums))
             q_smem[...] = acc.astype(dtype)  # the queries' tile is free: dQ leaves through it
+            for j, total in enumerate(sums):
+                sums_smem.at[wg, j][...] = total
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows], commit_group=False)
+            for j in range(len(sums)):
+                plgpu.copy_smem_to_gmem(sums_smem.at[wg, j],
+                                        sums_ref.at[bi, hi, j, pl.ds(q0, BLOCK)],
+                                        commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
 
         def fetch(step, slot):
@@ -733,7 +774,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
-        (dq_ref,) = rest[n_ops + n_vec:]
+        dq_ref, *sums_ref = rest[n_ops + n_vec:]
         swizzled = mosaic.swizzled()
         own = plgpu.SMEM((COMPUTE_WGS, BLOCK, d), dtype, transforms=swizzled)
         own_vector = plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32)
@@ -743,17 +784,21 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         ready = (plgpu.Barrier(num_barriers=4 * COMPUTE_WGS), plgpu.Barrier(num_barriers=STAGES),
                  plgpu.Barrier(num_barriers=STAGES))
         free = plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES)
+        sums_smem = [plgpu.SMEM((COMPUTE_WGS, len(loads), BLOCK), jnp.float32)] if loads else []
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
-                                    lse_ref, delta_ref, operand_refs, vector_refs, dq_ref, scoped),
-            smem, ready, free, *vectors.scratch(), collective_axes="wg")
+                                    lse_ref, delta_ref, operand_refs, vector_refs, dq_ref,
+                                    sums_ref[0] if sums_ref else None, scoped),
+            smem, ready, free, *vectors.scratch(), sums_smem, collective_axes="wg")
 
-    return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(hq, n_tiles, b),
+    sums = (jax.ShapeDtypeStruct((b, hq, len(loads), sq), jnp.float32),) if loads else ()
+    outs = plgpu.kernel(
+        entry, out_type=(jax.ShapeDtypeStruct(q.shape, dtype),) + sums, grid=(hq, n_tiles, b),
         grid_names=("heads", "q_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
+    return outs[0], (outs[1] if loads else None)
 
 
 # --- gradients of reads at q_idx - kv_idx: one program per block diagonal ----------------
