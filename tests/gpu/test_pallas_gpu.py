@@ -538,6 +538,7 @@ _DIAGONAL_CASES = [
     ("relative_softcap", dict(sq=384, skv=1024, hq=2, hkv=2, d=64), jnp.float16),
     ("relative_causal", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("relative_masked", dict(sq=1000, skv=1000, hq=2, hkv=1, d=128), jnp.bfloat16),
+    ("relative_document", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
 ]
 
 

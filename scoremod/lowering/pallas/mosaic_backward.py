@@ -819,8 +819,9 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
 def diagonal_refusal(expr, name, sources) -> str | None:
     """Why ``diagonal_sums`` cannot compute the gradient of float operand ``name``
     (some read of it is not at q_idx - kv_idx, or its index reads captured
-    arrays; the mod reads captured arrays along a tile axis, which this kernel
-    does not stream; a read's derivative it cannot evaluate), or None."""
+    arrays; a read's derivative it cannot evaluate), or None. The mod's reads
+    along a tile axis (document ids) stream beside each step's tiles, both
+    sides' slices."""
     loads = learned_loads(expr, (name,))
     for node in loads:
         index = node.args[1:]
@@ -828,8 +829,6 @@ def diagonal_refusal(expr, name, sources) -> str | None:
                 n.op == ir.OPERAND for i in index for n in ir.toposort(i)):
             return (f"`{format_expr(node)}` is not read at q_idx - kv_idx with an index of the "
                     "positions alone")
-    if mosaic.vector_reads(expr):
-        return "the mod reads captured arrays along a tile axis"
     for local in load_derivatives(expr, loads):
         why = mosaic.refusal(local, sources, advice=False)
         if why:
@@ -943,15 +942,17 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     with_full = spec.full_expr is not None
     loads = learned_loads(spec.expr, spec.learned)
     copied = _copied_reads(spec, operands, b, hq, sq, skv, DIAGONAL_BLOCKS)
-    assert not copied.sources, "diagonal_refusal routes vector reads elsewhere"
     offsets = copied.offsets
-    n_off = len(copied.arrays)
+    n_src = len(copied.sources)  # reads along one tile axis: both sides' slices stream
+    n_arrays = len(copied.arrays)
+    sides = [(axis, src) for axis in ("q_idx", "kv_idx") for src in copied.side[axis]]
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, operand_refs, offset_refs, out_ref, scoped):
+                delta_ref, operand_refs, vector_refs, offset_refs, out_ref, scoped):
         (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, red_smem, out_smem, *staging), \
             (q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready), free, \
-            off_smem, off_ready = scoped
+            off_smem, off_ready, vec_smem, vec_ready = scoped
+        by_source = dict(zip(copied.sources, vector_refs))
         staging = staging[0] if staging else None
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -975,13 +976,24 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 plgpu.barrier_wait(bar)
             refs = dict(zip(spec.operand_names, operand_refs))
 
-            def reads(roots):
-                diagonal = mosaic.offset_reads(*roots)
-                if not diagonal:
-                    return {}
-                return mosaic.offset_values(diagonal, {
-                    src: offsets.tile(buf, 0, (BLOCK, BLOCK), False, spec.interpret)
-                    for src, buf in zip(offsets.sources, off_smem)})
+            def tile_reads(slot):
+                def reads(roots):
+                    diagonal = mosaic.offset_reads(*roots)
+                    out = mosaic.offset_values(diagonal, {
+                        src: offsets.tile(buf, 0, (BLOCK, BLOCK), False, spec.interpret)
+                        for src, buf in zip(offsets.sources, off_smem)}) if diagonal else {}
+                    mine = mosaic.vector_reads(*roots)
+                    if mine:  # both sides' slices of this step, along the rows and the columns
+                        vectors = {"q_idx": {}, "kv_idx": {}}
+                        for (axis, src), buf in zip(sides, vec_smem):
+                            vectors[axis][src] = plgpu.load(
+                                buf.at[slot], layout=plgpu.Layout.WGMMA.reduce(
+                                    1 if axis == "q_idx" else 0))
+                        out.update(mosaic.tile_reads(mine, vectors, {"q_idx": 0, "kv_idx": 1},
+                                                     (BLOCK, BLOCK)))
+                    return out
+
+                return reads
 
             def step_fn(step, accs):
                 slot = lax.rem(step, STAGES)
@@ -997,11 +1009,14 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 plgpu.barrier_wait(do_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(lse_ready.at[slot])
+                for bar in vec_ready:  # every step (each wait takes one phase)
+                    plgpu.barrier_wait(bar.at[slot])
 
                 def probabilities(dp_acc):
                     plgpu.wgmma(dp_acc, dos, vs.transpose((1, 0)))  # dP, while ...
                     value, _, terms = _tile_terms(spec, s, inputs, refs, is_full,
-                                                  shape=(BLOCK, BLOCK), reads=reads, loads=loads)
+                                                  shape=(BLOCK, BLOCK), reads=tile_reads(slot),
+                                                  loads=loads)
                     lse = plgpu.load(lse_smem.at[slot], layout=along_rows)
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
                     return p, terms, dp_acc[...]  # ... P is computed
@@ -1036,13 +1051,19 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                                     lse_ready.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[slot],
                                     delta_ready.at[slot])
+            for (axis, src), buf, bar in zip(sides, vec_smem, vec_ready):
+                start = i * BLOCK if axis == "q_idx" else (i - shift) * BLOCK
+                plgpu.copy_gmem_to_smem(
+                    by_source[src].at[(*mosaic.vector_row(src, bi, hi), pl.ds(start, BLOCK))],
+                    buf.at[slot], bar.at[slot])
 
         _memory_warpgroup(wg, count, fetch, free, index=1)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
-        operand_refs, offset_refs = rest[:n_ops], rest[n_ops:n_ops + n_off]
-        (out_ref,) = rest[n_ops + n_off:]
+        operand_refs = rest[:n_ops]
+        vector_refs, offset_refs = rest[n_ops:n_ops + n_src], rest[n_ops + n_src:n_ops + n_arrays]
+        (out_ref,) = rest[n_ops + n_arrays:]
         tile = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=mosaic.swizzled())
         vector = plgpu.SMEM((STAGES, BLOCK), jnp.float32)
         # q, dO, LSE, D, k, v; the diagonal reduction's scratch; the sums' way out
@@ -1051,13 +1072,16 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         smem += mosaic.staging(spec, 1, BLOCK, BLOCK, dtype)
         ready = tuple(plgpu.Barrier(num_barriers=STAGES) for _ in range(6))
         free = plgpu.Barrier(num_barriers=STAGES)
-        off_smem = [plgpu.SMEM((offsets.window,), x.dtype) for x in copied.arrays]
-        off_ready = [plgpu.Barrier() for _ in copied.arrays]
+        off_smem = [plgpu.SMEM((offsets.window,), x.dtype) for x in offsets.arrays]
+        off_ready = [plgpu.Barrier() for _ in offsets.arrays]
+        dtypes = dict(zip(copied.sources, (x.dtype for x in copied.arrays)))
+        vec_smem = [plgpu.SMEM((STAGES, BLOCK), dtypes[src]) for _, src in sides]
+        vec_ready = [plgpu.Barrier(num_barriers=STAGES) for _ in sides]
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
-                                    lse_ref, delta_ref, operand_refs, offset_refs, out_ref,
-                                    scoped),
-            smem, ready, free, off_smem, off_ready, collective_axes="wg")
+                                    lse_ref, delta_ref, operand_refs, vector_refs, offset_refs,
+                                    out_ref, scoped),
+            smem, ready, free, off_smem, off_ready, vec_smem, vec_ready, collective_axes="wg")
 
     return plgpu.kernel(
         entry, out_type=jax.ShapeDtypeStruct((b, hq, len(loads), n_diag, 2, BLOCK), jnp.float32),
