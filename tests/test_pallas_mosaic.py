@@ -472,6 +472,9 @@ def _learned_backward(case, shape, runs=1):
 
 @pytest.mark.parametrize("case,shape", [
     ("alibi", dict(sq=300, skv=260, hq=4, hkv=2, d=64)),
+    # whole tiles of 64 in arrays padded to 128: a compute warpgroup's keys (and
+    # queries) all padding, which must add nothing to the slopes' sums
+    ("alibi", dict(sq=192, skv=192, hq=4, hkv=2, d=64)),
     ("learnable_softcap", dict(sq=100, skv=70, hq=2, hkv=1, d=128, dtype=jnp.float16)),
     ("head_bias", dict(sq=130, skv=190, hq=4, hkv=1, d=64)),
     ("batch_scale", dict(sq=64, skv=128, hq=2, hkv=1, d=64)),
@@ -541,6 +544,7 @@ def test_backward_learns_relative_tables_interpreted(case, shape, interprets):
     ("shifted_bias", dict(sq=130, skv=190, hq=4, hkv=2, d=64)),
     ("key_chunks", dict(sq=100, skv=150, hq=2, hkv=1, d=128, dtype=jnp.float16)),
     ("query_scale", dict(sq=200, skv=136, hq=4, hkv=2, d=64)),
+    ("query_scale", dict(sq=192, skv=320, hq=2, hkv=1, d=64)),
 ])
 def test_backward_learns_position_reads_interpreted(case, shape, interprets):
     """Arrays read along the keys or the queries at positions known when tracing (a

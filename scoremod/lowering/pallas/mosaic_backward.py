@@ -360,12 +360,14 @@ class _Vectors:
 
 
 def _tails(spec, value, inputs, outside=NEG_INF):
-    """``value`` with ``outside`` on padded keys and queries: -inf for the modded
-    scores, so that P is 0 there whatever the mod gives (+inf on a padded row
-    would make P NaN, and NaN * 0 reaches dK); 0 for derivatives."""
-    if spec.skv % BLOCK:
+    """``value`` with ``outside`` on padded keys and queries (the arrays are padded
+    to whole ``TILE``s: a compute warpgroup's whole tile may be padding): -inf for
+    the modded scores, so that P is 0 there whatever the mod gives (+inf on a
+    padded row would make P NaN, and NaN * 0 reaches dK; a padded key's P would
+    reach the learned arrays' sums); 0 for derivatives."""
+    if spec.skv % TILE:
         value = jnp.where(inputs["kv_idx"] < spec.skv, value, outside)
-    if spec.sq % BLOCK:
+    if spec.sq % TILE:
         value = jnp.where(inputs["q_idx"] < spec.sq, value, outside)
     return value
 
@@ -380,10 +382,10 @@ def _tile_inputs(spec, bi, hi, q0, k0, keys_down=False):
     exprs += [local_derivative(e) for e in exprs]
     q_axis, kv_axis = (1, 0) if keys_down else (0, 1)
     inputs = {"b": bi, "h": hi}
-    if spec.sq % BLOCK or any(mosaic.uses_var(e, "q_idx") for e in exprs):
+    if spec.sq % TILE or any(mosaic.uses_var(e, "q_idx") for e in exprs):
         inputs["q_idx"] = q0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), q_axis,
                                                       layout=plgpu.Layout.WGMMA)
-    if spec.skv % BLOCK or any(mosaic.uses_var(e, "kv_idx") for e in exprs):
+    if spec.skv % TILE or any(mosaic.uses_var(e, "kv_idx") for e in exprs):
         inputs["kv_idx"] = k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), kv_axis,
                                                        layout=plgpu.Layout.WGMMA)
     return inputs
