@@ -63,11 +63,12 @@ HEAD_DIMS = (64, 128)
 # table per head, slopes, a scalar), not score-sized ones.
 MAX_GRADIENT_ELEMENTS = 1 << 16
 # The Mosaic GPU kernels' time per tile against cuDNN's, forward and backward of dense
-# softcap at b4 h16 s4096 d128 on the H200 (5.728 / 4.143 ms, docs/performance.md: the
-# forward level, the backward at 0.65x); and how much less modelled time a claim
-# on tile counts needs (a margin for what the model leaves out: partial tiles'
-# masks, smaller kernels' last waves), as the query-block split asks of its own.
-MOSAIC_TILE_COST = 5.728 / 4.143
+# softcap at b4 h16 s4096 d128 on the H200 (5.146 / 3.901 ms, 2026-12-05, two compute
+# warpgroups in the backward, docs/performance.md: the forward level, the backward at
+# 0.69x); and how much less modelled time a claim on tile counts needs (a margin for
+# what the model leaves out: partial tiles' masks, smaller kernels' last waves), as
+# the query-block split asks of its own.
+MOSAIC_TILE_COST = 5.146 / 3.901
 CLAIM_MARGIN = 0.8
 
 
