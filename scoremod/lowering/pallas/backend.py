@@ -515,14 +515,20 @@ def _diagonal_parts(plan, spec, sums, windows, nq, nk) -> dict:
             if node.args[0].attr[0] != name:
                 continue
             at = _static_positions(patterns.difference_form(node), axes, d, p.b, p.hq)
-            members = _members(at, size, len(d))  # [Bx, Hx, size, m], len(d): a zero
-            padded = jnp.pad(values[:, :, r], [(0, 0), (0, 0), (0, 1)])
-            rows = jnp.broadcast_to(members, (p.b, p.hq) + members.shape[2:])
-            gathered = jnp.take_along_axis(padded[:, :, None, :],
-                                           rows.reshape(p.b, p.hq, 1, -1), -1)
-            part = part + gathered.reshape(rows.shape).sum(-1)[:, :, None, :]
+            part = part + _place(values[:, :, r], _members(at, size, len(d)))
         parts[name] = part
     return parts
+
+
+def _place(values, members):
+    """[B, Hq, 1, size]: per position, the sum of ``values`` [B, Hq, n] at its
+    ``members`` ([Bx, Hx, size, m] indices into the last axis, ascending, padded
+    with n): a gather and a sum in a fixed order, the same bits on every run."""
+    b, hq, _ = values.shape
+    padded = jnp.pad(values, [(0, 0), (0, 0), (0, 1)])  # index n reads a zero
+    rows = jnp.broadcast_to(members, (b, hq) + members.shape[2:])
+    gathered = jnp.take_along_axis(padded[:, :, None, :], rows.reshape(b, hq, 1, -1), -1)
+    return gathered.reshape(rows.shape).sum(-1)[:, :, None, :]
 
 
 def _along_axes(plan) -> tuple:
@@ -555,12 +561,8 @@ def _position_parts(plan, loads, sums, windows) -> dict:
             where = np.arange(p.skv if keys else p.sq)
             at = _static_positions(mosaic.vector_source(node), axes, where, p.b, p.hq)
             members = _members(at, size, len(where), f"`{format_expr(node)}`",
-                               "keys" if keys else "queries")  # [Bx, Hx, size, m]
-            padded = jnp.pad(sums[:, :, r, :len(where)], [(0, 0), (0, 0), (0, 1)])  # a zero
-            rows = jnp.broadcast_to(members, (p.b, p.hq) + members.shape[2:])
-            gathered = jnp.take_along_axis(padded[:, :, None, :],
-                                           rows.reshape(p.b, p.hq, 1, -1), -1)
-            total = gathered.reshape(rows.shape).sum(-1)[:, :, None, :]
+                               "keys" if keys else "queries")
+            total = _place(sums[:, :, r, :len(where)], members)
             part = total if part is None else part + total
         if part is not None:
             parts[name] = part
