@@ -401,6 +401,10 @@ def interprets(lowers):
     ("batch_scale", dict(sq=64, skv=128, hq=2, hkv=1, d=64)),
     ("inf_past_the_end", dict(sq=80, skv=100, hq=1, hkv=1, d=64)),
     ("nan_at_score_zero", dict(sq=12, skv=100, hq=2, hkv=1, d=64)),
+    # lengths of whole 64-row tiles in arrays padded to 128: one compute
+    # warpgroup's rows (the queries') or keys all padding
+    ("inf_past_the_end", dict(sq=192, skv=320, hq=2, hkv=1, d=64)),
+    ("nan_at_score_zero", dict(sq=320, skv=192, hq=2, hkv=1, d=64)),
 ])
 def test_backward_interpreted(case, shape, interprets):
     """The Mosaic backward kernels run in Mosaic GPU's interpret mode (the plan's
@@ -479,6 +483,7 @@ def _learned_backward(case, shape, runs=1):
     ("head_bias", dict(sq=130, skv=190, hq=4, hkv=1, d=64)),
     ("batch_scale", dict(sq=64, skv=128, hq=2, hkv=1, d=64)),
     ("nan_past_the_end", dict(sq=40, skv=100, hq=2, hkv=1, d=64)),
+    ("nan_past_the_end", dict(sq=192, skv=320, hq=2, hkv=1, d=64)),
 ])
 def test_backward_learns_operands_interpreted(case, shape, interprets):
     """Gradients of captured float arrays read at one position per program
