@@ -359,15 +359,20 @@ class _Vectors:
         return reads
 
 
+def _has_padding(length) -> bool:
+    """Whether an axis of ``length`` real rows has padded ones: the backend pads both
+    axes to whole ``TILE``s, so a compute warpgroup's whole tile may be padding."""
+    return length % TILE != 0
+
+
 def _tails(spec, value, inputs, outside=NEG_INF):
-    """``value`` with ``outside`` on padded keys and queries (the arrays are padded
-    to whole ``TILE``s: a compute warpgroup's whole tile may be padding): -inf for
-    the modded scores, so that P is 0 there whatever the mod gives (+inf on a
+    """``value`` with ``outside`` on padded keys and queries (``_has_padding``): -inf
+    for the modded scores, so that P is 0 there whatever the mod gives (+inf on a
     padded row would make P NaN, and NaN * 0 reaches dK; a padded key's P would
     reach the learned arrays' sums); 0 for derivatives."""
-    if spec.skv % TILE:
+    if _has_padding(spec.skv):
         value = jnp.where(inputs["kv_idx"] < spec.skv, value, outside)
-    if spec.sq % TILE:
+    if _has_padding(spec.sq):
         value = jnp.where(inputs["q_idx"] < spec.sq, value, outside)
     return value
 
@@ -382,10 +387,10 @@ def _tile_inputs(spec, bi, hi, q0, k0, keys_down=False):
     exprs += [local_derivative(e) for e in exprs]
     q_axis, kv_axis = (1, 0) if keys_down else (0, 1)
     inputs = {"b": bi, "h": hi}
-    if spec.sq % TILE or any(mosaic.uses_var(e, "q_idx") for e in exprs):
+    if _has_padding(spec.sq) or any(mosaic.uses_var(e, "q_idx") for e in exprs):
         inputs["q_idx"] = q0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), q_axis,
                                                       layout=plgpu.Layout.WGMMA)
-    if spec.skv % TILE or any(mosaic.uses_var(e, "kv_idx") for e in exprs):
+    if _has_padding(spec.skv) or any(mosaic.uses_var(e, "kv_idx") for e in exprs):
         inputs["kv_idx"] = k0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), kv_axis,
                                                        layout=plgpu.Layout.WGMMA)
     return inputs
@@ -554,22 +559,22 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                             for _ in loads)
             dk, dv, sums = lax.fori_loop(0, count, step_fn, (zeros(d), zeros(d), no_sums))
             rows = (bi, pl.ds(k0, BLOCK), hi)
-            # dK, then dV, through one tile of shared memory (float32 ones would not fit beside).
-            for i, (grad, out_ref) in enumerate(((dk, dk_ref), (dv, dv_ref))):
-                if i:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_smem[...] = grad.astype(out_dtype)
-                if i == 0:
-                    for j, total in enumerate(sums):
-                        sums_smem.at[wg, j][...] = total
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows], commit_group=False)
-                if i == 0:
-                    for j in range(len(sums)):
-                        plgpu.copy_smem_to_gmem(sums_smem.at[wg, j],
-                                                sums_ref.at[bi, hi, j, pl.ds(k0, BLOCK)],
-                                                commit_group=False)
-                plgpu.commit_smem_to_gmem_group()
+            # dK with the sums, then dV, through one tile of shared memory (float32
+            # ones would not fit beside each other).
+            out_smem[...] = dk.astype(out_dtype)
+            for j, total in enumerate(sums):
+                sums_smem.at[wg, j][...] = total
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, dk_ref.at[rows], commit_group=False)
+            for j in range(len(sums)):
+                plgpu.copy_smem_to_gmem(sums_smem.at[wg, j],
+                                        sums_ref.at[bi, hi, j, pl.ds(k0, BLOCK)],
+                                        commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile is free again
+            out_smem[...] = dv.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, dv_ref.at[rows])
             plgpu.wait_smem_to_gmem(0)
 
         def fetch(step, slot):
