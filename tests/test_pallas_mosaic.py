@@ -511,6 +511,34 @@ def test_backward_learned_operands_deterministic(interprets):
         assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
 
 
+def _learns_interpreted_twice(case, shape, check_plan):
+    """``case`` (pc.vector_mod's, its last operand learned) through the backend's
+    Mosaic backward in interpret mode, twice: ``check_plan(plan, learned name)``,
+    O, LSE, dQ, dK, dV and the learned array's gradient against the reference
+    path, and the same bits on the second run."""
+    shape = dict(shape)
+    dtype = shape.pop("dtype", jnp.bfloat16)
+    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
+    mod, operands = pc.traced_vector_mod(case, q, k)
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
+    learned = mod.operand_names[-1]
+    check_plan(plan, learned)
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
+    o, lse = want[0], want[1]
+    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
+    runs = [pallas_backend._backward(plan, q, k, v, o.astype(dtype), lse, do, dlse, operands,
+                                     (learned,)) for _ in range(2)]
+    dq, dk, dv, grads = runs[0]
+    op_grads = tuple(grads.get(name) for name in mod.operand_names)
+    errs = pc.relative_errors((o, lse, dq, dk, dv, op_grads), want)
+    assert f"d_operand{len(operands) - 1}" in errs and all(e < 3e-2 for e in errs.values()), errs
+    assert grads[learned].shape == operands[-1].shape
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
 @pytest.mark.parametrize("case,shape", [
     ("relative_causal", dict(sq=130, skv=190, hq=2, hkv=1, d=64)),
     ("relative_softcap", dict(sq=100, skv=70, hq=2, hkv=2, d=64, dtype=jnp.float16)),
@@ -524,25 +552,10 @@ def test_backward_learns_relative_tables_interpreted(case, shape, interprets):
     per-block-diagonal kernel (mosaic_backward.diagonal_sums) in interpret mode,
     every diagonal's two shares added and placed at the entry it reads, against
     the reference path; no Triton kernel; twice the same bits."""
-    shape = dict(shape)
-    dtype = shape.pop("dtype", jnp.bfloat16)
-    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
-    mod, operands = pc.traced_vector_mod(case, q, k)
-    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
-    assert plan.diagonal_operands == (mod.operand_names[-1],) and plan.triton_operands == ()
-    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
-    o, lse = want[0], want[1]
-    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
-    runs = [pallas_backend._backward(plan, q, k, v, o.astype(dtype), lse, do, dlse, operands,
-                                     (mod.operand_names[-1],)) for _ in range(2)]
-    dq, dk, dv, grads = runs[0]
-    op_grads = tuple(grads.get(name) for name in mod.operand_names)
-    errs = pc.relative_errors((o, lse, dq, dk, dv, op_grads), want)
-    assert f"d_operand{len(operands) - 1}" in errs and all(e < 3e-2 for e in errs.values()), errs
-    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
-        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    def per_diagonal(plan, learned):
+        assert plan.diagonal_operands == (learned,) and plan.triton_operands == ()
+
+    _learns_interpreted_twice(case, shape, per_diagonal)
 
 
 @pytest.mark.parametrize("case,shape", [
@@ -559,29 +572,11 @@ def test_backward_learns_position_reads_interpreted(case, shape, interprets):
     sums, or the dQ kernel's per-query ones, in interpret mode, placed at the
     positions read, against the reference path; no Triton kernel; twice the same
     bits."""
-    shape = dict(shape)
-    dtype = shape.pop("dtype", jnp.bfloat16)
-    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
-    mod, operands = pc.traced_vector_mod(case, q, k)
-    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
-    learned = mod.operand_names[-1]
-    assert plan.backward_engine == "mosaic" and plan.triton_operands == ()
-    assert plan.diagonal_operands == () and pallas_backend._along_axes(plan) == (learned,)
-    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
-    o, lse = want[0], want[1]
-    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
-    runs = [pallas_backend._backward(plan, q, k, v, o.astype(dtype), lse, do, dlse, operands,
-                                     (learned,)) for _ in range(2)]
-    dq, dk, dv, grads = runs[0]
-    op_grads = tuple(grads.get(name) for name in mod.operand_names)
-    errs = pc.relative_errors((o, lse, dq, dk, dv, op_grads), want)
-    key = f"d_operand{len(operands) - 1}"
-    assert key in errs and all(e < 3e-2 for e in errs.values()), errs
-    assert grads[learned].shape == operands[-1].shape
-    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
-        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    def per_position(plan, learned):
+        assert plan.backward_engine == "mosaic" and plan.triton_operands == ()
+        assert plan.diagonal_operands == () and pallas_backend._along_axes(plan) == (learned,)
+
+    _learns_interpreted_twice(case, shape, per_position)
 
 
 def test_position_reads_refusals():

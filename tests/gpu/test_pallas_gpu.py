@@ -549,24 +549,10 @@ def test_mosaic_learns_relative_tables(case, shape, dtype, hopper):
     """A learned table read at q_idx - kv_idx: O, LSE, dQ, dK, dV and the table's
     gradient (the per-block-diagonal kernel) against the reference path, no
     Triton kernel in the plan; and the same bits on a second run."""
-    def diagonal(plan):
-        _mosaic_backward(plan)
+    def per_diagonal(plan):
         assert plan.diagonal_operands and plan.triton_operands == (), plan.describe()
 
-    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
-    runs = []
-    for _ in range(2):
-        mod, operands = pc.traced_vector_mod(case, q, k)
-        plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
-        diagonal(plan)
-        runs.append(pc.run(PALLAS, plan, q, k, v, do, operands, True))
-    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
-    assert runs[0][5][-1] is not None, "no table gradient"
-    _check(runs[0], want, dtype)
-    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
-        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    _learns_twice(case, shape, dtype, per_diagonal)
 
 
 @pytest.mark.parametrize("case,shape,dtype", [
@@ -581,18 +567,29 @@ def test_mosaic_learns_position_reads(case, shape, dtype, hopper):
     (the dK/dV kernel's per-key sums, or the dQ kernel's per-query ones, placed
     where read) against the reference path, no Triton kernel in the plan; the same
     bits on a second run."""
+    def per_position(plan):
+        assert plan.triton_operands == () and not plan.diagonal_operands, plan.describe()
+
+    _learns_twice(case, shape, dtype, per_position)
+
+
+def _learns_twice(case, shape, dtype, check_plan):
+    """``case`` (pc.vector_mod's, its last operand learned) on the Mosaic kernels,
+    forward and backward, twice: ``check_plan(plan)`` on the Mosaic backward's
+    plan, O, LSE, dQ, dK, dV and the array's gradient against the reference
+    path, and the same bits on the second run."""
     q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
     runs = []
     for _ in range(2):
         mod, operands = pc.traced_vector_mod(case, q, k)
         plan = pc.pallas_plan(mod, q, k, v, MOSAIC)
         _mosaic_backward(plan)
-        assert plan.triton_operands == () and not plan.diagonal_operands, plan.describe()
+        check_plan(plan)
         runs.append(pc.run(PALLAS, plan, q, k, v, do, operands, True))
     ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
-    assert runs[0][5][-1] is not None, "no gradient of the array"
+    assert runs[0][5][-1] is not None, "no gradient of the learned array"
     _check(runs[0], want, dtype)
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
         assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
