@@ -13,12 +13,11 @@ of 10 calls after a warm-up.
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+import pallas_mgpu_smoke as smoke  # this folder's (a script's folder is on sys.path)
 import scoremod
 from scoremod.lowering.pallas import backend as pallas_backend
 from scoremod.lowering.pallas import mosaic_backward
@@ -28,16 +27,9 @@ from scoremod.lowering.problem import Problem
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
 
 
-def timed(f, args, reps, calls=10):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / calls)
-    return float(np.median(times))
+def timed(f, args, reps):
+    """Median seconds per call (``pallas_mgpu_smoke.timed``'s, its first call left out)."""
+    return smoke.timed(f, args, reps)[1]
 
 
 def mods():
