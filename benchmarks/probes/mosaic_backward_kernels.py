@@ -9,7 +9,9 @@ three per tile: S, dP, dQ; dK/dV four: S, dP, dV, dK; dense, masked tiles counte
 too) and from the backward's usual dense count (2.5x the forward's 4*B*H*S*S*D,
 the five products of a fused backward), beside cuDNN's whole backward
 (scoremod's implementation="cudnn", fwd+bwd less fwd). Median over --reps runs
-of 10 calls after a warm-up.
+of 10 calls after a warm-up. Each kernel runs with and without the compute
+warpgroups' turns (``mosaic_backward.PINGPONG``), and the two outputs are compared
+(the same operations per element: they should be equal).
 """
 
 import argparse
@@ -67,15 +69,25 @@ def run(name, fn, q, k, v, do, dense, reps):
     for kernel, blocks, products in ((mosaic_backward.dq, mosaic_backward.DQ_BLOCKS, 3),
                                      (mosaic_backward.dkdv, mosaic_backward.DKDV_BLOCKS, 4)):
         bmap = pallas_backend._map(plan, blocks, ())
-        f = jax.jit(lambda q, k, v, do, lse2, delta, kernel=kernel, bmap=bmap: kernel(
-            spec, bmap, q, k, v, do, lse2, delta, ()))
-        try:
-            t = timed(f, (q, k, v, do, lse2, delta), reps)
-            print(f"{name:8s} {kernel.__name__:5s} {t * 1e3:8.3f} ms "
-                  f"{products * 2 * dense / 4 / t / 1e12:6.1f} TF/s of its products",
-                  flush=True)
-        except Exception as e:  # noqa: BLE001 - one failure must not hide the others
-            print(f"{name:8s} {kernel.__name__:5s} FAILED: {str(e).splitlines()[0][:300]}")
+        outs = {}
+        for turns in (False, True):
+            mosaic_backward.PINGPONG = turns  # read when the kernel is traced, below
+            f = jax.jit(lambda q, k, v, do, lse2, delta, kernel=kernel, bmap=bmap: kernel(
+                spec, bmap, q, k, v, do, lse2, delta, ()))
+            label = f"{kernel.__name__:5s} {'turns' if turns else 'free ':5s}"
+            try:
+                t = timed(f, (q, k, v, do, lse2, delta), reps)
+                outs[turns] = f(q, k, v, do, lse2, delta)
+                print(f"{name:8s} {label} {t * 1e3:8.3f} ms "
+                      f"{products * 2 * dense / 4 / t / 1e12:6.1f} TF/s of its products",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001 - one failure must not hide the others
+                print(f"{name:8s} {label} FAILED: {str(e).splitlines()[0][:300]}")
+        mosaic_backward.PINGPONG = True
+        if len(outs) == 2:
+            diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                       for a, b in zip(jax.tree.leaves(outs[False]), jax.tree.leaves(outs[True])))
+            print(f"{name:8s} {kernel.__name__:5s} turns vs free: max |difference| {diff:.3g}")
     for impl, options in (("mosaic", MOSAIC), ("cudnn", None)):
         def fwd(q, k, v, impl=impl, options=options):
             return scoremod.attention(q, k, v, fn, implementation="pallas" if impl == "mosaic"
