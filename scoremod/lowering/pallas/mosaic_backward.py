@@ -85,6 +85,9 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 ONE_COMPUTE_REGISTERS = 256  # the per-block-diagonal kernel's single compute warpgroup
 # The compute warpgroups take turns on the tensor cores (``_Turns``).
 PINGPONG = True
+# On tiles the map marks full, the mod without its mask (a branch per tile; off: the
+# mod with its mask on every tile, the same values).
+FULL_BRANCH = True
 # The block maps' (block_q, block_kv) of each kernel: a program's own rows by a streamed tile.
 DKDV_BLOCKS = (BLOCK, TILE)
 DQ_BLOCKS = (TILE, BLOCK)
@@ -206,7 +209,7 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}
         return _tails(spec, s * jnp.float32(spec.scale * LOG2E), inputs), None
 
     variants = [(spec.expr, local_derivative(spec.expr))]
-    if spec.full_expr is not None:
+    if spec.full_expr is not None and FULL_BRANCH:
         variants.append((spec.full_expr, local_derivative(spec.full_expr)))
     has_local = any(local is not None for _, local in variants)
     load_terms = {expr: load_derivatives(expr, loads) for expr, _ in variants}
