@@ -28,7 +28,8 @@ from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
-VARIANTS = ({"PINGPONG": False}, {"PINGPONG": True}, {"PINGPONG": True, "STAGES": 3},
+VARIANTS = ({"PINGPONG": False, "SCALE_AT_END": False}, {"PINGPONG": True, "SCALE_AT_END": False},
+            {"PINGPONG": True}, {"PINGPONG": True, "STAGES": 3},
             {"PINGPONG": True, "FULL_BRANCH": False})
 
 

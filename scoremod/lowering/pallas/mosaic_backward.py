@@ -88,6 +88,8 @@ PINGPONG = True
 # On tiles the map marks full, the mod without its mask (a branch per tile; off: the
 # mod with its mask on every tile, the same values).
 FULL_BRANCH = True
+# The softmax scale multiplies dK and dQ once at the end, not dS on every tile.
+SCALE_AT_END = True
 # The block maps' (block_q, block_kv) of each kernel: a program's own rows by a streamed tile.
 DKDV_BLOCKS = (BLOCK, TILE)
 DQ_BLOCKS = (TILE, BLOCK)
@@ -595,7 +597,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 sums = tuple(acc + (term * ds).sum(axis=1) for acc, term in zip(sums, terms))
                 if local is not None:
                     ds = ds * local
-                ds = ds * jnp.float32(spec.scale)
+                if not SCALE_AT_END:
+                    ds = ds * jnp.float32(spec.scale)
                 p, ds, sums = turns.take((p.astype(dtype), ds.astype(dtype), sums))
 
                 def gradients(accs):  # both issued before one wait
@@ -611,6 +614,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                             for _ in loads)
             dk, dv, sums = lax.fori_loop(0, count, step_fn, (zeros(d), zeros(d), no_sums))
             turns.end()
+            if SCALE_AT_END:
+                dk = dk * jnp.float32(spec.scale)
             rows = (bi, pl.ds(k0, BLOCK), hi)
             # dK with the sums, then dV, through one tile of shared memory (float32
             # ones would not fit beside each other).
@@ -802,7 +807,8 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 sums = tuple(total + (term * ds).sum(axis=1) for total, term in zip(sums, terms))
                 if local is not None:
                     ds = ds * local
-                ds = ds * jnp.float32(spec.scale)
+                if not SCALE_AT_END:
+                    ds = ds * jnp.float32(spec.scale)
                 ds, sums = turns.take((ds.astype(dtype), sums))
 
                 def query_grad(acc_refs):
@@ -816,6 +822,8 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                             for _ in loads)
             acc, sums = lax.fori_loop(0, count, step_fn, (zeros(d), no_sums))
             turns.end()
+            if SCALE_AT_END:
+                acc = acc * jnp.float32(spec.scale)
             q_smem[...] = acc.astype(dtype)  # the queries' tile is free: dQ leaves through it
             for j, total in enumerate(sums):
                 sums_smem.at[wg, j][...] = total
