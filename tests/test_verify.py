@@ -6,6 +6,7 @@ The real check on a GPU is tests/gpu/test_verify_gpu.py.
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -282,7 +283,8 @@ def test_the_doctor_reports_and_runs_the_check(machine, monkeypatch, capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
     assert ["sigmoid", "float16", "ok", "O", "0.00e+00,"] == rows[-1][:5]
     assert len(rows) == 2 * len(verify.CASES)
-    assert f"PASSED in 0 s: {2 * len(verify.CASES)} of {2 * len(verify.CASES)} agree" in out
+    n = 2 * len(verify.CASES)  # the seconds are the machine's: a loaded one takes more than 0
+    assert re.search(rf"PASSED in \d+ s: {n} of {n} agree", out), out
     assert "verdict kept in " + str(verify.verdict_path(_key())) in out
     assert verify.status_line().startswith("verified on this GPU: PASSED")
     assert doctor.fused_verdict()[0]
