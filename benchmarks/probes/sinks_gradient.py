@@ -29,14 +29,10 @@ def two_step(o, lse, do, dlse, sinks):
     p_sink = jnp.where(s == -jnp.inf, 0.0, jnp.exp(s - lse.astype(F32)))
     o32 = jnp.where(jnp.isnan(o), 0.0, o.astype(F32))
     d = jnp.sum(do.astype(F32) * o32, axis=-1)  # [b, s, h]: a row reduction
-    d = lax_barrier(jnp.swapaxes(d, 1, 2))
+    d = jax.lax.optimization_barrier(jnp.swapaxes(d, 1, 2))  # not fused into the next sum
     if dlse is not None:
         d = d - dlse.astype(F32)
     return jnp.sum(p_sink * -d, axis=-1)
-
-
-def lax_barrier(x):
-    return jax.lax.optimization_barrier(x)
 
 
 def main():

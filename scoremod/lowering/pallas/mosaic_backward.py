@@ -408,6 +408,22 @@ def _product(left, right):
     return pl.run_scoped(product, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
 
 
+def _write_rows(tile_smem, value, out, sums, sums_smem, sums_at):
+    """A compute warpgroup's gradient rows ``value`` to ``out`` (a gmem slice)
+    through ``tile_smem``, and its per-row learned sums through ``sums_smem``
+    (one slot per read) to ``sums_at(j)``, in one commit group (not waited)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    tile_smem[...] = value
+    for j, total in enumerate(sums):
+        sums_smem.at[j][...] = total
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tile_smem, out, commit_group=False)
+    for j in range(len(sums)):
+        plgpu.copy_smem_to_gmem(sums_smem.at[j], sums_at(j), commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+
+
 def _map_index(counts, bi, hi):
     return (0 if counts.shape[0] == 1 else bi), (0 if counts.shape[1] == 1 else hi)
 
@@ -561,20 +577,11 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             rows = (bi, pl.ds(k0, BLOCK), hi)
             # dK with the sums, then dV, through one tile of shared memory (float32
             # ones would not fit beside each other).
-            out_smem[...] = dk.astype(out_dtype)
-            for j, total in enumerate(sums):
-                sums_smem.at[wg, j][...] = total
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, dk_ref.at[rows], commit_group=False)
-            for j in range(len(sums)):
-                plgpu.copy_smem_to_gmem(sums_smem.at[wg, j],
-                                        sums_ref.at[bi, hi, j, pl.ds(k0, BLOCK)],
-                                        commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+            _write_rows(out_smem, dk.astype(out_dtype), dk_ref.at[rows], sums,
+                        sums_smem.at[wg] if sums else None,
+                        lambda j: sums_ref.at[bi, hi, j, pl.ds(k0, BLOCK)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile is free again
-            out_smem[...] = dv.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, dv_ref.at[rows])
+            _write_rows(out_smem, dv.astype(out_dtype), dv_ref.at[rows], (), None, None)
             plgpu.wait_smem_to_gmem(0)
 
         def fetch(step, slot):
@@ -757,16 +764,10 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             no_sums = tuple(plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), along_rows)
                             for _ in loads)
             acc, sums = lax.fori_loop(0, count, step_fn, (zeros(d), no_sums))
-            q_smem[...] = acc.astype(dtype)  # the queries' tile is free: dQ leaves through it
-            for j, total in enumerate(sums):
-                sums_smem.at[wg, j][...] = total
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows], commit_group=False)
-            for j in range(len(sums)):
-                plgpu.copy_smem_to_gmem(sums_smem.at[wg, j],
-                                        sums_ref.at[bi, hi, j, pl.ds(q0, BLOCK)],
-                                        commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+            # The queries' tile is free: dQ leaves through it.
+            _write_rows(q_smem, acc.astype(dtype), dq_ref.at[rows], sums,
+                        sums_smem.at[wg] if sums else None,
+                        lambda j: sums_ref.at[bi, hi, j, pl.ds(q0, BLOCK)])
             plgpu.wait_smem_to_gmem(0)
 
         def fetch(step, slot):
