@@ -9,7 +9,10 @@ three per tile: S, dP, dQ; dK/dV four: S, dP, dV, dK; dense, masked tiles counte
 too) and from the backward's usual dense count (2.5x the forward's 4*B*H*S*S*D,
 the five products of a fused backward), beside cuDNN's whole backward
 (scoremod's implementation="cudnn", fwd+bwd less fwd). Median over --reps runs
-of 10 calls after a warm-up.
+of 10 calls after a warm-up. Each kernel runs in each of ``VARIANTS`` (tuning
+constants of ``mosaic_backward`` set while it is traced), and each variant's
+outputs are compared with the first's (the same operations per element: they
+should be equal).
 """
 
 import argparse
@@ -25,6 +28,9 @@ from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
+VARIANTS = ({"PINGPONG": False, "SCALE_AT_END": False}, {"PINGPONG": True, "SCALE_AT_END": False},
+            {"PINGPONG": True}, {"PINGPONG": True, "STAGES": 3},
+            {"PINGPONG": True, "FULL_BRANCH": False})
 
 
 def timed(f, args, reps):
@@ -67,15 +73,28 @@ def run(name, fn, q, k, v, do, dense, reps):
     for kernel, blocks, products in ((mosaic_backward.dq, mosaic_backward.DQ_BLOCKS, 3),
                                      (mosaic_backward.dkdv, mosaic_backward.DKDV_BLOCKS, 4)):
         bmap = pallas_backend._map(plan, blocks, ())
-        f = jax.jit(lambda q, k, v, do, lse2, delta, kernel=kernel, bmap=bmap: kernel(
-            spec, bmap, q, k, v, do, lse2, delta, ()))
-        try:
-            t = timed(f, (q, k, v, do, lse2, delta), reps)
-            print(f"{name:8s} {kernel.__name__:5s} {t * 1e3:8.3f} ms "
-                  f"{products * 2 * dense / 4 / t / 1e12:6.1f} TF/s of its products",
-                  flush=True)
-        except Exception as e:  # noqa: BLE001 - one failure must not hide the others
-            print(f"{name:8s} {kernel.__name__:5s} FAILED: {str(e).splitlines()[0][:300]}")
+        outs = []
+        for variant in VARIANTS:
+            saved = {key: getattr(mosaic_backward, key) for key in variant}
+            for key, value in variant.items():  # read when the kernel is traced, below
+                setattr(mosaic_backward, key, value)
+            f = jax.jit(lambda q, k, v, do, lse2, delta, kernel=kernel, bmap=bmap: kernel(
+                spec, bmap, q, k, v, do, lse2, delta, ()))
+            label = f"{kernel.__name__:5s} " + ",".join(f"{k}={v}" for k, v in variant.items())
+            try:
+                t = timed(f, (q, k, v, do, lse2, delta), reps)
+                out = f(q, k, v, do, lse2, delta)
+                outs.append(out)
+                diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                           for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(out)))
+                print(f"{name:8s} {label:30s} {t * 1e3:8.3f} ms "
+                      f"{products * 2 * dense / 4 / t / 1e12:6.1f} TF/s of its products "
+                      f"(max |difference| from the first {diff:.3g})", flush=True)
+            except Exception as e:  # noqa: BLE001 - one failure must not hide the others
+                print(f"{name:8s} {label:30s} FAILED: {str(e).splitlines()[0][:300]}")
+            finally:
+                for key, value in saved.items():
+                    setattr(mosaic_backward, key, value)
     for impl, options in (("mosaic", MOSAIC), ("cudnn", None)):
         def fwd(q, k, v, impl=impl, options=options):
             return scoremod.attention(q, k, v, fn, implementation="pallas" if impl == "mosaic"

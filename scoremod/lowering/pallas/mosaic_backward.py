@@ -83,6 +83,13 @@ STAGES = 2  # streamed tiles in flight
 # (2 x 232 + 40 warps' worth fits the 64K registers of a multiprocessor).
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 ONE_COMPUTE_REGISTERS = 256  # the per-block-diagonal kernel's single compute warpgroup
+# The compute warpgroups take turns on the tensor cores (``_Turns``).
+PINGPONG = True
+# On tiles the map marks full, the mod without its mask (a branch per tile; off: the
+# mod with its mask on every tile, the same values).
+FULL_BRANCH = True
+# The softmax scale multiplies dK and dQ once at the end, not dS on every tile.
+SCALE_AT_END = True
 # The block maps' (block_q, block_kv) of each kernel: a program's own rows by a streamed tile.
 DKDV_BLOCKS = (BLOCK, TILE)
 DQ_BLOCKS = (TILE, BLOCK)
@@ -204,7 +211,7 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}
         return _tails(spec, s * jnp.float32(spec.scale * LOG2E), inputs), None
 
     variants = [(spec.expr, local_derivative(spec.expr))]
-    if spec.full_expr is not None:
+    if spec.full_expr is not None and FULL_BRANCH:
         variants.append((spec.full_expr, local_derivative(spec.full_expr)))
     has_local = any(local is not None for _, local in variants)
     load_terms = {expr: load_derivatives(expr, loads) for expr, _ in variants}
@@ -359,6 +366,49 @@ class _Vectors:
         return reads
 
 
+class _Turns:
+    """The compute warpgroups' turns on the tensor cores, as in the forward: each
+    step a warpgroup issues its S and dP products, passes the turn on, evaluates
+    the mod and dS while the other's products run, then takes the turn back for
+    its gradient products and the next step's S and dP. Without turns the two
+    fall into step and evaluate the mod at the same time, the tensor cores idle.
+    A turn is a rendezvous of both on one barrier; the second warpgroup starts
+    one behind and the first ends with the extra one. ``PINGPONG`` off: no
+    rendezvous (to measure what they give)."""
+
+    def __init__(self, barrier, wg):
+        self.barrier, self.wg = barrier, wg
+
+    def _meet(self):
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        plgpu.barrier_arrive(self.barrier)
+        plgpu.barrier_wait(self.barrier)
+
+    def start(self):
+        import jax.experimental.pallas as pl
+
+        if PINGPONG:
+            pl.when(self.wg == 1)(self._meet)
+
+    def end(self):
+        import jax.experimental.pallas as pl
+
+        if PINGPONG:
+            pl.when(self.wg == 0)(self._meet)
+
+    def pass_on(self):
+        if PINGPONG:
+            self._meet()
+
+    def take(self, values):
+        """``values`` (what the products read), computed before the turn is taken."""
+        if PINGPONG:
+            values = lax.optimization_barrier(values)
+            self._meet()
+        return values
+
+
 def _has_padding(length) -> bool:
     """Whether an axis of ``length`` real rows has padded ones: the backend pads both
     axes to whole ``TILE``s, so a compute warpgroup's whole tile may be padding."""
@@ -495,7 +545,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, operand_refs, vector_refs, dk_ref, dv_ref, sums_ref, scoped):
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, out_smem2, *staging), \
-            (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, \
+            (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, turn, \
             (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem = scoped
         sums_smem = sums_smem[0] if sums_smem else None  # with learned reads only
         staging = staging[0] if staging else None  # interpret mode's
@@ -524,6 +574,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             refs = dict(zip(spec.operand_names, operand_refs))
             zeros = lambda cols: plgpu.layout_cast(  # noqa: E731
                 jnp.zeros((BLOCK, cols), jnp.float32), layout)
+            turns = _Turns(turn, wg)
+            turns.start()
 
             def step_fn(step, carry):
                 dk, dv, sums = carry
@@ -531,26 +583,29 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 q0 = q_start(step)
                 is_full = full_ref[mb, mh, tile, step] if with_full else None
                 qs, dos = q_smem.at[slot], do_smem.at[slot]
-                plgpu.barrier_wait(q_ready.at[slot])
-
-                s = _product(k_smem, qs)  # [keys, queries]: kv_idx runs down, q_idx across
                 inputs = _tile_inputs(spec, bi, hi, q0, k0, keys_down=True)
+                plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
-                plgpu.barrier_wait(lse_ready.at[slot])
-                vectors.wait(vec_ready, slot)
 
-                def probabilities(dp_acc):
-                    plgpu.wgmma(dp_acc, v_smem, dos.transpose((1, 0)))  # dP^T, while ...
+                def probabilities(s_acc, dp_acc):
+                    # S^T ([keys, queries]: kv_idx down, q_idx across) and dP^T on this
+                    # warpgroup's turn; the mod once S^T is in, while dP^T runs.
+                    plgpu.wgmma(s_acc, k_smem, qs.transpose((1, 0)))
+                    plgpu.wgmma(dp_acc, v_smem, dos.transpose((1, 0)))
+                    turns.pass_on()
+                    s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+                    plgpu.barrier_wait(lse_ready.at[slot])
+                    vectors.wait(vec_ready, slot)
                     value, local, *terms = _tile_terms(
                         spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK),
                         reads=vectors.tile(own_vectors, vec_smem, slot, wg), loads=loads)
                     terms = terms[0] if loads else ()  # the learned reads' cotangents at dP = 1
                     lse = plgpu.load(lse_smem.at[slot], layout=along_q)
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [1]))
-                    return p, local, terms, dp_acc[...]  # ... P^T is computed
+                    return p, local, terms, dp_acc[...]
 
-                p, local, terms, dp = pl.run_scoped(probabilities,
-                                                    plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                p, local, terms, dp = pl.run_scoped(
+                    probabilities, *(plgpu.ACC((BLOCK, BLOCK), jnp.float32),) * 2)
                 plgpu.barrier_wait(delta_ready.at[slot])
                 dd = plgpu.load(delta_smem.at[slot], layout=along_q)
                 ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [1]))
@@ -558,14 +613,14 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 sums = tuple(acc + (term * ds).sum(axis=1) for acc, term in zip(sums, terms))
                 if local is not None:
                     ds = ds * local
-                ds = ds * jnp.float32(spec.scale)
+                if not SCALE_AT_END:
+                    ds = ds * jnp.float32(spec.scale)
+                p, ds, sums = turns.take((p.astype(dtype), ds.astype(dtype), sums))
 
                 def gradients(accs):  # both issued before one wait
                     dv_acc, dk_acc = accs
-                    plgpu.wgmma(dv_acc, mosaic.left_operand(spec, p.astype(dtype), staging,
-                                                            2 * wg), dos)
-                    plgpu.wgmma(dk_acc, mosaic.left_operand(spec, ds.astype(dtype), staging,
-                                                            2 * wg + 1), qs)
+                    plgpu.wgmma(dv_acc, mosaic.left_operand(spec, p, staging, 2 * wg), dos)
+                    plgpu.wgmma(dk_acc, mosaic.left_operand(spec, ds, staging, 2 * wg + 1), qs)
 
                 dv, dk = mosaic.accumulate(spec, gradients, (dv, dk))
                 plgpu.barrier_arrive(free.at[slot])
@@ -574,6 +629,9 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             no_sums = tuple(plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), along_kv)
                             for _ in loads)
             dk, dv, sums = lax.fori_loop(0, count, step_fn, (zeros(d), zeros(d), no_sums))
+            turns.end()
+            if SCALE_AT_END:
+                dk = dk * jnp.float32(spec.scale)
             rows = (bi, pl.ds(k0, BLOCK), hi)
             # dK with the sums, then dV, through one tile of shared memory (float32
             # ones would not fit beside each other).
@@ -617,7 +675,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
                                     lse_ref, delta_ref, operand_refs, vector_refs, dk_ref,
                                     dv_ref, sums_ref[0] if sums_ref else None, scoped),
-            smem, ready, free, *vectors.scratch(), sums_smem, collective_axes="wg")
+            smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), *vectors.scratch(),
+            sums_smem, collective_axes="wg")
 
     out = jax.ShapeDtypeStruct((b, skv, hq, d), out_dtype)
     sums = (jax.ShapeDtypeStruct((b, hq, len(loads), skv), jnp.float32),) if loads else ()
@@ -685,7 +744,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, operand_refs, vector_refs, dq_ref, sums_ref, scoped):
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *staging), \
-            (own_ready, k_ready, v_ready), free, \
+            (own_ready, k_ready, v_ready), free, turn, \
             (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem = scoped
         sums_smem = sums_smem[0] if sums_smem else None  # with learned reads only
         staging = staging[0] if staging else None  # interpret mode's
@@ -722,40 +781,45 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             zeros = lambda cols: plgpu.layout_cast(  # noqa: E731
                 jnp.zeros((BLOCK, cols), jnp.float32), layout)
 
+            turns = _Turns(turn, wg)
+            turns.start()
+
             def step_fn(step, carry):
                 acc, sums = carry
                 slot = lax.rem(step, STAGES)
                 k0 = kv_start(step)
                 is_full = full_ref[mb, mh, tile, step] if with_full else None
                 ks, vs = k_smem.at[slot], v_smem.at[slot]
-                plgpu.barrier_wait(k_ready.at[slot])
-
-                s = _product(q_smem, ks)
                 inputs = _tile_inputs(spec, bi, hi, q0, k0)
+                plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
-                vectors.wait(vec_ready, slot)
 
-                def probabilities(dp_acc):
-                    plgpu.wgmma(dp_acc, do_smem, vs.transpose((1, 0)))  # dP, while ...
+                def probabilities(s_acc, dp_acc):  # as in dkdv, untransposed
+                    plgpu.wgmma(s_acc, q_smem, ks.transpose((1, 0)))
+                    plgpu.wgmma(dp_acc, do_smem, vs.transpose((1, 0)))
+                    turns.pass_on()
+                    s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+                    vectors.wait(vec_ready, slot)
                     value, local, *terms = _tile_terms(
                         spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK),
                         reads=vectors.tile(own_vectors, vec_smem, slot, wg), loads=loads)
                     terms = terms[0] if loads else ()  # the learned reads' cotangents at dP = 1
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
-                    return p, local, terms, dp_acc[...]  # ... P is computed
+                    return p, local, terms, dp_acc[...]
 
-                p, local, terms, dp = pl.run_scoped(probabilities,
-                                                    plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                p, local, terms, dp = pl.run_scoped(
+                    probabilities, *(plgpu.ACC((BLOCK, BLOCK), jnp.float32),) * 2)
                 ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [0]))
                 # Each learned read's cotangent, summed over the tile's keys (per query).
                 sums = tuple(total + (term * ds).sum(axis=1) for total, term in zip(sums, terms))
                 if local is not None:
                     ds = ds * local
-                ds = ds * jnp.float32(spec.scale)
+                if not SCALE_AT_END:
+                    ds = ds * jnp.float32(spec.scale)
+                ds, sums = turns.take((ds.astype(dtype), sums))
 
                 def query_grad(acc_refs):
-                    ds_left = mosaic.left_operand(spec, ds.astype(dtype), staging, wg)
-                    plgpu.wgmma(acc_refs[0], ds_left, ks)
+                    plgpu.wgmma(acc_refs[0], mosaic.left_operand(spec, ds, staging, wg), ks)
 
                 (acc,) = mosaic.accumulate(spec, query_grad, (acc,))
                 plgpu.barrier_arrive(free.at[slot])
@@ -764,6 +828,9 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             no_sums = tuple(plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), along_rows)
                             for _ in loads)
             acc, sums = lax.fori_loop(0, count, step_fn, (zeros(d), no_sums))
+            turns.end()
+            if SCALE_AT_END:
+                acc = acc * jnp.float32(spec.scale)
             # The queries' tile is free: dQ leaves through it.
             _write_rows(q_smem, acc.astype(dtype), dq_ref.at[rows], sums,
                         sums_smem.at[wg] if sums else None,
@@ -797,7 +864,8 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
                                     lse_ref, delta_ref, operand_refs, vector_refs, dq_ref,
                                     sums_ref[0] if sums_ref else None, scoped),
-            smem, ready, free, *vectors.scratch(), sums_smem, collective_axes="wg")
+            smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), *vectors.scratch(),
+            sums_smem, collective_axes="wg")
 
     sums = (jax.ShapeDtypeStruct((b, hq, len(loads), sq), jnp.float32),) if loads else ()
     outs = plgpu.kernel(
