@@ -17,6 +17,7 @@ Running the kernels needs a Hopper GPU:
 tests/gpu/test_pallas_gpu.py does, against the reference path.
 """
 
+import dataclasses
 import importlib
 import os
 import re
@@ -1269,3 +1270,55 @@ def test_claimed_static_masks_interpreted(name, dtype, interprets):
     dq, dk, dv, _ = pallas_backend._backward(plan, q, k, v, o, lse, do, dlse, (), ())
     errs = pc.relative_errors((o, lse, dq, dk, dv, ()), want)
     assert all(e < 3e-2 for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("case,parts,shape", [
+    ("softcap", 3, dict(sq=4, skv=700, hq=2, hkv=1, d=64)),  # 6 key tiles: parts of 2
+    ("masked_rows", 4, dict(sq=40, skv=300, hq=1, hkv=1, d=64)),  # 3 tiles: one part empty
+    ("alibi", 5, dict(sq=8, skv=520, hq=2, hkv=2, d=128)),  # 5 tiles: a tile per part
+])
+def test_forward_key_parts_interpreted(case, parts, shape, interprets):
+    """The forward with each query tile's key list split over ``parts`` programs
+    (decoding: ``PallasPlan.key_parts``), in interpret mode: the parts' O and LSE
+    joined equal the reference path's, with a part that has no key tile and
+    rows that see no key (O 0, LSE -inf); and one program per tile's up to the
+    join's rounding."""
+    q, k, v, _ = pc.inputs(b=2, dtype=jnp.bfloat16, **shape)
+    mod, operands = pc.traced(case, q, k)
+    one = pc.pallas_plan(mod, q, k, v, MOSAIC.replace(decode_splits=0), scale=0.3)
+    plan = dataclasses.replace(one, key_parts=parts)
+    assert one.key_parts == 1 and plan.engine == "mosaic" and plan.interpret
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    want_o, want_lse = REFERENCE.forward(ref, *(x.astype(jnp.float32) for x in (q, k, v)),
+                                         operands)
+    got_o, got_lse = pallas_backend._forward(plan, q, k, v, operands)
+    one_o, one_lse = pallas_backend._forward(one, q, k, v, operands)
+    assert got_o.shape == q.shape[:3] + (v.shape[-1],) and got_lse.shape == want_lse.shape
+    np.testing.assert_array_equal(np.isneginf(f32(got_lse)), np.isneginf(f32(want_lse)))
+    live = np.isfinite(f32(want_lse))
+    np.testing.assert_allclose(f32(got_lse)[live], f32(want_lse)[live], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(f32(got_o), f32(want_o), atol=2e-2)
+    np.testing.assert_allclose(f32(got_lse)[live], f32(one_lse)[live], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f32(got_o), f32(one_o), atol=1e-2)
+    if case == "masked_rows":
+        assert (~live).any() and not f32(got_o)[:, :21].any()
+
+
+def test_key_parts_choice():
+    """Parts only where the programs are fewer than the multiprocessors, each part
+    at least MIN_PART_TILES of the tiles a static mask keeps; decode_splits sets
+    them for short queries (0 or 1: none)."""
+    opts = MOSAIC.replace(sms=132)
+    window = scoremod.trace(lambda s, b, h, q, k: jnp.where(
+        (q + 32767 >= k) & (q + 32767 - k < 4096), s, -jnp.inf))
+    decode = Problem(8, 4, 32768, 8, 8, 128, 128, "bfloat16")  # 64 programs
+    assert pallas_backend.key_parts(decode, None, opts) == 4  # 256 >= 132
+    assert pallas_backend.key_parts(decode, window, opts) == 4  # 33 live tiles: parts of 8
+    small = Problem(1, 4, 32768, 1, 1, 128, 128, "bfloat16")
+    assert pallas_backend.key_parts(small, None, opts) == 32  # 256 tiles: parts of 8
+    prefill = Problem(4, 4096, 4096, 16, 16, 128, 128, "bfloat16")
+    assert pallas_backend.key_parts(prefill, None, opts) == 1
+    assert pallas_backend.key_parts(decode, None, opts.replace(decode_splits=0)) == 1
+    assert pallas_backend.key_parts(decode, None, opts.replace(decode_splits=6)) == 6
+    assert pallas_backend.key_parts(prefill, None, opts.replace(decode_splits=6)) == 1

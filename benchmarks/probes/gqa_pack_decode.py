@@ -7,8 +7,11 @@ decoding).
 Variants (LoweringOptions.decode_splits): ``unfolded`` (0: each query head its
 own head of the call, one live row per query tile, K and V read once per query
 head); ``packed`` (1: a group's 4 query heads packed into query rows, K and V
-read once per key/value head); ``splitN`` (N key chunks folded into the batch,
-joined by their LSEs: N times the tiles in flight, the same bytes read);
+read once per key/value head); ``splitN`` (decode_splits=N: on cuDNN N key
+chunks folded into the batch; on the Pallas kernels' Mosaic GPU engine, which
+splits keys itself, the packed call with N programs per query tile, each taking
+a part of the tile's list of key tiles; joined by their LSEs: N times the tiles
+in flight, the same bytes read);
 ``auto`` (None: the library's choice). For the window, ``dropped8`` is the
 packed call by hand over only the chunks of 8 that hold a key of the window
 (the position static), what dropping dead chunks would gain; and ``traced``
@@ -27,6 +30,7 @@ the largest difference of O from the unfolded call's.
 
     python benchmarks/probes/gqa_pack_decode.py
     PROBE_SKV_WINDOW=512,64 JAX_PLATFORMS=cpu python benchmarks/probes/gqa_pack_decode.py
+    PROBE_ROWS=1 PROBE_MODS=window,softcap python benchmarks/probes/gqa_pack_decode.py
 """
 
 import os
@@ -43,6 +47,8 @@ from scoremod.lowering.problem import Problem
 B, HQ, HKV, D = 8, 32, 8, 128
 SKV, WINDOW = (int(x) for x in os.environ.get("PROBE_SKV_WINDOW", "32768,4096").split(","))  # small on a CPU
 G = HQ // HKV
+ROWS = tuple(int(x) for x in os.environ.get("PROBE_ROWS", "1,4").split(","))
+MODS = os.environ.get("PROBE_MODS", "softcap,window,alibi").split(",")
 SLOPES = jnp.asarray(2.0 ** (-8.0 * np.arange(1, HQ + 1) / HQ), jnp.float32)
 
 
@@ -142,9 +148,11 @@ def main():
                  k, v)
     print(f"read: {2 * k.size * 2 / read / 1e9:.0f} GB/s (a reduction over K and V)", flush=True)
     routes = {"auto": None, "pallas": "pallas"}
-    for sq in (1, 4):
+    for sq in ROWS:
         q = jax.random.normal(ks[0], (B, sq, HQ, D), jnp.float32).astype(jnp.bfloat16)
         for name, fn in mods(SKV - sq).items():
+            if name not in MODS:
+                continue
             keys = min(SKV, WINDOW + sq) if name == "window" else SKV
             need = 2 * B * keys * HKV * D * 2  # K and V, bf16
             for route, impl in routes.items():

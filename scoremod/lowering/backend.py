@@ -127,6 +127,12 @@ class Backend:
     def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         raise NotImplementedError
 
+    def splits_keys(self, plan) -> bool:
+        """Whether its forward for ``plan`` spreads a query tile's keys over several
+        programs itself where the call has too few query tiles to fill the GPU: a
+        short-query fold (``lowering.decode``) then packs query heads only."""
+        return False
+
     def joins_sinks(self, plan, options) -> bool:
         """Whether its forward takes per-head sinks into its own softmax for ``plan``
         (else they join around it: ``lowering/sinks.py``'s combine). Asked through

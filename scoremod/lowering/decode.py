@@ -15,9 +15,13 @@ the same attention on other shapes, for the same kernels:
   once. The chunks' O and LSE are joined after, in a fixed order (the result
   repeats bitwise).
 
-A call whose plan skips tiles of a static mask (a sliding window at a
-static position) is not folded: the folded indices read the batch row,
-which a static block map does not, so every tile would be computed.
+A backend whose forward spreads a query tile's keys over several programs
+itself (``Backend.splits_keys``: the Pallas kernels' Mosaic GPU engine, which
+splits each tile's list of key tiles) is only packed; it takes
+``decode_splits`` as its parts. On the others, a call whose plan skips tiles
+of a static mask (a sliding window at a static position) is not folded: the
+chunks' indices read the batch row, which a static block map does not, so
+every tile would be computed.
 
 The mod sees the call's own indices: ``b -> b' // n``, ``h -> h' * G + r % G``,
 ``q_idx -> r // G``, ``kv_idx -> kv' + (b' % n) * chunk``; an array read at
@@ -94,18 +98,25 @@ def _choose(call):
     group = p.hq // p.hkv
     if p.sq > MAX_QUERIES or p.sq * group > MAX_ROWS or p.b * p.sq * p.skv == 0:
         return None
-    splits = _splits(p, group, options)
+    # A backend that spreads the keys over programs itself only packs: its folded
+    # call, planned for the packed shapes, splits their key lists (a static window
+    # too: packing reads no batch row, so the static block map stays).
+    inside = call.backend.splits_keys(call.plan)
+    splits = 1 if inside else _splits(p, group, options)
     if group == 1 and splits == 1:
         return None
     # A call whose plan skips tiles already (a static window under cuDNN's native mask,
-    # a block map): the fold's indices depend on the batch row, which no static block
+    # a block map): the chunks' indices depend on the batch row, which no static block
     # map reads, so the folded call would compute every tile.
-    share = call.backend.tile_share(p, call.plan.mod, options)
+    share = None if inside else call.backend.tile_share(p, call.plan.mod, options)
     if share is not None and share < 1.0:
         return None
     fold = Fold(group, splits)
     mod = None if call.plan.mod is None else ScoreMod(rewrite(call.plan.mod, fold, p)[0])
-    inner = dataclasses.replace(call, options=options.replace(decode_splits=0), sinks=False,
+    # The folded call is not folded again (its options say so), except that a backend
+    # splitting keys itself takes the option's count for its parts.
+    inner_options = options if inside else options.replace(decode_splits=0)
+    inner = dataclasses.replace(call, options=inner_options, sinks=False,
                                 sinks_inside=False)
     folded = fold.problem(p)
     if inner.backend.why_not(folded, mod, False, inner.options) is not None:

@@ -50,7 +50,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError
-from scoremod.lowering import block_maps, patterns
+from scoremod.lowering import block_maps, decode, patterns
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.pallas import codegen, kernels, mosaic, mosaic_backward
 from scoremod.lowering.problem import Problem
@@ -70,6 +70,13 @@ MAX_GRADIENT_ELEMENTS = 1 << 16
 # the query-block split asks of its own.
 MOSAIC_TILE_COST = 5.146 / 3.901
 CLAIM_MARGIN = 0.8
+# A Mosaic GPU forward with fewer programs than multiprocessors (decoding: a few query
+# rows per head) splits each query tile's key list into parts, one program each
+# (``key_parts``), down to parts of this many key tiles (1024 keys: the join's cost
+# stays small beside a part's reads).
+MIN_PART_TILES = 8
+MAX_PARTS = 64
+SMS = 132  # an H100's or H200's multiprocessors, where the device does not say
 
 
 def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> block_maps.BlockMap:
@@ -126,6 +133,8 @@ class PallasPlan:
     # engine, why the Mosaic GPU engine does not take the call.
     auto_engine: bool = False
     engine_note: str | None = None
+    # The Mosaic GPU forward's programs per query tile (``key_parts``).
+    key_parts: int = 1
 
     def spec(self, blocks_, warps) -> kernels.KernelSpec:
         p = self.problem
@@ -143,12 +152,14 @@ class PallasPlan:
             expr=None if self.mod is None else self.mod.expr,
             operand_names=() if self.mod is None else self.mod.operand_names,
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
-            full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret)
+            full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret,
+            parts=self.key_parts)
 
     def mosaic_backward_spec(self, learned=()) -> mosaic_backward.BackwardSpec:
         forward = self.mosaic_spec()
         return mosaic_backward.BackwardSpec(
-            **{f.name: getattr(forward, f.name) for f in dataclasses.fields(forward)},
+            **{f.name: getattr(forward, f.name) for f in dataclasses.fields(forward)
+               if f.name != "parts"},
             learned=tuple(learned))
 
     def describe(self):
@@ -326,10 +337,14 @@ class Pallas(Backend):
             backward_engine=backward_engine, backward_note=backward_note,
             triton_operands=triton_operands, diagonal_operands=diagonal_operands,
             auto_engine=options.pallas_engine == "auto",
-            engine_note=engine_note)
+            engine_note=engine_note,
+            key_parts=key_parts(problem, mod, options) if engine == "mosaic" else 1)
 
     def forward(self, plan, q, k, v, operands):
         return _forward(plan, q, k, v, tuple(operands))
+
+    def splits_keys(self, plan):
+        return plan.engine == "mosaic"
 
     def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         if dlse is None:
@@ -338,6 +353,30 @@ class Pallas(Backend):
 
 
 PALLAS = Pallas()
+
+
+def key_parts(problem: Problem, mod, options) -> int:
+    """Programs per query tile for the Mosaic GPU forward (``mosaic.forward``'s
+    parts): ``options.decode_splits`` if given for short queries (0 or 1: one;
+    ``lowering.decode``'s limits), else doubled while the
+    call has fewer programs than multiprocessors and each part keeps at least
+    ``MIN_PART_TILES`` of the key tiles the mask keeps (a static mask's share;
+    every tile for a mask known only at run time: a part then takes its share of
+    whatever the run's list holds)."""
+    if options.decode_splits is not None:  # short queries only, as the option says
+        given = options.decode_splits if problem.sq <= decode.MAX_ROWS else 1
+        return max(1, min(given, MAX_PARTS))
+    programs = problem.b * problem.hq * -(-problem.sq // mosaic.TILE_Q)
+    sms = options.sms or device.current().sm_count or SMS
+    kept = block_maps.static_tiles(mod.expr, problem.sq, problem.skv) if mod is not None else None
+    tiles = -(-problem.skv // mosaic.BLOCK_KV)
+    if kept is not None:
+        tiles = int(kept.sum(axis=1).max())  # the longest list of a query tile
+    parts = 1
+    while (programs * parts < sms and tiles >= 2 * parts * MIN_PART_TILES
+           and parts < MAX_PARTS):
+        parts *= 2
+    return parts
 
 
 def _full_expr(mod):
@@ -414,6 +453,7 @@ def _forward(plan, q, k, v, operands):
         sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
         o, lse = mosaic.forward(plan.mosaic_spec(), bmap, _pad(q, 1, sq), _pad(k, 1, skv),
                                 _pad(v, 1, skv), _kernel_operands(plan, operands))
+        o, lse = mosaic.join_parts(o, lse, plan.key_parts)
         return o[:, :p.sq], lse[:, :, :p.sq]
     spec = plan.spec(plan.forward_blocks, plan.num_warps[0])
     bmap = _map(plan, plan.forward_blocks, operands)

@@ -506,6 +506,9 @@ class MosaicSpec:
     # products add into fresh accumulators and left operands pass through
     # shared memory (what it can simulate).
     interpret: bool = False
+    # Programs per query tile, each taking an equal part of the tile's list of key
+    # tiles (``forward``): for calls with too few query tiles to fill the GPU (decoding).
+    parts: int = 1
 
 
 def scalar_load(ref, flat, dtype):
@@ -566,6 +569,26 @@ def swizzled(dtype=jnp.bfloat16):
             plgpu.SwizzleTransform(128))
 
 
+def join_parts(o, lse, parts: int):
+    """O [B, Sq, Hq, Dv] and LSE [B, Hq, Sq] of :func:`forward`'s ``parts``
+    parts (O [B, parts * Sq, ..], LSE [B, Hq, parts * Sq]): each part's O
+    weighted by its share of the row's exp(LSE), summed in part order (the same
+    bits on every run). Rows no part sees keep O 0 and LSE -inf."""
+    if parts == 1:
+        return o, lse
+    b, rows, hq, dv = o.shape
+    sq = rows // parts
+    lse = lse.reshape(b, hq, parts, sq)
+    top = jnp.max(lse, axis=2, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - top)  # [b, hq, parts, sq]
+    total = jnp.sum(w, axis=2)
+    out = jnp.sum(o.reshape(b, parts, sq, hq, dv).astype(jnp.float32)
+                  * jnp.transpose(w, (0, 2, 3, 1))[..., None], axis=1)
+    out = out / jnp.where(total > 0, total, 1.0).transpose(0, 2, 1)[..., None]
+    return out.astype(o.dtype), top[:, :, 0] + jnp.log(total)
+
+
 def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     """O [B, Sq, Hq, Dv] (q's dtype) and LSE [B, Hq, Sq] (float32, natural log)
     on arrays padded to whole tiles (Sq to ``TILE_Q``, Skv to ``BLOCK_KV``).
@@ -574,7 +597,12 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     arrays of their values over the whole axis (``vector_arrays``): a compute
     warpgroup copies its rows' slice once, the memory warpgroup copies each key
     tile's slice beside the key and value tiles, and the mod takes them
-    broadcast over the tile (one shared-memory vector load per key tile)."""
+    broadcast over the tile (one shared-memory vector load per key tile).
+
+    With ``spec.parts`` = n > 1, n programs share each query tile, each taking
+    an equal part of the tile's key list, and O and LSE hold each part's rows
+    (part ``j``'s row ``i`` at ``j * Sq + i``; a part with no key: O 0, LSE
+    -inf) for :func:`join_parts`."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -582,6 +610,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     dv = v.shape[-1]
     dtype = q.dtype
     n_tiles = sq // TILE_Q
+    parts = spec.parts
     n_ops = len(operands)
     counts, blocks, full = bmap.q_counts, bmap.q_blocks, bmap.q_full.astype(jnp.int32)
     shared_b, shared_h = counts.shape[0] == 1, counts.shape[1] == 1
@@ -608,11 +637,18 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
         staged = staged[0] if staged else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
-        tile = n_tiles - 1 - lax.axis_index("q_seq")  # the last (under causal masks, the
-        # longest) query tiles start first, which shortens the tail
+        program = lax.axis_index("q_seq")
+        part = lax.rem(program, jnp.int32(parts))
+        tile = n_tiles - 1 - lax.div(program, jnp.int32(parts))  # the last (under causal
+        # masks, the longest) query tiles start first, which shortens the tail
         mb = 0 if shared_b else bi
         mh = 0 if shared_h else hi
-        count = counts_ref[mb, mh, tile]
+        # This program's part of the tile's key list: entries first.. (count of them).
+        listed = counts_ref[mb, mh, tile]
+        per = lax.div(listed + (parts - 1), jnp.int32(parts))
+        first = part * per
+        count = jnp.clip(listed - first, 0, per)
+        out_row0 = part * sq + tile * TILE_Q  # where its rows' O and LSE go
         by_source = dict(zip(sources, vector_refs))
         offset_refs = vector_refs[len(sources):]
 
@@ -620,7 +656,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             return by_source[src].at[(*vector_row(src, bi, hi), pl.ds(start, n))]
 
         def kv_start(step):
-            return blocks_ref[mb, mh, tile, step] * BLOCK_KV
+            return blocks_ref[mb, mh, tile, first + step] * BLOCK_KV
 
         def take_turn():  # the two compute warpgroups alternate on the tensor cores
             plgpu.barrier_arrive(turn)
@@ -700,7 +736,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 slot = lax.rem(step, STAGES)
                 # The tile's first key, read ahead of the product that it waits on.
                 kv0 = kv_start(step) if needs_kv_idx else None
-                is_full = full_ref[mb, mh, tile, step] if on_full is not None else None
+                is_full = full_ref[mb, mh, tile, first + step] if on_full is not None else None
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -749,8 +785,9 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             shift = jnp.where(m == NEG_INF, 0.0, m)
             lse_smem[...] = jnp.where(empty, NEG_INF, shift * jnp.float32(LN2) + jnp.log(safe))
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[bi, pl.ds(row0, BLOCK_Q), hi])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, hi, pl.ds(row0, BLOCK_Q)])
+            out_rows = pl.ds(out_row0 + wg * BLOCK_Q, BLOCK_Q)
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[bi, out_rows, hi])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, hi, out_rows])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -821,10 +858,12 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                                     operand_refs, vector_refs, o_ref, lse_ref, scoped),
             smem, ready, free, turn, vec_smem, vec_ready, diagonal, collective_axes="wg")
 
-    out_type = (jax.ShapeDtypeStruct((b, sq, hq, dv), dtype),
-                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+    # With parts, each part's O and LSE (rows part * sq + i), joined by the caller.
+    out_type = (jax.ShapeDtypeStruct((b, parts * sq, hq, dv), dtype),
+                jax.ShapeDtypeStruct((b, hq, parts * sq), jnp.float32))
     return plgpu.kernel(
-        entry, out_type=out_type, grid=(hq, n_tiles, b), grid_names=("heads", "q_seq", "batch"),
+        entry, out_type=out_type, grid=(hq, n_tiles * parts, b),
+        grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params(spec),
