@@ -273,3 +273,30 @@ def test_a_folded_decode_loop_compiles_once():
     assert "short queries folded" in scoremod.which_implementation(
         q, k, v, causal, implementation="pallas", options=TRITON, q_offset=pos,
         kv_lengths=pos + 1).variant
+
+
+def test_mosaic_engine_packs_and_splits_keys_itself(stand_in_h200):
+    """On the Pallas kernels' Mosaic GPU engine the fold only packs query heads, and
+    the packed call's forward splits each query tile's key list over programs
+    (``PallasPlan.key_parts``): a window at a static position too (packing reads
+    no batch row, so its static block map stays), with parts of its live tiles;
+    ``decode_splits`` gives the parts."""
+    from scoremod import support
+
+    if support.mosaic_missing():
+        pytest.skip(f"the Mosaic GPU engine is {support.mosaic_missing()}")
+    p = Problem(b=8, sq=1, skv=32768, hq=32, hkv=8, d=128, dv=128, dtype="bfloat16")
+    opts = scoremod.LoweringOptions(pallas_engine="mosaic", sms=132)
+    window = scoremod.trace(lambda s, b, h, q, k: jnp.where(
+        (q + 32767 >= k) & (q + 32767 - k < 4096), s, NEG))
+    be = registry.get("pallas")
+    for mod, parts in ((None, 4), (window, 4)):  # 64 packed tiles; 256 or 33 key tiles
+        call = Call(be, be.plan(p, mod, 0.125, opts, True), p, opts)
+        fold, inner = decode.choose(call)
+        assert fold == decode.Fold(4, 1) and inner.problem == fold.problem(p)
+        assert inner.plan.engine == "mosaic" and inner.plan.key_parts == parts, mod
+        assert decode.choose(inner) is None  # not folded again
+    given = opts.replace(decode_splits=8)
+    fold, inner = decode.choose(Call(be, be.plan(p, None, 0.125, given, True), p, given))
+    assert fold == decode.Fold(4, 1) and inner.plan.key_parts == 8
+    assert decode.choose(_call(p, opts.replace(decode_splits=0))) is None
