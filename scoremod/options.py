@@ -96,9 +96,11 @@ class LoweringOptions:
         query heads are packed together: decoding, speculative decoding) run folded
         on the fused backends (``scoremod.lowering.decode``): the query heads
         of each key/value head packed into query rows, and the keys cut into
-        this many chunks folded into the batch, joined by their LSEs. None:
-        the fewest chunks (of at least 1024 keys) that give the GPU two waves
-        of tiles; 1: packing only; 0: no folding.
+        this many chunks folded into the batch, joined by their LSEs (on the
+        Pallas kernels' Mosaic GPU engine: this many programs per query tile,
+        each taking a part of the tile's key list). None: the fewest chunks
+        (of at least 1024 keys) that give the GPU two waves of tiles (parts:
+        one wave); 1: packing only; 0: no folding.
 
     Example: softcap + causal as one score_mod call, for comparison::
 
