@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scoremod
-from scoremod.dsl import ir
+from scoremod.dsl import ir, ops
 from scoremod.dsl.evaluate import evaluate
-from scoremod.lowering import block_maps
+from scoremod.lowering import block_maps, intervals
 from scoremod.lowering.block_maps import block_lists, block_map, classify_tiles, map_axes
 from scoremod.lowering.patterns import mask_conditions, when_full
 from scoremod.lowering.problem import Problem
@@ -131,6 +131,15 @@ REL = jnp.asarray(np.where(np.repeat(RNG.random((3, 10)) < 0.3, 8, axis=1)[:, :7
 BUCKETS = jnp.asarray(np.clip(np.arange(-39, 40) // 6, -4, 4) + 4, jnp.int32)
 BUCKET_BIAS = jnp.asarray(RNG.normal(size=(9, 3)), jnp.float32)
 
+
+def _spread(x):
+    """The even bits of x packed together: a Morton code's column (of x >> 1, its row)."""
+    x = x & 0x55555555
+    x = (x | (x >> 1)) & 0x33333333
+    x = (x | (x >> 2)) & 0x0F0F0F0F
+    return (x | (x >> 4)) & 0x00FF00FF
+
+
 # name -> (mod, whether the analysis is exact for it)
 MODS = {
     "causal": (lambda s, b, h, q, k: jnp.where(q >= k, s, NEG_INF), True),
@@ -174,6 +183,15 @@ MODS = {
         (TOPK[b, h, q // 4, 0] == k // 4) | (TOPK[b, h, q // 4, 1] == k // 4), s, NEG_INF), False),
     "tile_list_not": (lambda s, b, h, q, k: jnp.where(
         (TOPK[b, h, q // 4, 0] != k // 4) & (q >= k), s, NEG_INF), False),
+    # Bit operations: per-axis decodes (evaluated exactly along their axis) and
+    # conditions mixing the indices through them (per tile under "auto"). Morton
+    # rows and columns are bounded apart: exact on tiles of aligned powers of two
+    # (test_static_masks), not on these.
+    "morton_window": (lambda s, b, h, q, k: jnp.where(
+        (jnp.abs(_spread(q >> 1) - _spread(k >> 1)) <= 1)
+        & (jnp.abs(_spread(q) - _spread(k)) <= 1), s, NEG_INF), False),
+    "xor_bits": (lambda s, b, h, q, k: jnp.where(((q ^ k) & 12) == 0, s, NEG_INF), True),
+    "shifted_band": (lambda s, b, h, q, k: jnp.where(((q - k) >> 3) == 0, s, NEG_INF), True),
 }
 
 
@@ -357,6 +375,100 @@ def test_interval_rules_handle_wrapping():
     check(mod, problem(), 8, 8)
     mod = trace(lambda s, b, h, q, k: jnp.where(q + 2147483600 > k + 2147483600, s, NEG_INF))
     check(mod, problem(), 8, 8)
+
+
+# --- the bit operations' interval rules ----------------------------------------
+
+_EDGES = np.array([ir.INT32_MIN, ir.INT32_MIN + 1, -2**20, -33, -1, 0, 1, 7, 31, 32, 2**20,
+                   ir.INT32_MAX - 1, ir.INT32_MAX], np.int64)
+
+
+def _intervals(rng, n, amounts=False):
+    """``n`` random int32 intervals (lo, hi): ends at int32's edges, anywhere, or
+    small; for shift amounts mostly in [-40, 40], outside [0, 31] too."""
+    def ends():
+        pick = rng.integers(0, 3, n)
+        small = rng.integers(-40, 41, n) if amounts else rng.integers(-64, 65, n)
+        return np.where(pick == 0, rng.choice(_EDGES, n),
+                        np.where(pick == 1, rng.integers(ir.INT32_MIN, ir.INT32_MAX, n,
+                                                         endpoint=True), small))
+    a, b = ends(), ends()
+    return np.minimum(a, b), np.maximum(a, b)
+
+
+def _inside(rng, lo, hi, m):
+    """``m`` values of each interval: its ends and values between."""
+    u = rng.random((len(lo), m))
+    x = lo[:, None] + np.floor(u * (hi - lo + 1)[:, None]).astype(np.int64)
+    x[:, 0], x[:, 1] = lo, hi
+    return np.clip(x, lo[:, None], hi[:, None]).astype(np.int32)
+
+
+@pytest.mark.parametrize("name", sorted(intervals.BIT_OPS))
+def test_bit_operation_rules_are_sound(name):
+    """Every value of a bit operation on arguments inside their intervals lies in
+    the rule's bound (never an under-approximation): random intervals of mixed
+    signs, int32's ends, shift amounts outside [0, 31], values at the ends and
+    between. The values are the op table's (XLA's) own."""
+    rng = np.random.default_rng(sorted(intervals.BIT_OPS).index(name))
+    op, n, m = ops.OPS[name], 4000, 24
+    shift = "shift" in name
+    (alo, ahi), (blo, bhi) = _intervals(rng, n), _intervals(rng, n, amounts=shift)
+    xs, ys = _inside(rng, alo, ahi, m), _inside(rng, blo, bhi, m)
+    ys = ys[:, rng.permutation(m)]  # pair the ends of one with values inside the other
+    q, k = ir.var("q_idx"), ir.var("kv_idx")
+    node = ops.apply(name, q) if op.arity == 1 else ops.apply(name, q, k)
+    args = [intervals.Ints(jnp.asarray(alo, jnp.int32)[:, None],
+                           jnp.asarray(ahi, jnp.int32)[:, None]),
+            intervals.Ints(jnp.asarray(blo, jnp.int32)[:, None],
+                           jnp.asarray(bhi, jnp.int32)[:, None])][:op.arity]
+    bound = intervals.RULES[name](node, *args)
+    assert bound.lo.dtype == bound.hi.dtype == jnp.int32
+    got = np.asarray(op.evaluate([jnp.asarray(xs), jnp.asarray(ys)][:op.arity]))
+    lo, hi = (np.broadcast_to(np.asarray(x), got.shape) for x in (bound.lo, bound.hi))
+    bad = (got < lo) | (got > hi)
+    i, j = np.argwhere(bad)[0] if bad.any() else (0, 0)
+    assert not bad.any(), (f"{name}: {xs[i, j]} in [{alo[i]}, {ahi[i]}], {ys[i, j]} in "
+                           f"[{blo[i]}, {bhi[i]}] gives {got[i, j]}, outside "
+                           f"[{lo[i, j]}, {hi[i, j]}]")
+
+
+def test_bit_operation_rules_bound_what_they_should():
+    """Where the signs are known the bounds are useful: a mask keeps [0, mask],
+    an or of non-negative values stays below the next power of two, ~x and
+    shifts by constants are exact."""
+    def bound(name, *args):
+        node = ops.apply(name, *[ir.var(v) for v in ("q_idx", "kv_idx")[:len(args)]])
+        b = intervals.RULES[name](node, *(intervals.Ints(jnp.int32(lo), jnp.int32(hi))
+                                          for lo, hi in args))
+        return int(b.lo), int(b.hi)
+
+    assert bound("bitwise_and", (-100, 5000), (0x55, 0x55)) == (0, 0x55)
+    assert bound("bitwise_and", (3, 900), (0, 0x0F0F)) == (0, 900)
+    assert bound("bitwise_and", (-5, -1), (-8, -2)) == (ir.INT32_MIN, -2)
+    assert bound("bitwise_or", (3, 5), (8, 9)) == (8, 15)
+    assert bound("bitwise_or", (-7, -2), (0, 100)) == (-7, -1)
+    assert bound("bitwise_xor", (0, 5), (0, 9)) == (0, 15)
+    assert bound("invert", (-3, 5)) == (-6, 2)
+    assert bound("right_shift", (-17, 1023), (3, 3)) == (-3, 127)
+    assert bound("right_shift", (-17, 1023), (40, 40)) == (-1, 0)  # the sign
+    assert bound("shift_right_logical", (0, 1000), (-1, 2)) == (0, 1000)
+    assert bound("left_shift", (-3, 5), (2, 4)) == (-48, 80)
+    assert bound("left_shift", (1, 1), (31, 31)) == (ir.INT32_MIN, ir.INT32_MAX)  # wraps
+    assert bound("left_shift", (5, 9), (32, 40)) == (0, 0)
+
+
+def test_static_tiles_bound_a_mask_through_a_shift():
+    """The planner's tile count (``static_tiles``: the rules alone, no per-tile
+    evaluation) of a band written with a shift, ``(q - kv) >> 4 == 0``: the
+    diagonal tiles and those just below, as brute force finds (without a rule
+    for the shift, every tile)."""
+    mod = trace(lambda s, b, h, q, k: jnp.where(((q - k) >> 4) == 0, s, NEG_INF))
+    kept = block_maps.static_tiles(mod.expr, 1024, 1024)
+    q, k = np.arange(1024)[:, None], np.arange(1024)[None, :]
+    live = ((q - k) >> 4) == 0
+    np.testing.assert_array_equal(kept, live.reshape(8, 128, 8, 128).any(axis=(1, 3)))
+    assert kept.sum() == 8 + 7
 
 
 # --- random mods ------------------------------------------------------------

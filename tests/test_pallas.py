@@ -385,6 +385,75 @@ def test_op_groups_through_the_kernels(names):
     _check(got, pc.run(registry.REFERENCE, want, q, k, v, do, ()), tol=1e-4)
 
 
+def _morton_natten(sq):
+    """The catalogue's Morton-order NATTEN (bit operations decode the pixels)."""
+    from tests.catalogue.mods import CATALOGUE, Shape
+
+    entry = CATALOGUE["morton_natten"]
+    env = entry.env(Shape(1, 1, sq, sq))
+    return scoremod.trace(entry.build(env)), entry, env
+
+
+def test_bit_operations_through_the_kernels():
+    """A mask decoded with bit operations (the catalogue's Morton-order NATTEN, 16 x
+    16 pixels) and a bias shifted by amounts outside [0, 31] (XLA's 0, or the
+    sign for >>), run by the kernels in interpret mode on the plan's own block
+    map, forward and backward, equal the reference path; that map visits
+    exactly the tiles that hold a live score."""
+    q, k, v, do = pc.inputs(b=1, sq=256, skv=256, hq=2, hkv=1, d=16)
+    morton, entry, env = _morton_natten(256)
+    shifted = scoremod.trace(lambda s, b, h, qi, ki: s + 0.1 * (
+        (((qi * 7919 - 5000) >> (ki % 40 - 4)) & 15)
+        + (((qi + 1) << (ki % 40 - 4)) & 15)
+        + (jax.lax.shift_right_logical(qi - 100, ki % 40 - 4) & 15)).astype(jnp.float32))
+    problem = Problem.of(q, k, v)
+    for mod in (morton, shifted):
+        plan = pc.pallas_plan(mod, q, k, v, SMALL)
+        got = pc.run(PALLAS, plan, q, k, v, do, ())
+        ref = registry.REFERENCE.plan(problem, mod, plan.scale, SMALL, True)
+        _check(got, pc.run(registry.REFERENCE, ref, q, k, v, do, ()))
+    grid = type("Grid", (), dict(b=0, h=0, q=np.arange(256)[:, None], k=np.arange(256)[None]))
+    live = np.isfinite(entry.reference(np.zeros((1, 1, 256, 256)), grid, env))[0, 0]
+    plan = pc.pallas_plan(morton, q, k, v, SMALL)
+    for bq, bk in (plan.forward_blocks, plan.backward_blocks):
+        bmap = plan.block_map(problem, bq, bk, {})
+        tiles = live.reshape(256 // bq, bq, 256 // bk, bk).any(axis=(1, 3))
+        assert np.asarray(bmap.q_counts)[0, 0].tolist() == tiles.sum(1).tolist()
+        assert 0 < tiles.mean() < 0.5
+
+
+def test_shifts_on_tiles_take_no_amount_outside_0_to_31(monkeypatch):
+    """Shifts on a tile, by constants and by values in and outside [0, 31], give
+    XLA's values (the reference evaluator's), on both engines' rules, and never
+    hand the shift an amount outside [0, 31]: both engines lower lax's shifts
+    to MLIR's shli / shrsi / shrui, where such an amount is poison."""
+    from scoremod.lowering.pallas import mosaic
+
+    index = {"b": jnp.int32(0), "h": jnp.int32(0),
+             "q_idx": 5 + jax.lax.broadcasted_iota(jnp.int32, (8, 1), 0),
+             "kv_idx": 3 + jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)}
+    qi, ki = ir.var("q_idx"), ir.var("kv_idx")
+    x = qi * 100003 - 700000  # both signs
+    exprs = [ops.apply(name, x, n)
+             for name in ("left_shift", "right_shift", "shift_right_logical")
+             for n in (ki * 3 - 20, ir.const(3, I32), ir.const(40, I32), ir.const(-1, I32))]
+    wants = [np.broadcast_to(evaluate(e, index, {}), (8, 16)) for e in exprs]
+    shifted = []
+    for prim in (jax.lax.shift_left_p, jax.lax.shift_right_arithmetic_p,
+                 jax.lax.shift_right_logical_p):
+        def checked(x, n, _impl=prim.impl, _name=prim.name):  # run eagerly: values
+            shifted.append(_name)
+            amounts = np.asarray(n)
+            assert ((amounts >= 0) & (amounts <= 31)).all(), (_name, amounts)
+            return _impl(x, n)
+        monkeypatch.setattr(prim, "impl", checked)
+    for expr, want in zip(exprs, wants):
+        for rules in (None, mosaic.TILE_RULES):
+            (got,) = codegen.evaluate_tile([expr], index, {}, rules=rules)
+            np.testing.assert_array_equal(np.broadcast_to(got, (8, 16)), want)
+    assert len(shifted) == 2 * len(exprs)  # the check saw each tile's shift
+
+
 @pytest.fixture
 def fake_hopper(monkeypatch):
     """Lower Pallas calls for CUDA on this machine: Triton's lowering asks only the compute capability."""

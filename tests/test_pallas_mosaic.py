@@ -1249,11 +1249,12 @@ def test_learned_relative_tables_have_no_size_bound_on_the_mosaic_backward(inter
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["natten", "batchify_causal", "block_diffusion",
-                                  "dilated_sliding_window"])
+                                  "dilated_sliding_window", "morton_natten"])
 def test_claimed_static_masks_interpreted(name, dtype, interprets):
-    """The catalogue's static masks the Mosaic GPU engine claims by tile counts
-    (Pallas.claims), at the catalogue's CPU shape: forward and backward in
-    interpret mode against the reference path."""
+    """The catalogue's static masks the Mosaic GPU engine claims (Pallas.claims: by
+    tile counts, or a mask cuDNN would compute ahead, as Morton-order NATTEN's bit
+    operations), at the catalogue's CPU shape: forward and backward in interpret
+    mode against the reference path."""
     from tests.catalogue.mods import CATALOGUE
 
     entry = CATALOGUE[name]

@@ -11,7 +11,10 @@ A backend is one object with a small protocol:
 - ``claims(problem, mod, options, over)``: why it runs the call faster than
   ``over``, the earlier backend that takes it (a measured crossover,
   docs/performance.md), so that ``implementation=None`` picks it; None by
-  default.
+  default. It may weigh what ``over`` models of its own plan:
+  ``tile_share`` (the share of score tiles its kernels compute) and
+  ``static_tensor_ahead`` (a tensor of the whole [.., Sq, Skv] score matrix,
+  of the positions alone, that XLA computes ahead of its kernels).
 - ``plan(problem, mod, scale, options, return_lse)``: a hashable, static
   description of the call (everything but array values), with ``mod`` (the
   expression only) and ``scale`` attributes.
@@ -109,6 +112,13 @@ class Backend:
         """The modelled share of the call's score tiles its kernels compute, forward
         and backward weighted 1 : 2.5 (their FLOPs), or None where it models none: what
         a later backend's ``claims`` weighs against its own."""
+        return None
+
+    def static_tensor_ahead(self, problem, mod, options) -> str | None:
+        """Where its plan has XLA compute a tensor of the whole [.., Sq, Skv] score
+        matrix from the positions alone (no captured array) ahead of its kernels, for
+        an op they lack (a static mask through bit operations, on cuDNN): that op and
+        why, in words; else None. What a later backend's ``claims`` can spare the call."""
         return None
 
     def variant(self, problem, mod, options) -> str | None:

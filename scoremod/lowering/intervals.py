@@ -364,6 +364,90 @@ def _sign(node, a):
     return Floats(jnp.sign(a.lo), jnp.sign(a.hi), a.nan)
 
 
+# Integer bit operations. Bounds from the arguments' signs: x & y with x >= 0
+# lies in [0, x]; x | y and x ^ y of non-negative values set no bit above the
+# highest either can have; ~x is -x - 1. Shifts are monotone in the shifted
+# value and, for its sign, in the amount; an amount outside [0, 31] gives what
+# XLA gives (0, or the sign for >>). Cases left over bound nothing.
+
+
+def _ones_through(x):
+    """For ``x >= 0``: every bit up to x's highest set, 2**k - 1 >= x."""
+    for s in (1, 2, 4, 8, 16):
+        x = x | (x >> s)
+    return x
+
+
+def _bitwise_and(node, a, b):
+    a_pos, b_pos = a.lo >= 0, b.lo >= 0
+    pos_hi = jnp.where(a_pos & b_pos, jnp.minimum(a.hi, b.hi), jnp.where(a_pos, a.hi, b.hi))
+    # Both negative: the sign stays and no bit is added, so at most the smaller.
+    neg_hi = jnp.where((a.hi < 0) & (b.hi < 0), jnp.minimum(a.hi, b.hi), _I32_MAX)
+    some_pos = a_pos | b_pos
+    return Ints(jnp.where(some_pos, 0, _I32_MIN).astype(jnp.int32),
+                jnp.where(some_pos, pos_hi, neg_hi).astype(jnp.int32))
+
+
+def _bitwise_or(node, a, b):
+    pos = (a.lo >= 0) & (b.lo >= 0)
+    a_neg, b_neg = a.hi < 0, b.hi < 0
+    # A negative argument keeps the sign, and bits added to a value of one sign raise it.
+    neg_lo = jnp.where(a_neg & b_neg, jnp.maximum(a.lo, b.lo),
+                       jnp.where(a_neg, a.lo, jnp.where(b_neg, b.lo, _I32_MIN)))
+    lo = jnp.where(pos, jnp.maximum(a.lo, b.lo), neg_lo)
+    hi = jnp.where(pos, _ones_through(jnp.maximum(a.hi, b.hi)),
+                   jnp.where(a_neg | b_neg, -1, _I32_MAX))
+    return Ints(lo.astype(jnp.int32), hi.astype(jnp.int32))
+
+
+def _bitwise_xor(node, a, b):
+    pos = (a.lo >= 0) & (b.lo >= 0)
+    hi = jnp.where(pos, _ones_through(jnp.maximum(a.hi, b.hi)), _I32_MAX)
+    return Ints(jnp.where(pos, 0, _I32_MIN).astype(jnp.int32), hi.astype(jnp.int32))
+
+
+def _invert(node, a):
+    return Ints(jnp.invert(a.hi), jnp.invert(a.lo))  # -x - 1: decreasing, never wraps
+
+
+def _amounts(b):
+    """``(lo, hi, empty, outside)``: the shift amounts in [0, 31] that ``b`` can
+    take (none where ``empty``), and whether it can take one outside."""
+    lo, hi = jnp.clip(b.lo, 0, 31), jnp.clip(b.hi, 0, 31)
+    return lo, hi, (b.hi < 0) | (b.lo > 31), (b.lo < 0) | (b.hi > 31)
+
+
+def _right_shift(node, a, b):
+    # An amount outside [0, 31] fills with the sign, as a shift by 31 does.
+    lo, hi, empty, outside = _amounts(b)
+    lo, hi = jnp.where(empty, 31, lo), jnp.where(outside, 31, hi)
+    return Ints(jnp.minimum(a.lo >> lo, a.lo >> hi), jnp.maximum(a.hi >> lo, a.hi >> hi))
+
+
+def _shift_right_logical(node, a, b):
+    # Of a value >= 0 as >>, with 0 for an amount outside [0, 31]; a negative value
+    # becomes a large positive one (bounded by nothing here).
+    lo, hi, empty, outside = _amounts(b)
+    pos = a.lo >= 0
+    out_lo = jnp.where(empty | outside, 0, a.lo >> hi)
+    out_hi = jnp.where(empty, 0, a.hi >> lo)
+    return Ints(jnp.where(pos, out_lo, _I32_MIN).astype(jnp.int32),
+                jnp.where(pos, out_hi, _I32_MAX).astype(jnp.int32))
+
+
+def _left_shift(node, a, b):
+    # x * 2**n: the extremes at the corners, none of which wraps where the largest
+    # amount wraps neither end; an amount outside [0, 31] gives 0.
+    lo, hi, empty, outside = _amounts(b)
+    corners = [x << n for x in (a.lo, a.hi) for n in (lo, hi)]
+    wrapped = ~empty & (((a.lo << hi) >> hi != a.lo) | ((a.hi << hi) >> hi != a.hi))
+    out_lo = jnp.where(empty, 0, _min(*corners))
+    out_hi = jnp.where(empty, 0, _max(*corners))
+    out_lo = jnp.where(outside, jnp.minimum(out_lo, 0), out_lo)
+    out_hi = jnp.where(outside, jnp.maximum(out_hi, 0), out_hi)
+    return _ints(out_lo.astype(jnp.int32), out_hi.astype(jnp.int32), wrapped)
+
+
 # op -> rule(node, *abstract arguments). An op not listed bounds nothing.
 RULES = {
     "add": _by_dtype(_int_add, _float_add),
@@ -385,6 +469,13 @@ RULES = {
     "and": _logic("and"),
     "or": _logic("or"),
     "not": _logic("not"),
+    "bitwise_and": _bitwise_and,
+    "bitwise_or": _bitwise_or,
+    "bitwise_xor": _bitwise_xor,
+    "invert": _invert,
+    "left_shift": _left_shift,
+    "right_shift": _right_shift,
+    "shift_right_logical": _shift_right_logical,
     "f32": _cast,
     "i32": _cast,
     "bool": _cast,
@@ -409,8 +500,11 @@ RULES = {
 RULES.update({op: _compare(op) for op in ("lt", "le", "gt", "ge", "eq", "ne")})
 # Ops whose rule bounds a mix of q_idx and kv_idx tightly (interval arithmetic
 # is exact for each index used once); a mask condition mixing them through
-# anything else is evaluated per tile when ``exact="auto"``.
-TIGHT = frozenset(RULES) - {"mod", "rem", "floordiv", "trunc_div", "with_grad"}
+# anything else is evaluated per tile when ``exact="auto"`` (the bit operations'
+# rules bound by signs and highest bits: loose for a mix of the two).
+BIT_OPS = frozenset(("bitwise_and", "bitwise_or", "bitwise_xor", "invert", "left_shift",
+                     "right_shift", "shift_right_logical"))
+TIGHT = frozenset(RULES) - {"mod", "rem", "floordiv", "trunc_div", "with_grad"} - BIT_OPS
 
 
 # --- bounds of concrete values ------------------------------------------------

@@ -67,6 +67,18 @@ mods, `python -m scoremod show` prints the cuDNN graphs of a mod and
   tile lists); cuDNN would read it as a materialized [.., Sq, Skv] tensor
   and visit every tile, so the planner gives it to the Pallas kernels,
   which compute it per tile and skip the tiles it empties.
+- **block-sparse Pallas kernels, static block map**: a mask of the
+  positions alone whose block map keeps far fewer tiles than cuDNN's plan
+  computes (its tiles times the Mosaic GPU engine's measured cost per tile
+  at most 0.8 of cuDNN's), so the planner gives it to the Pallas kernels.
+- **block-sparse Pallas kernels, static mask in the kernel**: a mask of
+  the positions alone through operations cuDNN's graphs lack (bit
+  operations), which cuDNN would compute ahead as an [.., Sq, Skv] tensor
+  and visit every tile; the Pallas kernels compute it per tile and skip the
+  tiles it empties, where their modelled time is no more than cuDNN's.
+- **block-sparse Pallas kernels, table per diagonal**: a table read at
+  `q - k` (a relative bias), which the Mosaic GPU engine reads a value per
+  diagonal where cuDNN would materialize it as an [.., Sq, Skv] bias.
 - **not yet**: the mod uses an operation the op table does not have yet;
   the reference path cannot run it either, and the row gives the verdict
   expected once it has.

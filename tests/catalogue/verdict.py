@@ -24,7 +24,11 @@ query-block split is the one an H200 (132 SMs) gets.
   machine's GPU or jax);
 - ``block-sparse Pallas kernels, static block map``: a static mask whose
   block map keeps far fewer tiles than cuDNN's plan computes, claimed by the
-  Mosaic GPU engine the same way.
+  Mosaic GPU engine the same way;
+- ``block-sparse Pallas kernels, static mask in the kernel``: a static mask
+  through ops cuDNN's graphs lack (bit operations), which its plan would
+  compute ahead as an [.., Sq, Skv] tensor, claimed by the Mosaic GPU engine
+  where its tiles take no more modelled time than cuDNN's plan.
 """
 
 from __future__ import annotations
@@ -112,6 +116,13 @@ def planned(mod, shape, d=128, sms=H200_SMS):
     if (ours * MOSAIC_TILE_COST <= CLAIM_MARGIN * theirs
             and mosaic.refusal(mod.expr, mod.sources) is None):
         return notes + ["static block map"], "pallas", None
+    # A static mask cuDNN's graphs cannot compute (bit operations), which its plan
+    # would compute ahead as an [.., Sq, Skv] tensor: to the Mosaic GPU engine where
+    # its modelled time is no more than cuDNN's tiles' (the same claim).
+    if (CUDNN.static_tensor_ahead(problem(shape, d), mod, options) is not None
+            and ours * MOSAIC_TILE_COST <= theirs
+            and mosaic.refusal(mod.expr, mod.sources) is None):
+        return notes + ["static mask in the kernel"], "pallas", None
     return notes, "cudnn", plan_of(mod, shape, d, sms)
 
 
@@ -124,7 +135,8 @@ def verdict(mod, shape, d=128, sms=H200_SMS) -> str:
         return f"refused: `{op.group(1) if op else '?'}`"
     said, backend, plan = planned(mod, shape, d, sms)
     if backend == "pallas":
-        what = (said[-1] if said[-1:] in (["table per diagonal"], ["static block map"])
+        what = (said[-1] if said[-1:] in (["table per diagonal"], ["static block map"],
+                                          ["static mask in the kernel"])
                 else "mask in the kernel")
         return ", ".join([n for n in said if n != what] + [f"block-sparse Pallas kernels, {what}"])
     if plan is None:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from scoremod import device, kernels_ffi, support
+from scoremod.dsl import ir
 from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
 from scoremod.lowering import block_maps
 from scoremod.lowering import sinks as attention_sinks
@@ -104,6 +105,25 @@ class Cudnn(Backend):
             return n / kept.size
 
         return (share(plan) + 2.5 * share(plan.backward_plan)) / 3.5
+
+    def static_tensor_ahead(self, problem, mod, options):
+        # A materialized input of the plan over the whole score matrix that reads no
+        # captured array: a static mask (or bias) through an op the graphs lack. (A
+        # split plan's tensors cover its blocks' tiles, which tile_share counts; masks
+        # of captured arrays are the other claim's, by their form.)
+        if mod is None:
+            return None
+        for part in plan_for(mod, problem, 1.0, options).parts:
+            for load in part.loads:
+                dims, nodes = load.spec.dims, ir.toposort(load.node)
+                if (load.operand is None and dims[2:] == (problem.sq, problem.skv)
+                        and not any(n.op == ir.OPERAND for n in nodes)):
+                    lacked = next((n for n in nodes if rules.refusal(n)), None)
+                    if lacked is None:  # computed ahead for another reason: not this case
+                        continue
+                    return (f"`{lacked.op}` ({rules.refusal(lacked)}), so XLA computes a "
+                            f"[{','.join(map(str, dims))}] tensor ahead")
+        return None
 
     def joins_sinks(self, plan, options):
         # cuDNN takes a sink with every graph scoremod builds (its native masks, or a

@@ -262,9 +262,21 @@ class Pallas(Backend):
         # kernels take MOSAIC_TILE_COST of cuDNN's time, forward and backward.
         ours = self.tile_share(problem, mod, options)
         theirs = over.tile_share(problem, mod, options)
-        if (theirs is not None and ours * MOSAIC_TILE_COST <= CLAIM_MARGIN * theirs
-                and self.engine(problem, mod, options)[0] == "mosaic"):
+        if theirs is None or self.engine(problem, mod, options)[0] != "mosaic":
+            return None
+        if ours * MOSAIC_TILE_COST <= CLAIM_MARGIN * theirs:
             return (f"its block map of the mask keeps {ours:.0%} of the tiles, where "
+                    f"{over.name}'s plan computes {theirs:.0%} (forward and backward weighted "
+                    f"1 : 2.5), at {MOSAIC_TILE_COST:.2f}x cuDNN's time per tile")
+        # A static mask the other plan computes ahead as a tensor of the whole
+        # [.., Sq, Skv] score matrix (an op cuDNN's graphs lack: bit operations): the
+        # kernels evaluate it per tile. The tile counts leave that tensor out (XLA's
+        # pass over it, its reads per score, O(Sq * Skv) memory whatever the mask
+        # keeps), all on the other side, so no margin: no more modelled time.
+        ahead = None if mod is None else over.static_tensor_ahead(problem, mod, options)
+        if ahead is not None and ours * MOSAIC_TILE_COST <= theirs:
+            return (f"{over.name}'s graphs lack {ahead}; the kernels evaluate it per "
+                    f"tile, and their block map keeps {ours:.0%} of the tiles, where "
                     f"{over.name}'s plan computes {theirs:.0%} (forward and backward weighted "
                     f"1 : 2.5), at {MOSAIC_TILE_COST:.2f}x cuDNN's time per tile")
         return None

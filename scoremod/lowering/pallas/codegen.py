@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -57,8 +58,40 @@ def _floordiv(a, b):
     return _round_half_away(jnp.where(fix, div - 1.0, div))
 
 
+def _in_range_shift(n):
+    """Whether shift amount ``n`` is a constant in [0, 31] (the IR's constants are
+    concrete arrays in the kernel, a tile's values tracers)."""
+    return (not isinstance(n, jax.core.Tracer) and jnp.ndim(n) == 0
+            and 0 <= int(n) <= 31)
+
+
+# Shifts with XLA's results for an amount outside [0, 31] (0, or the sign for
+# >>): both engines lower lax's shifts to MLIR's shli / shrsi / shrui, for which
+# such an amount is poison. A constant amount in range shifts alone.
+def _shift_left(x, n):
+    if _in_range_shift(n):
+        return lax.shift_left(*jnp.broadcast_arrays(x, n))
+    out = lax.shift_left(*jnp.broadcast_arrays(x, jnp.clip(n, 0, 31)))
+    return jnp.where((n >= 0) & (n <= 31), out, 0)
+
+
+def _shift_right_arithmetic(x, n):  # by 31 where out of range: the sign, as XLA gives
+    if not _in_range_shift(n):
+        n = jnp.where((n >= 0) & (n <= 31), n, 31)
+    return lax.shift_right_arithmetic(*jnp.broadcast_arrays(x, n))
+
+
+def _shift_right_logical(x, n):
+    if _in_range_shift(n):
+        return lax.shift_right_logical(*jnp.broadcast_arrays(x, n))
+    out = lax.shift_right_logical(*jnp.broadcast_arrays(x, jnp.clip(n, 0, 31)))
+    return jnp.where((n >= 0) & (n <= 31), out, 0)
+
+
 # Ops evaluated on tiles by another jax.numpy spelling of the same function.
-TILE_RULES = {"floordiv": _floordiv}
+TILE_RULES = {"floordiv": _floordiv, "left_shift": _shift_left,
+              "right_shift": _shift_right_arithmetic,
+              "shift_right_logical": _shift_right_logical}
 
 # The layout every captured array has in a kernel: one flat array of one of
 # these dtypes (the IR computes floats in float32 and indices in int32).
