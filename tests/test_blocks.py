@@ -21,11 +21,14 @@ from scoremod.dsl import ir, ops
 from scoremod.dsl.evaluate import evaluate
 from scoremod.lowering import block_maps, intervals
 from scoremod.lowering.block_maps import block_lists, block_map, classify_tiles, map_axes
+from scoremod.lowering.pallas import mosaic, mosaic_backward
 from scoremod.lowering.patterns import mask_conditions, when_full
 from scoremod.lowering.problem import Problem
 from tests import test_differential as differential
 from tests import test_properties as properties
 from tests import tiers
+from tests.catalogue import verdict as catalogue_verdict
+from tests.catalogue.mods import CATALOGUE
 
 NEG_INF = -jnp.inf
 F32_MAX = float(np.finfo(np.float32).max)
@@ -115,8 +118,13 @@ def trace(fn):
 
 RNG = np.random.default_rng(1)
 DOC = jnp.asarray(np.sort(RNG.integers(0, 4, (2, 40)), axis=1), jnp.int32)
-# A tile list (video sparse attention): query tile q // 4 sees the key tiles it lists.
+# A tile list (video sparse attention): query tile q // 4 sees the key tiles it lists;
+# padded with -1 where it lists fewer; key tile kv // 4 listing the query tiles it serves.
 TOPK = jnp.asarray(np.random.default_rng(7).integers(0, 10, (2, 3, 10, 2)), jnp.int32)
+_LISTS = np.random.default_rng(8)
+TOPK_PADDED = jnp.asarray(np.where(_LISTS.random((2, 3, 10, 3)) < 0.3, -1,
+                                   _LISTS.integers(0, 10, (2, 3, 10, 3))), jnp.int32)
+KEY_LISTS = jnp.asarray(_LISTS.integers(0, 10, (2, 10, 3)), jnp.int32)
 DOC_SHUFFLED = jnp.asarray(RNG.integers(0, 3, (2, 40)), jnp.int32)
 MASK = jnp.asarray(RNG.random((2, 40, 40)) < 0.3)
 BLOCKY = jnp.asarray(np.kron(RNG.random((5, 5)) < 0.5, np.ones((8, 8), bool)))
@@ -176,11 +184,21 @@ MODS = {
     "relative_condition": (lambda s, b, h, q, k: jnp.where(REL[h, k - q + 39] > 0.2, s,
                                                            NEG_INF), False),
     "relative_buckets": (lambda s, b, h, q, k: s + BUCKET_BIAS[BUCKETS[k - q + 39], h], False),
-    # Per tile, whether the listed tiles meet the keys' (a presence table): the visited
-    # tiles are tight (test_a_tile_list_is_tight_under_jit), a tile the two lists fill
-    # between them is not found full.
+    # Per tile, whether the listed tiles meet the keys' (counts per tile and value): a
+    # tile the lists fill between them is full; -1 slots meet nothing. The `and` with
+    # q >= k is bounded by its rule (each may hold in a tile where both never do).
     "tile_list": (lambda s, b, h, q, k: jnp.where(
-        (TOPK[b, h, q // 4, 0] == k // 4) | (TOPK[b, h, q // 4, 1] == k // 4), s, NEG_INF), False),
+        (TOPK[b, h, q // 4, 0] == k // 4) | (TOPK[b, h, q // 4, 1] == k // 4), s, NEG_INF), True),
+    "tile_list_any": (lambda s, b, h, q, k: jnp.where(
+        (TOPK_PADDED[b, h, q // 4] == k // 4).any(), s, NEG_INF), True),
+    "tile_list_all_differ": (lambda s, b, h, q, k: jnp.where(
+        (TOPK_PADDED[b, h, q // 4] != k // 4).all(), NEG_INF, s), True),
+    "key_tile_list": (lambda s, b, h, q, k: jnp.where(
+        (KEY_LISTS[b, k // 4] == q // 4).any(), s, NEG_INF), True),
+    # The captured side shared, the known ones listed: values outside their range (-1).
+    "known_lists": (lambda s, b, h, q, k: jnp.where(
+        (DOC_SHUFFLED[b, k] * 3 - 1 == q // 8) | (DOC_SHUFFLED[b, k] * 3 - 1 == q // 8 + 2),
+        s, NEG_INF), True),
     "tile_list_not": (lambda s, b, h, q, k: jnp.where(
         (TOPK[b, h, q // 4, 0] != k // 4) & (q >= k), s, NEG_INF), False),
     # Bit operations: per-axis decodes (evaluated exactly along their axis) and
@@ -295,25 +313,77 @@ def test_jit_takes_operands_as_arguments():
 
 
 def test_a_tile_list_is_tight_under_jit():
-    """An equality of a value of the queries and one of the keys: the tiles where
-    their sets of values meet, from a presence table per tile, with the list a jit
-    argument (computed in the program): those the entries need, no more."""
-    mod = trace(MODS["tile_list"][0])
-    p = Problem(2, 40, 40, 3, 3, 8, 8, "float32")
-    exact, _ = classify_tiles(mod.expr, mod.operands, p, 8, 8, exact="always")
-    got = jax.jit(lambda topk: classify_tiles(mod.expr, (topk,), p, 8, 8)[0])(TOPK)
+    """The ``.any()`` of equalities of values of the queries (a list padded with -1)
+    and one of the keys: the tiles where their sets of values meet and those every
+    entry of which meets, from counts per tile and value, with the list a jit argument
+    (computed in the program): the classes of the entries, as evaluating each finds."""
+    mod = trace(MODS["tile_list_any"][0])
+    p = problem()
+    # Query blocks of two listed tiles: full where both list the key block's tile.
+    exact, exact_full = classify_tiles(mod.expr, mod.operands, p, 8, 4, exact="always")
+    got, full = jax.jit(lambda topk: classify_tiles(mod.expr, (topk,), p, 8, 4))(TOPK_PADDED)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(exact))
+    np.testing.assert_array_equal(np.asarray(full), np.asarray(exact_full))
+    assert np.asarray(full).any() and not np.asarray(full).all()  # some full, not all
     # a range wider than the table takes: the interval rule, sound and looser
     from scoremod.lowering import block_maps
 
     wide = block_maps._Tiles.values_meet.__defaults__
     try:
         block_maps._Tiles.values_meet.__defaults__ = (3,)
-        fallback, _ = classify_tiles(mod.expr, mod.operands, p, 8, 8)
+        fallback, _ = classify_tiles(mod.expr, mod.operands, p, 8, 4)
     finally:
         block_maps._Tiles.values_meet.__defaults__ = wide
     assert bool((np.asarray(fallback) | ~np.asarray(exact)).all())
     assert np.asarray(fallback).mean() > np.asarray(exact).mean()
+
+
+# The tiles the Pallas kernels' maps take: the Triton engine's forward and backward
+# (the options' defaults), the Mosaic GPU engine's forward and its backward's kernels.
+_OPTS = scoremod.LoweringOptions()
+PALLAS_TILES = sorted({(_OPTS.pallas_block_q, _OPTS.pallas_block_kv),
+                       (_OPTS.pallas_backward_block_q, _OPTS.pallas_backward_block_kv),
+                       (mosaic.TILE_Q, mosaic.BLOCK_KV), mosaic_backward.DKDV_BLOCKS,
+                       mosaic_backward.DQ_BLOCKS, mosaic_backward.DIAGONAL_BLOCKS})
+# The catalogue's masks the planner gives the Pallas kernels (vsa_topk first: the fast
+# tier runs it), and those whose maps are loose there: an `and` (or `or`) of conditions
+# each holding somewhere in a tile where they never hold together (a document equality
+# and causal order), bounded by its rule.
+CATALOGUE_MASKS = sorted((n for n, e in CATALOGUE.items()
+                          if e.verdict.startswith("block-sparse Pallas kernels")
+                          and "table" not in e.verdict), key=lambda n: (n != "vsa_topk", n))
+LOOSE = {"document_causal", "shared_prefix", "paged_causal"}
+
+
+@pytest.mark.parametrize("name", CATALOGUE_MASKS)
+def test_catalogue_masks_at_their_gpu_shapes(name):
+    """The map of each catalogue mask at its GPU shape and every tile size of the
+    Pallas kernels (its arrays traced, as in their program) against the entries its
+    NumPy reference keeps: no tile with a kept entry skipped, none called full that
+    masks one; outside ``LOOSE``, exactly those tiles (vsa_topk's ``.any()`` of a tile
+    list: every tile it visits holds a kept entry, every one it finds full only kept
+    entries)."""
+    e = CATALOGUE[name]
+    shape, env = e.gpu, e.env(e.gpu)
+    mod = trace(e.build(env))
+    kept = np.isfinite(e.modified_scores(np.zeros((shape.b, shape.h, shape.sq, shape.skv)),
+                                         env))
+    p = catalogue_verdict.problem(shape)
+    for bq, bk in PALLAS_TILES:
+        visited, full = jax.jit(lambda ops: classify_tiles(mod.expr, ops, p, bq, bk))(
+            tuple(mod.operands))
+        visited, full = _expand(visited, p), _expand(full, p)
+        nq, nk = visited.shape[2:]
+        pad = [(0, 0), (0, 0), (0, nq * bq - shape.sq), (0, nk * bk - shape.skv)]
+        live = np.pad(kept, pad).reshape(shape.b, shape.h, nq, bq, nk, bk).any(axis=(3, 5))
+        whole = np.pad(kept, pad, constant_values=True).reshape(
+            shape.b, shape.h, nq, bq, nk, bk).all(axis=(3, 5)) & live
+        where = f"{name} at {bq} x {bk}"
+        assert not (live & ~visited).any(), f"{where}: a tile with kept entries skipped"
+        assert not (full & ~whole).any(), f"{where}: a tile called full masks an entry"
+        if name not in LOOSE:
+            np.testing.assert_array_equal(visited, live, err_msg=f"{where}: visited")
+            np.testing.assert_array_equal(full, whole, err_msg=f"{where}: full")
 
 
 def test_wrong_operand_count_is_refused():

@@ -92,6 +92,31 @@ def test_masked_rows_are_zero():
     assert np.all(np.asarray(dq[:, :21]) == 0)
 
 
+def test_tile_list_on_its_own_map():
+    """A tile list's ``.any()`` (video sparse attention, -1 for an empty slot) on the
+    map the plan computes from the IR: tiles two listed tiles fill together are full
+    (the forward's query blocks span two query tiles, the backward's key blocks two
+    key tiles), where the kernels drop the mask; the results are the reference's."""
+    from scoremod.lowering.block_maps import classify_tiles
+    from scoremod.lowering.reference import REFERENCE
+
+    q, k, v, do = pc.inputs(b=2, sq=64, skv=64, hq=2, hkv=2)
+    rng = np.random.default_rng(0)
+    topk = jnp.asarray(np.where(rng.random((2, 2, 4, 3)) < 0.2, -1,
+                                rng.integers(0, 4, (2, 2, 4, 3))), jnp.int32)
+    mod = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(
+        (topk[b, h, qi // 16] == ki // 16).any(), s, -jnp.inf))
+    operands = tuple(mod.operands)
+    plan = pc.pallas_plan(mod, q, k, v, SMALL)
+    for bq, bk in (plan.forward_blocks, plan.backward_blocks):
+        visited, full = classify_tiles(mod.expr, operands, plan.problem, bq, bk)
+        assert bool(full.any()) and not bool(visited.all())
+    got = pc.run(PALLAS, plan, q, k, v, do, operands)
+    want = pc.run(REFERENCE, REFERENCE.plan(plan.problem, mod, plan.scale, SMALL, True),
+                  q, k, v, do, operands)
+    _check(got, want)
+
+
 @pytest.mark.parametrize("shape", [dict(sq=48, skv=96, hq=4, hkv=1), dict(sq=96, skv=40, hq=2, hkv=2),
                                    dict(sq=64, skv=64, hq=4, hkv=4, d=128, dv=64)],
                          ids=["mqa-short-q", "long-q", "d128-dv64"])

@@ -217,17 +217,27 @@ class _Tiles:
         parts = tuple(x[:, :, index] for x in parts)  # [Bm, Hm, nq, nk, span]
         return from_parts(node.dtype, reduce_parts(node.dtype, parts, 4, keepdims=False))
 
-    def values_meet(self, a, b, deps, most: int = _MOST_VALUES):
+    def values_meet(self, shared, others, deps, most: int = _MOST_VALUES):
         """``(meet, always)``, bool ``[Bm or 1, Hm or 1, nq, nk]``: whether some entry of
-        each tile gives the int nodes ``a`` and ``b`` (one of q_idx, the other of
-        kv_idx) the same value, and whether every entry does (each side one value
-        there, the same). One side must read no captured array: its values, known
-        when planning, give the range (at most ``most`` values); a presence table per
-        tile over that range for each side (a scatter, O(B*H*S)), then one product
-        over the range. None where neither side is known or the range is wider."""
+        each tile gives the int node ``shared`` (of one of q_idx and kv_idx) the value of
+        one of the int nodes ``others`` (of the other), and whether every entry does: an
+        equality (one other), or an ``or`` of equalities with a side in common, the
+        ``.any()`` of a list (``topk[b, h, q // T] == kv // T``, ``kv // T`` shared).
+        A side that reads no captured array (``shared``, or else all of ``others``)
+        gives the values that can meet, known when planning: the range (at most
+        ``most`` values). Per tile and value, how many of the tile's positions take it
+        (one of ``others`` there): a scatter, O(B*H*S*len(others)); then two products
+        over the range: some value of the shared side's tile taken somewhere on the
+        other's (meet), and none that a position there lacks (always). None where
+        neither side is known or the range is wider."""
         p = self.problem
-        known = [n for n in (a, b) if not any(m.op == OPERAND for m in ir.toposort(n))]
-        if not known:
+        others = list(dict.fromkeys(others))
+
+        def known(nodes):
+            return not any(m.op == OPERAND for m in ir.toposort(*nodes))
+
+        ranged = [shared] if known([shared]) else others if known(others) else None
+        if ranged is None:
             return None
 
         def along(node):
@@ -241,37 +251,56 @@ class _Tiles:
             return on_q, jnp.broadcast_to(v, (bs.shape[0], hs.shape[1], size))
 
         with jax.ensure_compile_time_eval():
-            static = np.asarray(along(known[0])[1])
-        lo, hi = int(static.min()), int(static.max())
-        if hi - lo + 1 > most or self.nq * self.nk * (hi - lo + 1) > _MOST_PRODUCT:
+            static = [np.asarray(along(n)[1]) for n in ranged]
+        lo, hi = min(int(v.min()) for v in static), max(int(v.max()) for v in static)
+        width = hi - lo + 1
+        if width > most or self.nq * self.nk * width > _MOST_PRODUCT:
             return None
 
-        def presence(node):
-            """(on q_idx, [.., tiles, range] presence, [.., tiles] a value outside the range)"""
-            on_q, v = along(node)
+        def counts(nodes):
+            """(on q_idx, int32 [nb, nh, tiles, range]: the tile's positions where one of
+            ``nodes`` takes each value, [tiles] its real positions, bool [nb, nh, tiles]:
+            a value outside the range there)"""
+            found = [along(n) for n in nodes]
+            on_q = found[0][0]
+            nb = max(v.shape[0] for _, v in found)
+            nh = max(v.shape[1] for _, v in found)
+            size = found[0][1].shape[2]
+            v = jnp.stack([jnp.broadcast_to(x, (nb, nh, size)) for _, x in found], axis=-1)
+            v = jnp.sort(v, axis=-1)  # a value several of them take counts once per position
+            first = jnp.concatenate([jnp.ones(v.shape[:-1] + (1,), jnp.int32),
+                                     (v[..., 1:] != v[..., :-1]).astype(jnp.int32)], axis=-1)
             block = self.block_q if on_q else self.block_kv
-            nb, nh, size = v.shape
             n = num_blocks(size, block)
-            tile = jnp.arange(size, dtype=jnp.int32) // block
-            idx = (jnp.arange(nb)[:, None, None], jnp.arange(nh)[None, :, None],
-                   jnp.broadcast_to(tile, v.shape), v - lo)
-            table = jnp.zeros((nb, nh, n, hi - lo + 1), jnp.float32)
-            table = table.at[idx].max(1.0, mode="drop")  # values outside the range never meet
-            outside = jnp.pad((v < lo) | (v > hi), [(0, 0), (0, 0), (0, n * block - size)])
-            outside = outside.reshape(nb, nh, n, block).any(axis=-1)
-            if nb > 1 and self.bm == 1:
-                table, outside = table.max(axis=0, keepdims=True), outside.any(0, keepdims=True)
-            if nh > 1 and self.hm == 1:
-                table, outside = table.max(axis=1, keepdims=True), outside.any(1, keepdims=True)
-            return on_q, table, outside
+            outside = (v < lo) | (v > hi)
+            # Out of range to the end explicitly: .at[] would wrap a negative index.
+            idx = (jnp.arange(nb)[:, None, None, None], jnp.arange(nh)[None, :, None, None],
+                   (jnp.arange(size, dtype=jnp.int32) // block)[None, None, :, None],
+                   jnp.where(outside, width, v - lo))
+            table = jnp.zeros((nb, nh, n, width), jnp.int32).at[idx].add(first, mode="drop")
+            real = np.minimum(block, size - np.arange(n) * block)
+            outside = jnp.pad(outside.any(-1), [(0, 0), (0, 0), (0, n * block - size)])
+            return on_q, table, real, outside.reshape(nb, nh, n, block).any(axis=-1)
 
-        (a_on_q, ta, oa), (_, tb, ob) = presence(a), presence(b)
-        (tq, oq), (tk, ok) = ((ta, oa), (tb, ob)) if a_on_q else ((tb, ob), (ta, oa))
-        # 0 / 1 entries summed over at most `most` values: exact in float32 (and TF32)
-        meet = jnp.matmul(tq, jnp.swapaxes(tk, -1, -2), precision=jax.lax.Precision.HIGHEST) > 0
-        single_q = (tq.sum(-1) == 1) & ~oq  # [.., nq]: one value on the tile's rows
-        single_k = (tk.sum(-1) == 1) & ~ok
-        return meet, meet & single_q[..., :, None] & single_k[..., None, :]
+        shared_on_q, ts, _, outside = counts([shared])
+        _, to, real, _ = counts(others)  # values outside the range meet nothing
+
+        def product(x, y):  # 0 / 1 entries summed over at most `most` values: exact
+            return jnp.matmul(x.astype(jnp.float32), jnp.swapaxes(y, -1, -2).astype(jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST) > 0
+
+        ts = ts > 0
+        meet = product(ts, to > 0)  # [.., shared tiles, other tiles]
+        missed = product(ts, to < real[:, None])  # a value some position there lacks
+        always = meet & ~missed & ~outside[..., :, None]
+        # Per batch and head, then over those the map does not keep: met in any, always in all.
+        if meet.shape[0] > 1 and self.bm == 1:
+            meet, always = meet.any(0, keepdims=True), always.all(0, keepdims=True)
+        if meet.shape[1] > 1 and self.hm == 1:
+            meet, always = meet.any(1, keepdims=True), always.all(1, keepdims=True)
+        if not shared_on_q:
+            meet, always = jnp.swapaxes(meet, -1, -2), jnp.swapaxes(always, -1, -2)
+        return meet, always
 
     def per_tile(self, nodes, deps) -> list:
         """Score-free nodes evaluated on every entry of every tile, reduced per
@@ -318,6 +347,35 @@ def _opposite_sides(n, deps) -> bool:
             and sorted(map(sorted, sides)) == [["kv_idx"], ["q_idx"]])
 
 
+def _equalities(n, deps):
+    """``(negated, shared, others, inner)`` where ``n`` is an equality of an int of
+    q_idx and one of kv_idx, or an ``or`` of such equalities with one side in common
+    (``shared``): ``(topk[b, h, q // T] == kv // T).any()``; ``negated`` for ``ne``
+    under ``and`` (``.all()`` of ``!=``), which is its negation. ``inner``: the nodes
+    of the group below ``n``. None for anything else."""
+    test, join = ("ne", "and") if n.op in ("ne", "and") else ("eq", "or")
+    leaves, inner, stack = [], set(), [n]
+    while stack:
+        m = stack.pop()
+        if m in inner:
+            continue
+        inner.add(m)
+        if m.op == join:
+            stack.extend(m.args)
+        elif m.op == test and _opposite_sides(m, deps):
+            leaves.append(m)
+        else:
+            return None
+    if not leaves:
+        return None
+    common = [a for a in leaves[0].args if all(a in leaf.args for leaf in leaves)]
+    if not common:
+        return None
+    shared = common[0]
+    others = [a for leaf in leaves for a in leaf.args if a is not shared]
+    return test == "ne", shared, others, inner - {n}
+
+
 def _mixed_uses(expr, conds, deps) -> list:
     """Score-free nodes mixing q_idx and kv_idx that the classes hinge on: the
     mask conditions, and the score-free arguments of nodes reading the score
@@ -352,8 +410,10 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     (remainders, loads indexed by both), "always" all, "never" none. Under
     "auto", those of them reading q_idx and kv_idx only as their difference
     (``difference_form``: a relative table) are evaluated once per diagonal.
-    Everything else costs O(B*H*S) (separable parts) plus O(Bm*Hm*nq*nk)
-    (the rules)."""
+    Equalities of a value of the queries and one of the keys (alone or an ``or``
+    with a side in common: a tile list's ``.any()``) cost O(B*H*S) per equality
+    plus products of O(B*H*nq*nk*values) (``_Tiles.values_meet``). Everything
+    else costs O(B*H*S) (separable parts) plus O(Bm*Hm*nq*nk) (the rules)."""
     if exact not in _EXACT:
         raise ScoreModValueError(f"exact={exact!r}; expected one of {_EXACT}")
     operands = _operand_values(expr, operands)
@@ -371,22 +431,37 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     values = dict(zip(exact_nodes, tiles.per_tile(exact_nodes, deps))) if exact_nodes else {}
     values.update({n: tiles.diagonal(n, deps[n]) for n in diagonal})
     # An equality of a value of the queries and one of the keys (a tile list,
-    # topk[b, h, q // T, j] == kv // T): per tile, whether their sets of values meet
-    # (the interval rule sees every value between a tile's least and greatest).
-    for n in ir.toposort(*conds) if conds else ():
-        if n not in values and n.op in ("eq", "ne") and _opposite_sides(n, deps):
-            found = tiles.values_meet(*n.args, deps)
-            if found is not None:
-                meet, always = found
-                values[n] = (Bools(meet, ~always) if n.op == "eq" else Bools(~always, meet))
+    # topk[b, h, q // T, j] == kv // T), or an `or` of them with a side in common (its
+    # .any()): per tile, whether their sets of values meet, and whether on every entry
+    # (the interval rule sees every value between a tile's least and greatest; the
+    # `or` rule finds no tile full that the equalities fill between them).
+    def meeting(n):
+        group = _equalities(n, deps) if n.op in ("eq", "ne", "or", "and") else None
+        if group is None:
+            return None
+        negated, shared, others, below = group
+        found = tiles.values_meet(shared, others, deps)
+        if found is None:
+            return None
+        meet, always = found
+        return (Bools(~always, meet) if negated else Bools(meet, ~always)), below
 
     def leaf(n):
         return n in values or n.op == CONST or _separable(deps[n]) or n.op not in RULES
 
+    inside = set()  # below a group: computed only where something else reads them
+    for n in reversed(ir.toposort(expr, *conds, stop=leaf)):  # the widest groups first
+        if n not in values and n not in inside and (found := meeting(n)) is not None:
+            values[n], below = found
+            inside |= below
+
     for n in ir.toposort(expr, *conds, stop=leaf):
         if n in values or n.op == OPERAND:
             continue
-        if n.op == CONST:
+        found = meeting(n) if n in inside else None
+        if found is not None:
+            values[n] = found[0]
+        elif n.op == CONST:
             values[n] = constant(n)
         elif _separable(deps[n]):
             values[n] = tiles.separable(n, deps[n])
