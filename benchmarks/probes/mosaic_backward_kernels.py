@@ -28,9 +28,7 @@ from scoremod.lowering.pallas.backend import PALLAS
 from scoremod.lowering.problem import Problem
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
-VARIANTS = ({"PINGPONG": False, "SCALE_AT_END": False}, {"PINGPONG": True, "SCALE_AT_END": False},
-            {"PINGPONG": True}, {"PINGPONG": True, "STAGES": 3},
-            {"PINGPONG": True, "FULL_BRANCH": False})
+VARIANTS = ({}, {"TURNS": False}, {"TURNS": True})
 
 
 def timed(f, args, reps):

@@ -73,6 +73,7 @@ from jax import lax
 from scoremod.dsl import ir
 from scoremod.dsl.ir import F32
 from scoremod.dsl.text import format_expr
+from scoremod.lowering import patterns
 from scoremod.lowering.pallas import codegen, mosaic
 
 BLOCK = 64  # rows per compute warpgroup, and per streamed tile (wgmma's M is 64)
@@ -83,13 +84,9 @@ STAGES = 2  # streamed tiles in flight
 # (2 x 232 + 40 warps' worth fits the 64K registers of a multiprocessor).
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 ONE_COMPUTE_REGISTERS = 256  # the per-block-diagonal kernel's single compute warpgroup
-# The compute warpgroups take turns on the tensor cores (``_Turns``).
-PINGPONG = True
-# On tiles the map marks full, the mod without its mask (a branch per tile; off: the
-# mod with its mask on every tile, the same values).
-FULL_BRANCH = True
-# The softmax scale multiplies dK and dQ once at the end, not dS on every tile.
-SCALE_AT_END = True
+# The compute warpgroups take turns on the tensor cores (``_Turns``): None, where a
+# kernel's rule says (``takes_turns``); True or False for all (a probe's variants).
+TURNS = None
 # The block maps' (block_q, block_kv) of each kernel: a program's own rows by a streamed tile.
 DKDV_BLOCKS = (BLOCK, TILE)
 DQ_BLOCKS = (TILE, BLOCK)
@@ -198,6 +195,27 @@ def learning_refusal(expr, name, sources) -> str | None:
     return None
 
 
+# Ops on the multiprocessors' special-function units: a mod that evaluates one on the
+# score keeps a warpgroup off the tensor cores long enough for turns to pay.
+_SLOW_OPS = frozenset({"exp", "exp2", "log", "log2", "log1p", "expm1", "tanh", "sigmoid",
+                       "sqrt", "rsqrt", "sin", "cos", "tan", "atan", "erf", "erfc"})
+
+
+def takes_turns(spec, kernel: str) -> bool:
+    """Whether ``kernel``'s ("dkdv" or "dq") compute warpgroups take turns, with the
+    softmax scale then applied once after the loop. Measured on the H200 (b4 h16
+    s4096 d128 bf16, 2026-12-06, ``benchmarks/probes/mosaic_backward_kernels.py``):
+    dK/dV with softcap 2.215 -> 2.026 ms, plain 1.661 -> 1.663, causal 1.094 -> 1.183;
+    dQ plain 1.159 -> 1.550, softcap 1.487 -> 1.502, causal 0.672 -> 0.761. So dK/dV
+    takes turns where the mod evaluates a slow op on the score, dQ never."""
+    if TURNS is not None:
+        return TURNS
+    if kernel != "dkdv" or spec.expr is None:
+        return False
+    deps = patterns.dependencies(spec.expr)
+    return any(n.op in _SLOW_OPS and ir.SCORE in deps[n] for n in ir.toposort(spec.expr))
+
+
 def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}, loads=()):
     """``(modded scores in log2 units, local derivative or None)`` of the
     tile of raw products ``s`` (q.k), -inf past the sequences' ends;
@@ -211,7 +229,7 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}
         return _tails(spec, s * jnp.float32(spec.scale * LOG2E), inputs), None
 
     variants = [(spec.expr, local_derivative(spec.expr))]
-    if spec.full_expr is not None and FULL_BRANCH:
+    if spec.full_expr is not None:
         variants.append((spec.full_expr, local_derivative(spec.full_expr)))
     has_local = any(local is not None for _, local in variants)
     load_terms = {expr: load_derivatives(expr, loads) for expr, _ in variants}
@@ -373,11 +391,11 @@ class _Turns:
     its gradient products and the next step's S and dP. Without turns the two
     fall into step and evaluate the mod at the same time, the tensor cores idle.
     A turn is a rendezvous of both on one barrier; the second warpgroup starts
-    one behind and the first ends with the extra one. ``PINGPONG`` off: no
-    rendezvous (to measure what they give)."""
+    one behind and the first ends with the extra one. Off (``on`` False: the
+    kernel's ``takes_turns``): no rendezvous."""
 
-    def __init__(self, barrier, wg):
-        self.barrier, self.wg = barrier, wg
+    def __init__(self, barrier, wg, on):
+        self.barrier, self.wg, self.on = barrier, wg, on
 
     def _meet(self):
         import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -388,22 +406,22 @@ class _Turns:
     def start(self):
         import jax.experimental.pallas as pl
 
-        if PINGPONG:
+        if self.on:
             pl.when(self.wg == 1)(self._meet)
 
     def end(self):
         import jax.experimental.pallas as pl
 
-        if PINGPONG:
+        if self.on:
             pl.when(self.wg == 0)(self._meet)
 
     def pass_on(self):
-        if PINGPONG:
+        if self.on:
             self._meet()
 
     def take(self, values):
         """``values`` (what the products read), computed before the turn is taken."""
-        if PINGPONG:
+        if self.on:
             values = lax.optimization_barrier(values)
             self._meet()
         return values
@@ -574,7 +592,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             refs = dict(zip(spec.operand_names, operand_refs))
             zeros = lambda cols: plgpu.layout_cast(  # noqa: E731
                 jnp.zeros((BLOCK, cols), jnp.float32), layout)
-            turns = _Turns(turn, wg)
+            turns = _Turns(turn, wg, takes_turns(spec, "dkdv"))
             turns.start()
 
             def step_fn(step, carry):
@@ -613,7 +631,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 sums = tuple(acc + (term * ds).sum(axis=1) for acc, term in zip(sums, terms))
                 if local is not None:
                     ds = ds * local
-                if not SCALE_AT_END:
+                if not turns.on:  # with turns, the scale multiplies dK or dQ at the end
                     ds = ds * jnp.float32(spec.scale)
                 p, ds, sums = turns.take((p.astype(dtype), ds.astype(dtype), sums))
 
@@ -630,7 +648,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                             for _ in loads)
             dk, dv, sums = lax.fori_loop(0, count, step_fn, (zeros(d), zeros(d), no_sums))
             turns.end()
-            if SCALE_AT_END:
+            if turns.on:
                 dk = dk * jnp.float32(spec.scale)
             rows = (bi, pl.ds(k0, BLOCK), hi)
             # dK with the sums, then dV, through one tile of shared memory (float32
@@ -781,7 +799,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             zeros = lambda cols: plgpu.layout_cast(  # noqa: E731
                 jnp.zeros((BLOCK, cols), jnp.float32), layout)
 
-            turns = _Turns(turn, wg)
+            turns = _Turns(turn, wg, takes_turns(spec, "dq"))
             turns.start()
 
             def step_fn(step, carry):
@@ -814,7 +832,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 sums = tuple(total + (term * ds).sum(axis=1) for total, term in zip(sums, terms))
                 if local is not None:
                     ds = ds * local
-                if not SCALE_AT_END:
+                if not turns.on:  # with turns, the scale multiplies dK or dQ at the end
                     ds = ds * jnp.float32(spec.scale)
                 ds, sums = turns.take((ds.astype(dtype), sums))
 
@@ -829,7 +847,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                             for _ in loads)
             acc, sums = lax.fori_loop(0, count, step_fn, (zeros(d), no_sums))
             turns.end()
-            if SCALE_AT_END:
+            if turns.on:
                 acc = acc * jnp.float32(spec.scale)
             # The queries' tile is free: dQ leaves through it.
             _write_rows(q_smem, acc.astype(dtype), dq_ref.at[rows], sums,
