@@ -300,3 +300,26 @@ def test_mosaic_engine_packs_and_splits_keys_itself(stand_in_h200):
     fold, inner = decode.choose(Call(be, be.plan(p, None, 0.125, given, True), p, given))
     assert fold == decode.Fold(4, 1) and inner.plan.key_parts == 8
     assert decode.choose(_call(p, opts.replace(decode_splits=0))) is None
+
+
+def test_pallas_claims_short_queries_on_the_mosaic_engine(stand_in_h200):
+    """implementation=None runs short queries on the Pallas kernels' Mosaic GPU
+    engine (packed, key parts: faster than cuDNN's fold where measured), not
+    with decode_splits=0 (no folding), not for a prefill chunk."""
+    from scoremod import support
+
+    if support.mosaic_missing():
+        pytest.skip(f"the Mosaic GPU engine is {support.mosaic_missing()}")
+    k = jnp.zeros((8, 4096, 8, 128), jnp.bfloat16)
+    alibi = lambda s, b, h, q, kv: s + 0.5 * (kv - q).astype(jnp.float32)  # noqa: E731
+
+    def chosen(sq, **kw):
+        q = jnp.zeros((8, sq, 32, 128), jnp.bfloat16)
+        return scoremod.which_implementation(q, k, k, alibi,
+                                             options=scoremod.LoweringOptions(**kw))
+
+    one = chosen(1)
+    assert one[0] == "pallas" and "short queries" in one[1], one
+    assert "packed" in one.variant, one.variant
+    assert chosen(1, decode_splits=0)[0] == "cudnn"
+    assert chosen(64)[0] == "cudnn"

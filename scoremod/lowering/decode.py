@@ -80,6 +80,13 @@ class Fold:
         return "short queries folded: " + ", ".join(parts)
 
 
+def short(p: Problem) -> bool:
+    """Whether ``p`` is a call of short queries (folded on the fused backends):
+    at most ``MAX_QUERIES`` rows, and ``MAX_ROWS`` once a group's heads are packed."""
+    return (p.hq % p.hkv == 0 and p.sq <= MAX_QUERIES and p.sq * (p.hq // p.hkv) <= MAX_ROWS
+            and p.b * p.sq * p.skv > 0)
+
+
 def choose(call) -> tuple | None:
     """``(fold, folded call)`` for a routed call (``lowering.backend.Call``) of short
     queries on a fused backend, or None: the call runs as it is. The folded call is
@@ -93,11 +100,9 @@ def choose(call) -> tuple | None:
 @functools.lru_cache(maxsize=256)
 def _choose(call):
     p, options = call.problem, call.options
-    if p.hq % p.hkv:
+    if not short(p):
         return None
     group = p.hq // p.hkv
-    if p.sq > MAX_QUERIES or p.sq * group > MAX_ROWS or p.b * p.sq * p.skv == 0:
-        return None
     # A backend that spreads the keys over programs itself only packs: its folded
     # call, planned for the packed shapes, splits their key lists (a static window
     # too: packing reads no batch row, so the static block map stays).

@@ -240,6 +240,16 @@ class Pallas(Backend):
         return f"{how} (pallas_engine=\"auto\": it takes the call)"
 
     def claims(self, problem, mod, options, over):
+        # Short queries (decoding): the Mosaic engine packs a group's query heads and
+        # splits each tile's key list over programs (key_parts); against cuDNN's fold
+        # at b8 hq32 hkv8, 32768 keys, one row (docs/performance.md, 2026-12-06): ALiBi
+        # 0.298 against 0.431 ms, a 4096 window 0.076 against 0.091 (traced: 0.071
+        # against 0.079), softcap 0.275 against 0.281.
+        if (over.name == "cudnn" and options.decode_splits != 0 and decode.short(problem)
+                and self.engine(problem, mod, options)[0] == "mosaic"):
+            return ("short queries: the Mosaic GPU engine packs each key/value head's query "
+                    "heads and splits the key tiles over programs, reading K and V once "
+                    "per group at most of the GPU's bandwidth")
         # Measured against cuDNN's dense graph (docs/performance.md): 4 documents per
         # row with a softcap, the kernels run 2.8x its forward and 4x its fwd+bwd at 4096.
         cond = None if mod is None or over.name != "cudnn" else patterns.mask_from_data(mod.expr)
