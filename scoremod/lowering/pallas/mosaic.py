@@ -637,18 +637,21 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
         staged = staged[0] if staged else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
-        program = lax.axis_index("q_seq")
-        part = lax.rem(program, jnp.int32(parts))
-        tile = n_tiles - 1 - lax.div(program, jnp.int32(parts))  # the last (under causal
-        # masks, the longest) query tiles start first, which shortens the tail
         mb = 0 if shared_b else bi
         mh = 0 if shared_h else hi
-        # This program's part of the tile's key list: entries first.. (count of them).
-        listed = counts_ref[mb, mh, tile]
-        per = lax.div(listed + (parts - 1), jnp.int32(parts))
-        first = part * per
-        count = jnp.clip(listed - first, 0, per)
-        out_row0 = part * sq + tile * TILE_Q  # where its rows' O and LSE go
+        if parts == 1:
+            tile = n_tiles - 1 - lax.axis_index("q_seq")  # the last (under causal masks,
+            # the longest) query tiles start first, which shortens the tail
+            first, count, out_row0 = 0, counts_ref[mb, mh, tile], tile * TILE_Q
+        else:  # this program's part of the tile's key list: entries first.. (count of them)
+            program = lax.axis_index("q_seq")
+            part = lax.rem(program, jnp.int32(parts))
+            tile = n_tiles - 1 - lax.div(program, jnp.int32(parts))
+            listed = counts_ref[mb, mh, tile]
+            per = lax.div(listed + (parts - 1), jnp.int32(parts))
+            first = part * per
+            count = jnp.clip(listed - first, 0, per)
+            out_row0 = part * sq + tile * TILE_Q  # where its rows' O and LSE go
         by_source = dict(zip(sources, vector_refs))
         offset_refs = vector_refs[len(sources):]
 
@@ -656,7 +659,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             return by_source[src].at[(*vector_row(src, bi, hi), pl.ds(start, n))]
 
         def kv_start(step):
-            return blocks_ref[mb, mh, tile, first + step] * BLOCK_KV
+            return blocks_ref[mb, mh, tile, step + first] * BLOCK_KV
 
         def take_turn():  # the two compute warpgroups alternate on the tensor cores
             plgpu.barrier_arrive(turn)
@@ -736,7 +739,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 slot = lax.rem(step, STAGES)
                 # The tile's first key, read ahead of the product that it waits on.
                 kv0 = kv_start(step) if needs_kv_idx else None
-                is_full = full_ref[mb, mh, tile, first + step] if on_full is not None else None
+                is_full = full_ref[mb, mh, tile, step + first] if on_full is not None else None
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -785,7 +788,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             shift = jnp.where(m == NEG_INF, 0.0, m)
             lse_smem[...] = jnp.where(empty, NEG_INF, shift * jnp.float32(LN2) + jnp.log(safe))
             plgpu.commit_smem()
-            out_rows = pl.ds(out_row0 + wg * BLOCK_Q, BLOCK_Q)
+            out_rows = pl.ds(row0 if parts == 1 else out_row0 + wg * BLOCK_Q, BLOCK_Q)
             plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[bi, out_rows, hi])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, hi, out_rows])
             plgpu.wait_smem_to_gmem(0)
@@ -816,8 +819,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                     plgpu.copy_gmem_to_smem(offsets.at(ref, src, bi, hi, tile * TILE_Q, start),
                                             smem.at[slot], ready.at[slot])
 
-            for first in range(STAGES):
-                pl.when(first < count)(functools.partial(fetch, first, first, False))
+            for step in range(STAGES):
+                pl.when(step < count)(functools.partial(fetch, step, step, False))
 
             def refill(step, carry):
                 fetch(step, lax.rem(step, STAGES), True)
