@@ -129,13 +129,18 @@ def _choose(call):
     return fold, inner.on(folded, mod, "folded for short queries")
 
 
+def multiprocessors(options) -> int:
+    """The GPU's streaming multiprocessors: ``options.sms``, else the device's, else ``SMS``."""
+    return options.sms or device.current().sm_count or SMS
+
+
 def _splits(p: Problem, group: int, options) -> int:
     """The key chunks: ``options.decode_splits`` if given (the largest count up to it
     that divides the keys), else the fewest that give the SMs ``WAVES`` waves of
     query tiles, each chunk at least ``MIN_CHUNK`` keys on ``ALIGN``."""
     if options.decode_splits is not None:
         return max(n for n in range(1, options.decode_splits + 1) if p.skv % n == 0)
-    sms = options.sms or device.current().sm_count or SMS
+    sms = multiprocessors(options)
     tiles = p.b * p.hkv  # one query tile per (sequence, key/value head) once packed
     n = 1
     while tiles * n < WAVES * sms:
@@ -225,26 +230,29 @@ def fold_lse(x, fold: Fold, hkv: int):
     return jnp.repeat(x, fold.splits, axis=0) if fold.splits > 1 else x
 
 
+def join_by_lse(o, lse, axis: int = 1):
+    """Attention over disjoint parts of the keys joined: O [.., n, .., dv] and LSE
+    (O's shape without dv) with the n parts along ``axis`` -> O (o's dtype) and LSE
+    without that axis; each part weighted by exp(its LSE - the row's largest), summed
+    in part order (the same bits on every run). Rows no part sees: O 0, LSE -inf."""
+    top = jnp.max(lse, axis=axis, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # rows masked in every part
+    w = jnp.exp(lse - top)
+    total = jnp.sum(w, axis=axis)
+    out = jnp.sum(o.astype(jnp.float32) * w[..., None], axis=axis)
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.astype(o.dtype), jnp.squeeze(top, axis) + jnp.log(total)
+
+
 def join(o, lse, fold: Fold, p: Problem):
     """The chunks' O [b * n, sq * G, hkv, dv] and LSE [b * n, hkv, sq * G] joined and
     unpacked: O [b, sq, hq, dv] and LSE [b, hq, sq], summed in chunk order."""
     n, g = fold.splits, fold.group
     o = o.reshape(p.b, n, p.sq, g, p.hkv, p.dv)
-    lse = lse.reshape(p.b, n, p.hkv, p.sq, g)
-    if n > 1:
-        top = jnp.max(lse, axis=1, keepdims=True)
-        top = jnp.where(jnp.isfinite(top), top, 0.0)  # rows masked in every chunk
-        w = jnp.exp(lse - top)  # [b, n, hkv, sq, g]
-        total = jnp.sum(w, axis=1)
-        wo = jnp.transpose(w, (0, 1, 3, 4, 2))[..., None]  # [b, n, sq, g, hkv, 1]
-        out = jnp.sum(o.astype(jnp.float32) * wo, axis=1)
-        out = out / jnp.where(total > 0, total, 1.0).transpose(0, 2, 3, 1)[..., None]
-        lse = top[:, 0] + jnp.log(total)  # -inf where every chunk is masked
-        o = out.astype(p.dtype)
-    else:
-        o, lse = o[:, 0], lse[:, 0]
-    o = o.transpose(0, 1, 3, 2, 4).reshape(p.b, p.sq, p.hq, p.dv)
-    lse = lse.transpose(0, 1, 3, 2).reshape(p.b, p.hq, p.sq)
+    lse = lse.reshape(p.b, n, p.hkv, p.sq, g).transpose(0, 1, 3, 4, 2)  # as O's rows
+    o, lse = join_by_lse(o, lse) if n > 1 else (o[:, 0], lse[:, 0])
+    o = o.astype(p.dtype).transpose(0, 1, 3, 2, 4).reshape(p.b, p.sq, p.hq, p.dv)
+    lse = lse.transpose(0, 3, 2, 1).reshape(p.b, p.hq, p.sq)
     return o, lse
 
 

@@ -76,7 +76,6 @@ CLAIM_MARGIN = 0.8
 # stays small beside a part's reads).
 MIN_PART_TILES = 8
 MAX_PARTS = 64
-SMS = 132  # an H100's or H200's multiprocessors, where the device does not say
 
 
 def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> block_maps.BlockMap:
@@ -389,7 +388,7 @@ def key_parts(problem: Problem, mod, options) -> int:
         given = options.decode_splits if problem.sq <= decode.MAX_ROWS else 1
         return max(1, min(given, MAX_PARTS))
     programs = problem.b * problem.hq * -(-problem.sq // mosaic.TILE_Q)
-    sms = options.sms or device.current().sm_count or SMS
+    sms = decode.multiprocessors(options)
     kept = block_maps.static_tiles(mod.expr, problem.sq, problem.skv) if mod is not None else None
     tiles = -(-problem.skv // mosaic.BLOCK_KV)
     if kept is not None:
@@ -475,7 +474,7 @@ def _forward(plan, q, k, v, operands):
         sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
         o, lse = mosaic.forward(plan.mosaic_spec(), bmap, _pad(q, 1, sq), _pad(k, 1, skv),
                                 _pad(v, 1, skv), _kernel_operands(plan, operands))
-        o, lse = mosaic.join_parts(o, lse, plan.key_parts)
+        o, lse = _join_parts(o, lse, plan.key_parts)
         return o[:, :p.sq], lse[:, :, :p.sq]
     spec = plan.spec(plan.forward_blocks, plan.num_warps[0])
     bmap = _map(plan, plan.forward_blocks, operands)
@@ -483,6 +482,18 @@ def _forward(plan, q, k, v, operands):
     o, lse = kernels.forward(spec, bmap, _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv),
                              _kernel_operands(plan, operands))
     return o[:, :p.sq], lse[:, :, :p.sq]
+
+
+def _join_parts(o, lse, parts):
+    """O [B, Sq, Hq, Dv] and LSE [B, Hq, Sq] of the Mosaic forward's key parts (O
+    [B, parts * Sq, ..], LSE [B, Hq, parts * Sq]: ``mosaic.forward``), by their LSEs."""
+    if parts == 1:
+        return o, lse
+    b, rows, hq, dv = o.shape
+    sq = rows // parts
+    lse = lse.reshape(b, hq, parts, sq).transpose(0, 2, 3, 1)  # as O's rows
+    o, lse = decode.join_by_lse(o.reshape(b, parts, sq, hq, dv), lse)
+    return o, lse.transpose(0, 2, 1)
 
 
 def _names(plan):

@@ -68,11 +68,16 @@ def _in_range_shift(n):
 # Shifts with XLA's results for an amount outside [0, 31] (0, or the sign for
 # >>): both engines lower lax's shifts to MLIR's shli / shrsi / shrui, for which
 # such an amount is poison. A constant amount in range shifts alone.
-def _shift_left(x, n):
-    if _in_range_shift(n):
-        return lax.shift_left(*jnp.broadcast_arrays(x, n))
-    out = lax.shift_left(*jnp.broadcast_arrays(x, jnp.clip(n, 0, 31)))
-    return jnp.where((n >= 0) & (n <= 31), out, 0)
+def _zero_filling(shift):
+    """``shift`` (lax's left or logical right shift) with 0 for an amount outside [0, 31]."""
+
+    def rule(x, n):
+        if _in_range_shift(n):
+            return shift(*jnp.broadcast_arrays(x, n))
+        out = shift(*jnp.broadcast_arrays(x, jnp.clip(n, 0, 31)))
+        return jnp.where((n >= 0) & (n <= 31), out, 0)
+
+    return rule
 
 
 def _shift_right_arithmetic(x, n):  # by 31 where out of range: the sign, as XLA gives
@@ -81,17 +86,10 @@ def _shift_right_arithmetic(x, n):  # by 31 where out of range: the sign, as XLA
     return lax.shift_right_arithmetic(*jnp.broadcast_arrays(x, n))
 
 
-def _shift_right_logical(x, n):
-    if _in_range_shift(n):
-        return lax.shift_right_logical(*jnp.broadcast_arrays(x, n))
-    out = lax.shift_right_logical(*jnp.broadcast_arrays(x, jnp.clip(n, 0, 31)))
-    return jnp.where((n >= 0) & (n <= 31), out, 0)
-
-
 # Ops evaluated on tiles by another jax.numpy spelling of the same function.
-TILE_RULES = {"floordiv": _floordiv, "left_shift": _shift_left,
+TILE_RULES = {"floordiv": _floordiv, "left_shift": _zero_filling(lax.shift_left),
               "right_shift": _shift_right_arithmetic,
-              "shift_right_logical": _shift_right_logical}
+              "shift_right_logical": _zero_filling(lax.shift_right_logical)}
 
 # The layout every captured array has in a kernel: one flat array of one of
 # these dtypes (the IR computes floats in float32 and indices in int32).

@@ -569,26 +569,6 @@ def swizzled(dtype=jnp.bfloat16):
             plgpu.SwizzleTransform(128))
 
 
-def join_parts(o, lse, parts: int):
-    """O [B, Sq, Hq, Dv] and LSE [B, Hq, Sq] of :func:`forward`'s ``parts``
-    parts (O [B, parts * Sq, ..], LSE [B, Hq, parts * Sq]): each part's O
-    weighted by its share of the row's exp(LSE), summed in part order (the same
-    bits on every run). Rows no part sees keep O 0 and LSE -inf."""
-    if parts == 1:
-        return o, lse
-    b, rows, hq, dv = o.shape
-    sq = rows // parts
-    lse = lse.reshape(b, hq, parts, sq)
-    top = jnp.max(lse, axis=2, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lse - top)  # [b, hq, parts, sq]
-    total = jnp.sum(w, axis=2)
-    out = jnp.sum(o.reshape(b, parts, sq, hq, dv).astype(jnp.float32)
-                  * jnp.transpose(w, (0, 2, 3, 1))[..., None], axis=1)
-    out = out / jnp.where(total > 0, total, 1.0).transpose(0, 2, 1)[..., None]
-    return out.astype(o.dtype), top[:, :, 0] + jnp.log(total)
-
-
 def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     """O [B, Sq, Hq, Dv] (q's dtype) and LSE [B, Hq, Sq] (float32, natural log)
     on arrays padded to whole tiles (Sq to ``TILE_Q``, Skv to ``BLOCK_KV``).
@@ -602,7 +582,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     With ``spec.parts`` = n > 1, n programs share each query tile, each taking
     an equal part of the tile's key list, and O and LSE hold each part's rows
     (part ``j``'s row ``i`` at ``j * Sq + i``; a part with no key: O 0, LSE
-    -inf) for :func:`join_parts`."""
+    -inf), which the caller joins by their LSEs."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
