@@ -18,6 +18,7 @@ tests/gpu/test_pallas_gpu.py does, against the reference path.
 """
 
 import dataclasses
+import functools
 import importlib
 import os
 import re
@@ -288,8 +289,12 @@ def _lower_backward(expr, q, k, operands=(), full_expr=None, lengths=None):
     real = (sq, skv) if lengths is None else lengths
     spec = mosaic_backward.BackwardSpec(expr, names, 0.125, *real, groups, full_expr)
     rows = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], sq), jnp.float32)
-    for kernel, (bq, bk) in ((mosaic_backward.dq, mosaic_backward.DQ_BLOCKS),
-                             (mosaic_backward.dkdv, mosaic_backward.DKDV_BLOCKS)):
+    kernels = [mosaic_backward.dq, mosaic_backward.dkdv]
+    if groups == 1:  # and dK/dV with dQ (the copy engine's reduce-add)
+        kernels.append(functools.partial(mosaic_backward.dkdv, with_dq=True))
+    for kernel in kernels:
+        bq, bk = (mosaic_backward.DQ_BLOCKS if kernel is mosaic_backward.dq
+                  else mosaic_backward.DKDV_BLOCKS)
         bmap = block_maps.dense_block_map(sq=sq, skv=skv, block_q=bq, block_kv=bk)
         fn = lambda q, k, v, do, lse2, delta, ops, kernel=kernel, bmap=bmap: kernel(  # noqa: E731
             spec, bmap, q, k, v, do, lse2, delta, ops)
@@ -311,7 +316,8 @@ def test_op_table_lowers_through_backward(name, lowers):
         assert (lowered is not None) == (refused is not None), (expr, refused, lowered)
 
 
-@pytest.mark.parametrize("d,dtype,groups", [(64, jnp.float16, 1), (128, jnp.bfloat16, 2)])
+@pytest.mark.parametrize("d,dtype,groups", [(64, jnp.float16, 1), (128, jnp.bfloat16, 2),
+                                           (128, jnp.bfloat16, 1)])
 def test_backward_kernels_lower(d, dtype, groups, lowers):
     """Both kernels on their own: plain attention, a mask with its full-tile
     variant, tails on both sides (96 x 160 rows in 128 x 256 padded arrays) and
@@ -337,6 +343,13 @@ def test_backward_plan(monkeypatch):
         assert plan.backward_engine == "mosaic" and plan.backward_note is None
         assert plan.backward_blocks == (mosaic_backward.TILE, mosaic_backward.TILE)
         assert "Mosaic GPU forward and backward" in plan.describe()
+        # dQ in the dK/dV kernel (one key head per query head), unless asked to repeat
+        # bitwise: its adds come in any order.
+        ungrouped = dataclasses.replace(problem, hkv=problem.hq)
+        assert PALLAS.plan(ungrouped, mod, 0.125, MOSAIC, True).fused_dq
+        strict = dataclasses.replace(MOSAIC, deterministic=True)
+        assert not PALLAS.plan(ungrouped, mod, 0.125, strict, True).fused_dq
+        assert problem.hq != problem.hkv and not plan.fused_dq
         plain = PALLAS.plan(problem, mod, 0.125, TRITON, True)
         options = TRITON
         assert plain.backward_engine == "triton" and "Mosaic" not in plain.describe()
@@ -406,6 +419,10 @@ def interprets(lowers):
     # warpgroup's rows (the queries') or keys all padding
     ("inf_past_the_end", dict(sq=192, skv=320, hq=2, hkv=1, d=64)),
     ("nan_at_score_zero", dict(sq=320, skv=192, hq=2, hkv=1, d=64)),
+    # one key head per query head: dQ in the dK/dV kernel, by column halves at d128
+    # (with turns: softcap's tanh), by key halves at d64
+    ("softcap_causal", dict(sq=256, skv=200, hq=2, hkv=2, d=128)),
+    ("alibi", dict(sq=130, skv=190, hq=2, hkv=2, d=128, dtype=jnp.float16)),
 ])
 def test_backward_interpreted(case, shape, interprets):
     """The Mosaic backward kernels run in Mosaic GPU's interpret mode (the plan's
@@ -439,6 +456,7 @@ def test_backward_interpreted(case, shape, interprets):
             mod, operands = pc.traced(case, q, k)
         plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=case != "inf_past_the_end", scale=scale)
     assert plan.interpret and plan.backward_engine == "mosaic", plan.describe()
+    assert plan.fused_dq == (shape["hq"] == shape["hkv"])
     ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False)

@@ -8,7 +8,9 @@ skips the masked tiles), each kernel alone under jit on the plan the backend mak
 three per tile: S, dP, dQ; dK/dV four: S, dP, dV, dK; dense, masked tiles counted
 too) and from the backward's usual dense count (2.5x the forward's 4*B*H*S*S*D,
 the five products of a fused backward), beside cuDNN's whole backward
-(scoremod's implementation="cudnn", fwd+bwd less fwd). Median over --reps runs
+(scoremod's implementation="cudnn", fwd+bwd less fwd), and the Mosaic backward
+with dQ in the dK/dV kernel (``dkdvdq``, five products; the default) and with
+dQ's own kernel (``deterministic=True``). Median over --reps runs
 of 10 calls after a warm-up. Each kernel runs in each of ``VARIANTS`` (tuning
 constants of ``mosaic_backward`` set while it is traced), and each variant's
 outputs are compared with the first's (the same operations per element: they
@@ -16,6 +18,7 @@ should be equal).
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +71,11 @@ def run(name, fn, q, k, v, do, dense, reps):
         q, k, v, fn, implementation="pallas", options=MOSAIC, return_lse=True))(q, k, v)
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * jnp.float32(mosaic_backward.LOG2E))
+    fused = functools.partial(mosaic_backward.dkdv, with_dq=True)
+    fused.__name__ = "dkdvdq"
     for kernel, blocks, products in ((mosaic_backward.dq, mosaic_backward.DQ_BLOCKS, 3),
-                                     (mosaic_backward.dkdv, mosaic_backward.DKDV_BLOCKS, 4)):
+                                     (mosaic_backward.dkdv, mosaic_backward.DKDV_BLOCKS, 4),
+                                     (fused, mosaic_backward.DKDV_BLOCKS, 5)):
         bmap = pallas_backend._map(plan, blocks, ())
         outs = []
         for variant in VARIANTS:
@@ -93,10 +99,11 @@ def run(name, fn, q, k, v, do, dense, reps):
             finally:
                 for key, value in saved.items():
                     setattr(mosaic_backward, key, value)
-    for impl, options in (("mosaic", MOSAIC), ("cudnn", None)):
+    two_kernels = MOSAIC.replace(deterministic=True)  # dQ on its own kernel
+    for impl, options in (("mosaic", MOSAIC), ("mosaic-det", two_kernels), ("cudnn", None)):
         def fwd(q, k, v, impl=impl, options=options):
-            return scoremod.attention(q, k, v, fn, implementation="pallas" if impl == "mosaic"
-                                      else impl, options=options)
+            return scoremod.attention(q, k, v, fn, implementation="cudnn" if impl == "cudnn"
+                                      else "pallas", options=options)
 
         def step(q, k, v, do, fwd=fwd):
             o, vjp = jax.vjp(fwd, q, k, v)

@@ -134,6 +134,10 @@ class PallasPlan:
     engine_note: str | None = None
     # The Mosaic GPU forward's programs per query tile (``key_parts``).
     key_parts: int = 1
+    # Whether the Mosaic backward's dK/dV kernel computes dQ as well (with one key
+    # head per query head, unless the call asks for deterministic gradients: its
+    # reduce-adds come in any order); else a dQ kernel does.
+    fused_dq: bool = False
 
     def spec(self, blocks_, warps) -> kernels.KernelSpec:
         p = self.problem
@@ -359,7 +363,9 @@ class Pallas(Backend):
             triton_operands=triton_operands, diagonal_operands=diagonal_operands,
             auto_engine=options.pallas_engine == "auto",
             engine_note=engine_note,
-            key_parts=key_parts(problem, mod, options) if engine == "mosaic" else 1)
+            key_parts=key_parts(problem, mod, options) if engine == "mosaic" else 1,
+            fused_dq=(backward_engine == "mosaic" and problem.hq == problem.hkv
+                      and not options.deterministic))
 
     def forward(self, plan, q, k, v, operands):
         return _forward(plan, q, k, v, tuple(operands))
@@ -729,13 +735,19 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         diagonal = tuple(w for w in windows if w[0] in plan.diagonal_operands)
         per_key = tuple(w for w in windows if w not in diagonal)
         mspec = plan.mosaic_backward_spec(learned=(w[0] for w in per_key))
-        # Each kernel's own map: a program's rows by a streamed tile.
-        dq, query_sums = mosaic_backward.dq(
-            mspec, _map(plan, mosaic_backward.DQ_BLOCKS, operands), qp, kp, vp, dop, lse2,
-            deltap, kops)
-        dk, dv, sums = mosaic_backward.dkdv(
+        # Each kernel's own map: a program's rows by a streamed tile. dQ in the dK/dV
+        # kernel where the plan says, unless the dQ kernel's sums are wanted.
+        fused = plan.fused_dq and not mosaic_backward.query_loads(mspec.expr, mspec.learned)
+        query_sums = None
+        if not fused:
+            dq, query_sums = mosaic_backward.dq(
+                mspec, _map(plan, mosaic_backward.DQ_BLOCKS, operands), qp, kp, vp, dop, lse2,
+                deltap, kops)
+        dk, dv, sums, fused_dq = mosaic_backward.dkdv(
             mspec, _map(plan, mosaic_backward.DKDV_BLOCKS, operands), qp, kp, vp, dop, lse2,
-            deltap, kops)
+            deltap, kops, with_dq=fused)
+        if fused:
+            dq = fused_dq.astype(q.dtype)
         parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, per_key)
         # Reads along the keys (the dK/dV kernel's sums) and the queries (the dQ kernel's).
         for along, found in ((mosaic_backward.key_loads, sums),

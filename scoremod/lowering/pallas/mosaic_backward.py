@@ -533,16 +533,26 @@ def _stream(count, fetch, free):
     lax.fori_loop(jnp.maximum(count - STAGES, 0), count, drain, None)
 
 
-def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
+def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=False):
     """Per query head dK, dV [B, Skv, Hq, D] (q's dtype, or float32 where query
-    heads share key heads) on arrays padded to whole tiles (``TILE``), and the
+    heads share key heads) on arrays padded to whole tiles (``TILE``), the
     sums of the cotangents of the reads of ``spec.learned`` (``key_loads``) per key [B, Hq, reads,
-    Skv] (float32; None without such reads). ``bmap``: the block map at
-    ``DKDV_BLOCKS``; ``lse2``: the LSE in log2 units, +inf on rows that see no
-    key; ``delta``: D [B, Hq, Sq].
+    Skv] (float32; None without such reads), and with ``with_dq`` dQ too (else None):
+    float32 [B, Sq, Hq, D]. ``bmap``: the block map at ``DKDV_BLOCKS``; ``lse2``: the LSE in
+    log2 units, +inf on rows that see no key; ``delta``: D [B, Hq, Sq].
 
     A program owns ``TILE`` keys, ``BLOCK`` per compute warpgroup; both take each
-    streamed query tile (Q, dO, LSE and D copied once for the two)."""
+    streamed query tile (Q, dO, LSE and D copied once for the two).
+
+    With ``with_dq`` (one key head per query head only: dK and dV leave through the
+    streamed Q tiles' shared memory, which has their dtype) the kernel computes dQ
+    as well, five products a step instead of the two kernels' seven: each compute
+    warpgroup puts its dS^T in shared memory, and one step later (so that the
+    warpgroups' turns survive) computes half of dQ's columns for that step's
+    queries from both halves of dS and the program's keys, and adds them into a
+    float32 dQ in global memory with the copy engine's reduce-add. The order of
+    those adds varies from run to run: dQ's low bits do (``deterministic``
+    takes the two kernels)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -559,12 +569,22 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     vectors = _Vectors(spec, operands, b, hq, sq, skv, own="kv_idx")
     n_vec = len(vectors.arrays)
     loads = key_loads(spec.expr, spec.learned)
+    turns_on = takes_turns(spec, "dkdv")
+    if with_dq and out_dtype != dtype:
+        raise ValueError("dkdv computes dQ with one key head per query head only")
+    dq_acc = None  # with_dq: dQ's float32 sums in global memory (set in ``run``)
+    # Each warpgroup adds half of dQ's columns where a half is whole swizzled tiles
+    # (64 two-byte columns), else all of them for its own keys (twice the adds).
+    dq_cols = d // COMPUTE_WGS if d // COMPUTE_WGS % 64 == 0 else d
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, operand_refs, vector_refs, dk_ref, dv_ref, sums_ref, scoped):
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, out_smem2, *staging), \
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *out_smem2), \
             (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, turn, \
-            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem = scoped
+            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem, dq_scoped, \
+            staging = scoped
+        # dK and dV leave through their own tiles, or with dQ through the Q slots.
+        out_smem2 = out_smem2[0] if out_smem2 else q_smem
         sums_smem = sums_smem[0] if sums_smem else None  # with learned reads only
         staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
@@ -592,8 +612,43 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             refs = dict(zip(spec.operand_names, operand_refs))
             zeros = lambda cols: plgpu.layout_cast(  # noqa: E731
                 jnp.zeros((BLOCK, cols), jnp.float32), layout)
-            turns = _Turns(turn, wg, takes_turns(spec, "dkdv"))
+            turns = _Turns(turn, wg, turns_on)
             turns.start()
+            if with_dq:
+                (ds_smem, dq_smem), (ds_ready, ds_free, done) = dq_scoped
+                if dq_cols < d:  # this warpgroup's columns of dQ, from all keys
+                    cols, keys_of = pl.ds(wg * dq_cols, dq_cols), range(COMPUTE_WGS)
+                else:  # all columns, from this warpgroup's keys (both add theirs)
+                    cols, keys_of = slice(None), (wg,)
+
+                def put_ds(step, ds):  # this warpgroup's dS^T where both read it
+                    slot = lax.rem(step, 2)
+                    pl.when(step >= 2)(lambda: plgpu.barrier_wait(ds_free.at[slot]))
+                    ds_smem.at[slot, wg][...] = ds
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ds_ready.at[slot])
+
+                def add_dq(step):  # dQ's columns for step's queries: dS . K, added
+                    slot = lax.rem(step, 2)
+                    plgpu.barrier_wait(ds_ready.at[slot])
+
+                    def product(acc):
+                        for j in keys_of:  # the keys of warpgroup j
+                            plgpu.wgmma(acc, ds_smem.at[slot, j].transpose((1, 0)),
+                                        k_smem2.at[j, :, cols])
+                        return acc[...]
+
+                    part = pl.run_scoped(product, plgpu.ACC((BLOCK, dq_cols), jnp.float32))
+                    plgpu.barrier_arrive(ds_free.at[slot])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
+                    dq_smem.at[wg][...] = part
+                    plgpu.commit_smem()
+                    rows = pl.ds(q_start(step), BLOCK)
+                    if spec.interpret:
+                        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[tile, bi, rows, hi, cols])
+                    else:
+                        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[bi, rows, hi, cols],
+                                                reduction_op="add")
 
             def step_fn(step, carry):
                 dk, dv, sums = carry
@@ -633,7 +688,10 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     ds = ds * local
                 if not turns.on:  # with turns, the scale multiplies dK or dQ at the end
                     ds = ds * jnp.float32(spec.scale)
-                p, ds, sums = turns.take((p.astype(dtype), ds.astype(dtype), sums))
+                p, ds, sums = (p.astype(dtype), ds.astype(dtype), sums)
+                if with_dq:
+                    put_ds(step, ds)
+                p, ds, sums = turns.take((p, ds, sums))
 
                 def gradients(accs):  # both issued before one wait
                     dv_acc, dk_acc = accs
@@ -641,6 +699,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     plgpu.wgmma(dk_acc, mosaic.left_operand(spec, ds, staging, 2 * wg + 1), qs)
 
                 dv, dk = mosaic.accumulate(spec, gradients, (dv, dk))
+                if with_dq:
+                    pl.when(step > 0)(lambda: add_dq(step - 1))
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv, sums
 
@@ -648,6 +708,12 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                             for _ in loads)
             dk, dv, sums = lax.fori_loop(0, count, step_fn, (zeros(d), zeros(d), no_sums))
             turns.end()
+            if with_dq:
+                pl.when(count > 0)(lambda: add_dq(count - 1))
+                # Both warpgroups are past their products before either writes to the
+                # Q slots (the tiles dK and dV leave through).
+                plgpu.barrier_arrive(done)
+                plgpu.barrier_wait(done)
             if turns.on:
                 dk = dk * jnp.float32(spec.scale)
             rows = (bi, pl.ds(k0, BLOCK), hi)
@@ -681,30 +747,57 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
         own = plgpu.SMEM((COMPUTE_WGS, BLOCK, d), dtype, transforms=swizzled)
         streamed = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)
         vector = plgpu.SMEM((STAGES, BLOCK), jnp.float32)
-        smem = [own, own, streamed, streamed, vector, vector,
-                plgpu.SMEM((COMPUTE_WGS, BLOCK, d), out_dtype,
-                           transforms=swizzled if out_dtype == dtype else ())]
-        smem += mosaic.staging(spec, 2 * COMPUTE_WGS, BLOCK, BLOCK, dtype)
+        smem = [own, own, streamed, streamed, vector, vector]
+        if not with_dq:  # (with dQ, shared memory is short: dK and dV take the Q slots)
+            smem.append(plgpu.SMEM((COMPUTE_WGS, BLOCK, d), out_dtype,
+                                   transforms=swizzled if out_dtype == dtype else ()))
         ready = ((plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),)
                  + (plgpu.Barrier(num_barriers=STAGES),) * 4)
         free = plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES)
         sums_smem = [plgpu.SMEM((COMPUTE_WGS, len(loads), BLOCK), jnp.float32)] if loads else []
+        # dS^T of both warpgroups for two steps, and each one's dQ columns on their way out.
+        dq_scoped = [] if not with_dq else [
+            [plgpu.SMEM((2, COMPUTE_WGS, BLOCK, BLOCK), dtype, transforms=swizzled),
+             plgpu.SMEM((COMPUTE_WGS, BLOCK, dq_cols), jnp.float32)],
+            [plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),
+             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),
+             plgpu.Barrier(num_arrivals=COMPUTE_WGS)]]
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
                                     lse_ref, delta_ref, operand_refs, vector_refs, dk_ref,
                                     dv_ref, sums_ref[0] if sums_ref else None, scoped),
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), *vectors.scratch(),
-            sums_smem, collective_axes="wg")
+            sums_smem, dq_scoped, mosaic.staging(spec, 2 * COMPUTE_WGS, BLOCK, BLOCK, dtype),
+            collective_axes="wg")
 
     out = jax.ShapeDtypeStruct((b, skv, hq, d), out_dtype)
     sums = (jax.ShapeDtypeStruct((b, hq, len(loads), skv), jnp.float32),) if loads else ()
-    outs = plgpu.kernel(
+    kernel = plgpu.kernel(
         entry, out_type=(out, out) + sums, grid=(hq, skv // TILE, b),
         grid_names=("heads", "kv_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=mosaic.interpret_params(spec),
-    )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
-    return outs[0], outs[1], (outs[2] if loads else None)
+        interpret=mosaic.interpret_params(spec))
+    args = (counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
+    if not with_dq:
+        outs = kernel(*args)
+        return outs[0], outs[1], (outs[2] if loads else None), None
+
+    @jax.jit  # (a reference in global memory lives inside a jit only)
+    def run(*args):
+        nonlocal dq_acc
+        # Zero where no key tile adds; in interpret mode (no reduce-add) one slice
+        # per key tile, summed.
+        dq_acc = jax.new_ref(jnp.zeros(((skv // TILE,) if spec.interpret else ()) + q.shape,
+                                       jnp.float32), memory_space=plgpu.GMEM)
+        outs = kernel(*args)
+        dq = jax.freeze(dq_acc)
+        dq = dq.sum(0) if spec.interpret else dq
+        if turns_on:  # dS left the scale out
+            dq = dq * jnp.float32(spec.scale)
+        return outs, dq
+
+    outs, dq = run(*args)
+    return outs[0], outs[1], (outs[2] if loads else None), dq
 
 
 def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
