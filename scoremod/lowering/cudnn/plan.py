@@ -31,6 +31,7 @@ from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import F32, Node
 from scoremod.dsl.scoremod import ScoreMod
 from scoremod.lowering.cudnn import graph as cg
+from scoremod.lowering import decode
 from scoremod.lowering.cudnn import masks, rules, split
 from scoremod.dsl.ir import CONST, MATERIALIZE, VAR
 from scoremod.lowering.cudnn.table import INPUT_TENSORS
@@ -100,8 +101,8 @@ def split_blocks(mod, shape: Problem, options: LoweringOptions):
         blocks = split.by_structure(mod, shape.sq, shape.skv, options.split_blocks)
         if blocks is not None:
             return blocks
-    sms = options.sms or device.current().sm_count or split.SMS
-    blocks = split.plan(expr, shape.sq, shape.skv, options.split_blocks, shape.b * shape.hq, sms)
+    blocks = split.plan(expr, shape.sq, shape.skv, options.split_blocks, shape.b * shape.hq,
+                        decode.multiprocessors(options))
     if blocks is not None and options.native_masks:
         blocks = split.merged(mod, blocks)
     return blocks
@@ -337,5 +338,5 @@ def plan_for(mod, shape: Problem, scale: float, options: LoweringOptions) -> Pla
     """The plan of a call (cached by the mod's expression, shape, scale and
     options, with the device's SM count resolved into the options)."""
     if options.sms is None:
-        options = options.replace(sms=device.current().sm_count or split.SMS)
+        options = options.replace(sms=decode.multiprocessors(options))
     return _cached_plan(None if mod is None else ScoreMod(mod.expr), shape, float(scale), options)

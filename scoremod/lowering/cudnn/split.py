@@ -42,13 +42,12 @@ import numpy as np
 
 from scoremod.dsl import ir, ops
 from scoremod.dsl.scoremod import ScoreMod
-from scoremod.lowering import block_maps
+from scoremod.lowering import block_maps, decode
 from scoremod.lowering.cudnn import masks, rules
 from scoremod.lowering.patterns import is_neg_inf
 
 TILE = 128  # cuDNN's key and query tile: block edges on it waste no tile
 MAX_COST = 0.8  # split only when the modelled time is at most this share of one call's
-SMS = 132  # streaming multiprocessors of an H100 / H200: the default for ``plan``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +59,7 @@ class Block:
 
 
 def plan(expr: ir.Node, sq: int, skv: int, blocks: int, batch_heads: int = 1,
-         sms: int = SMS) -> tuple[Block, ...] | None:
+         sms: int = decode.SMS) -> tuple[Block, ...] | None:
     """Query blocks (at most ``blocks``) and the key range each one needs, or
     None when splitting does not pay (no band, too short, or not faster).
 
