@@ -116,8 +116,31 @@ def run(name, fn, q, k, v, do, dense, reps):
             print(f"{name:8s} {impl:6s} fwd {t_fwd * 1e3:7.3f} ms, fwd+bwd {t_all * 1e3:7.3f}"
                   f" ms, bwd {t_bwd * 1e3:7.3f} ms = {2.5 * dense / t_bwd / 1e12:6.1f} TF/s "
                   "counted dense", flush=True)
+            if impl != "cudnn" and name == "softcap":  # what runs around the kernels
+                print(entry_ops(jax.jit(step).lower(q, k, v, do).compile().as_text()))
         except Exception as e:  # noqa: BLE001
             print(f"{name:8s} {impl:6s} FAILED: {str(e).splitlines()[0][:300]}")
+
+
+def entry_ops(hlo):
+    """The optimized program's top-level operations (one line each: kind and result
+    shape), the parameters, tuples and bitcasts left out."""
+    lines, inside = [], False
+    for line in hlo.splitlines():
+        if line.startswith("ENTRY"):
+            inside = True
+            continue
+        if inside and line.startswith("}"):
+            break
+        if inside and "=" in line:
+            shape, op = line.split("=", 1)[1].strip().split(" ", 1)
+            kind = op.split("(", 1)[0]
+            if kind in ("parameter", "tuple", "get-tuple-element", "bitcast", "constant"):
+                continue
+            target = op.split('custom_call_target="', 1)[1].split('"', 1)[0] \
+                if "custom_call_target" in op else ""
+            lines.append(f"    {kind} {target} {shape}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
