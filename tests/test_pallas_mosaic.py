@@ -346,6 +346,7 @@ def test_backward_plan(monkeypatch):
         # dQ in the dK/dV kernel (one key head per query head), unless asked to repeat
         # bitwise: its adds come in any order.
         ungrouped = dataclasses.replace(problem, hkv=problem.hq)
+        monkeypatch.setattr(mosaic_backward, "FUSE_DQ", True)
         assert PALLAS.plan(ungrouped, mod, 0.125, MOSAIC, True).fused_dq
         strict = dataclasses.replace(MOSAIC, deterministic=True)
         assert not PALLAS.plan(ungrouped, mod, 0.125, strict, True).fused_dq
@@ -424,7 +425,7 @@ def interprets(lowers):
     ("softcap_causal", dict(sq=256, skv=200, hq=2, hkv=2, d=128)),
     ("alibi", dict(sq=130, skv=190, hq=2, hkv=2, d=128, dtype=jnp.float16)),
 ])
-def test_backward_interpreted(case, shape, interprets):
+def test_backward_interpreted(case, shape, interprets, monkeypatch):
     """The Mosaic backward kernels run in Mosaic GPU's interpret mode (the plan's
     interpret flag, off a GPU): dQ, dK and dV through the backend's backward
     (padding, LSE in log2 units, grouped heads summed) against the reference
@@ -439,6 +440,7 @@ def test_backward_interpreted(case, shape, interprets):
     padding's: the kernels mask them, else P is inf or NaN there and the
     gradients NaN); ``nan_at_score_zero`` is NaN at the padding's score 0, value and derivative
     (the kernels give the padding no gradient, else 0 * inf is NaN)."""
+    monkeypatch.setattr(mosaic_backward, "FUSE_DQ", True)
     shape = dict(shape)
     dtype = shape.pop("dtype", jnp.bfloat16)
     q, k, v, do = pc.inputs(b=2 if case == "batch_scale" else 1, dtype=dtype, **shape)

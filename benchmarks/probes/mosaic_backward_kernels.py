@@ -8,9 +8,9 @@ skips the masked tiles), each kernel alone under jit on the plan the backend mak
 three per tile: S, dP, dQ; dK/dV four: S, dP, dV, dK; dense, masked tiles counted
 too) and from the backward's usual dense count (2.5x the forward's 4*B*H*S*S*D,
 the five products of a fused backward), beside cuDNN's whole backward
-(scoremod's implementation="cudnn", fwd+bwd less fwd), and the Mosaic backward
-with dQ in the dK/dV kernel (``dkdvdq``, five products; the default) and with
-dQ's own kernel (``deterministic=True``). Median over --reps runs
+(scoremod's implementation="cudnn", fwd+bwd less fwd), and the whole Mosaic backward
+with dQ in its own kernel and in the dK/dV kernel (``dkdvdq``, five products:
+``mosaic_backward.FUSE_DQ``). Median over --reps runs
 of 10 calls after a warm-up. Each kernel runs in each of its ``VARIANTS`` (tuning
 constants of ``mosaic_backward`` set while it is traced), and each variant's
 outputs are compared with the first's (the same operations per element: they
@@ -103,8 +103,10 @@ def run(name, fn, q, k, v, do, dense, reps):
             finally:
                 for key, value in saved.items():
                     setattr(mosaic_backward, key, value)
-    two_kernels = MOSAIC.replace(deterministic=True)  # dQ on its own kernel
-    for impl, options in (("mosaic", MOSAIC), ("mosaic-det", two_kernels), ("cudnn", None)):
+    for impl, options, fuse in (("mosaic", MOSAIC, False), ("mosaic-fused", MOSAIC, True),
+                                ("cudnn", None, False)):
+        mosaic_backward.FUSE_DQ = fuse  # read when the plan is made, as the step is traced
+
         def fwd(q, k, v, impl=impl, options=options):
             return scoremod.attention(q, k, v, fn, implementation="cudnn" if impl == "cudnn"
                                       else "pallas", options=options)
@@ -117,13 +119,13 @@ def run(name, fn, q, k, v, do, dense, reps):
             t_fwd = timed(jax.jit(fwd), (q, k, v), reps)
             t_all = timed(jax.jit(step), (q, k, v, do), reps)
             t_bwd = t_all - t_fwd
-            print(f"{name:8s} {impl:6s} fwd {t_fwd * 1e3:7.3f} ms, fwd+bwd {t_all * 1e3:7.3f}"
+            print(f"{name:8s} {impl:12s} fwd {t_fwd * 1e3:7.3f} ms, fwd+bwd {t_all * 1e3:7.3f}"
                   f" ms, bwd {t_bwd * 1e3:7.3f} ms = {2.5 * dense / t_bwd / 1e12:6.1f} TF/s "
                   "counted dense", flush=True)
             if impl != "cudnn" and name == "softcap":  # what runs around the kernels
                 print(entry_ops(jax.jit(step).lower(q, k, v, do).compile().as_text()))
         except Exception as e:  # noqa: BLE001
-            print(f"{name:8s} {impl:6s} FAILED: {str(e).splitlines()[0][:300]}")
+            print(f"{name:8s} {impl:12s} FAILED: {str(e).splitlines()[0][:300]}")
 
 
 def entry_ops(hlo):

@@ -364,8 +364,8 @@ class Pallas(Backend):
             auto_engine=options.pallas_engine == "auto",
             engine_note=engine_note,
             key_parts=key_parts(problem, mod, options) if engine == "mosaic" else 1,
-            fused_dq=(backward_engine == "mosaic" and problem.hq == problem.hkv
-                      and not options.deterministic))
+            fused_dq=(mosaic_backward.FUSE_DQ and backward_engine == "mosaic"
+                      and problem.hq == problem.hkv and not options.deterministic))
 
     def forward(self, plan, q, k, v, operands):
         return _forward(plan, q, k, v, tuple(operands))

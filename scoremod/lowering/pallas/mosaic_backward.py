@@ -87,6 +87,9 @@ ONE_COMPUTE_REGISTERS = 256  # the per-block-diagonal kernel's single compute wa
 # The compute warpgroups take turns on the tensor cores (``_Turns``): None, where a
 # kernel's rule says (``takes_turns``); True or False for all (a probe's variants).
 TURNS = None
+# dQ in the dK/dV kernel (``dkdv(with_dq=True)``) where the plan allows it
+# (``PallasPlan.fused_dq``); off: not yet run on a GPU.
+FUSE_DQ = False
 # The block maps' (block_q, block_kv) of each kernel: a program's own rows by a streamed tile.
 DKDV_BLOCKS = (BLOCK, TILE)
 DQ_BLOCKS = (TILE, BLOCK)
