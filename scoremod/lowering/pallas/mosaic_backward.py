@@ -648,7 +648,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
                     plgpu.commit_smem()
                     rows = pl.ds(q_start(step), BLOCK)
                     if spec.interpret:
-                        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[tile, bi, rows, hi, cols])
+                        plgpu.copy_smem_to_gmem(dq_smem.at[wg],
+                                                dq_acc.at[tile, wg, bi, rows, hi, cols])
                     else:
                         plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[bi, rows, hi, cols],
                                                 reduction_op="add")
@@ -789,12 +790,12 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     def run(*args):
         nonlocal dq_acc
         # Zero where no key tile adds; in interpret mode (no reduce-add) one slice
-        # per key tile, summed.
-        dq_acc = jax.new_ref(jnp.zeros(((skv // TILE,) if spec.interpret else ()) + q.shape,
-                                       jnp.float32), memory_space=plgpu.GMEM)
+        # per key tile and warpgroup, summed.
+        parts = (skv // TILE, COMPUTE_WGS) if spec.interpret else ()
+        dq_acc = jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32), memory_space=plgpu.GMEM)
         outs = kernel(*args)
         dq = jax.freeze(dq_acc)
-        dq = dq.sum(0) if spec.interpret else dq
+        dq = dq.sum((0, 1)) if spec.interpret else dq
         if turns_on:  # dS left the scale out
             dq = dq * jnp.float32(spec.scale)
         return outs, dq
