@@ -289,9 +289,8 @@ def _lower_backward(expr, q, k, operands=(), full_expr=None, lengths=None):
     real = (sq, skv) if lengths is None else lengths
     spec = mosaic_backward.BackwardSpec(expr, names, 0.125, *real, groups, full_expr)
     rows = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], sq), jnp.float32)
-    kernels = [mosaic_backward.dq, mosaic_backward.dkdv]
-    if groups == 1:  # and dK/dV with dQ (the copy engine's reduce-add)
-        kernels.append(functools.partial(mosaic_backward.dkdv, with_dq=True))
+    kernels = [mosaic_backward.dq, mosaic_backward.dkdv,  # and dK/dV with dQ (reduce-adds)
+               functools.partial(mosaic_backward.dkdv, with_dq=True)]
     for kernel in kernels:
         bq, bk = (mosaic_backward.DQ_BLOCKS if kernel is mosaic_backward.dq
                   else mosaic_backward.DKDV_BLOCKS)
@@ -343,14 +342,16 @@ def test_backward_plan(monkeypatch):
         assert plan.backward_engine == "mosaic" and plan.backward_note is None
         assert plan.backward_blocks == (mosaic_backward.TILE, mosaic_backward.TILE)
         assert "Mosaic GPU forward and backward" in plan.describe()
-        # dQ in the dK/dV kernel (one key head per query head), unless asked to repeat
-        # bitwise: its adds come in any order.
-        ungrouped = dataclasses.replace(problem, hkv=problem.hq)
+        # dQ in the dK/dV kernel (FUSE_DQ), unless asked to repeat bitwise: its adds
+        # come in any order.
+        assert not plan.fused_dq
         monkeypatch.setattr(mosaic_backward, "FUSE_DQ", True)
-        assert PALLAS.plan(ungrouped, mod, 0.125, MOSAIC, True).fused_dq
+        for hkv in (problem.hkv, problem.hq):
+            assert PALLAS.plan(dataclasses.replace(problem, hkv=hkv), mod, 0.125, MOSAIC,
+                               True).fused_dq
         strict = dataclasses.replace(MOSAIC, deterministic=True)
-        assert not PALLAS.plan(ungrouped, mod, 0.125, strict, True).fused_dq
-        assert problem.hq != problem.hkv and not plan.fused_dq
+        assert not PALLAS.plan(problem, mod, 0.125, strict, True).fused_dq
+        monkeypatch.setattr(mosaic_backward, "FUSE_DQ", False)
         plain = PALLAS.plan(problem, mod, 0.125, TRITON, True)
         options = TRITON
         assert plain.backward_engine == "triton" and "Mosaic" not in plain.describe()
@@ -420,8 +421,7 @@ def interprets(lowers):
     # warpgroup's rows (the queries') or keys all padding
     ("inf_past_the_end", dict(sq=192, skv=320, hq=2, hkv=1, d=64)),
     ("nan_at_score_zero", dict(sq=320, skv=192, hq=2, hkv=1, d=64)),
-    # one key head per query head: dQ in the dK/dV kernel, by column halves at d128
-    # (with turns: softcap's tanh), by key halves at d64
+    # one key head per query head at d128 (dQ by column halves; softcap's tanh: turns)
     ("softcap_causal", dict(sq=256, skv=200, hq=2, hkv=2, d=128)),
     ("alibi", dict(sq=130, skv=190, hq=2, hkv=2, d=128, dtype=jnp.float16)),
 ])
@@ -458,7 +458,7 @@ def test_backward_interpreted(case, shape, interprets, monkeypatch):
             mod, operands = pc.traced(case, q, k)
         plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=case != "inf_past_the_end", scale=scale)
     assert plan.interpret and plan.backward_engine == "mosaic", plan.describe()
-    assert plan.fused_dq == (shape["hq"] == shape["hkv"])
+    assert plan.fused_dq
     ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False)
@@ -506,14 +506,15 @@ def _learned_backward(case, shape, runs=1):
     ("nan_past_the_end", dict(sq=40, skv=100, hq=2, hkv=1, d=64)),
     ("nan_past_the_end", dict(sq=192, skv=320, hq=2, hkv=1, d=64)),
 ])
-def test_backward_learns_operands_interpreted(case, shape, interprets):
+def test_backward_learns_operands_interpreted(case, shape, interprets, monkeypatch):
     """Gradients of captured float arrays read at one position per program
     (ALiBi's slopes[h] under a causal mask, a learned softcap's scalar, two
     columns of a per-head row, a per-batch factor) from the Mosaic dK/dV kernel
     in interpret mode, through the backend (its partial rows and their sum),
     against the reference path: grouped heads, tails on both sides, the map
     skipping masked tiles and marking full ones (alibi's full tiles run the mod
-    without its mask and read the slopes there too)."""
+    without its mask and read the slopes there too); dQ in that kernel too."""
+    monkeypatch.setattr(mosaic_backward, "FUSE_DQ", True)
     mod, (got,), want = _learned_backward(case, shape)
     dq, dk, dv, grads = got
     op_grads = tuple(grads.get(name) for name in mod.operand_names)

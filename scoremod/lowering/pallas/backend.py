@@ -134,9 +134,9 @@ class PallasPlan:
     engine_note: str | None = None
     # The Mosaic GPU forward's programs per query tile (``key_parts``).
     key_parts: int = 1
-    # Whether the Mosaic backward's dK/dV kernel computes dQ as well (with one key
-    # head per query head, unless the call asks for deterministic gradients: its
-    # reduce-adds come in any order); else a dQ kernel does.
+    # Whether the Mosaic backward's dK/dV kernel computes dQ as well (unless the call
+    # asks for deterministic gradients: its reduce-adds come in any order); else a
+    # dQ kernel does.
     fused_dq: bool = False
 
     def spec(self, blocks_, warps) -> kernels.KernelSpec:
@@ -365,7 +365,7 @@ class Pallas(Backend):
             engine_note=engine_note,
             key_parts=key_parts(problem, mod, options) if engine == "mosaic" else 1,
             fused_dq=(mosaic_backward.FUSE_DQ and backward_engine == "mosaic"
-                      and problem.hq == problem.hkv and not options.deterministic))
+                      and not options.deterministic))
 
     def forward(self, plan, q, k, v, operands):
         return _forward(plan, q, k, v, tuple(operands))

@@ -547,9 +547,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     A program owns ``TILE`` keys, ``BLOCK`` per compute warpgroup; both take each
     streamed query tile (Q, dO, LSE and D copied once for the two).
 
-    With ``with_dq`` (one key head per query head only: dK and dV leave through the
-    streamed Q tiles' shared memory, which has their dtype) the kernel computes dQ
-    as well, five products a step instead of the two kernels' seven: each compute
+    With ``with_dq`` the kernel computes dQ as well, five products a step instead of the two kernels' seven: each compute
     warpgroup puts its dS^T in shared memory, and one step later (so that the
     warpgroups' turns survive) computes half of dQ's columns for that step's
     queries from both halves of dS and the program's keys, and adds them into a
@@ -573,8 +571,6 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     n_vec = len(vectors.arrays)
     loads = key_loads(spec.expr, spec.learned)
     turns_on = takes_turns(spec, "dkdv")
-    if with_dq and out_dtype != dtype:
-        raise ValueError("dkdv computes dQ with one key head per query head only")
     dq_acc = None  # with_dq: dQ's float32 sums in global memory (set in ``run``)
     # Each warpgroup adds half of dQ's columns where a half is whole swizzled tiles
     # (64 two-byte columns), else all of them for its own keys (twice the adds).
@@ -586,8 +582,10 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
             (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, turn, \
             (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem, dq_scoped, \
             staging = scoped
-        # dK and dV leave through their own tiles, or with dQ through the Q slots.
-        out_smem2 = out_smem2[0] if out_smem2 else q_smem
+        if with_dq:  # dK and dV leave through the memory dS and dQ used
+            (ds_smem, dq_smem), out_smem2 = dq_scoped[0]
+        else:
+            out_smem2 = out_smem2[0]
         sums_smem = sums_smem[0] if sums_smem else None  # with learned reads only
         staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
@@ -618,7 +616,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
             turns = _Turns(turn, wg, turns_on)
             turns.start()
             if with_dq:
-                (ds_smem, dq_smem), (ds_ready, ds_free, done) = dq_scoped
+                ds_ready, ds_free, done = dq_scoped[1]
                 if dq_cols < d:  # this warpgroup's columns of dQ, from all keys
                     cols, keys_of = pl.ds(wg * dq_cols, dq_cols), range(COMPUTE_WGS)
                 else:  # all columns, from this warpgroup's keys (both add theirs)
@@ -714,8 +712,9 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
             turns.end()
             if with_dq:
                 pl.when(count > 0)(lambda: add_dq(count - 1))
-                # Both warpgroups are past their products before either writes to the
-                # Q slots (the tiles dK and dV leave through).
+                # Both warpgroups are past their dQ products and adds before either
+                # writes dK to the memory they used.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.barrier_arrive(done)
                 plgpu.barrier_wait(done)
             if turns.on:
@@ -751,18 +750,21 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
         own = plgpu.SMEM((COMPUTE_WGS, BLOCK, d), dtype, transforms=swizzled)
         streamed = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)
         vector = plgpu.SMEM((STAGES, BLOCK), jnp.float32)
+        out_tiles = plgpu.SMEM((COMPUTE_WGS, BLOCK, d), out_dtype,
+                               transforms=swizzled if out_dtype == dtype else ())
         smem = [own, own, streamed, streamed, vector, vector]
-        if not with_dq:  # (with dQ, shared memory is short: dK and dV take the Q slots)
-            smem.append(plgpu.SMEM((COMPUTE_WGS, BLOCK, d), out_dtype,
-                                   transforms=swizzled if out_dtype == dtype else ()))
+        if not with_dq:
+            smem.append(out_tiles)
         ready = ((plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),)
                  + (plgpu.Barrier(num_barriers=STAGES),) * 4)
         free = plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES)
         sums_smem = [plgpu.SMEM((COMPUTE_WGS, len(loads), BLOCK), jnp.float32)] if loads else []
-        # dS^T of both warpgroups for two steps, and each one's dQ columns on their way out.
+        # dS^T of both warpgroups for two steps, and each one's dQ columns on their way
+        # out; after the loop the same memory takes dK and dV (shared memory is short).
         dq_scoped = [] if not with_dq else [
-            [plgpu.SMEM((2, COMPUTE_WGS, BLOCK, BLOCK), dtype, transforms=swizzled),
-             plgpu.SMEM((COMPUTE_WGS, BLOCK, dq_cols), jnp.float32)],
+            plgpu.RefUnion(
+                [plgpu.SMEM((2, COMPUTE_WGS, BLOCK, BLOCK), dtype, transforms=swizzled),
+                 plgpu.SMEM((COMPUTE_WGS, BLOCK, dq_cols), jnp.float32)], out_tiles),
             [plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),
              plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),
              plgpu.Barrier(num_arrivals=COMPUTE_WGS)]]
