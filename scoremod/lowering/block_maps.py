@@ -77,13 +77,13 @@ def dense_block_map(*, batch: int = 1, heads: int = 1, sq: int, skv: int, block_
     evaluates the whole mod everywhere)."""
     nq, nk = num_blocks(sq, block_q), num_blocks(skv, block_kv)
     lead = (batch, heads)
-    return BlockMap(
-        q_counts=jnp.full(lead + (nq,), nk, jnp.int32),
-        q_blocks=jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), lead + (nq, nk)),
-        q_full=jnp.zeros(lead + (nq, nk), jnp.bool_),
-        kv_counts=jnp.full(lead + (nk,), nq, jnp.int32),
-        kv_blocks=jnp.broadcast_to(jnp.arange(nq, dtype=jnp.int32), lead + (nk, nq)),
-        kv_full=jnp.zeros(lead + (nk, nq), jnp.bool_),
+    return BlockMap(  # NumPy: constants in a kernel's program
+        q_counts=np.full(lead + (nq,), nk, np.int32),
+        q_blocks=np.broadcast_to(np.arange(nk, dtype=np.int32), lead + (nq, nk)),
+        q_full=np.zeros(lead + (nq, nk), np.bool_),
+        kv_counts=np.full(lead + (nk,), nq, np.int32),
+        kv_blocks=np.broadcast_to(np.arange(nq, dtype=np.int32), lead + (nk, nq)),
+        kv_full=np.zeros(lead + (nk, nq), np.bool_),
     )
 
 
@@ -503,6 +503,19 @@ def _lists(visited, full):
     last = jnp.maximum(counts - 1, 0)[..., None]
     blocks = jnp.take_along_axis(packed, jnp.minimum(jnp.arange(n, dtype=jnp.int32), last), -1)
     return counts, blocks, jnp.take_along_axis(full, blocks, -1)
+
+
+@functools.lru_cache(maxsize=256)
+def static_block_map(expr, problem, block_q: int, block_kv: int) -> BlockMap:
+    """``block_map`` of an ``expr`` that reads no captured array, computed once on
+    the host (one small program on the CPU, outside any trace) into NumPy arrays:
+    a kernel's program then holds the map as constants, where a map built in the
+    program costs a few dozen tiny kernels per call (XLA does not fold them)."""
+    if ir.operands_of(expr):
+        raise ScoreModValueError("static_block_map takes an expression without captured arrays")
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        found = jax.jit(lambda: block_map(expr, {}, problem, block_q, block_kv))()
+    return BlockMap(*(np.asarray(x) for x in found))
 
 
 def block_map(expr, operands, problem, block_q: int, block_kv: int, *,

@@ -87,11 +87,14 @@ def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> block_
 
 @dataclasses.dataclass(frozen=True)
 class AnalysedMap:
-    """The tiles of ``expr`` from the IR (``lowering.block_maps``), built in the program."""
+    """The tiles of ``expr`` from the IR (``lowering.block_maps``): on the host where
+    it reads no captured array (a static mask), else built in the program."""
 
     expr: object
 
     def __call__(self, problem, block_q, block_kv, operands):
+        if not ir.operands_of(self.expr):
+            return block_maps.static_block_map(self.expr, problem, block_q, block_kv)
         return block_maps.block_map(self.expr, operands, problem, block_q, block_kv)
 
 
