@@ -229,6 +229,26 @@ def test_causal_is_the_lower_triangle():
     np.testing.assert_array_equal(full[0, 0], np.tril(tri, -1))
 
 
+def test_static_map_is_the_map_as_host_constants():
+    """A mask of the indices alone gets its map from the host (NumPy, cached: the
+    kernels' programs hold it as constants, even while a jit traces), equal to the
+    one built in the program; an expression reading a captured array is refused."""
+    causal = trace(MODS["causal"][0])
+    p = problem(sq=200, skv=136)
+    want = block_map(causal.expr, {}, p, 64, 128)
+    inside = []
+    jax.jit(lambda x: inside.append(block_maps.static_block_map(causal.expr, p, 64, 128)) or x)(1)
+    for m in (block_maps.static_block_map(causal.expr, p, 64, 128), inside[0]):
+        assert all(isinstance(x, np.ndarray) for x in m)
+        for a, b in zip(m, want):
+            np.testing.assert_array_equal(a, b)
+    assert block_maps.static_block_map(causal.expr, p, 64, 128) is inside[0]  # cached
+    doc = jnp.array([0, 0, 1, 1])
+    ids = scoremod.trace(lambda s, b, h, q, k: jnp.where(doc[q] == doc[k], s, NEG_INF))
+    with pytest.raises(scoremod.ScoreModError, match="captured"):
+        block_maps.static_block_map(ids.expr, problem(sq=4, skv=4), 2, 2)
+
+
 def test_document_visits_only_overlapping_documents():
     doc = jnp.asarray(np.repeat([0, 1, 2, 3], 16)[None], jnp.int32)
     mod = trace(lambda s, b, h, q, k: jnp.where(doc[b, q] == doc[b, k], s, NEG_INF))

@@ -513,7 +513,11 @@ def static_block_map(expr, problem, block_q: int, block_kv: int) -> BlockMap:
     program costs a few dozen tiny kernels per call (XLA does not fold them)."""
     if ir.operands_of(expr):
         raise ScoreModValueError("static_block_map takes an expression without captured arrays")
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu: the default device computes it
+        host = None
+    with jax.ensure_compile_time_eval(), jax.default_device(host):
         found = jax.jit(lambda: block_map(expr, {}, problem, block_q, block_kv))()
     return BlockMap(*(np.asarray(x) for x in found))
 
