@@ -356,13 +356,25 @@ def test_mosaic_backward_plain(hopper):
         assert err < TOL[jnp.bfloat16], (name, err)
 
 
+def _same_bits(a, b, dq=True):
+    """Two runs' (O, LSE, dQ, dK, dV, operand gradients) bitwise equal (dQ too, or not:
+    dQ fused into the dK/dV kernel is added up in any order)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if i == 2 and not dq:
+            continue
+        for u, w in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+            assert np.array_equal(np.asarray(u), np.asarray(w), equal_nan=True), i
+
+
 def test_mosaic_backward_deterministic(hopper):
-    """Two runs give the same bits (no atomics: each program owns its rows)."""
+    """Two runs give the same bits with deterministic=True (the dQ kernel: each
+    program owns its rows); by default every gradient but dQ (fused, added up in
+    any order where the plan fuses it)."""
     q, k, v, do = pc.inputs(b=2, sq=256, skv=320, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)
-    runs = [pc.both("softcap_causal", q, k, v, do, MOSAIC, skip=True, learn_operands=False,
-                    check_plan=_mosaic_backward)[0] for _ in range(2)]
-    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
-        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    for options in (MOSAIC.replace(deterministic=True), MOSAIC):
+        runs = [pc.both("softcap_causal", q, k, v, do, options, skip=True, learn_operands=False,
+                        check_plan=_mosaic_backward)[0] for _ in range(2)]
+        _same_bits(*runs, dq=options.deterministic)
 
 
 # --------------------------------------------------------------------------- #
@@ -591,19 +603,18 @@ def _learns_twice(case, shape, dtype, check_plan):
     want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
     assert runs[0][5][-1] is not None, "no gradient of the learned array"
     _check(runs[0], want, dtype)
-    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
-        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    _same_bits(*runs, dq=not plan.fused_dq)
 
 
 def test_mosaic_backward_learned_deterministic(hopper):
     """Two runs with the slopes' gradient give the same bits, the slopes' included
     (no atomics: each program writes its own sums), on the analysed causal map."""
     q, k, v, do = pc.inputs(b=2, sq=512, skv=448, hq=8, hkv=2, d=128, dtype=jnp.bfloat16)
-    runs = [pc.both("alibi", q, k, v, do, MOSAIC, skip=False, learn_operands=True,
-                    check_plan=_mosaic_learns)[0] for _ in range(2)]
-    assert runs[0][5][0] is not None
-    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
-        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    for options in (MOSAIC.replace(deterministic=True), MOSAIC):
+        runs = [pc.both("alibi", q, k, v, do, options, skip=False, learn_operands=True,
+                        check_plan=_mosaic_learns)[0] for _ in range(2)]
+        assert runs[0][5][0] is not None
+        _same_bits(*runs, dq=options.deterministic)
 
 
 @pytest.mark.parametrize("route", ["pallas", "auto"])
