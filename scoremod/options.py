@@ -89,10 +89,11 @@ class LoweringOptions:
         accumulated in a fixed order; by default the order varies, in the
         last bits: measured on the H200, cuDNN 9.19), at about 1.04-1.08x the
         default backward's time; the Pallas kernels' Mosaic GPU backward then
-        computes dQ in a kernel of its own (by default, with one key head per
-        query head, the dK/dV kernel adds dQ up in float32 in any order: its
+        computes dQ in a kernel of its own (where its dK/dV kernel computes dQ,
+        ``mosaic_backward.FUSE_DQ``, it adds dQ up in float32 in any order: the
         last bits vary); the Triton backward uses no atomics either way, nor do
-        the gradients of captured arrays on either; the reference path repeats as XLA's ops do (on a GPU,
+        the gradients of captured arrays on either; the reference path repeats
+        as XLA's ops do (on a GPU,
         ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` for its scatters). The
         forward is the same either way.
       decode_splits: short queries (at most 16 query rows, and 64 once a group's

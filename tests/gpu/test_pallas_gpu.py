@@ -87,8 +87,7 @@ def test_shapes(shape):
 def test_deterministic():
     q, k, v, do = pc.inputs(b=2, sq=256, skv=256, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)
     runs = [pc.both("relative_bias", q, k, v, do, OPTIONS, skip=True)[0] for _ in range(2)]
-    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
-        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    _same_bits(*runs)
 
 
 def _learned_slopes_match(seq, options=None):
