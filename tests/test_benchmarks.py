@@ -474,7 +474,11 @@ def test_operand_gradients_reach_the_captured_array(name):
 
     want = jax.grad(dense)(array)
     assert got[4].shape == array.shape and float(jnp.abs(want).max()) > 1e-3
-    np.testing.assert_allclose(np.asarray(got[4]), np.asarray(want), rtol=1e-4, atol=1e-5)
+    # A slope's gradient sums dS * (kv - q) over the whole square: terms of both signs
+    # cancel to 0.12 beside the other head's 56.8 (float32 sums differ by 5e-5 between
+    # jax versions), so the tolerance is absolute at the scale of the largest entry.
+    atol = 2e-5 * float(jnp.abs(want).max())
+    np.testing.assert_allclose(np.asarray(got[4]), np.asarray(want), rtol=1e-4, atol=atol)
 
 
 def test_operand_gradients_and_document_softcap_not_applicable_where_unfaithful():

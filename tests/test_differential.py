@@ -16,6 +16,7 @@ float32 rounding); derivatives too, with the tolerance docs/guide.md
 documents for sums of nearly cancelling terms.
 """
 
+import contextlib
 import random
 
 import jax
@@ -303,12 +304,42 @@ def _check_value(js, ts):
         assert scoremod.parse(str(mod)).same_ir(mod)
 
 
+@contextlib.contextmanager
+def _division_rule_of_jax_0_12_1():
+    """JAX's derivative of a / b as 0.12.1 writes it, (da - (a / b) db) / b, which the
+    IR's rule follows, on older jax too (whose a * b**-2 overflows at |b| < 2**-63,
+    and whose rounding differs where terms cancel)."""
+    from jax._src.interpreters import ad
+
+    if tuple(int(x) for x in jax.__version__.split(".")[:3]) >= (0, 12, 1):
+        yield
+        return
+
+    def jvp(primals, tangents):
+        (a, b), (da, db) = primals, tangents
+        y = lax.div(a, b)
+        if type(db) is ad.Zero:
+            return y, (da if type(da) is ad.Zero else lax.div(da, b))
+        if type(da) is ad.Zero:
+            return y, lax.mul(y, lax.neg(lax.div(db, b)))
+        return y, lax.div(lax.sub(da, lax.mul(y, db)), b)
+
+    old = ad.primitive_jvps[lax.div_p]
+    ad.primitive_jvps[lax.div_p] = jvp
+    try:
+        yield
+    finally:
+        ad.primitive_jvps[lax.div_p] = old
+
+
 def _check_grad(js):
     fn = _fn(js)
     mod = _traced(fn)
     if mod is None:
         return
-    want = jax.grad(lambda s: jnp.sum(fn(s, *POINTS[1:])))(POINTS[0])
+    with _division_rule_of_jax_0_12_1():
+        want = jax.grad(lambda s: jnp.sum(fn(s, *POINTS[1:])))(POINTS[0])
+        ref = jax.grad(lambda s: jnp.sum(mod(s, *POINTS[1:])))(POINTS[0])
     # The rules are JAX's formulas, but XLA may evaluate a sum of nearly
     # cancelling terms (gelu's derivative at -4) in another order: float32
     # rounding of the terms, not of the result, bounds the difference. A wrong
@@ -321,7 +352,6 @@ def _check_grad(js):
     # (max(7, nan) splits a tie). Documented in docs/guide.md.
     finite = np.isfinite(np.asarray(fn(*POINTS)))
     _same(mod.grad(*POINTS), want, "the mod's derivative", js, where=finite, **tol)
-    ref = jax.grad(lambda s: jnp.sum(mod(s, *POINTS[1:])))(POINTS[0])
     _same(ref, want, "the reference path's derivative", js, **tol)
     assert scoremod.parse(str(mod)).same_ir(mod)
 
@@ -554,8 +584,24 @@ def test_ties_on_the_fused_path(fn, grad_at_0):
 
 
 @jax.custom_jvp
+def softplus_with_inf_tests(s):
+    return jnp.logaddexp(s, 0.0)
+
+
+def _no_inf(x):
+    return jnp.where(x == jnp.inf, 0.0, x)
+
+
+# The rule jax 0.10's logaddexp had (float compares, which cuDNN refuses); jax
+# 0.12.1's is the sigmoid, which the simplifier would merge with the outer rule.
+softplus_with_inf_tests.defjvp(lambda p, t: (
+    softplus_with_inf_tests(p[0]),
+    t[0] * jnp.exp(_no_inf(p[0]) - _no_inf(softplus_with_inf_tests(p[0])))))
+
+
+@jax.custom_jvp
 def softplus_with_sigmoid_rule(s):
-    return jax.nn.softplus(s)  # itself a custom_jvp function: nested with_grad
+    return softplus_with_inf_tests(s)  # itself a custom_jvp function: nested with_grad
 
 
 softplus_with_sigmoid_rule.defjvp(
@@ -564,13 +610,13 @@ softplus_with_sigmoid_rule.defjvp(
 
 def test_user_custom_jvp_around_softplus_on_the_fused_path():
     """The forward keeps the values of nested with_grad nodes only: the inner
-    (softplus's) rule's inf tests are not the fused path's concern."""
+    rule's inf tests are not the fused path's concern."""
     from scoremod.lowering.cudnn import rules as cudnn_rules
     from scoremod.dsl.evaluate import evaluate
 
     fn = lambda s, b, h, q, k: softplus_with_sigmoid_rule(s) * 2.0  # noqa: E731
     mod = scoremod.trace(fn)
-    assert [n.op for n in scoremod.dsl.ir.toposort(mod.expr)].count("with_grad") == 2
+    assert [n.op for n in scoremod.dsl.ir.toposort(mod.expr)].count("with_grad") >= 2
     cudnn_rules.check_supported(mod.expr, mod.sources)
     fwd, bwd = cudnn_rules.forward_and_backward(mod.expr)
     s = POINTS[0]

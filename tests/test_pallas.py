@@ -479,15 +479,27 @@ def test_shifts_on_tiles_take_no_amount_outside_0_to_31(monkeypatch):
     assert len(shifted) == 2 * len(exprs)  # the check saw each tile's shift
 
 
+def triton_gpu_info():
+    """The module whose get_gpu_info tells Triton's lowering the compute capability
+    (jax 0.12.1 moved it from pallas.triton to jax._src); a skip where neither has it."""
+    import importlib
+
+    for name in ("jax._src.gpu_info", "jax._src.pallas.triton.gpu_info"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "get_gpu_info"):
+            return module
+    pytest.skip("this jax's Triton lowering does not take the GPU's version from gpu_info")
+
+
 @pytest.fixture
 def fake_hopper(monkeypatch):
     """Lower Pallas calls for CUDA on this machine: Triton's lowering asks only the compute capability."""
     from types import SimpleNamespace
 
-    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-    if not hasattr(gpu_info, "get_gpu_info"):
-        pytest.skip("this jax's Triton lowering does not take the GPU's version from gpu_info")
-    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *a, **k: SimpleNamespace(
+    monkeypatch.setattr(triton_gpu_info(), "get_gpu_info", lambda *a, **k: SimpleNamespace(
         compute_capability=90))
     try:  # plain attention: what every test below lowers at the least
         _lower_for_cuda(None, jnp.zeros((1, 64, 1, 64), jnp.bfloat16))

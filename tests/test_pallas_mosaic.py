@@ -45,7 +45,7 @@ from scoremod.lowering.problem import Problem
 from scoremod.lowering.reference import REFERENCE
 from tests import pallas_cases as pc
 from tests.pallas_cases import quiet  # noqa: F401 - the autouse fixture
-from tests.test_pallas import TABLE_OPS, _examples
+from tests.test_pallas import TABLE_OPS, _examples, triton_gpu_info
 
 MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
 TRITON = scoremod.LoweringOptions(pallas_engine="triton")
@@ -152,8 +152,11 @@ def test_tile_rules(name):
             continue
         (got,) = codegen.evaluate_tile([expr], dict(index, score=s), {}, rules=mosaic.TILE_RULES)
         want = evaluate(expr, dict(index, score=s), {})
+        # A division by a constant is a multiply here (within an ulp of the quotient;
+        # XLA on the CPU did the same up to jax 0.12.0): 1 / (s / 7 + 0.5) near its
+        # pole magnifies that ulp to 2e-6 of the result.
         np.testing.assert_allclose(np.broadcast_to(got, s.shape), np.broadcast_to(want, s.shape),
-                                   rtol=1e-6, atol=1e-6)
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_int_remainders_negative():
@@ -224,10 +227,7 @@ def test_op_table_lowers_to_mosaic(name, lowers):
 def hopper_here(monkeypatch, lowers):
     """The backend believes it is on a Hopper GPU (Triton's lowering too), so whole
     calls lower for CUDA on this machine."""
-    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-    if not hasattr(gpu_info, "get_gpu_info"):
-        pytest.skip("this jax's Triton lowering does not take the GPU's version from gpu_info")
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
+    monkeypatch.setattr(triton_gpu_info(), "get_gpu_info",
                         lambda *a, **k: SimpleNamespace(compute_capability=90))
     monkeypatch.setattr(device, "current", lambda: HOPPER)
 

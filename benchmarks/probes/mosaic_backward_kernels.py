@@ -1,6 +1,7 @@
 """Where the Mosaic GPU backward's time goes: its dQ and dK/dV kernels timed apart.
 
     python benchmarks/probes/mosaic_backward_kernels.py [--seq 4096] [--reps 5]
+        [--variants N] [--mods plain,softcap,causal]
 
 At b4 h16 d128 bfloat16, for plain attention, softcap and causal (the block map
 skips the masked tiles), each kernel alone under jit on the plan the backend makes
@@ -34,8 +35,8 @@ MOSAIC = scoremod.LoweringOptions(pallas_engine="mosaic")
 # Per kernel: tuning constants of ``mosaic_backward`` set while it is traced.
 VARIANTS = {"dq": ({},),
             "dkdv": ({}, {"TURNS": False}, {"TURNS": True}),
-            "dkdvdq": ({}, {"TURNS": False}, {"TURNS": True},
-                       {"COMPUTE_REGISTERS": 240, "MEMORY_REGISTERS": 24})}
+            "dkdvdq": ({}, {"COMPUTE_REGISTERS": 240, "MEMORY_REGISTERS": 24},
+                       {"TURNS": False}, {"TURNS": True})}
 
 
 def timed(f, args, reps):
@@ -53,12 +54,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", type=int, default=None,
+                    help="the first N variants of each kernel only (compiles take the time)")
+    ap.add_argument("--mods", default=",".join(mods()), help="comma-separated: " + ",".join(mods()))
     args = ap.parse_args()
+    if args.variants is not None:
+        for kernel, variants in VARIANTS.items():
+            VARIANTS[kernel] = variants[:args.variants]
     b, h, d, s = 4, 16, 128, args.seq
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(x, (b, s, h, d), jnp.bfloat16) for x in keys)
     dense = 4 * b * h * s * s * d
-    for name, fn in mods().items():
+    for name in args.mods.split(","):
+        fn = mods()[name]
         try:
             run(name, fn, q, k, v, do, dense, args.reps)
         except Exception as e:  # noqa: BLE001 - one failure must not hide the others

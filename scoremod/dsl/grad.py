@@ -26,13 +26,16 @@ def ZERO(node: Node, g: Node) -> tuple:
 
 
 def rule(op: str):
-    """The derivative rule of ``op``; a ScoreModError names an op without one."""
+    """The derivative rule of ``op`` as (node, g, live) -> cotangents, ``live`` the
+    arguments the gradient flows to; a ScoreModError names an op without one."""
     entry = OPS.get(op)
     if entry is None or entry.vjp is None:
         raise ScoreModError(
             f"no derivative rule for op {op!r}: its op-table entry (scoremod/dsl/ops.py) "
             "needs vjp=..., or vjp=ZERO if no gradient flows through it")
-    return entry.vjp
+    if entry.vjp_live:
+        return entry.vjp
+    return lambda node, g, live: entry.vjp(node, g)
 
 
 def vjp(root: Node, cotangent: Node, wrt: Node | None = None) -> Node:
@@ -48,7 +51,8 @@ def vjp(root: Node, cotangent: Node, wrt: Node | None = None) -> Node:
             return g if g is not None else const(0.0, F32)
         if g is None or node not in live:
             continue
-        for arg, ct in zip(node.args, rule(node.op)(node, g)):
+        flows = tuple(arg in live and arg.dtype == F32 for arg in node.args)
+        for arg, ct in zip(node.args, rule(node.op)(node, g, flows)):
             if ct is None or arg not in live or arg.dtype != F32:
                 continue
             cts[arg] = ct if arg not in cts else cts[arg] + ct

@@ -62,6 +62,9 @@ class Op:
     # Reverse-mode rule (node, g) -> one cotangent (or None) per argument;
     # ZERO declares that no gradient flows. None (no rule) makes grad raise.
     vjp: Optional[Callable] = None
+    # The rule takes a third argument, which arguments the gradient flows to: where
+    # JAX's jvp rule is written otherwise when only one argument has a tangent.
+    vjp_live: bool = False
     derivative: str = ""  # the rule in words for docs/ops.md ("0" for ZERO)
     infix: Optional[str] = None  # text operator, else written as name(args)
     prec: int = 10  # binding strength of the infix/prefix form
@@ -213,10 +216,13 @@ _op("mul", 2, "num2", jnp.multiply, infix="*", prec=6, prims=("mul",),
     vjp=lambda y, g: (g * y.args[1], g * y.args[0]), derivative="g * b to a, g * a to b",
     spelling="`x * y`, `jnp.multiply`", doc="multiplication")
 _op("div", 2, "float2", jnp.divide, infix="/", prec=6,
-    # JAX's -g * a * b**-2, transposed: so overflow and 0 * inf agree.
-    vjp=lambda y, g: (g / y.args[1],
-                      -((g * apply("integer_pow", y.args[1], attr=-2)) * y.args[0])),
-    derivative="g / b to a, -((g * b ** -2) * a) to b",
+    # JAX's (from 0.12.1) d(a / b) = (da - y * db) / b, and y * -(db / b) where a has
+    # no tangent, transposed: no b**2, which overflows for |b| > 2**64 and underflows
+    # for |b| < 2**-63; y is the forward's.
+    vjp=lambda y, g, live: (g / y.args[1], -((g / y.args[1]) * y) if live[0]
+                            else -(g * y) / y.args[1]),
+    vjp_live=True,
+    derivative="g / b to a, -((g / b) * y) to b (-(g * y) / b where a is constant)",
     spelling="`x / y` on floats, `jnp.divide`", doc="true division of floats (`/`)")
 _op("trunc_div", 2, "int2", _b(lax.div), vjp=ZERO,
     spelling="`lax.div(i, j)` on ints",
