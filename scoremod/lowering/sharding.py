@@ -284,14 +284,7 @@ def _lower(kind, static, keep, sharded, mesh, *arrays):
 
         def run(*arrays):
             head, operands = arrays[:n], arrays[n:]
-            out = _call(kind, sub, *head, *(operands[i] for i in order))
-            if kind != "backward" or sharded["q_idx"] is None:
-                return out
-            # Each query shard's rows contribute to every key's gradient.
-            dq, dk, dv = out
-            axes = _axes(sharded["q_idx"])
-            return (dq, jax.lax.psum(dk.astype(jnp.float32), axes).astype(dk.dtype),
-                    jax.lax.psum(dv.astype(jnp.float32), axes).astype(dv.dtype))
+            return _call(kind, sub, *head, *(operands[i] for i in order))
 
         return run
 
@@ -299,11 +292,21 @@ def _lower(kind, static, keep, sharded, mesh, *arrays):
     for c in counts:
         positions = [pos + (i,) for pos in positions for i in range(c)]
     if len(positions) == 1:
-        return branch(positions[0])(*arrays)
-    index = jnp.int32(0)
-    for (_, entry), c in zip(moving, counts):
-        index = index * c + jax.lax.axis_index(_axes(entry))
-    return jax.lax.switch(index, [branch(p) for p in positions], *arrays)
+        out = branch(positions[0])(*arrays)
+    else:
+        index = jnp.int32(0)
+        for (_, entry), c in zip(moving, counts):
+            index = index * c + jax.lax.axis_index(_axes(entry))
+        out = jax.lax.switch(index, [branch(p) for p in positions], *arrays)
+    if kind != "backward" or sharded["q_idx"] is None:
+        return out
+    # Each query shard's rows contribute to every key's gradient: summed after the
+    # switch, which every device leaves (a collective inside a branch that only
+    # some devices take waits forever for the others).
+    dq, dk, dv = out
+    axes = _axes(sharded["q_idx"])
+    return (dq, jax.lax.psum(dk.astype(jnp.float32), axes).astype(dk.dtype),
+            jax.lax.psum(dv.astype(jnp.float32), axes).astype(dv.dtype))
 
 
 def _declared_at_local_shapes(mod, values):
