@@ -125,6 +125,12 @@ _LISTS = np.random.default_rng(8)
 TOPK_PADDED = jnp.asarray(np.where(_LISTS.random((2, 3, 10, 3)) < 0.3, -1,
                                    _LISTS.integers(0, 10, (2, 3, 10, 3))), jnp.int32)
 KEY_LISTS = jnp.asarray(_LISTS.integers(0, 10, (2, 10, 3)), jnp.int32)
+# Each document's first position: local positions q - OFFSETS[b, DOC[b, q]]; shifted
+# so far that q - offset wraps (int32) from each document's sixth position on: the
+# first five then compare above all later ones, keys after the query included.
+OFFSETS = jnp.asarray(np.stack([np.searchsorted(np.asarray(row), np.arange(4))
+                                for row in DOC]), jnp.int32)
+OFFSETS_WRAPPING = jnp.asarray(np.asarray(OFFSETS).astype(np.int64) + 5 - 2**31, jnp.int32)
 DOC_SHUFFLED = jnp.asarray(RNG.integers(0, 3, (2, 40)), jnp.int32)
 MASK = jnp.asarray(RNG.random((2, 40, 40)) < 0.3)
 BLOCKY = jnp.asarray(np.kron(RNG.random((5, 5)) < 0.5, np.ones((8, 8), bool)))
@@ -157,6 +163,16 @@ MODS = {
     "document": (lambda s, b, h, q, k: jnp.where(DOC[b, q] == DOC[b, k], s, NEG_INF), True),
     "document_causal": (lambda s, b, h, q, k: jnp.where((DOC[b, q] == DOC[b, k]) & (q >= k),
                                                         s, NEG_INF), False),
+    # Causal within each document through its local positions: the offsets cancel
+    # where the documents are equal (block_maps.congruent), unless the local positions
+    # may wrap (then the map is the one of the mod as written).
+    "document_local_causal": (lambda s, b, h, q, k: jnp.where(
+        (DOC[b, q] == DOC[b, k]) & (q - OFFSETS[b, DOC[b, q]] >= k - OFFSETS[b, DOC[b, k]]),
+        s, NEG_INF), False),
+    "document_local_causal_wrapping": (lambda s, b, h, q, k: jnp.where(
+        (DOC[b, q] == DOC[b, k])
+        & (q - OFFSETS_WRAPPING[b, DOC[b, q]] >= k - OFFSETS_WRAPPING[b, DOC[b, k]]),
+        s, NEG_INF), False),
     "alibi_causal": (lambda s, b, h, q, k: jnp.where(q >= k, s + SLOPES[h] * (k - q), NEG_INF),
                      True),
     "softcap": (lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0), True),
@@ -220,6 +236,27 @@ def test_sound_and_tight(name, sq, skv, bq, bk):
     fn, tight = MODS[name]
     p = problem(sq=sq, skv=skv)
     check(trace(fn), p, bq, bk, tight=tight)
+
+
+def test_document_offsets_cancel_within_a_document():
+    """document causal through local positions (attention-gym's document mask):
+    the map equals the one of ``doc[q] == doc[kv] & q >= kv`` (where each side's
+    offsets spanned two documents, the bounds visited tiles with no key), and
+    where the local positions may wrap, the mod's own map (which visits more)."""
+    p = problem(sq=40, skv=40)
+    maps = {name: check(trace(MODS[name][0]), p, 8, 8)[0]
+            for name in ("document_local_causal", "document_causal",
+                         "document_local_causal_wrapping")}
+    np.testing.assert_array_equal(maps["document_local_causal"], maps["document_causal"])
+    expr = trace(MODS["document_local_causal"][0]).expr
+    assert block_maps.congruent(expr)[1], "no offsets cancelled"
+    loose = jax.jit(lambda ops: block_maps._classify(
+        expr, block_maps._operand_values(expr, ops), p, 8, 8, "auto")[0])(
+            trace(MODS["document_local_causal"][0]).operands)
+    assert _expand(loose, p).sum() > maps["document_causal"].sum()  # what it gains
+    # Wrapping: entries above the diagonal are kept (q - offset wrapped to a large
+    # int), so q >= kv would drop live tiles; the map keeps them.
+    assert maps["document_local_causal_wrapping"].sum() > maps["document_causal"].sum()
 
 
 def test_causal_is_the_lower_triangle():

@@ -396,6 +396,109 @@ def _tight(cond, deps) -> bool:
     return True
 
 
+# --- what holds inside a conjunction: the map's own rewrite ------------------
+
+_COMPARISONS = frozenset(("ge", "gt", "le", "lt", "eq", "ne"))
+
+
+def _conjuncts(n) -> list:
+    out, stack = [], [n]
+    while stack:
+        m = stack.pop()
+        if m.op == "and":
+            stack.extend(reversed(m.args))
+        else:
+            out.append(m)
+    return out
+
+
+def _cancelled(node, guards: list):
+    """``node`` with each int comparison of two differences with the same
+    subtrahend, or two sums with a term in common, made the comparison of the
+    other terms (``(a - c) >= (b - c)`` is ``a >= b`` where neither side wraps);
+    the two sides go to ``guards``."""
+    def fn(m, args):
+        if m.op not in _COMPARISONS or not all(a.dtype == I32 for a in args):
+            return None
+        x, y = args
+        if x.op == y.op == "sub" and x.args[1] is y.args[1]:
+            common, rest = x.args[1], (x.args[0], y.args[0])
+        elif x.op == y.op == "add" and set(x.args) & set(y.args):
+            common = next(a for a in x.args if a in y.args)
+            rest = tuple(a.args[1] if a.args[0] is common else a.args[0] for a in (x, y))
+        else:
+            return None
+        guards.extend((x, y))
+        return ops.apply(m.op, *rest)
+
+    return ir.rebuild(node, fn)
+
+
+def congruent(expr) -> tuple:
+    """``(expr', guards)``: ``expr`` for the map, where each conjunction that holds
+    an equality of a value of the queries and one of the keys (``doc[q] ==
+    doc[kv]``) has the key side replaced by the query side in its other terms
+    (equal wherever the conjunction holds), and comparisons of differences with
+    the same subtrahend made comparisons of the rest (``_cancelled``): document
+    causal's ``q - off[doc[q]] >= kv - off[doc[kv]]`` becomes ``q >= kv``, which
+    the tile bounds see exactly (each side's bounds spanning two documents'
+    offsets visited tiles with no key). Equal to ``expr`` entry by entry where
+    none of the int sums and differences in ``guards`` wraps (``_wraps``);
+    ``(expr, [])`` where nothing applies."""
+    deps = dependencies(expr)
+    guards: list = []
+
+    def fn(m, args):
+        if m.op != "and":
+            return None
+        terms = _conjuncts(m)
+        equal = {}
+        for t in terms:
+            if t.op == "eq" and _opposite_sides(t, deps):
+                x, y = t.args
+                q_side, kv_side = (x, y) if "q_idx" in deps[x] else (y, x)
+                equal[kv_side] = q_side
+        if not equal:
+            return None
+        out = None
+        for t in terms:
+            if not (t.op == "eq" and _opposite_sides(t, deps)):
+                t = _cancelled(ir.substitute(t, equal), guards)
+            out = t if out is None else ops.apply("and", out, t)
+        return out
+
+    rewritten = ir.rebuild(expr, fn, stop=lambda m: m.op == "and")
+    return (expr, []) if not guards else (rewritten, guards)
+
+
+def _wraps(guards, operands, problem) -> jax.Array:
+    """Whether an int sum or difference of ``guards`` may wrap anywhere in the
+    call: the interval rule on the whole call's bounds of its two arguments."""
+    p = problem
+    tiles = _Tiles(p, max(p.sq, 1), max(p.skv, 1), 1, 1, operands)
+    values = {}
+    for node in guards:
+        deps = dependencies(node)
+        for n in ir.toposort(*node.args, stop=lambda m: _separable(deps[m])):
+            if n in values or n.op == OPERAND:
+                continue
+            if n.op == CONST:
+                values[n] = constant(n)
+            elif _separable(deps[n]):
+                values[n] = tiles.separable(n, deps[n])
+            elif n.op == LOAD:
+                values[n] = tiles.load_anywhere(n)
+            elif n.op in RULES:
+                values[n] = RULES[n.op](n, *(values[a] for a in n.args))
+            else:
+                values[n] = every(n.dtype)
+    wraps = jnp.bool_(False)
+    for node in guards:  # a rule's bounds that wrap are every int32
+        r = RULES[node.op](node, *(values[a] for a in node.args))
+        wraps = wraps | jnp.any((r.lo == ir.INT32_MIN) & (r.hi == ir.INT32_MAX))
+    return wraps
+
+
 def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
                    exact: str = "auto") -> tuple:
     """``(visited, full)``, bool ``[Bm, Hm, nq, nk]``: the tiles where the mod
@@ -417,6 +520,20 @@ def classify_tiles(expr, operands, problem, block_q: int, block_kv: int, *,
     if exact not in _EXACT:
         raise ScoreModValueError(f"exact={exact!r}; expected one of {_EXACT}")
     operands = _operand_values(expr, operands)
+    visited, full = _classify(expr, operands, problem, block_q, block_kv, exact)
+    rewritten, guards = congruent(expr)
+    if not guards:
+        return visited, full
+    # Within a document, offsets cancel: the rewritten mod's classes where no
+    # int sum or difference it cancelled may wrap (both are sound; the
+    # intersection is tighter), the mod's own elsewhere.
+    tight_visited, tight_full = _classify(rewritten, operands, problem, block_q, block_kv, exact)
+    safe = ~_wraps(guards, operands, problem)
+    return visited & (tight_visited | ~safe), full | (tight_full & safe)
+
+
+def _classify(expr, operands, problem, block_q, block_kv, exact) -> tuple:
+    """``classify_tiles`` of ``expr`` as written, ``operands`` by name."""
     deps = dependencies(expr)
     conds, conflicting = mask_conditions(expr)
     bm, hm = map_axes(expr, problem)
