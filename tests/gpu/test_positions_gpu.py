@@ -148,21 +148,23 @@ def test_folded_decode_matches_the_reference_with_gradients(route, name, splits,
 @pytest.mark.parametrize("splits", [0, 1, None])
 @pytest.mark.parametrize("sq", [1, 4])
 @pytest.mark.parametrize("route", sorted(ROUTES))
-def test_static_position_alibi_decode_matches_the_reference(route, sq, splits):
+@pytest.mark.parametrize("b,hq,hkv", [(2, 8, 2), (8, 32, 8)], ids=["b2h8on2", "b8h32on8"])
+def test_static_position_alibi_decode_matches_the_reference(route, sq, splits, b, hq, hkv):
     """ALiBi at a static position deep in a long cache (the decode probe's form: the
     bias reaches -27000), unfolded, packed and split: O and LSE against the
     reference path. The probe (2026-12-05, b8 hq32 hkv8, 32768 keys) saw cuDNN's
     unfolded and folded calls differ by 3.5 in O at one query row (agreeing at
-    four), the Pallas kernels' agree: this decides which is wrong."""
+    four), the Pallas kernels' agree: this decides which is wrong (at 8 query heads
+    on 2 every route matched on 2026-12-06; the second case is the probe's shape)."""
     impl, options = ROUTES[route]
     _skip_unless_hopper(impl)
     options = (options or scoremod.LoweringOptions()).replace(decode_splits=splits)
-    skv, hq, hkv = 32768, 8, 2
+    skv = 32768
     off = skv - sq
     slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, hq + 1) / hq), jnp.float32)
     ks = jax.random.split(jax.random.PRNGKey(5), 3)
     q, k, v = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key, shape in
-               zip(ks, [(2, sq, hq, D), (2, skv, hkv, D), (2, skv, hkv, D)]))
+               zip(ks, [(b, sq, hq, D), (b, skv, hkv, D), (b, skv, hkv, D)]))
 
     def mod(s, b, h, qi, ki):
         return s + slopes[h] * (ki - qi - off).astype(jnp.float32)
