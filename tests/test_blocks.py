@@ -612,6 +612,33 @@ def test_random_property_mods(spec, seed):
     check(mod, p, 3, 4, seed=seed)
 
 
+@pytest.mark.parametrize("seed", range(18))
+def test_random_congruences(seed):
+    """Within doc[q] == doc[kv], a comparison of two positions less (or plus) a
+    table read at each side's document (``block_maps.congruent``): documents in
+    runs or scattered, tables near either int32 edge or not (the sides wrap or
+    not), each comparison and form, with another condition beside: sound against
+    brute force, the rewrite taking part (but for ``==``, a meet of its own)."""
+    rng = np.random.default_rng(seed)
+    docs = rng.integers(0, 4, (2, 24))
+    docs = jnp.asarray(np.sort(docs, axis=1) if seed % 2 else docs, jnp.int32)
+    edge = (0, 2**31 - 25, -2**31 + 3)[seed % 3]
+    table = jnp.asarray((rng.integers(-5, 30, (2, 4)) + edge + 2**31) % 2**32 - 2**31, jnp.int32)
+    compare = ("__ge__", "__gt__", "__le__", "__lt__", "__eq__", "__ne__")[seed % 6]
+    form = seed // 6  # 0: q - t >= kv - t, 1: t + q >= kv + t, 2: the equality reversed
+
+    def mod(s, b, h, q, k):
+        tq, tk = table[b, docs[b, q]], table[b, docs[b, k]]
+        same = docs[b, k] == docs[b, q] if form == 2 else docs[b, q] == docs[b, k]
+        sides = (tq + q, k + tk) if form == 1 else (q - tq, k - tk)
+        return jnp.where(same & getattr(sides[0], compare)(sides[1]) & (q + 7 >= k), s, NEG_INF)
+
+    traced = trace(mod)
+    # (An equality of the two sides is itself one of a query value and a key value.)
+    assert bool(block_maps.congruent(traced.expr)[1]) == (compare != "__eq__")
+    check(traced, problem(sq=24, skv=20), 4, 3, seed=seed)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_random_differential_masks(seed):
     """where(random condition, random body, -inf) from the differential tests'
