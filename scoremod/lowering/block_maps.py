@@ -184,6 +184,21 @@ class _Tiles:
         where = 2 if seq_axis == "kv_idx" else 3  # the tile axis it does not vary along
         return from_parts(node.dtype, tuple(jnp.expand_dims(x, where) for x in parts))
 
+    def abstract(self, n, deps, values):
+        """The abstract value of ``n`` on the tiles from its arguments' ``values``:
+        exact along one axis where it is separable, else by its op's rule."""
+        if n.op == CONST:
+            return constant(n)
+        if _separable(deps[n]):
+            return self.separable(n, deps[n])
+        if n.op == VAR:  # the score (or dP): any finite float
+            return Floats(jnp.float32(-F32_MAX), jnp.float32(F32_MAX), jnp.bool_(False))
+        if n.op == LOAD:
+            return self.load_anywhere(n)
+        if n.op in RULES:
+            return RULES[n.op](n, *(values[a] for a in n.args))
+        return every(n.dtype)
+
     def load_anywhere(self, node) -> tuple:
         """Every value of the array a load reads (its indices are not bounded)."""
         array = jnp.asarray(self.operands[node.args[0].attr[0]]).astype(_JNP[node.dtype])
@@ -480,18 +495,8 @@ def _wraps(guards, operands, problem) -> jax.Array:
     for node in guards:
         deps = dependencies(node)
         for n in ir.toposort(*node.args, stop=lambda m: _separable(deps[m])):
-            if n in values or n.op == OPERAND:
-                continue
-            if n.op == CONST:
-                values[n] = constant(n)
-            elif _separable(deps[n]):
-                values[n] = tiles.separable(n, deps[n])
-            elif n.op == LOAD:
-                values[n] = tiles.load_anywhere(n)
-            elif n.op in RULES:
-                values[n] = RULES[n.op](n, *(values[a] for a in n.args))
-            else:
-                values[n] = every(n.dtype)
+            if n not in values and n.op != OPERAND:
+                values[n] = tiles.abstract(n, deps, values)
     wraps = jnp.bool_(False)
     for node in guards:  # a rule's bounds that wrap are every int32
         r = RULES[node.op](node, *(values[a] for a in node.args))
@@ -578,18 +583,8 @@ def _classify(expr, operands, problem, block_q, block_kv, exact) -> tuple:
         found = meeting(n) if n in inside else None
         if found is not None:
             values[n] = found[0]
-        elif n.op == CONST:
-            values[n] = constant(n)
-        elif _separable(deps[n]):
-            values[n] = tiles.separable(n, deps[n])
-        elif n.op == VAR:  # the score (or dP): any finite float
-            values[n] = Floats(jnp.float32(-F32_MAX), jnp.float32(F32_MAX), jnp.bool_(False))
-        elif n.op == LOAD:
-            values[n] = tiles.load_anywhere(n)
-        elif n.op in RULES:
-            values[n] = RULES[n.op](n, *(values[a] for a in n.args))
         else:
-            values[n] = every(n.dtype)
+            values[n] = tiles.abstract(n, deps, values)
     shape = (bm, hm, tiles.nq, tiles.nk)
     out = values[expr]
     visited = ~((out.hi == -np.inf) & ~out.nan)
