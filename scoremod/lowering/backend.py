@@ -254,16 +254,7 @@ def _forward_mode_fallback(call, q, k, v, operands, sinks):
     reference path runs the call where the user allowed it (implementation=None);
     its tangents need the reference forward anyway, so the fused one would only
     add work."""
-    backend = call.backend
-    if call.forward_mode_fallback is None:
-        raise backend.error(
-            f"{backend.title} has no forward-mode derivative (jax.jvp): it computes "
-            "reverse-mode gradients only. Use implementation=None (falls back to the reference "
-            "path, with a warning) or implementation=\"xla\" for jax.jvp, or jax.grad / jax.vjp.")
-    other, other_plan = call.forward_mode_fallback
-    warnings.warn(f"scoremod: jax.jvp needs forward-mode derivatives, which {backend.title} does "
-                  f"not compute; implementation=None falls back to {other.title} for this call"
-                  f"{_memory_note(other)}.", stacklevel=4)
+    other, other_plan = _fallback_for(call, _FORWARD_MODE, stacklevel=5)
     return _with_sinks(other.forward(other_plan, q, k, v, operands), sinks)
 
 
@@ -339,7 +330,7 @@ def _operand_fallback(call, perturbed):
     return call.fallback
 
 
-def _fallback_for(call, what):
+def _fallback_for(call, what, stacklevel=3):
     """The fallback (backend, plan) for derivatives the fused backend does not
     compute (``what``), with a warning; the backend's error where the user
     allowed no fallback (a backend asked for by name)."""
@@ -351,7 +342,7 @@ def _fallback_for(call, what):
     fallback, fallback_plan = call.forward_mode_fallback
     warnings.warn(f"scoremod: {what} are not computed by {call.backend.title}; "
                   f"implementation=None falls back to {fallback.title} for them"
-                  f"{_memory_note(fallback)}.", stacklevel=3)
+                  f"{_memory_note(fallback)}.", stacklevel=stacklevel)
     return fallback, fallback_plan
 
 
