@@ -39,6 +39,7 @@ SAMPLED = {
     "test_blocks.py::test_sound_and_tight": 15,
     "test_blocks.py::test_random_differential_masks": 4,
     "test_blocks.py::test_random_congruences": 6,
+    "test_blocks.py::test_random_row_intervals": 6,
     "test_blocks.py::test_lists_and_transpose_match_the_tiles": 1,
     "test_blocks.py::test_catalogue_masks_at_their_gpu_shapes": 1,
     "test_docs.py::test_doc_examples_run": 1,

@@ -199,6 +199,107 @@ class _Tiles:
             return RULES[n.op](n, *(values[a] for a in n.args))
         return every(n.dtype)
 
+    def intervals(self, terms, deps):
+        """bool ``[Bm or 1, Hm or 1, nq, nk]``, or None: for an ``and`` of ``terms``,
+        each of one side's index alone or a bound of the other side's index by a
+        value of the first (``kv_idx >= off[doc[q_idx]]``, ``q_idx >= kv_idx``,
+        ``q_idx >= page[kv_idx // 16] * 16``), whether some entry of each tile
+        satisfies them all, exactly: each row's (column's) interval of the other
+        index, narrowed to the positions that the other side's terms keep (a prefix
+        count and a search), and the tiles it reaches summed per tile of rows (a
+        difference array): O(B*H*(S log S + tiles)). None for other terms."""
+        for along, other in (("q_idx", "kv_idx"), ("kv_idx", "q_idx")):
+            found = self._intervals(terms, deps, along, other)
+            if found is not None:
+                return found if along == "q_idx" else jnp.swapaxes(found, -1, -2)
+        return None
+
+    def _intervals(self, terms, deps, along, other):
+        p = self.problem
+        size = {"q_idx": p.sq, "kv_idx": p.skv}
+        block = {"q_idx": self.block_q, "kv_idx": self.block_kv}
+        index = ir.var(other)
+        rows, cols, lower, upper = [], [], [], []
+        for t in terms:
+            d = deps[t]
+            if "score" in d or reads_score(d):
+                return None
+            if other not in d:
+                rows.append(t)
+            elif along not in d:
+                cols.append(t)
+            elif t.op in _BOUNDS and t.args[0].dtype == I32 and index in t.args:
+                x, y = t.args
+                op = t.op if x is index else _BOUNDS[t.op]  # index op value
+                value = y if x is index else x
+                if value is index or other in deps[value]:
+                    return None
+                (lower if op in ("ge", "gt") else upper).append((op, value))
+            else:
+                return None
+        if not lower and not upper:
+            return None
+        n_rows, n_other = size[along], size[other]
+        rows_block, other_block = block[along], block[other]
+        n_tiles, tiles_other = num_blocks(n_rows, rows_block), num_blocks(n_other, other_block)
+        nb = p.b if any("b" in deps[t] for t in terms) else 1
+        nh = p.hq if any("h" in deps[t] for t in terms) else 1
+        b = jnp.arange(nb, dtype=jnp.int32)[:, None, None]
+        h = jnp.arange(nh, dtype=jnp.int32)[None, :, None]
+
+        def on(node, axis, n):  # node's values along ``axis`` (the other index 0)
+            seq, zero = jnp.arange(n, dtype=jnp.int32)[None, None, :], jnp.int32(0)
+            idx = {along: zero, other: zero, axis: seq}
+            v = self.evaluate(node, b, h, idx["q_idx"], idx["kv_idx"])
+            return jnp.broadcast_to(v, (nb, nh, n))
+
+        keep = jnp.ones((nb, nh, n_rows), bool)
+        for t in rows:
+            keep = keep & on(t, along, n_rows)
+        lo = jnp.zeros((nb, nh, n_rows), jnp.int32)
+        hi = jnp.full((nb, nh, n_rows), n_other, jnp.int32)
+        for op, value in lower:  # index >= v, or index > v: index >= v + 1 (none past MAX)
+            v = on(value, along, n_rows)
+            if op == "gt":
+                v = jnp.where(v == ir.INT32_MAX, n_other, v + 1)
+            lo = jnp.maximum(lo, jnp.clip(v, 0, n_other))
+        for op, value in upper:  # index < v, or index <= v: index < v + 1
+            v = on(value, along, n_rows)
+            if op == "le":
+                v = jnp.where(v == ir.INT32_MAX, n_other, v + 1)
+            hi = jnp.minimum(hi, jnp.clip(v, 0, n_other))
+        kept = jnp.ones((nb, nh, n_other), bool)
+        for t in cols:
+            kept = kept & on(t, other, n_other)
+        # counts[i]: kept positions before i. A row's first and last kept position in
+        # [lo, hi) (the ranks counts[lo] and counts[hi] - 1) bound the tiles it reaches;
+        # it reaches every tile between them that holds a kept position.
+        counts = jnp.concatenate([jnp.zeros((nb, nh, 1), jnp.int32),
+                                  jnp.cumsum(kept, axis=-1, dtype=jnp.int32)], axis=-1)
+        at = lambda x: jnp.take_along_axis(counts, x, -1)  # noqa: E731
+        reaches = keep & (hi > lo) & (at(hi) > at(jnp.minimum(lo, hi)))
+        rank = jax.vmap(jax.vmap(lambda c, r: jnp.searchsorted(c, r, side="left")))
+        first = rank(counts[..., 1:], at(lo) + 1) // other_block  # the tile of that position
+        last = rank(counts[..., 1:], at(hi)) // other_block
+        # Per row tile, +1 at each reaching row's first tile and -1 past its last: summed
+        # along the tiles, how many of its rows reach each one.
+        tile_of_row = np.arange(n_rows) // rows_block
+        step = jnp.zeros((nb, nh, n_tiles, tiles_other + 1), jnp.int32)
+        index = (jnp.arange(nb)[:, None, None], jnp.arange(nh)[None, :, None],
+                 jnp.asarray(tile_of_row)[None, None, :])
+        step = step.at[(*index, first)].add(reaches.astype(jnp.int32), mode="drop")
+        step = step.at[(*index, last + 1)].add(-reaches.astype(jnp.int32), mode="drop")
+        reached = jnp.cumsum(step, axis=-1)[..., :tiles_other] > 0
+        starts = np.arange(tiles_other) * other_block
+        ends = np.minimum(starts + other_block, n_other)
+        holds = (counts[..., ends] - counts[..., starts]) > 0  # [nb, nh, tiles_other]
+        live = reached & holds[:, :, None, :]
+        if nb > 1 and self.bm == 1:
+            live = live.any(0, keepdims=True)
+        if nh > 1 and self.hm == 1:
+            live = live.any(1, keepdims=True)
+        return live
+
     def load_anywhere(self, node) -> tuple:
         """Every value of the array a load reads (its indices are not bounded)."""
         array = jnp.asarray(self.operands[node.args[0].attr[0]]).astype(_JNP[node.dtype])
@@ -414,6 +515,7 @@ def _tight(cond, deps) -> bool:
 # --- what holds inside a conjunction: the map's own rewrite ------------------
 
 _COMPARISONS = frozenset(("ge", "gt", "le", "lt", "eq", "ne"))
+_BOUNDS = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}  # op -> op with sides swapped
 
 
 def _conjuncts(n) -> list:
@@ -585,6 +687,10 @@ def _classify(expr, operands, problem, block_q, block_kv, exact) -> tuple:
             values[n] = found[0]
         else:
             values[n] = tiles.abstract(n, deps, values)
+        if n.op == "and":  # conditions paired per row: exact where it applies
+            paired = tiles.intervals(_conjuncts(n), deps)
+            if paired is not None:
+                values[n] = Bools(values[n].can_true & paired, values[n].can_false)
     shape = (bm, hm, tiles.nq, tiles.nk)
     out = values[expr]
     visited = ~((out.hi == -np.inf) & ~out.nan)
