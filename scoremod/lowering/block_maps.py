@@ -222,22 +222,27 @@ class _Tiles:
         rows, cols, lower, upper = [], [], [], []
         for t in terms:
             d = deps[t]
-            if "score" in d or reads_score(d):
+            if reads_score(d):
                 return None
-            if other not in d:
+            if (t.op in _BOUNDS and t.args[0].dtype == I32 and index in t.args
+                    and other not in deps[t.args[1] if t.args[0] is index else t.args[0]]):
+                x, y = t.args
+                op = t.op if x is index else _BOUNDS[t.op]  # index op value
+                (lower if op in ("ge", "gt") else upper).append((op, y if x is index else x))
+            elif other not in d:
                 rows.append(t)
             elif along not in d:
                 cols.append(t)
-            elif t.op in _BOUNDS and t.args[0].dtype == I32 and index in t.args:
-                x, y = t.args
-                op = t.op if x is index else _BOUNDS[t.op]  # index op value
-                value = y if x is index else x
-                if value is index or other in deps[value]:
-                    return None
-                (lower if op in ("ge", "gt") else upper).append((op, value))
             else:
                 return None
-        if not lower and not upper:
+        # Pairing decides something only where a row's bound varies with the row
+        # beside another condition that varies along either index: one such bound
+        # with conditions of b and h alone is what the rules bound exactly already.
+        varying = sum(along in deps[v] for _, v in lower + upper)
+        own = ir.var(along)
+        others = sum(along in deps[t] and not _invariant_bound(t, own, deps) for t in rows)
+        others += sum(other in deps[t] for t in cols)
+        if varying == 0 or varying + others < 2:
             return None
         n_rows, n_other = size[along], size[other]
         rows_block, other_block = block[along], block[other]
@@ -276,11 +281,15 @@ class _Tiles:
         # it reaches every tile between them that holds a kept position.
         counts = jnp.concatenate([jnp.zeros((nb, nh, 1), jnp.int32),
                                   jnp.cumsum(kept, axis=-1, dtype=jnp.int32)], axis=-1)
-        at = lambda x: jnp.take_along_axis(counts, x, -1)  # noqa: E731
-        reaches = keep & (hi > lo) & (at(hi) > at(jnp.minimum(lo, hi)))
-        rank = jax.vmap(jax.vmap(lambda c, r: jnp.searchsorted(c, r, side="left")))
-        first = rank(counts[..., 1:], at(lo) + 1) // other_block  # the tile of that position
-        last = rank(counts[..., 1:], at(hi)) // other_block
+        if cols:
+            at = lambda x: jnp.take_along_axis(counts, x, -1)  # noqa: E731
+            reaches = keep & (hi > lo) & (at(hi) > at(jnp.minimum(lo, hi)))
+            rank = jax.vmap(jax.vmap(lambda c, r: jnp.searchsorted(c, r, side="left")))
+            first = rank(counts[..., 1:], at(lo) + 1) // other_block  # that position's tile
+            last = rank(counts[..., 1:], at(hi)) // other_block
+        else:  # every position kept: the interval's own ends
+            reaches = keep & (hi > lo)
+            first, last = lo // other_block, jnp.maximum(hi - 1, 0) // other_block
         # Per row tile, +1 at each reaching row's first tile and -1 past its last: summed
         # along the tiles, how many of its rows reach each one.
         tile_of_row = np.arange(n_rows) // rows_block
@@ -510,6 +519,16 @@ def _tight(cond, deps) -> bool:
         if not _separable(deps[n]) and n.op not in TIGHT:
             return False
     return True
+
+
+def _invariant_bound(t, index, deps) -> bool:
+    """Whether ``t`` bounds ``index`` by a value of neither q_idx nor kv_idx
+    (``kv_idx < lengths[b]``): it keeps an interval of positions, the same for
+    every position of the other index."""
+    if t.op not in _BOUNDS or index not in t.args:
+        return False
+    value = t.args[1] if t.args[0] is index else t.args[0]
+    return not {"q_idx", "kv_idx"} & deps[value]
 
 
 # --- what holds inside a conjunction: the map's own rewrite ------------------
