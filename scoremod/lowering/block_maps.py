@@ -218,7 +218,7 @@ class _Tiles:
         p = self.problem
         size = {"q_idx": p.sq, "kv_idx": p.skv}
         block = {"q_idx": self.block_q, "kv_idx": self.block_kv}
-        index = ir.var(other)
+        index = ir.var(other)  # the index the bounds bound
         rows, cols, lower, upper = [], [], [], []
         for t in terms:
             d = deps[t]
@@ -294,10 +294,10 @@ class _Tiles:
         # along the tiles, how many of its rows reach each one.
         tile_of_row = np.arange(n_rows) // rows_block
         step = jnp.zeros((nb, nh, n_tiles, tiles_other + 1), jnp.int32)
-        index = (jnp.arange(nb)[:, None, None], jnp.arange(nh)[None, :, None],
-                 jnp.asarray(tile_of_row)[None, None, :])
-        step = step.at[(*index, first)].add(reaches.astype(jnp.int32), mode="drop")
-        step = step.at[(*index, last + 1)].add(-reaches.astype(jnp.int32), mode="drop")
+        at_row = (jnp.arange(nb)[:, None, None], jnp.arange(nh)[None, :, None],
+                  jnp.asarray(tile_of_row)[None, None, :])
+        step = step.at[(*at_row, first)].add(reaches.astype(jnp.int32), mode="drop")
+        step = step.at[(*at_row, last + 1)].add(-reaches.astype(jnp.int32), mode="drop")
         reached = jnp.cumsum(step, axis=-1)[..., :tiles_other] > 0
         starts = np.arange(tiles_other) * other_block
         ends = np.minimum(starts + other_block, n_other)
