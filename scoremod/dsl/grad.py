@@ -52,8 +52,8 @@ def vjp(root: Node, cotangent: Node, wrt: Node | None = None) -> Node:
         if g is None or node not in live:
             continue
         flows = tuple(arg in live and arg.dtype == F32 for arg in node.args)
-        for arg, ct in zip(node.args, rule(node.op)(node, g, flows)):
-            if ct is None or arg not in live or arg.dtype != F32:
+        for arg, ct, flow in zip(node.args, rule(node.op)(node, g, flows), flows):
+            if ct is None or not flow:
                 continue
             cts[arg] = ct if arg not in cts else cts[arg] + ct
     return const(0.0, F32)

@@ -39,8 +39,8 @@ from scoremod.dsl.ir import BOOL, CONST, F32, I32, LOAD, OPERAND, VAR
 from scoremod.errors import ScoreModValueError
 from scoremod.lowering.intervals import (F32_MAX, RULES, TIGHT, Bools, Floats, constant, every,
                                          from_parts, reduce_parts, value_parts)
-from scoremod.lowering.patterns import (dependencies, difference_form, mask_conditions,
-                                        reads_score)
+from scoremod.lowering.patterns import (FLIPPED, conjuncts, dependencies, difference_form,
+                                        mask_conditions, reads_score)
 from scoremod.lowering.problem import Problem
 
 
@@ -224,11 +224,9 @@ class _Tiles:
             d = deps[t]
             if reads_score(d):
                 return None
-            if (t.op in _BOUNDS and t.args[0].dtype == I32 and index in t.args
-                    and other not in deps[t.args[1] if t.args[0] is index else t.args[0]]):
-                x, y = t.args
-                op = t.op if x is index else _BOUNDS[t.op]  # index op value
-                (lower if op in ("ge", "gt") else upper).append((op, y if x is index else x))
+            bound = _bound(t, index)
+            if bound is not None and other not in deps[bound[1]]:
+                (lower if bound[0] in ("ge", "gt") else upper).append(bound)
             elif other not in d:
                 rows.append(t)
             elif along not in d:
@@ -521,31 +519,24 @@ def _tight(cond, deps) -> bool:
     return True
 
 
+def _bound(t, index) -> tuple | None:
+    """``(op, value)`` where ``t`` is the int inequality ``index op value`` (either
+    way round: ``q_idx >= kv_idx`` bounds kv_idx as ``kv_idx le q_idx``), else None."""
+    if t.op not in ("ge", "gt", "le", "lt") or index not in t.args or t.args[0].dtype != I32:
+        return None
+    x, y = t.args
+    return (t.op, y) if x is index else (FLIPPED[t.op], x)
+
+
 def _invariant_bound(t, index, deps) -> bool:
     """Whether ``t`` bounds ``index`` by a value of neither q_idx nor kv_idx
     (``kv_idx < lengths[b]``): it keeps an interval of positions, the same for
     every position of the other index."""
-    if t.op not in _BOUNDS or index not in t.args:
-        return False
-    value = t.args[1] if t.args[0] is index else t.args[0]
-    return not {"q_idx", "kv_idx"} & deps[value]
+    bound = _bound(t, index)
+    return bound is not None and not {"q_idx", "kv_idx"} & deps[bound[1]]
 
 
 # --- what holds inside a conjunction: the map's own rewrite ------------------
-
-_COMPARISONS = frozenset(("ge", "gt", "le", "lt", "eq", "ne"))
-_BOUNDS = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}  # op -> op with sides swapped
-
-
-def _conjuncts(n) -> list:
-    out, stack = [], [n]
-    while stack:
-        m = stack.pop()
-        if m.op == "and":
-            stack.extend(reversed(m.args))
-        else:
-            out.append(m)
-    return out
 
 
 def _cancelled(node, guards: list):
@@ -554,7 +545,7 @@ def _cancelled(node, guards: list):
     other terms (``(a - c) >= (b - c)`` is ``a >= b`` where neither side wraps);
     the two sides go to ``guards``."""
     def fn(m, args):
-        if m.op not in _COMPARISONS or not all(a.dtype == I32 for a in args):
+        if m.op not in ops.COMPARISONS or not all(a.dtype == I32 for a in args):
             return None
         x, y = args
         if x.op == y.op == "sub" and x.args[1] is y.args[1]:
@@ -587,18 +578,16 @@ def congruent(expr) -> tuple:
     def fn(m, args):
         if m.op != "and":
             return None
-        terms = _conjuncts(m)
-        equal = {}
-        for t in terms:
-            if t.op == "eq" and _opposite_sides(t, deps):
-                x, y = t.args
-                q_side, kv_side = (x, y) if "q_idx" in deps[x] else (y, x)
-                equal[kv_side] = q_side
-        if not equal:
+        terms = conjuncts(m)
+        equalities = [t for t in terms if t.op == "eq" and _opposite_sides(t, deps)]
+        if not equalities:
             return None
+        equal = {}  # the key side of each equality -> its query side
+        for x, y in (t.args for t in equalities):
+            equal.update({y: x} if "q_idx" in deps[x] else {x: y})
         out = None
         for t in terms:
-            if not (t.op == "eq" and _opposite_sides(t, deps)):
+            if t not in equalities:
                 t = _cancelled(ir.substitute(t, equal), guards)
             out = t if out is None else ops.apply("and", out, t)
         return out
@@ -707,7 +696,7 @@ def _classify(expr, operands, problem, block_q, block_kv, exact) -> tuple:
         else:
             values[n] = tiles.abstract(n, deps, values)
         if n.op == "and":  # conditions paired per row: exact where it applies
-            paired = tiles.intervals(_conjuncts(n), deps)
+            paired = tiles.intervals(conjuncts(n), deps)
             if paired is not None:
                 values[n] = Bools(values[n].can_true & paired, values[n].can_false)
     shape = (bm, hm, tiles.nq, tiles.nk)

@@ -27,6 +27,18 @@ def dependencies(expr) -> dict:
     return deps
 
 
+# A comparison with its sides swapped: ``a op b`` is ``b FLIPPED[op] a``.
+FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+
+
+def conjuncts(cond) -> list:
+    """The terms of ``cond`` read as an ``and`` of ``and``s, in order (``[cond]``
+    where it is no ``and``)."""
+    if cond.op == "and":
+        return [a for arg in cond.args for a in conjuncts(arg)]
+    return [cond]
+
+
 def reads_score(d) -> bool:
     """Whether a node reading variables ``d`` (``dependencies``) reads the score (or dP)."""
     return SCORE in d or COTANGENT in d

@@ -36,9 +36,9 @@ from scoremod.dsl.ir import I32, Node
 from scoremod.dsl.ops import apply
 from scoremod.dsl.text import format_expr
 from scoremod.lowering.cudnn.masks import difference_bound
+from scoremod.lowering.patterns import FLIPPED, conjuncts
 
 _NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
-_FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 _INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
 
 
@@ -93,14 +93,14 @@ def recognize(expr: Node, problem) -> Segments | str:
         why = ("its score part is not the plain score: cuDNN 9.19 refuses a score_mod "
                "together with sequence lengths" if conds else "it is not a mask")
         return f"the mod is not a segment mask ({why})"
-    atoms = [a for c in conds for a in _conjuncts(c)]
+    atoms = [a for c in conds for a in conjuncts(c)]
     pairs, lo, hi, length, pad_q, pad_kv, seg_names = [], -math.inf, math.inf, None, None, None, set()
     for atom in atoms:
         pair = _equality(atom)
         if pair is not None:
             pairs.append(pair)
             continue
-        bound = difference_bound(atom) if atom.op in _FLIPPED else None
+        bound = difference_bound(atom) if atom.op in FLIPPED else None
         if bound is not None:
             lo, hi = max(lo, bound[0]), min(hi, bound[1])
             continue
@@ -193,12 +193,6 @@ def _negate(cond):
     if cond.op == "or":  # not (a or b) = not a and not b
         return apply("and", _negate(cond.args[0]), _negate(cond.args[1]))
     return apply("not", cond)
-
-
-def _conjuncts(cond):
-    if cond.op == "and":
-        return [a for arg in cond.args for a in _conjuncts(arg)]
-    return [cond]
 
 
 def _side(node, axis):

@@ -20,7 +20,7 @@ import math
 from fractions import Fraction
 
 from scoremod.dsl.ir import CONST, MATERIALIZE, SCORE, VAR, Node
-from scoremod.lowering.patterns import is_neg_inf
+from scoremod.lowering.patterns import conjuncts, is_neg_inf
 
 # A linear integer form: {"q_idx": a, "kv_idx": b, 1: c} means a*q + b*kv + c.
 _ONE = 1
@@ -54,7 +54,7 @@ def band_of(expr: Node):
         conds.append(mask[0])
         expr = mask[1]
     lo, hi, others, banded = -math.inf, math.inf, [], False
-    for atom in (a for c in conds for a in _conjuncts(c)):
+    for atom in (a for c in conds for a in conjuncts(c)):
         bound = _d_bound(atom)
         if bound is None:
             others.append(atom)
@@ -104,12 +104,6 @@ def _materialized_mask(expr):
                     and w.args[1].attr == 0.0):
                 return w.args[0], x
     return None
-
-
-def _conjuncts(cond):
-    if cond.op == "and":
-        return [a for arg in cond.args for a in _conjuncts(arg)]
-    return [cond]
 
 
 def _linear(node):

@@ -30,13 +30,12 @@ from scoremod.dsl.rewrite import INT32_MAX, floor_division, floor_remainder, int
 from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError, UnsupportedOpError
 from scoremod.lowering.cudnn.table import INPUT_TENSORS, TABLE, nonneg_int_pair
-from scoremod.lowering.patterns import score_factor
+from scoremod.lowering.patterns import FLIPPED, score_factor
 
 SCORE = ir.var(ir.SCORE)
 DP = ir.cotangent()
 
 _COMPARISONS = COMPARISONS
-_FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 
 
 def _may_divide_by_zero(node):
@@ -192,7 +191,7 @@ def _rewrite(node: Node, args: tuple) -> Node:
         if _int_cast(a) and _int_cast(b):  # exact below 2**24
             a, b = a.args[0], b.args[0]
         if a.op == CONST and b.op != CONST:
-            return apply(_FLIPPED[op], b, a)
+            return apply(FLIPPED[op], b, a)
         return apply(op, a, b)
     if op == "where":
         c, a, b = args
