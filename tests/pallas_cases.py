@@ -188,6 +188,20 @@ def vector_mod(name, b, hq, sq, skv):
         table = jnp.asarray(np.random.default_rng(13).normal(size=(hq, 15, 15)), jnp.float32)
         return (lambda s, b, h, q, k, t: s + t[h, q // 8 % 8 - k // 8 % 8 + 7,
                                                q % 8 - k % 8 + 7]), (table,)
+    if name == "block_map":  # video sparse attention's tile map, padded keys of the last tile
+        rng = np.random.default_rng(21)
+        tiles = -(-n // 64)
+        keep = rng.random((b, hq, tiles, tiles)) < 0.4
+        keep[..., np.arange(tiles), np.arange(tiles)] = True  # no row without a key
+        sizes = np.full(tiles, 64, np.int32)
+        sizes[-1] = 59
+        return (lambda s, b, h, q, k, m, z: jnp.where(m[b, h, q // 64, k // 64]
+                                                      & (k % 64 < z[k // 64]), s, -jnp.inf)
+                ), (jnp.asarray(keep), jnp.asarray(sizes))
+    if name == "block_bias":  # a float bias per block of 48 queries by 32 keys (by >> 5)
+        table = jnp.asarray(np.random.default_rng(22).normal(size=(hq, -(-n // 48), -(-n // 32))),
+                            jnp.float32)
+        return (lambda s, b, h, q, k, t: s + t[h, q // 48, k >> 5]), (table,)
     if name == "relative_softcap":  # relbias's index (jax.numpy wraps negatives) under a softcap
         table = jnp.asarray(np.random.default_rng(14).normal(size=(hq, sq + skv - 1)),
                             jnp.float32)

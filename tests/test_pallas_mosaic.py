@@ -725,8 +725,10 @@ def test_import_is_lazy():
 def test_read_axes():
     """A captured array indexed by b, h and constants is a scalar read; by those and
     one of q_idx or kv_idx (through any arithmetic), a vector along that axis; by
-    both, or by the score, a gather: refused, naming the variables."""
+    both as whole blocks of positions (few per tile), a value per block; by both
+    otherwise, or by the score, a gather: refused, naming the variables."""
     t = jnp.ones((4, 8), jnp.float32)
+    u = jnp.ones((4, 8, 8), jnp.float32)
     doc = jnp.zeros((2, 300), jnp.int32)
     flags = jnp.arange(300) % 3 == 0
 
@@ -744,6 +746,10 @@ def test_read_axes():
         "t[h, q_idx // 64]": (lambda s, b, h, qi, ki: s + t[h, qi // 64], "q_idx"),
         "bool flags[kv_idx]": (lambda s, b, h, qi, ki: jnp.where(flags[ki], s, -jnp.inf),
                                "kv_idx"),
+        "t[q_idx // 64, kv_idx // 64]": (lambda s, b, h, qi, ki: s + t[qi // 64, ki // 64],
+                                         mosaic.BLOCKS),
+        "t[h, (q_idx >> 5) + 1, kv_idx // 96]": (
+            lambda s, b, h, qi, ki: s + u[h, (qi >> 5) + 1, ki // 96], mosaic.BLOCKS),
     }
     for name, (fn, axis) in taken.items():
         mod, got = read(fn)
@@ -755,6 +761,11 @@ def test_read_axes():
         "difference and q_idx": (lambda s, b, h, qi, ki: s + t[qi % 4, ki - qi],
                                  "kv_idx and q_idx"),
         "at the score": (lambda s, b, h, qi, ki: s + t[h, jnp.where(s > 0, 1, 0)], "score"),
+        "blocks and a position": (lambda s, b, h, qi, ki: s + t[qi // 64, ki], "kv_idx and q_idx"),
+        "blocks of a shifted position": (lambda s, b, h, qi, ki: s + t[(qi + 1) // 64, ki // 64],
+                                         "kv_idx and q_idx"),
+        "too many blocks per tile": (lambda s, b, h, qi, ki: s + t[qi // 16, ki // 16],
+                                     "kv_idx and q_idx"),
     }
     for name, (fn, names) in refused.items():
         mod, got = read(fn)
@@ -885,6 +896,19 @@ def test_vector_reads_interpreted(case, b, shape, dtype, interprets):
     _interpreted_against_reference(case, b, shape, dtype, mosaic.vector_reads)
 
 
+@pytest.mark.parametrize("case,b,shape,dtype", [
+    ("block_map", 2, dict(sq=300, skv=250, hq=4, hkv=2, d=64), jnp.bfloat16),
+    ("block_bias", 1, dict(sq=200, skv=330, hq=2, hkv=1, d=128), jnp.float16),
+])
+def test_block_reads_interpreted(case, b, shape, dtype, interprets):
+    """Mods that read captured arrays at whole blocks of positions (video sparse
+    attention's tile map per batch and head with its padded keys; a float bias
+    per 48 queries by 32 keys, whose blocks' edges fall inside the kernels'
+    tiles, up to four of them across a tile), forward and backward on the Mosaic
+    kernels in interpret mode against the reference path."""
+    _interpreted_against_reference(case, b, shape, dtype, mosaic.block_reads)
+
+
 def _interpreted_against_reference(case, b, shape, dtype, reads):
     """``case`` (pc.vector_mod's) forward and backward on the Mosaic kernels in
     interpret mode against the reference path; ``reads(expr)`` must find the
@@ -907,7 +931,7 @@ def _interpreted_against_reference(case, b, shape, dtype, reads):
     assert all(e < 3e-2 for e in errs.values()), errs
 
 
-@pytest.mark.parametrize("case", ["document_bidirectional", "shifted_bias"])
+@pytest.mark.parametrize("case", ["document_bidirectional", "shifted_bias", "block_map"])
 def test_vector_reads_lower(case, hopper_here):
     """Vector reads lower for CUDA: gradients of q, k, v to the three Mosaic GPU
     kernels; with a float vector along the keys learned, its gradient from the

@@ -140,6 +140,13 @@ _TILE_AXES = ("q_idx", "kv_idx")
 _PROGRAM_VARS = frozenset(("b", "h"))
 # ``read_axis`` of a read at an index that sees q_idx and kv_idx only as q_idx - kv_idx.
 OFFSET = "offset"
+# ``read_axis`` of a read at an index that sees q_idx and kv_idx only as whole
+# blocks of positions (``block_map[b, h, q_idx // 64, kv_idx // 64]``): a few
+# values per tile (``block_values``), at most this many.
+BLOCKS = "blocks"
+MAX_BLOCK_VALUES = 16
+_TILE_ROWS = 128  # the longest side of any kernel's tile (``block_values``'s bound)
+_TILE_ALIGN = 64  # every kernel's tiles start at multiples of this
 
 
 def refusal(expr, sources, advice=True) -> str | None:
@@ -157,8 +164,10 @@ def refusal(expr, sources, advice=True) -> str | None:
             tile = sorted(ir.variables(*node.args[1:]) - _PROGRAM_VARS)
             why = ("it reads captured arrays at indices built from b, h, constants and at most "
                    "one of q_idx or kv_idx (a scalar per program, or a vector along one tile "
-                   "axis such as doc[b, q_idx]), or from q_idx - kv_idx as a whole (a relative "
-                   "position, such as bias[h, q_idx - kv_idx + S - 1]); this index varies over "
+                   "axis such as doc[b, q_idx]), from q_idx - kv_idx as a whole (a relative "
+                   "position, such as bias[h, q_idx - kv_idx + S - 1]), or from whole blocks "
+                   "of positions (block_map[b, h, q_idx // 64, kv_idx // 64], at most "
+                   f"{MAX_BLOCK_VALUES} blocks per 128 x 128 tile); this index varies over "
                    f"the tile with {' and '.join(tile)} otherwise (a gather)")
         if node in flags:
             why = ("a bool array read at q_idx - kv_idx has not run on the GPU, and bool arrays "
@@ -181,18 +190,67 @@ def read_axis(load):
     per program (its indices use b, h and constants only); ``"q_idx"`` or
     ``"kv_idx"``, a vector along that tile axis (they use that index too, and
     no other); ``OFFSET``, a value per diagonal (they use q_idx and kv_idx only
-    as ``q_idx - kv_idx`` or ``kv_idx - q_idx``); False, a gather they cannot make."""
+    as ``q_idx - kv_idx`` or ``kv_idx - q_idx``); ``BLOCKS``, a value per block
+    of positions (``block_sizes``); False, a gather they cannot make."""
     used = ir.variables(*load.args[1:])
     axes = [a for a in _TILE_AXES if a in used]
     if used - _PROGRAM_VARS - set(_TILE_AXES):
         return False  # the score
     if len(axes) <= 1:
         return axes[0] if axes else None
-    return OFFSET if reads_difference_only(*load.args[1:]) else False
+    if reads_difference_only(*load.args[1:]):
+        return OFFSET
+    return BLOCKS if block_sizes(load) is not None else False
+
+
+def _blocks_along(size, rows=_TILE_ROWS, align=_TILE_ALIGN) -> int:
+    """The most blocks of ``size`` positions that ``rows`` positions from a multiple
+    of ``align`` meet (the pattern repeats every lcm(size, align) positions)."""
+    period = size * align // math.gcd(size, align)
+    return max((s + rows - 1) // size - s // size + 1 for s in range(0, period, align))
+
+
+@functools.lru_cache(maxsize=1024)
+def block_sizes(load):
+    """``{"q_idx": t, "kv_idx": u}`` where every use of q_idx in the read's index
+    is ``q_idx // c`` (or ``q_idx >> n``) with t dividing every such c (and so
+    for kv_idx): the index, and the value read, are the same on each block of t
+    queries by u keys aligned at multiples of (t, u). None where another use
+    is made of them, or a 128 x 128 tile meets more than ``MAX_BLOCK_VALUES``
+    such blocks."""
+    args = load.args[1:]
+    sizes = {}
+    for node in ir.toposort(*args):
+        for i, a in enumerate(node.args):
+            if a.op != ir.VAR or a.attr not in _TILE_AXES:
+                continue
+            c = _divisor(node) if i == 0 else None
+            if c is None:
+                return None
+            sizes[a.attr] = math.gcd(sizes.get(a.attr, 0), c)
+    if set(sizes) != set(_TILE_AXES) or any(a.op == ir.VAR and a.attr in _TILE_AXES
+                                            for a in args):
+        return None
+    if math.prod(_blocks_along(t) for t in sizes.values()) > MAX_BLOCK_VALUES:
+        return None
+    return sizes
+
+
+def _divisor(node):
+    """c where ``node`` is ``x // c`` or ``x >> n`` (c = 2**n) of int32 x by a
+    positive constant, else None (positions are never negative: both are floors)."""
+    if node.dtype != ir.I32 or len(node.args) != 2 or node.args[1].op != CONST:
+        return None
+    c = int(node.args[1].attr)
+    if node.op == "floordiv" and c > 0:
+        return c
+    if node.op == "right_shift" and 0 <= c <= 30:
+        return 1 << c
+    return None
 
 
 def _is_tile_read(node) -> bool:
-    return node.op == LOAD and read_axis(node) in (*_TILE_AXES, OFFSET)
+    return node.op == LOAD and read_axis(node) in (*_TILE_AXES, OFFSET, BLOCKS)
 
 
 def _is_vector_read(node) -> bool:
@@ -213,6 +271,52 @@ def vector_reads(*exprs) -> tuple:
 def offset_reads(*exprs) -> tuple:
     """The reads of ``exprs`` at q_idx - kv_idx (``read_axis`` ``OFFSET``)."""
     return _tile_reads_of(exprs, lambda n: n.op == LOAD and read_axis(n) == OFFSET)
+
+
+def block_reads(*exprs) -> tuple:
+    """The reads of ``exprs`` at whole blocks of positions (``read_axis`` ``BLOCKS``)."""
+    return _tile_reads_of(exprs, lambda n: n.op == LOAD and read_axis(n) == BLOCKS)
+
+
+def block_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False) -> dict:
+    """``{read: its values on the tile}`` for reads at whole blocks of positions
+    (``block_reads``), on a tile of ``shape`` whose first query is ``q0`` and
+    first key ``k0`` (queries down, or keys down with ``keys_down``): each block
+    the tile meets is read once, at its first position (scalar loads of the
+    index and the value), and the blocks' values are laid over the tile by
+    comparisons of the positions with the blocks' edges. A bool array's int
+    values are laid out, then compared with 0 (no bit broadcasts)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    layout = plgpu.Layout.WGMMA
+    q_dim, k_dim = (1, 0) if keys_down else (0, 1)
+    out = {}
+    for read in reads:
+        sizes = block_sizes(read)
+        t, u = sizes["q_idx"], sizes["kv_idx"]
+        first_q, first_k = lax.div(q0, jnp.int32(t)) * t, lax.div(k0, jnp.int32(u)) * u
+        n_q, n_k = _blocks_along(t, shape[q_dim]), _blocks_along(u, shape[k_dim])
+
+        def value(i, j):  # the block i down the queries and j across the keys
+            inputs = {"b": bi, "h": hi, "q_idx": first_q + i * t, "kv_idx": first_k + j * u}
+            index = codegen.evaluate_tile(list(read.args[1:]), inputs, refs, gather=scalar_load,
+                                          rules=TILE_RULES)
+            x = refs[read.args[0].attr[0]][codegen.flat_index(read, index)]
+            return plgpu.layout_cast(jnp.broadcast_to(x, shape), layout)
+
+        def edge(dim, at):  # the tile's positions along dim at or past position ``at``
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout) >= at - (
+                q0 if dim == q_dim else k0)
+
+        tile = None
+        for i in range(n_q):
+            row = None
+            for j in range(n_k):
+                x = value(i, j)
+                row = x if row is None else jnp.where(edge(k_dim, first_k + j * u), x, row)
+            tile = row if tile is None else jnp.where(edge(q_dim, first_q + i * t), row, tile)
+        out[read] = tile != 0 if read.dtype == ir.BOOL else tile
+    return out
 
 
 def offset_source(read):
@@ -602,6 +706,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
     exprs = [e for e, _, _ in (general, on_full or general)]
     needs_kv_idx = any(uses_var(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
     needs_q_idx = any(uses_var(e, "q_idx") for e in exprs)
+    has_blocks = bool(block_reads(*exprs))
     # Reads along a tile axis: the query rows' slice per warpgroup, the key tile's
     # per step; reads at q_idx - kv_idx: a window of diagonals per step, beside the key tile.
     copied = CopiedReads.build(exprs, spec.operand_names, operands, b, hq, TILE_Q, BLOCK_KV,
@@ -700,6 +805,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                             known.update(tile_reads(
                                 mine, {"q_idx": own, "kv_idx": keys}, {"q_idx": 0, "kv_idx": 1},
                                 (BLOCK_Q, BLOCK_KV)))
+                        known.update(block_values(block_reads(expr), refs, bi, hi, row0, kv0,
+                                                  (BLOCK_Q, BLOCK_KV)))
                         (s,) = codegen.evaluate_tile([expr], dict(inputs, score=s), refs,
                                                      gather=scalar_load, rules=TILE_RULES,
                                                      known=known)
@@ -718,7 +825,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 acc, m, l = carry
                 slot = lax.rem(step, STAGES)
                 # The tile's first key, read ahead of the product that it waits on.
-                kv0 = kv_start(step) if needs_kv_idx else None
+                kv0 = kv_start(step) if needs_kv_idx or has_blocks else None
                 is_full = full_ref[mb, mh, tile, step + first] if on_full is not None else None
 
                 def scores(acc_ref):

@@ -219,9 +219,11 @@ def takes_turns(spec, kernel: str) -> bool:
     return any(n.op in _SLOW_OPS and ir.SCORE in deps[n] for n in ir.toposort(spec.expr))
 
 
-def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}, loads=()):
+def _tile_terms(spec, s, inputs, refs, is_full, *, shape, origin, keys_down=False,
+                reads=lambda roots: {}, loads=()):
     """``(modded scores in log2 units, local derivative or None)`` of the
-    tile of raw products ``s`` (q.k), -inf past the sequences' ends;
+    tile of raw products ``s`` (q.k), -inf past the sequences' ends, whose first
+    query and key are ``origin`` (keys down the tile with ``keys_down``);
     ``reads(roots)``: the values of the vector reads under ``roots`` on the tile
     (``Vectors.tile``); with ``loads`` (reads of float operands), a third item:
     each read's cotangent at ``dP = 1`` on the tile (``load_derivatives``)."""
@@ -248,9 +250,12 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, reads=lambda roots: {}
         expr, local = variant
         roots = [expr] + ([local] if local is not None else [])
         extra = list(load_terms[expr])
+        known = reads(roots + extra)
+        known.update(mosaic.block_values(mosaic.block_reads(*roots, *extra), refs,
+                                         inputs["b"], inputs["h"], *origin, shape, keys_down))
         out = codegen.evaluate_tile(roots + extra, dict(inputs, score=score), refs,
                                     gather=mosaic.scalar_load, rules=mosaic.TILE_RULES,
-                                    known=reads(roots + extra))
+                                    known=known)
         value = tile(out[0]) * jnp.float32(LOG2E)
         terms = tuple(tile(x) for x in out[len(roots):])
         if not has_local:
@@ -672,8 +677,9 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
                     plgpu.barrier_wait(lse_ready.at[slot])
                     vectors.wait(vec_ready, slot)
                     value, local, *terms = _tile_terms(
-                        spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK),
-                        reads=vectors.tile(own_vectors, vec_smem, slot, wg), loads=loads)
+                        spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK), origin=(q0, k0),
+                        keys_down=True, reads=vectors.tile(own_vectors, vec_smem, slot, wg),
+                        loads=loads)
                     terms = terms[0] if loads else ()  # the learned reads' cotangents at dP = 1
                     lse = plgpu.load(lse_smem.at[slot], layout=along_q)
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [1]))
@@ -918,7 +924,7 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
                     vectors.wait(vec_ready, slot)
                     value, local, *terms = _tile_terms(
-                        spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK),
+                        spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK), origin=(q0, k0),
                         reads=vectors.tile(own_vectors, vec_smem, slot, wg), loads=loads)
                     terms = terms[0] if loads else ()  # the learned reads' cotangents at dP = 1
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
@@ -1208,8 +1214,8 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                 def probabilities(dp_acc):
                     plgpu.wgmma(dp_acc, dos, vs.transpose((1, 0)))  # dP, while ...
                     value, _, terms = _tile_terms(spec, s, inputs, refs, is_full,
-                                                  shape=(BLOCK, BLOCK), reads=tile_reads(slot),
-                                                  loads=loads)
+                                                  shape=(BLOCK, BLOCK), origin=(q0, k0),
+                                                  reads=tile_reads(slot), loads=loads)
                     lse = plgpu.load(lse_smem.at[slot], layout=along_rows)
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
                     return p, terms, dp_acc[...]  # ... P is computed
