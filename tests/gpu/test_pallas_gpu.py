@@ -389,6 +389,10 @@ _VECTOR_CASES = [
     ("document_bidirectional", 2, dict(sq=640, skv=640, hq=4, hkv=1, d=128), jnp.bfloat16),
     ("document_bidirectional", 1, dict(sq=1000, skv=777, hq=2, hkv=2, d=64), jnp.float16),
     ("shifted_bias", 2, dict(sq=300, skv=260, hq=4, hkv=2, d=128), jnp.bfloat16),
+    # reads at whole blocks of positions: a tile map per batch and head, a block bias
+    ("block_map", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("block_map", 1, dict(sq=512, skv=777, hq=2, hkv=1, d=64), jnp.float16),
+    ("block_bias", 2, dict(sq=300, skv=520, hq=4, hkv=2, d=128), jnp.bfloat16),
 ]
 
 
@@ -400,7 +404,8 @@ def test_mosaic_vector_reads(case, b, shape, dtype, hopper):
     """O, LSE, dQ, dK, dV against the reference path: document masks with a softcap,
     causal and not, random document lengths differing per batch, 1000 (no whole
     number of tiles), query heads sharing key heads (GQA, MQA), float16; an offset
-    index and a float vector per head."""
+    index and a float vector per head; a tile map and a bias read per block of
+    positions (``mosaic.block_values``)."""
     _vector_mod_against_reference(case, b, shape, dtype)
 
 
