@@ -31,9 +31,14 @@ the largest difference of O from the unfolded call's.
     python benchmarks/probes/gqa_pack_decode.py
     PROBE_SKV_WINDOW=512,64 JAX_PLATFORMS=cpu python benchmarks/probes/gqa_pack_decode.py
     PROBE_ROWS=1 PROBE_MODS=window,softcap python benchmarks/probes/gqa_pack_decode.py
+
+With PROBE_HLO=1, each line is followed by the operations of the compiled call
+that launch work on the device (fusions, custom calls, copies: each a kernel),
+from XLA's optimized HLO: what the call runs besides the attention kernel.
 """
 
 import os
+import re
 import time
 
 import jax
@@ -128,6 +133,26 @@ def flex_decode(sq, k, v):
     return out
 
 
+_BOOKKEEPING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+
+
+def launches(compiled_text):
+    """The entry computation's operations that launch work: 'kind shape' each
+    (a custom call with its target), in program order."""
+    entry = compiled_text[compiled_text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    out = []
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?%?[\w.-]+ = (.+?) ([a-z][\w-]*)\(", line)
+        if not m or m.group(2) in _BOOKKEEPING:
+            continue
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        kind = re.search(r"kind=(k\w+)", line)
+        what = target.group(1) if target else (kind.group(1) if kind else "")
+        out.append(f"{m.group(2)}{'[' + what + ']' if what else ''} {m.group(1)[:60]}")
+    return out
+
+
 def timed(fn, *args, reps=50):
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
@@ -196,6 +221,9 @@ def main():
                         print(f"{name:8s} sq={sq} {route:6s} {label:8s} {secs * 1e3:.3f} ms, "
                               f"{need / secs / 1e9:.0f} GB/s of K and V, |O - unfolded| {err:.2e}"
                               f" [{chosen[:160]}]", flush=True)
+                        if os.environ.get("PROBE_HLO"):
+                            ops = launches(jf.lower(*args).compile().as_text())
+                            print(f"    {len(ops)} launches: " + "; ".join(ops), flush=True)
                     except Exception as e:  # a route that refuses: say so, go on
                         print(f"{name:8s} sq={sq} {route:6s} {label:8s} failed: "
                               f"{type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -1,8 +1,9 @@
 """What the sinks' gradient costs beside a fused backward, and whether another
 form of the same sum runs faster: ``lowering/sinks.gradient`` (one fused
-reduction of dO * O over the head dim, then of P_sink * D over the queries) and
+reduction of dO * O over the head dim, then of P_sink * D over the queries),
 the same with D = rowsum(dO * O) [b, s, h] materialized first (a row reduction
-over the contiguous head dim, then a small one), each against a float64 sum.
+over the contiguous head dim, then a small one), and with P_sink moved into D's
+[b, s, h] layout instead of D into [b, h, s], each against a float64 sum.
 
     python benchmarks/probes/sinks_gradient.py [--reps 5]
 
@@ -35,6 +36,18 @@ def two_step(o, lse, do, dlse, sinks):
     return jnp.sum(p_sink * -d, axis=-1)
 
 
+def rows_layout(o, lse, do, dlse, sinks):
+    """D kept in dO's [b, s, h] layout, P_sink moved there instead (a [b, h, s]
+    float32, 1/64 of dO's bytes): one reduction over the head dim, then over s."""
+    s = sinks.astype(F32)[:, None, :]
+    p_sink = jnp.where(s == -jnp.inf, 0.0, jnp.exp(s - jnp.swapaxes(lse.astype(F32), 1, 2)))
+    o32 = jnp.where(jnp.isnan(o), 0.0, o.astype(F32))
+    d = jnp.sum(do.astype(F32) * o32, axis=-1)  # [b, s, h]
+    if dlse is not None:
+        d = d - jnp.swapaxes(dlse.astype(F32), 1, 2)
+    return jnp.sum(p_sink * -d, axis=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -48,7 +61,8 @@ def main():
     want = -(np.exp(np.asarray(sinks, np.float64)[:, :, None] - np.asarray(lse, np.float64))
              * np.einsum("bshd,bshd->bhs", do64, o64)).sum(-1)
     gbytes = 2 * o.size * 2 / 1e9
-    for name, fn in (("sinks.gradient", attention_sinks.gradient), ("two steps", two_step)):
+    for name, fn in (("sinks.gradient", attention_sinks.gradient), ("two steps", two_step),
+                     ("rows layout", rows_layout)):
         f = jax.jit(lambda o, lse, do, sinks, fn=fn: fn(o, lse, do, None, sinks))
         _, t = smoke.timed(f, (o, lse, do, sinks), args.reps, calls=20)
         err = float(np.max(np.abs(np.asarray(f(o, lse, do, sinks), np.float64) - want))
