@@ -19,6 +19,9 @@ Same shapes, same run, side by side (``--impls``):
   scoremod-cudnn  scoremod.attention(implementation="cudnn"): the cuDNN route by name,
              for the calls the planner gives another backend (the static masks the
              Pallas kernels claim by tile counts: the crossover's other side)
+  scoremod-mosaic-forward  scoremod with LoweringOptions(mosaic_forward=True): where the
+             planner picks cuDNN's score_mod graphs, the forward on the Pallas kernels'
+             Mosaic GPU engine and cuDNN's backward on its O and LSE (recorded as "pallas")
   scoremod-ids  scoremod with the mod's arrays passed as arguments of the jitted
              function, as in training (document ids change per batch): the document
              mods' route is then chosen per call inside the program (a lax.cond)
@@ -78,6 +81,7 @@ IMPLS = {
     "scoremod-ids": "scoremod fused, operands as jit arguments",
     "scoremod-sinks": "scoremod fused, with sinks (learned)",
     "scoremod-deterministic": "scoremod fused, deterministic=True",
+    "scoremod-mosaic-forward": "scoremod, Mosaic GPU forward, cuDNN backward",
     "scoremod-cudnn": "scoremod on cuDNN by name",
     "direct": "same graph, cuDNN frontend Python",
     "xla": "scoremod XLA reference",
@@ -173,7 +177,8 @@ DIRECTIONS = {"fwd": "fwd", "fwdbwd": "fwd+bwd", OPS: "fwd+bwd, operand grads"}
 DEFAULT_DIRECTIONS = ("fwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, OPS: 3.5}  # backward counted as 2.5x the forward
 PLANNED_IMPLS = ("scoremod", "scoremod-plain", "scoremod-ids",
-                 "scoremod-sinks", "scoremod-deterministic")  # on fused_backend: recorded
+                 "scoremod-sinks", "scoremod-deterministic",
+                 "scoremod-mosaic-forward")  # on fused_backend: recorded
 CUDNN_IMPLS = PLANNED_IMPLS + ("direct",)  # the cuDNN lowerings' switches apply when planned there
 CUDNN_BACKENDS = ("cudnn", "cudnn-varlen")
 OPS_IMPLS = ("scoremod", "xla", "pallas", "pallas-mosaic", "flex")
@@ -539,6 +544,7 @@ def make_call(impl, name, shape, direction):
         def fn(q, k, v, sinks):
             return scoremod.attention(q, k, v, mod, sinks=sinks)
     elif impl in ("scoremod", "scoremod-plain", "scoremod-deterministic", "scoremod-cudnn",
+                  "scoremod-mosaic-forward",
                   "xla") + PALLAS_IMPLS:
         mod = shape.mod(name)
         # scoremod: implementation=None, what the planner picks (run() records it)
@@ -547,6 +553,7 @@ def make_call(impl, name, shape, direction):
                else fused_backend(name, shape).name if impl == "scoremod-plain" else None)
         options = {"scoremod-plain": scoremod.LoweringOptions.plain(),
                    "scoremod-deterministic": scoremod.LoweringOptions(deterministic=True),
+                   "scoremod-mosaic-forward": scoremod.LoweringOptions(mosaic_forward=True),
                    "pallas": scoremod.LoweringOptions(pallas_engine="triton"),
                    "pallas-mosaic": scoremod.LoweringOptions(pallas_engine="mosaic")}.get(impl)
         with_learned = (lambda learned: mod) if direction != OPS else learned_operands(name, mod)

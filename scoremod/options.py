@@ -105,12 +105,20 @@ class LoweringOptions:
         each taking a part of the tile's key list). None: the fewest chunks
         (of at least 1024 keys) that give the GPU two waves of tiles (parts:
         one wave); 1: packing only; 0: no folding.
+      mosaic_forward: where the planner puts a call on cuDNN's score_mod graphs
+        (a mod cuDNN evaluates per score, not a native mask) and the Pallas
+        kernels' Mosaic GPU engine takes it, run the forward there and keep
+        cuDNN's backward, which runs on that forward's O and LSE (both compute
+        the same softmax; a gradient cuDNN does not compute, of captured arrays
+        or of the LSE, runs on the Pallas kernels' own backward). Off by
+        default until the benchmarks (``scoremod-mosaic-forward``) show where
+        it is faster.
 
     Example: softcap + causal as one score_mod call, for comparison::
 
         >>> import scoremod
         >>> scoremod.LoweringOptions().replace(split_blocks=0)
-        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='auto', check_values=False, deterministic=False, decode_splits=None)
+        LoweringOptions(native_masks=True, split_blocks=0, fold_scale=True, low_rank_bias=True, max_segments=8, sms=None, pallas_block_q=128, pallas_block_kv=64, pallas_backward_block_q=64, pallas_backward_block_kv=64, pallas_num_warps=None, pallas_num_stages=2, pallas_engine='auto', check_values=False, deterministic=False, decode_splits=None, mosaic_forward=False)
     """
 
     native_masks: bool = True
@@ -129,10 +137,11 @@ class LoweringOptions:
     check_values: bool = False
     deterministic: bool = False
     decode_splits: int | None = None
+    mosaic_forward: bool = False
 
     def __post_init__(self):
         for name in ("native_masks", "fold_scale", "low_rank_bias", "check_values",
-                     "deterministic"):
+                     "deterministic", "mosaic_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ScoreModError(f"LoweringOptions.{name} must be True or False, "
                                     f"got {getattr(self, name)!r}")
@@ -186,6 +195,7 @@ _ENVIRONMENT = {
     "SCOREMOD_CHECK_VALUES": ("check_values", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_DETERMINISTIC": ("deterministic", bool, "0 (off) or 1 (on)"),
     "SCOREMOD_DECODE_SPLITS": ("decode_splits", int, "a number of key chunks (0: no folding)"),
+    "SCOREMOD_MOSAIC_FORWARD": ("mosaic_forward", bool, "0 (off) or 1 (on)"),
 }
 
 

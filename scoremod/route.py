@@ -7,7 +7,9 @@ and returns a frozen :class:`Route`. ``attention`` executes it;
 
 The rule: a backend asked for by name runs the call or refuses it. Otherwise
 the first registered backend that takes the call runs it, unless a later one
-that takes it too claims it (a measured crossover). What the chosen backend cannot do (gradients of captured arrays,
+that takes it too claims it (a measured crossover), or claims its forward only
+(``claims_forward``: the first one's backward then runs on that forward's O and
+LSE where it computes what is asked). What the chosen backend cannot do (gradients of captured arrays,
 ``jax.jvp``, a graph refused only when built) runs on the first later backend
 that can. A warning is due only where the user should act or know: a backend
 present on this machine, general (not one kind of mod only) and earlier in the
@@ -120,6 +122,14 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
         backend, why = asked, f"{asked.name}: asked for by name (implementation=\"{asked.name}\")"
     else:
         backend, why, warning = _choose(problem, mod, dict(verdicts), options)
+    backward_on = None
+    if asked is None:  # a later backend's forward, this one's backward
+        other, claim = _claimed_forward(backend, problem, mod, dict(verdicts), options)
+        if other is not None:
+            backward_on = (backend, backend.plan(problem, mod, scale, options, True))
+            why = (f"{other.name}: it claims the forward from {backend.name}, whose backward "
+                   f"runs on its O and LSE: {claim}")
+            backend = other
     # With sinks the kernel's LSE is needed: the sinks join it (lowering/sinks.py).
     plan = backend.plan(problem, mod, scale, options, return_lse or sinks)
     fallback = forward_mode_fallback = None
@@ -132,7 +142,7 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
                                           lambda b: b.differentiable)
     inside = sinks_inside(backend, plan, options, sinks)
     call = Call(backend, plan, problem, options, bool(return_lse), fallback,
-                forward_mode_fallback, bool(sinks), inside)
+                forward_mode_fallback, bool(sinks), inside, backward_on)
     variant = backend.variant(problem, mod, options)
     folded = decode.choose(call)
     if folded is not None:  # short queries: the kernels run the folded call
@@ -144,10 +154,15 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
         variant = fold.describe(problem) + (f"; {inner_variant}" if inner_variant else "")
     return Route(call, mod, low_rank, verdicts, why, warning, note, variant,
                  _sinks_note(backend, inside) if sinks else None,
-                 _backward_note(backend, fallback, options))
+                 _backward_note(backend, fallback, options, backward_on))
 
 
-def _backward_note(backend, fallback, options) -> str | None:
+def _backward_note(backend, fallback, options, backward_on=None) -> str | None:
+    if backward_on is not None:
+        other = backward_on[0]
+        if other.repeatable_backward or not options.deterministic:
+            return (f"the backward runs on {other.title}, from {backend.title}'s O and LSE "
+                    f"(gradients of captured arrays or of the LSE on {backend.title}'s own)")
     if not options.deterministic or backend.repeatable_backward:
         return None
     if fallback is None:
@@ -211,6 +226,16 @@ def _claimed(backend, problem, mod, verdicts, options):
         why = other.claims(problem, mod, options, backend)
         if why is not None and verdicts[other.name] is None:
             return other, f"{other.name}: it claims the call from {backend.name}: {why}"
+    return None, None
+
+
+def _claimed_forward(backend, problem, mod, verdicts, options):
+    """``(other, reason)``: the first later backend that claims the forward of the
+    call from ``backend`` (whose backward stays) and takes it; else ``(None, None)``."""
+    for other in _after(backend):
+        why = other.claims_forward(problem, mod, options, backend)
+        if why is not None and verdicts[other.name] is None:
+            return other, why
     return None, None
 
 

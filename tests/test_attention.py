@@ -663,6 +663,79 @@ def test_deterministic_runs_the_backward_where_it_repeats(monkeypatch):
         np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=2e-4, atol=2e-5)
 
 
+class _ForwardClaimer(_WithGradients):
+    """Stand-in kernels whose forward claims calls from the fused stand-in under
+    LoweringOptions(mosaic_forward=True) (as the Pallas kernels' Mosaic GPU
+    forward from cuDNN), their own backward repeatable, with operand gradients."""
+
+    name, title = "forward-standin", "the stand-in forward kernels"
+
+    def claims_forward(self, problem, mod, options, over):
+        return "its forward is faster here" if options.mosaic_forward else None
+
+
+class _RecordingFused(_Unrepeatable):
+    """The unrepeatable fused stand-in, recording the LSE its backward is given."""
+
+    def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
+        jax.debug.callback(lambda x: setattr(self, "lse", np.asarray(x)), lse)
+        return super().backward(plan, q, k, v, o, lse, do, operands, dlse, wanted)
+
+
+def test_a_claimed_forward_keeps_the_backward_it_claims_from(monkeypatch):
+    """A later backend that claims the forward (Backend.claims_forward, as the
+    Mosaic GPU forward under mosaic_forward=True) runs it, and the backend it
+    claims from runs the backward on that forward's O and LSE, a row that sees
+    no key given LSE +inf (P = 0 on any backward); gradients as the reference
+    path's. A gradient that backward does not compute (a captured array's, the
+    LSE's) or repeatable gradients it does not give run on the claiming
+    backend's own backward. which_implementation says both; by name, or
+    without the option, one backend runs the call."""
+    fused, claimer = _RecordingFused(), _ForwardClaimer()
+    monkeypatch.setattr(registry, "_BACKENDS", [fused, claimer, REFERENCE])
+    q, k, v = _inputs(jnp.float32)
+    slopes = jnp.linspace(0.1, 0.4, q.shape[2])
+    on = scoremod.LoweringOptions(mosaic_forward=True)
+
+    def mod(x, b, h, qi, ki, s):  # row 3 sees no key
+        return jnp.where((qi >= ki) & (qi != 3), 30 * jnp.tanh(x / 30) - s[h] * (qi - ki),
+                         -jnp.inf)
+
+    def loss(q, k, v, s, impl=None, options=on, with_lse=False):
+        out = scoremod.attention(q, k, v, lambda *a: mod(*a, s), implementation=impl,
+                                 options=options, return_lse=with_lse)
+        if not with_lse:
+            return jnp.sum(out * jnp.cos(out))
+        o, lse = out
+        return jnp.sum(o * jnp.cos(o)) + 0.5 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    def ran(argnums, **kw):
+        fused.ran.clear()
+        claimer.ran.clear()
+        want = jax.grad(functools.partial(loss, **{**kw, "impl": "xla"}), argnums)(q, k, v,
+                                                                                    slopes)
+        got = jax.jit(jax.grad(functools.partial(loss, **kw), argnums))(q, k, v, slopes)
+        for g, x in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=2e-4, atol=2e-5)
+        return ("forward" in fused.ran, "backward" in fused.ran,
+                "forward" in claimer.ran, "backward" in claimer.ran)
+
+    assert ran((0, 1, 2)) == (False, True, True, False)
+    assert np.all(np.asarray(fused.lse)[:, :, 3] == np.inf)
+    assert np.all(np.isfinite(np.asarray(fused.lse)[:, :, 4:]))
+    assert ran((0, 3)) == (False, False, True, True)  # the slopes' gradient
+    assert ran((0,), with_lse=True) == (False, False, True, True)  # the LSE's cotangent
+    assert ran((0,), options=on.replace(deterministic=True)) == (False, False, True, True)
+    assert ran((0,), options=scoremod.LoweringOptions()) == (True, True, False, False)
+    assert ran((0,), impl=fused.name) == (True, True, False, False)
+
+    choice = scoremod.which_implementation(q, k, v, lambda *a: mod(*a, slopes), options=on)
+    assert choice.implementation == claimer.name
+    assert choice.reason.startswith(f"{claimer.name}: it claims the forward from {fused.name}")
+    assert fused.title in choice.backward and "O and LSE" in choice.backward
+    assert scoremod.which_implementation(q, k, v, lambda *a: mod(*a, slopes)).backward is None
+
+
 class _CudnnHere(type(registry.get("cudnn"))):
     """The cuDNN backend's planning rules, taking every call (nothing is run on it)."""
 

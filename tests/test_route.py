@@ -212,3 +212,31 @@ def test_cudnn_joins_per_head_sinks_inside_its_forward(h200):
     docs = jnp.zeros((2, 512), jnp.int32)
     assert chosen(lambda s, b, h, qi, ki: jnp.where(docs[b, qi] == docs[b, ki], s, -jnp.inf),
                   per_head) == ("cudnn-varlen", False)
+
+
+def test_mosaic_forward_takes_the_forward_of_score_mod_graphs(h200, monkeypatch):
+    """LoweringOptions(mosaic_forward=True): a call the planner puts on cuDNN's
+    score_mod graphs (softcap + causal, split into query blocks) runs its forward
+    on the Pallas kernels' Mosaic GPU engine, its backward on cuDNN; a pure mask
+    under cuDNN's native mask (causal) stays whole on cuDNN, and so does every
+    call without the option."""
+    from scoremod import support
+
+    monkeypatch.setattr(support, "mosaic_missing", lambda: None)  # as jax 0.11 or later
+    on = scoremod.LoweringOptions(mosaic_forward=True)
+    q = jnp.zeros((4, 4096, 16, 128), jnp.bfloat16)  # cuDNN splits softcap + causal here
+    softcap_causal = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
+        qi >= ki, 30 * jnp.tanh(s / 30), -jnp.inf)
+    causal = lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf)  # noqa: E731
+    choice = scoremod.which_implementation(q, q, q, softcap_causal, options=on)
+    assert choice.implementation == "pallas", choice
+    assert choice.reason.startswith("pallas: it claims the forward from cudnn"), choice.reason
+    assert "cuDNN" in choice.backward and "O and LSE" in choice.backward, choice.backward
+    assert "Mosaic GPU" in choice.variant
+    for mod, options in ((causal, on), (softcap_causal, scoremod.LoweringOptions())):
+        choice = scoremod.which_implementation(q, q, q, mod, options=options)
+        assert choice.implementation == "cudnn" and choice.backward is None, choice
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.eval_shape(lambda q: scoremod.attention(q, q, q, softcap_causal, options=on), q)
+    assert h200[-1] == "pallas"

@@ -108,6 +108,17 @@ class Backend:
     def claims(self, problem, mod, options, over) -> str | None:
         return None
 
+    def claims_forward(self, problem, mod, options, over) -> str | None:
+        """Why its forward runs the call faster than ``over``'s (the backend that
+        takes it, whose backward stays: it runs on this forward's O and LSE), or
+        None. Asked where no backend ``claims`` the whole call."""
+        return None
+
+    def evaluates_mod(self, problem, mod, options) -> bool:
+        """Whether its plan evaluates the mod per score (rather than running native
+        masks or plain attention only): what a ``claims_forward`` may weigh."""
+        return mod is not None
+
     def tile_share(self, problem, mod, options) -> float | None:
         """The modelled share of the call's score tiles its kernels compute, forward
         and backward weighted 1 : 2.5 (their FLOPs), or None where it models none: what
@@ -183,6 +194,10 @@ class Call:
     # ... which the backend's forward joins in its softmax (Backend.joins_sinks: one
     # per head); else they are joined around it
     sinks_inside: bool = False
+    # The (backend, plan) whose backward runs on this forward's O and LSE where it
+    # computes what is asked (dQ, dK, dV: no operand gradient, no LSE cotangent), a
+    # faster one than the forward's backend (Backend.claims_forward); else None.
+    backward_on: tuple | None = None
 
     def on(self, problem, mod, why: str) -> "Call":
         """The same call on ``problem`` with ``mod`` (an expression-only ScoreMod),
@@ -194,8 +209,15 @@ class Call:
                 f"{self.backend.title} cannot run this call {why}: {reason}. Use "
                 "implementation=\"xla\" for it.")
         plan = self.backend.plan(problem, mod, self.plan.scale, self.options, self.return_lse)
+        backward_on = None
+        if self.backward_on is not None:  # the same split where that backend takes it too
+            other = self.backward_on[0]
+            if other.why_not(problem, mod, False, self.options) is None:
+                backward_on = (other, other.plan(problem, mod, self.plan.scale, self.options,
+                                                 True))
         return dataclasses.replace(self, plan=plan, fallback=None, forward_mode_fallback=None,
-                                   problem=problem, sinks_inside=self.sinks_inside
+                                   problem=problem, backward_on=backward_on,
+                                   sinks_inside=self.sinks_inside
                                    and sinks_inside(self.backend, plan, self.options, "head"))
 
     def refolded(self, problem, mod, why: str) -> "Call":
@@ -212,7 +234,7 @@ class Call:
     def to(self, pair) -> "Call":
         """The call on another (backend, plan) pair, a fallback, without fallbacks."""
         return dataclasses.replace(self, backend=pair[0], plan=pair[1], return_lse=True,
-                                   fallback=None, forward_mode_fallback=None,
+                                   fallback=None, forward_mode_fallback=None, backward_on=None,
                                    sinks_inside=self.sinks_inside
                                    and sinks_inside(pair[0], pair[1], self.options, "head"))
 
@@ -408,7 +430,12 @@ def _tangent_transpose(cts, *args, static, which):
         do = jnp.zeros(o.shape, o.dtype)
     n = len(operands)
     wanted = tuple(which[3:3 + n])
-    if _backward_elsewhere(call, wanted):
+    if _backward_on_other(call, wanted, dlse):
+        # The faster backward, on this forward's O and LSE. A row that sees no key has
+        # LSE -inf here; +inf gives it P = 0 on any backward (exp(s - LSE)), as its O of 0 wants.
+        call = call.to(call.backward_on)
+        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    elif _backward_elsewhere(call, wanted):
         # The fallback's backward, on this forward's O and LSE (every backward
         # takes them from any forward: the same softmax).
         call = call.to(call.fallback)
@@ -418,6 +445,16 @@ def _tangent_transpose(cts, *args, static, which):
     if sinks is not None:  # O and LSE are the final ones (with the sinks): lowering/sinks.py
         grads += (attention_sinks.gradient(o, lse, do, dlse, sinks) if which[-1] else None,)
     return [None] * (5 + n + call.sinks) + [g for g, w in zip(grads, which) if w]
+
+
+def _backward_on_other(call, wanted, dlse) -> bool:
+    """Whether ``call``'s backward runs on its ``backward_on`` backend: it has one,
+    and that backend computes what is asked (no operand gradients, no LSE
+    cotangent, gradients that repeat where those are asked for)."""
+    if call.backward_on is None or any(wanted) or dlse is not None:
+        return False
+    other = call.backward_on[0]
+    return other.repeatable_backward or not call.options.deterministic
 
 
 def _backward_elsewhere(call, wanted) -> bool:

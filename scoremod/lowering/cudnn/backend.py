@@ -83,6 +83,11 @@ class Cudnn(Backend):
     def plan(self, problem, mod, scale, options, return_lse):
         return plan_for(mod, problem, scale, options)
 
+    def evaluates_mod(self, problem, mod, options):
+        # A part with a score_mod graph (not a native mask or plain attention).
+        return mod is not None and any(part.fwd is not None
+                                       for part in plan_for(mod, problem, 1.0, options).parts)
+
     def tile_share(self, problem, mod, options):
         # The plan's blocks as its kernels walk them: a score_mod block computes every
         # tile of its rectangle, a block under cuDNN's native mask (or plain attention)

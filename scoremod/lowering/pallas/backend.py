@@ -297,6 +297,17 @@ class Pallas(Backend):
                     f"1 : 2.5), at {MOSAIC_TILE_COST:.2f}x cuDNN's time per tile")
         return None
 
+    def claims_forward(self, problem, mod, options, over):
+        # Measured forwards on the H200 (docs/performance.md): the Mosaic GPU kernels
+        # beat cuDNN's score_mod graphs (softcap + causal, ALiBi, softcap + prefix-LM)
+        # where their backward does not; off by default until the benchmarks say where.
+        if (not options.mosaic_forward or over.name != "cudnn" or decode.short(problem)
+                or not over.evaluates_mod(problem, mod, options)
+                or self.engine(problem, mod, options)[0] != "mosaic"):
+            return None
+        return ("LoweringOptions(mosaic_forward=True): the Mosaic GPU engine's forward, "
+                "for a mod cuDNN evaluates per score")
+
     def tile_share(self, problem, mod, options):
         # The kernels visit the tiles the block map keeps, forward and backward.
         if mod is None:
