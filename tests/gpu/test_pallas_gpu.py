@@ -654,3 +654,27 @@ def test_bucketed_table_learns_through_attention(hopper, route):
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 3e-2, err
     np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
+
+
+# LoweringOptions(mosaic_forward=True): the Mosaic GPU forward with cuDNN's backward
+# on its O and LSE (rows that see no key: LSE -inf there, +inf for cuDNN).
+
+@pytest.mark.parametrize("case", ["softcap_causal", "masked_rows", "alibi", "softcap"])
+def test_mosaic_forward_with_the_cudnn_backward(case, hopper):
+    """O, LSE (none: return_lse would ask the backward for its cotangent, which cuDNN
+    does not take), dQ, dK, dV against the reference path, with the route checked:
+    the forward on the Mosaic engine, the backward on cuDNN."""
+    q, k, v, do = pc.inputs(b=2, sq=1024, skv=1024, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    mod, operands = pc.traced(case, q, k)
+    on = scoremod.LoweringOptions(mosaic_forward=True, low_rank_bias=False, sms=16)
+    choice = scoremod.which_implementation(q, k, v, mod, options=on)
+    assert choice.implementation == "pallas" and "cuDNN" in (choice.backward or ""), choice
+
+    def run(impl, options, dtype):
+        f = jax.jit(lambda q, k, v: scoremod.attention(q, k, v, mod, implementation=impl,
+                                                       options=options))
+        args = [x.astype(dtype) for x in (q, k, v)]
+        o, vjp = jax.vjp(f, *args)
+        return (o, jnp.zeros((1,)), *vjp(do.astype(dtype)), ())
+
+    _check(run(None, on, jnp.bfloat16), run("xla", None, jnp.float32), jnp.bfloat16)
