@@ -32,6 +32,10 @@ the largest difference of O from the unfolded call's.
     PROBE_SKV_WINDOW=512,64 JAX_PLATFORMS=cpu python benchmarks/probes/gqa_pack_decode.py
     PROBE_ROWS=1 PROBE_MODS=window,softcap python benchmarks/probes/gqa_pack_decode.py
 
+With ``ragged`` in PROBE_MODS (not by default): softcap at one query row with
+``kv_lengths`` all SKV, every other row 1000 (the rest SKV), and all 1000, the
+bytes read being those of each row's length: whether the time follows them.
+
 With PROBE_HLO=1, each line is followed by the operations of the compiled call
 that launch work on the device (fusions, custom calls, copies: each a kernel),
 from XLA's optimized HLO: what the call runs besides the attention kernel.
@@ -153,6 +157,28 @@ def launches(compiled_text):
     return out
 
 
+def ragged(q, k, v):
+    """Softcap with kv_lengths: all SKV, every other row short, all short."""
+    short = min(1000, SKV)
+    softcap = lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0)  # noqa: E731
+    for label, lengths in (("all long", [SKV] * B), ("half short", [short, SKV] * (B // 2)),
+                           ("all short", [short] * B)):
+        lengths = jnp.asarray(lengths, jnp.int32)
+        need = 2 * int(lengths.sum()) * HKV * D * 2
+        for route, opts in (("auto", scoremod.LoweringOptions()),
+                            ("pallas", scoremod.LoweringOptions(pallas_engine="mosaic"))):
+            impl = None if route == "auto" else "pallas"
+            try:
+                f = jax.jit(lambda q, k, v, n, impl=impl, opts=opts: scoremod.attention(
+                    q, k, v, softcap, implementation=impl, options=opts, kv_lengths=n))
+                secs = timed(f, q, k, v, lengths)
+                print(f"ragged   sq=1 {route:6s} {label:10s} {secs * 1e3:.3f} ms, "
+                      f"{need / secs / 1e9:.0f} GB/s of the K and V rows' lengths", flush=True)
+            except Exception as e:
+                print(f"ragged   sq=1 {route:6s} {label:10s} failed: {type(e).__name__}: "
+                      f"{str(e)[:300]}", flush=True)
+
+
 def timed(fn, *args, reps=50):
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
@@ -227,6 +253,8 @@ def main():
                     except Exception as e:  # a route that refuses: say so, go on
                         print(f"{name:8s} sq={sq} {route:6s} {label:8s} failed: "
                               f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+        if "ragged" in MODS and sq == 1:
+            ragged(q, k, v)
         if jax.devices()[0].platform == "gpu":
             for name, r in flex_decode(sq, k, v).items():
                 keys = min(SKV, WINDOW + sq) if name == "window" else SKV
