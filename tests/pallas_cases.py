@@ -172,6 +172,10 @@ def vector_mod(name, b, hq, sq, skv):
         flags = jnp.arange(n) % 37 == 5
         return (lambda s, b, h, q, k, g: jnp.where((jnp.abs(q - k) <= 16) | g[q] | g[k], s,
                                                    -jnp.inf)), (flags,)
+    if name == "global_window_int":  # the same flags as int32, compared with 0 in the mod
+        flags = (jnp.arange(n) % 37 == 5).astype(jnp.int32)
+        return (lambda s, b, h, q, k, g: jnp.where((jnp.abs(q - k) <= 16) | (g[q] != 0)
+                                                   | (g[k] != 0), s, -jnp.inf)), (flags,)
     if name == "shifted_bias":  # an offset index, and a float vector per head along kv
         bias = jnp.asarray(np.random.default_rng(12).normal(size=(hq, n)), jnp.float32)
         return (lambda s, b, h, q, k, d, w: jnp.where(d[b, q] >= d[b, k + 1], s + w[h, k],

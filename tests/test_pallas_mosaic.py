@@ -914,6 +914,7 @@ def test_prepared_folds():
     ("document", 2, dict(sq=130, skv=190, hq=2, hkv=1, d=128), jnp.float16),
     ("document_bidirectional", 2, dict(sq=200, skv=200, hq=2, hkv=2, d=64), jnp.bfloat16),
     ("shifted_bias", 2, dict(sq=150, skv=170, hq=4, hkv=2, d=64), jnp.bfloat16),
+    ("global_window_int", 1, dict(sq=200, skv=200, hq=2, hkv=1, d=64), jnp.bfloat16),
 ])
 def test_vector_reads_interpreted(case, b, shape, dtype, interprets):
     """Mods that read captured arrays along one tile axis, forward and backward
