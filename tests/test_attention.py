@@ -728,6 +728,17 @@ def test_a_claimed_forward_keeps_the_backward_it_claims_from(monkeypatch):
     assert ran((0,), options=on.replace(deterministic=True)) == (False, False, True, True)
     assert ran((0,), options=scoremod.LoweringOptions()) == (True, True, False, False)
     assert ran((0,), impl=fused.name) == (True, True, False, False)
+    # Under jax.vmap the batched call keeps the split (both re-planned for its shapes).
+    fused.ran.clear()
+    claimer.ran.clear()
+    stack = lambda x: jnp.stack([x, 0.5 * x])  # noqa: E731
+    got = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, 0, 0, None)))(
+        stack(q), stack(k), stack(v), slopes)
+    want = jax.vmap(jax.grad(functools.partial(loss, impl="xla")), in_axes=(0, 0, 0, None))(
+        stack(q), stack(k), stack(v), slopes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
+    assert "forward" in claimer.ran and "backward" in fused.ran
+    assert "backward" not in claimer.ran and "forward" not in fused.ran
 
     choice = scoremod.which_implementation(q, k, v, lambda *a: mod(*a, slopes), options=on)
     assert choice.implementation == claimer.name
