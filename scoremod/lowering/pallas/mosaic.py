@@ -82,7 +82,7 @@ LN2 = 0.6931471805599453
 # every op of the table through the kernel and checks that exactly these fail).
 NOT_LOWERABLE = {
     **{op: f"Pallas's Mosaic GPU lowering has no rule for {op} (lax.{op}_p)"
-       for op in ("atan", "erfc", "pow")},
+       for op in ("erfc", "pow")},
     "erf": "Pallas's Mosaic GPU lowering cannot lay out erf (math.erf) on a tile",
 }
 # Ops that run on int32 only: on floats they need a remainder, which it lacks.
@@ -153,6 +153,24 @@ def _expm1(x):
     return jnp.where(jnp.abs(x) < _EXPM1_SERIES, series, jnp.exp(x) - 1.0)
 
 
+_TAN_3PI_8, _TAN_PI_8 = 2.414213562373095, 0.41421356237309503
+
+
+def _atan(x):
+    """atan(x): |x| reduced to at most tan(pi/8) (by pi/2 - atan(1/|x|) past
+    tan(3pi/8), pi/4 + atan((|x| - 1) / (|x| + 1)) between), then Cephes' odd
+    polynomial of degree 9; the sign of x (zeros, NaN) restored by a product."""
+    a = jnp.abs(x)
+    big = a > _TAN_3PI_8
+    mid = (a > _TAN_PI_8) & (a <= _TAN_3PI_8)
+    r = jnp.where(big, -1.0 / jnp.where(big, a, 1.0), jnp.where(mid, (a - 1.0) / (a + 1.0), a))
+    base = jnp.where(big, math.pi / 2, jnp.where(mid, math.pi / 4, 0.0))
+    z = r * r
+    poly = (((8.05374449538e-2 * z - 1.38776856032e-1) * z + 1.99777106478e-1) * z
+            - 3.33329491539e-1) * z * r + r
+    return (base + poly) * jnp.sign(x)
+
+
 def _integer_pow(x, n):
     """x ** n as lax.integer_pow computes it (the reciprocal of x ** -n for
     n < 0): Mosaic GPU lowers n >= 2 and n == -1 only (a derivative's n - 1)."""
@@ -178,6 +196,7 @@ TILE_RULES = {
     "log1p": _log1p,
     "expm1": _expm1,
     "tan": lambda x: jnp.sin(x) / jnp.cos(x),
+    "atan": _atan,
 }
 
 _TILE_AXES = ("q_idx", "kv_idx")
