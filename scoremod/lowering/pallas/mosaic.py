@@ -86,8 +86,8 @@ NOT_LOWERABLE = {
     "erf": "Pallas's Mosaic GPU lowering cannot lay out erf (math.erf) on a tile",
 }
 # Ops that run on int32 only: on floats they need a remainder, which it lacks.
-INT_ONLY = {op: f"Pallas's Mosaic GPU lowering has no float {what}"
-            for op, what in (("floordiv", "floor"), ("mod", "remainder"), ("rem", "remainder"))}
+INT_ONLY = {op: "Pallas's Mosaic GPU lowering has no float remainder, which float "
+                f"{what} needs" for op, what in (("floordiv", "//"), ("mod", "%"), ("rem", "rem"))}
 
 
 def _int_rem(a, b):
@@ -270,6 +270,8 @@ def _blocks_along(size, rows=_TILE_ROWS, align=_TILE_ALIGN) -> int:
     """The most blocks of ``size`` positions that ``rows`` positions from a multiple
     of ``align`` meet (the pattern repeats every lcm(size, align) positions)."""
     period = size * align // math.gcd(size, align)
+    if period // align > 1024:  # a long period (q_idx >> 20): the bound for any start
+        return (rows - 1) // size + 2
     return max((s + rows - 1) // size - s // size + 1 for s in range(0, period, align))
 
 
