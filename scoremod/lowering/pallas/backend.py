@@ -494,8 +494,7 @@ def _forward(plan, q, k, v, operands):
         sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
         o, lse = mosaic.forward(plan.mosaic_spec(), bmap, _pad(q, 1, sq), _pad(k, 1, skv),
                                 _pad(v, 1, skv), _kernel_operands(plan, operands))
-        o, lse = _join_parts(o, lse, plan.key_parts)
-        return o[:, :p.sq], lse[:, :, :p.sq]
+        return _join_parts(o, lse, plan.key_parts, p.sq)
     spec = plan.spec(plan.forward_blocks, plan.num_warps[0])
     bmap = _map(plan, plan.forward_blocks, operands)
     sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
@@ -504,15 +503,17 @@ def _forward(plan, q, k, v, operands):
     return o[:, :p.sq], lse[:, :, :p.sq]
 
 
-def _join_parts(o, lse, parts):
-    """O [B, Sq, Hq, Dv] and LSE [B, Hq, Sq] of the Mosaic forward's key parts (O
-    [B, parts * Sq, ..], LSE [B, Hq, parts * Sq]: ``mosaic.forward``), by their LSEs."""
+def _join_parts(o, lse, parts, sq):
+    """O [B, sq, Hq, Dv] and LSE [B, Hq, sq] of the Mosaic forward's key parts (O
+    [B, parts * padded Sq, ..], LSE [B, Hq, parts * padded Sq]: ``mosaic.forward``),
+    by their LSEs, the padded rows dropped first (a decode step's 4 live rows of 128
+    are all the join reads)."""
     if parts == 1:
-        return o, lse
+        return o[:, :sq], lse[:, :, :sq]
     b, rows, hq, dv = o.shape
-    sq = rows // parts
-    lse = lse.reshape(b, hq, parts, sq).transpose(0, 2, 3, 1)  # as O's rows
-    o, lse = decode.join_by_lse(o.reshape(b, parts, sq, hq, dv), lse)
+    padded = rows // parts
+    lse = lse.reshape(b, hq, parts, padded)[..., :sq].transpose(0, 2, 3, 1)  # as O's rows
+    o, lse = decode.join_by_lse(o.reshape(b, parts, padded, hq, dv)[:, :, :sq], lse)
     return o, lse.transpose(0, 2, 1)
 
 
