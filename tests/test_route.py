@@ -240,3 +240,26 @@ def test_mosaic_forward_takes_the_forward_of_score_mod_graphs(h200, monkeypatch)
         warnings.simplefilter("error")
         jax.eval_shape(lambda q: scoremod.attention(q, q, q, softcap_causal, options=on), q)
     assert h200[-1] == "pallas"
+
+
+def test_cudnn_refuses_one_query_row_with_a_captured_array(h200):
+    """cuDNN 9.19 computed ALiBi wrongly at one query row on the H200 (b8, 32 query
+    heads on 8): a call that would run one row with a captured array is refused,
+    by name naming why, and implementation=None runs it elsewhere; the fold that
+    packs a group's query heads into rows (the default) keeps it on cuDNN, and a
+    mod that reads no array is taken at one row."""
+    slopes = jnp.linspace(0.1, 0.5, 32)
+    alibi = lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)  # noqa: E731
+    softcap = lambda s, b, h, qi, ki: 30 * jnp.tanh(s / 30)  # noqa: E731
+    q = jnp.zeros((8, 1, 32, 128), jnp.bfloat16)
+    kv = jnp.zeros((8, 4096, 8, 128), jnp.bfloat16)
+    unfolded = scoremod.LoweringOptions(decode_splits=0)
+    with pytest.raises(scoremod.ScoreModError, match="wrongly at one query row"):
+        scoremod.which_implementation(q, kv, kv, alibi, implementation="cudnn", options=unfolded)
+    assert scoremod.which_implementation(q, kv, kv, alibi, options=unfolded)[0] != "cudnn"
+    assert scoremod.which_implementation(q, kv, kv, alibi, implementation="cudnn")[0] == "cudnn"
+    assert scoremod.which_implementation(q, kv, kv, softcap, implementation="cudnn",
+                                         options=unfolded)[0] == "cudnn"
+    mha = jnp.zeros((8, 4096, 32, 128), jnp.bfloat16)  # no group to pack: one row stays
+    with pytest.raises(scoremod.ScoreModError, match="wrongly at one query row"):
+        scoremod.which_implementation(q, mha, mha, alibi, implementation="cudnn")

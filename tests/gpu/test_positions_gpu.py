@@ -154,11 +154,19 @@ def test_static_position_alibi_decode_matches_the_reference(route, sq, splits, b
     bias reaches -27000), unfolded, packed and split: O and LSE against the
     reference path. The probe (2026-12-05, b8 hq32 hkv8, 32768 keys) saw cuDNN's
     unfolded and folded calls differ by 3.5 in O at one query row (agreeing at
-    four), the Pallas kernels' agree: this decides which is wrong (at 8 query heads
-    on 2 every route matched on 2026-12-06; the second case is the probe's shape)."""
+    four), the Pallas kernels' agree. On 2026-12-06 (cuDNN 9.19) cuDNN's unfolded call
+    at one row of the second shape was the wrong one (O off by 1.35); cuDNN now
+    refuses one query row with a captured array unless the fold packs rows, and
+    implementation=None takes the Pallas kernels there."""
     impl, options = ROUTES[route]
     _skip_unless_hopper(impl)
     options = (options or scoremod.LoweringOptions()).replace(decode_splits=splits)
+    if impl == "cudnn" and sq == 1 and splits == 0:
+        q = jnp.zeros((b, 1, hq, D), jnp.bfloat16)
+        with pytest.raises(scoremod.ScoreModError, match="wrongly at one query row"):
+            scoremod.attention(q, q, q, lambda s, b, h, qi, ki: s + jnp.ones(hq)[h],
+                               implementation="cudnn", options=options)
+        return
     skv = 32768
     off = skv - sq
     slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, hq + 1) / hq), jnp.float32)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from scoremod import device, kernels_ffi, support
+from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
 from scoremod.lowering import block_maps
@@ -32,6 +33,18 @@ log = logging.getLogger("scoremod")
 VALIDATED_FAMILIES = (9,)
 KNOWN_FAMILIES = (9, 10, 12)
 FUSED_DTYPES = ("float16", "bfloat16")
+
+
+# Measured on the H200 (cuDNN 9.19, 2026-12-06, benchmarks/results/2026-12-06/run_s24_call2/):
+# ALiBi decoding at one query row, b8 with 32 query heads on 8, 32768 keys, its slopes a
+# [1, 32, 1, 1] tensor: O off by 1.35 of its largest value (b2, 8 heads on 2 and four
+# query rows were right; so were the folds that pack a group's query heads into rows).
+# Which of those counts matters is not known, so every call that would run one query
+# row whose mod reads a captured array is refused.
+ONE_ROW_READS = ("cuDNN 9.19 computed a mod that reads a captured array (ALiBi's slopes) "
+                 "wrongly at one query row on the H200 (b8, 32 query heads on 8); it runs "
+                 "such a call only where grouped query heads pack into more rows "
+                 "(LoweringOptions(decode_splits) not 0); the Pallas kernels take the others")
 
 
 class Cudnn(Backend):
@@ -55,6 +68,10 @@ class Cudnn(Backend):
                 rules.check_supported(mod.expr, mod.sources)
             except ScoreModError as e:
                 return str(e)
+        if problem.sq == 1 and mod is not None and ir.operands_of(mod.expr):
+            splits = (options or lowering_options.current()).decode_splits
+            if splits == 0 or problem.hq == problem.hkv:  # not packed into more rows
+                return ONE_ROW_READS
         if problem.dtype not in FUSED_DTYPES:
             return f"the fused path takes float16 or bfloat16 inputs, got {problem.dtype}"
         d, dv = problem.d, problem.dv
