@@ -172,7 +172,7 @@ def vector_mod(name, b, hq, sq, skv):
         flags = jnp.arange(n) % 37 == 5
         return (lambda s, b, h, q, k, g: jnp.where((jnp.abs(q - k) <= 16) | g[q] | g[k], s,
                                                    -jnp.inf)), (flags,)
-    if name == "global_window_int":  # the same flags as int32, compared with 0 in the mod
+    if name == "global_window_int":  # the same flags as int32, compared with 0 (refused too)
         flags = (jnp.arange(n) % 37 == 5).astype(jnp.int32)
         return (lambda s, b, h, q, k, g: jnp.where((jnp.abs(q - k) <= 16) | (g[q] != 0)
                                                    | (g[k] != 0), s, -jnp.inf)), (flags,)

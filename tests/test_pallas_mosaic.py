@@ -101,6 +101,18 @@ def test_refusals(monkeypatch):
         (jnp.abs(qi - ki) <= 16) | flags[qi] | flags[ki], s, -jnp.inf))
     for options in (MOSAIC, TRITON):
         assert "the cause is not found yet" in why(_problem(), global_window, options)
+    # ... and so did the same flags as ints compared with 0 (on the Mosaic engine): an
+    # `or` over a read along one axis is refused; document ids compared and joined by
+    # `&` run.
+    ints = flags.astype(jnp.int32)
+    int_window = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(
+        (jnp.abs(qi - ki) <= 16) | (ints[qi] != 0) | (ints[ki] != 0), s, -jnp.inf))
+    documents = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(
+        (ints[qi] == ints[ki]) & (qi >= ki), s, -jnp.inf))
+    for options in (MOSAIC, TRITON):
+        assert "an `or` of a condition on one of q_idx or kv_idx alone" in why(
+            _problem(), int_window, options)
+        assert why(_problem(), documents, options) is None
     # An op Mosaic GPU cannot lower, and float remainders (int ones run).
     power = scoremod.trace(lambda s, b, h, qi, ki: jnp.power(jnp.abs(s) + 0.0625, s))  # its line
     assert "`pow`" in why(_problem(), power) and "test_pallas_mosaic.py" in why(_problem(), power)
@@ -917,7 +929,6 @@ def test_prepared_folds():
     ("document", 2, dict(sq=130, skv=190, hq=2, hkv=1, d=128), jnp.float16),
     ("document_bidirectional", 2, dict(sq=200, skv=200, hq=2, hkv=2, d=64), jnp.bfloat16),
     ("shifted_bias", 2, dict(sq=150, skv=170, hq=4, hkv=2, d=64), jnp.bfloat16),
-    ("global_window_int", 1, dict(sq=200, skv=200, hq=2, hkv=1, d=64), jnp.bfloat16),
 ])
 def test_vector_reads_interpreted(case, b, shape, dtype, interprets):
     """Mods that read captured arrays along one tile axis, forward and backward

@@ -389,10 +389,6 @@ _VECTOR_CASES = [
     ("document_bidirectional", 2, dict(sq=640, skv=640, hq=4, hkv=1, d=128), jnp.bfloat16),
     ("document_bidirectional", 1, dict(sq=1000, skv=777, hq=2, hkv=2, d=64), jnp.float16),
     ("shifted_bias", 2, dict(sq=300, skv=260, hq=4, hkv=2, d=128), jnp.bfloat16),
-    # Longformer's global tokens as int flags: the workaround the bool flags' refusal
-    # names (bool flags read along one tile axis came out wrong on the H200)
-    ("global_window_int", 2, dict(sq=512, skv=512, hq=4, hkv=2, d=128), jnp.bfloat16),
-    ("global_window_int", 1, dict(sq=1000, skv=1000, hq=2, hkv=1, d=64), jnp.float16),
     # reads at whole blocks of positions: a tile map per batch and head, a block bias
     ("block_map", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("block_map", 1, dict(sq=512, skv=777, hq=2, hkv=1, d=64), jnp.float16),

@@ -113,13 +113,37 @@ def kernel_operand(value, node):
 # on the H200 too (O as well, at 512 x 512), while their interpret mode matched
 # the reference. Refused on both engines until the cause is found.
 ONE_AXIS_BOOL_READ = ("a bool array read along one tile axis gave wrong results on the H200 on "
-                      "both engines (the cause is not found yet); read the flags as an int array")
+                      "both engines (the cause is not found yet)")
 
 
 def _one_axis_bool_read(node) -> bool:
     if node.op != LOAD or node.dtype != BOOL:
         return False
-    return len(ir.variables(*node.args[1:]) & {"q_idx", "kv_idx"}) == 1
+    return _one_axis_read(node)
+
+
+def _one_axis_read(node) -> bool:
+    return node.op == LOAD and len(ir.variables(*node.args[1:]) & {"q_idx", "kv_idx"}) == 1
+
+
+# The same mask with int flags compared with 0 (`(g[q_idx] != 0) | ...`, the
+# workaround the message above gave) came out wrong on the H200 on the Mosaic GPU
+# engine too (O off by 0.74 of its scale, 2026-12-06, run_s24_call2), while
+# document ids read along one axis and compared (`doc[q] == doc[kv]`, joined by
+# `&`) run right, and so do `or`s of conditions on both indices over such reads
+# (shared_prefix, vsa_topk's `.any()`, catalogue GPU runs): what the failing masks
+# share is an `or` of a condition on one index alone that reads such an array.
+ONE_AXIS_READ_UNDER_OR = ("an `or` of a condition on one of q_idx or kv_idx alone that reads "
+                          "an array along it (bool flags, or int flags compared with 0: "
+                          "Longformer's global tokens) gave wrong results on the H200 (the "
+                          "cause is not found yet); implementation=\"cudnn\" computes the "
+                          "mask ahead, implementation=\"xla\" runs it")
+
+
+def _or_over_one_axis_read(node) -> bool:
+    return node.op == "or" and any(
+        len(ir.variables(a) & {"q_idx", "kv_idx"}) == 1
+        and any(_one_axis_read(n) for n in ir.toposort(a)) for a in node.args)
 
 
 def refusal(expr, sources) -> str | None:
@@ -129,6 +153,8 @@ def refusal(expr, sources) -> str | None:
         why = NOT_LOWERABLE.get(node.op)
         if _one_axis_bool_read(node):
             why = ONE_AXIS_BOOL_READ
+        elif _or_over_one_axis_read(node):
+            why = ONE_AXIS_READ_UNDER_OR
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
         if why:
