@@ -88,7 +88,12 @@ ONE_COMPUTE_REGISTERS = 256  # the per-block-diagonal kernel's single compute wa
 # kernel's rule says (``takes_turns``); True or False for all (a probe's variants).
 TURNS = None
 # dQ in the dK/dV kernel (``dkdv(with_dq=True)``) where the plan allows it
-# (``PallasPlan.fused_dq``); off: not yet run on a GPU.
+# (``PallasPlan.fused_dq``). Off: on the H200 (2026-12-06, b4 h16 s4096 d128 bf16,
+# benchmarks/results/2026-12-06/run_s24_call1/) the fused kernel alone took longer than
+# the two it replaces (plain 2.867 ms against 1.123 + 1.667, softcap 4.473 against
+# 1.457 + 2.025, causal 2.039 against 0.672 + 1.110), and a whole call with it failed
+# under jax.jit ("No state discharge rule implemented for primitive: custom_jvp_call":
+# its global-memory ref inside the custom_jvp).
 FUSE_DQ = False
 # The block maps' (block_q, block_kv) of each kernel: a program's own rows by a streamed tile.
 DKDV_BLOCKS = (BLOCK, TILE)
