@@ -113,8 +113,7 @@ def _choose(call):
     # A call whose plan skips tiles already (a static window under cuDNN's native mask,
     # a block map): the chunks' indices depend on the batch row, which no static block
     # map reads, so the folded call would compute every tile.
-    share = None if inside else call.backend.tile_share(p, call.plan.mod, options)
-    if share is not None and share < 1.0:
+    if not inside and _skips_tiles(call.backend, p, call.plan.mod, options):
         return None
     fold = Fold(group, splits)
     mod = None if call.plan.mod is None else ScoreMod(rewrite(call.plan.mod, fold, p)[0])
@@ -127,6 +126,28 @@ def _choose(call):
     if inner.backend.why_not(folded, mod, False, inner.options) is not None:
         return None
     return fold, inner.on(folded, mod, "folded for short queries")
+
+
+def _skips_tiles(backend, p: Problem, mod, options) -> bool:
+    """Whether ``backend``'s plan of ``p`` skips tiles already (a static window under
+    cuDNN's native mask, a block map): the chunks' indices depend on the batch row,
+    which no static block map reads, so the folded call would compute every tile."""
+    share = backend.tile_share(p, mod, options)
+    return share is not None and share < 1.0
+
+
+def packs_rows(backend, p: Problem, mod, options) -> bool:
+    """Whether a call of ``p`` on ``backend`` (one that does not spread a tile's keys
+    itself) runs folded with each group's query heads packed into more query rows:
+    ``choose``'s rule, asked before the call is routed."""
+    if options.decode_splits == 0 or not short(p) or p.hq == p.hkv:
+        return False
+    if _skips_tiles(backend, p, mod, options):
+        return False
+    fold = Fold(p.hq // p.hkv, _splits(p, p.hq // p.hkv, options))
+    folded = None if mod is None else ScoreMod(rewrite(mod, fold, p)[0])
+    return backend.why_not(fold.problem(p), folded, False,
+                           options.replace(decode_splits=0)) is None
 
 
 def multiprocessors(options) -> int:

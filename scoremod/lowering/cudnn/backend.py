@@ -20,7 +20,7 @@ from scoremod import device, kernels_ffi, support
 from scoremod import options as lowering_options
 from scoremod.dsl import ir
 from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
-from scoremod.lowering import block_maps
+from scoremod.lowering import block_maps, decode
 from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.backend import Backend
 from scoremod.lowering.cudnn import rules, split, verify
@@ -43,8 +43,9 @@ FUSED_DTYPES = ("float16", "bfloat16")
 # row whose mod reads a captured array is refused.
 ONE_ROW_READS = ("cuDNN 9.19 computed a mod that reads a captured array (ALiBi's slopes) "
                  "wrongly at one query row on the H200 (b8, 32 query heads on 8); it runs "
-                 "such a call only where grouped query heads pack into more rows "
-                 "(LoweringOptions(decode_splits) not 0); the Pallas kernels take the others")
+                 "such a call only where the short-query fold packs grouped query heads "
+                 "into more rows (LoweringOptions(decode_splits) not 0, no tiles skipped "
+                 "already); the Pallas kernels take the others")
 
 
 class Cudnn(Backend):
@@ -68,10 +69,10 @@ class Cudnn(Backend):
                 rules.check_supported(mod.expr, mod.sources)
             except ScoreModError as e:
                 return str(e)
-        if problem.sq == 1 and mod is not None and ir.operands_of(mod.expr):
-            splits = (options or lowering_options.current()).decode_splits
-            if splits == 0 or problem.hq == problem.hkv:  # not packed into more rows
-                return ONE_ROW_READS
+        if (problem.sq == 1 and mod is not None and ir.operands_of(mod.expr)
+                and not decode.packs_rows(self, problem, mod,
+                                          options or lowering_options.current())):
+            return ONE_ROW_READS
         if problem.dtype not in FUSED_DTYPES:
             return f"the fused path takes float16 or bfloat16 inputs, got {problem.dtype}"
         d, dv = problem.d, problem.dv
