@@ -124,9 +124,13 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
         backend, why, warning = _choose(problem, mod, dict(verdicts), options)
     backward_on = None
     if asked is None:  # a later backend's forward, this one's backward
-        other, claim = _claimed_forward(backend, problem, mod, dict(verdicts), options)
+        other, claim = _first_claim(backend, problem, mod, dict(verdicts), options,
+                                    "claims_forward")
         if other is not None:
-            backward_on = (backend, backend.plan(problem, mod, scale, options, True))
+            # The backward stays where it computes what is asked (repeatable gradients
+            # under deterministic=True); else the claiming backend's own runs.
+            if backend.repeatable_backward or not options.deterministic:
+                backward_on = (backend, backend.plan(problem, mod, scale, options, True))
             why = (f"{other.name}: it claims the forward from {backend.name}, whose backward "
                    f"runs on its O and LSE: {claim}")
             backend = other
@@ -159,10 +163,8 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
 
 def _backward_note(backend, fallback, options, backward_on=None) -> str | None:
     if backward_on is not None:
-        other = backward_on[0]
-        if other.repeatable_backward or not options.deterministic:
-            return (f"the backward runs on {other.title}, from {backend.title}'s O and LSE "
-                    f"(gradients of captured arrays or of the LSE on {backend.title}'s own)")
+        return (f"the backward runs on {backward_on[0].title}, from {backend.title}'s O and "
+                f"LSE (gradients of captured arrays or of the LSE on {backend.title}'s own)")
     if not options.deterministic or backend.repeatable_backward:
         return None
     if fallback is None:
@@ -222,18 +224,18 @@ def _choose(problem, mod, verdicts, options):
 def _claimed(backend, problem, mod, verdicts, options):
     """``(other, reason)``: the first later backend that claims the call from
     ``backend`` and takes it; else ``(None, None)``."""
-    for other in _after(backend):
-        why = other.claims(problem, mod, options, backend)
-        if why is not None and verdicts[other.name] is None:
-            return other, f"{other.name}: it claims the call from {backend.name}: {why}"
-    return None, None
+    other, why = _first_claim(backend, problem, mod, verdicts, options, "claims")
+    if other is None:
+        return None, None
+    return other, f"{other.name}: it claims the call from {backend.name}: {why}"
 
 
-def _claimed_forward(backend, problem, mod, verdicts, options):
-    """``(other, reason)``: the first later backend that claims the forward of the
-    call from ``backend`` (whose backward stays) and takes it; else ``(None, None)``."""
+def _first_claim(backend, problem, mod, verdicts, options, claim):
+    """``(other, its reason)``: the first later backend whose ``claim`` method
+    ("claims": the whole call, "claims_forward": its forward) claims the call from
+    ``backend`` and that takes it; else ``(None, None)``."""
     for other in _after(backend):
-        why = other.claims_forward(problem, mod, options, backend)
+        why = getattr(other, claim)(problem, mod, options, backend)
         if why is not None and verdicts[other.name] is None:
             return other, why
     return None, None

@@ -448,13 +448,10 @@ def _tangent_transpose(cts, *args, static, which):
 
 
 def _backward_on_other(call, wanted, dlse) -> bool:
-    """Whether ``call``'s backward runs on its ``backward_on`` backend: it has one,
-    and that backend computes what is asked (no operand gradients, no LSE
-    cotangent, gradients that repeat where those are asked for)."""
-    if call.backward_on is None or any(wanted) or dlse is not None:
-        return False
-    other = call.backward_on[0]
-    return other.repeatable_backward or not call.options.deterministic
+    """Whether ``call``'s backward runs on its ``backward_on`` backend (whose
+    gradients repeat where those are asked for: the route sets it only then): it
+    has one, and no operand gradient or LSE cotangent is asked of it."""
+    return call.backward_on is not None and not any(wanted) and dlse is None
 
 
 def _backward_elsewhere(call, wanted) -> bool:

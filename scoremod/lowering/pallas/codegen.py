@@ -117,9 +117,7 @@ ONE_AXIS_BOOL_READ = ("a bool array read along one tile axis gave wrong results 
 
 
 def _one_axis_bool_read(node) -> bool:
-    if node.op != LOAD or node.dtype != BOOL:
-        return False
-    return _one_axis_read(node)
+    return node.dtype == BOOL and _one_axis_read(node)
 
 
 def _one_axis_read(node) -> bool:
