@@ -1155,24 +1155,27 @@ def test_offset_and_vector_reads_share_shared_memory(hopper_here, monkeypatch):
 
 
 def test_flags_along_one_tile_axis(hopper_here):
-    """Bool flags read along one tile axis are refused on both engines (wrong on
-    the H200, codegen.ONE_AXIS_BOOL_READ), naming the read and the line; as an int
-    array they run. The Mosaic backward learns arrays read per program (slopes[h])
-    and along the keys (bias[kv_idx]) next to them."""
+    """Flags read along one tile axis under an `or` are refused on both engines,
+    bool or int (wrong on the H200, codegen.ONE_AXIS_READ_UNDER_OR), naming the read
+    and the line. Read outside an `or` they run, and the Mosaic backward learns
+    arrays read per program (slopes[h]) and along the keys (bias[kv_idx]) next to
+    them."""
     q, k, v, do = pc.inputs(b=1, sq=128, skv=128, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
     flags = jnp.arange(128) % 9 == 0
     ints = flags.astype(jnp.int32)
     slopes = jnp.asarray([0.5, 0.25], jnp.float32)
     bias = jnp.linspace(-1.0, 1.0, 128)
     for options in (MOSAIC, TRITON):
-        with pytest.raises(ScoreModError, match="the cause is not found yet") as e:
-            scoremod.attention(q, k, v, lambda s, b, h, qi, ki: jnp.where(
-                flags[ki] | (qi >= ki), s, -jnp.inf), implementation="pallas", options=options)
-        assert "c0[kv_idx]" in str(e.value) and "test_pallas_mosaic.py" in str(e.value)
+        for globals_ in (lambda ki: flags[ki], lambda ki: ints[ki] != 0):
+            with pytest.raises(ScoreModError, match="the cause is not found yet") as e:
+                scoremod.attention(q, k, v, lambda s, b, h, qi, ki: jnp.where(
+                    globals_(ki) | (qi >= ki), s, -jnp.inf), implementation="pallas",
+                    options=options)
+            assert "c0[kv_idx]" in str(e.value) and "test_pallas_mosaic.py" in str(e.value)
 
     def loss(q, k, v, slopes, bias):
         mod = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
-            (ints[ki] != 0) | (qi >= ki), s + slopes[h] + bias[ki], -jnp.inf)
+            (ints[ki] != 0) & (qi >= ki), s + slopes[h] + bias[ki], -jnp.inf)
         o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
         return jnp.sum(o.astype(jnp.float32))
 
