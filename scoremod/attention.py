@@ -20,7 +20,7 @@ from scoremod.dsl import ir
 from scoremod.dsl.scoremod import ScoreMod, as_score_mod
 from scoremod.errors import ScoreModTypeError, ScoreModValueError
 from scoremod.lowering import lowrank, registry
-from scoremod.lowering import gathered
+from scoremod.lowering import gathered, paged
 from scoremod.lowering import sinks as attention_sinks
 from scoremod.lowering.backend import execute
 from scoremod.lowering.cudnn import verify as cudnn_verify
@@ -107,22 +107,28 @@ def attention(query, key, value, score_mod=None, *, scale=None, implementation=N
     """
     asked = None if implementation is None else registry.get(implementation)
     options = _options(options)
-    query, key, value, problem, mod, scale, sinks, sink_layout = _call(
+    query, key, value, table, problem, mod, scale, sinks, sink_layout = _call(
         query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page_table, runs=True)
     traced_scale = isinstance(scale, jax.core.Tracer)
     if nothing_to_compute(problem):
         return _empty_call(asked, problem, mod, traced_scale, options, return_lse, sinks)
     chosen = route(problem, mod, scale, options, implementation, return_lse, sink_layout)
     warn(chosen)
+    operands = () if chosen.mod is None else tuple(jnp.asarray(x) for x in chosen.mod.operands)
+    if table is not None and not paged.fetched(chosen, key.shape[1],
+                                               (query, key, value, operands, sinks)):
+        key, value = positions.gather_pages(key, value, table)  # the pages into rows
+        table = None
     if chosen.low_rank is not None:
-        operands = dict(zip(mod.operand_names, (jnp.asarray(x) for x in mod.operands)))
-        query, key = lowrank.augment(chosen.low_rank, query, key, operands, scale)
+        values = dict(zip(mod.operand_names, (jnp.asarray(x) for x in mod.operands)))
+        query, key = lowrank.augment(chosen.low_rank, query, key, values, scale)
     # With SCOREMOD_JAX_CACHE=1, JAX's compilation cache from the first call on any
     # backend: it keeps the Pallas kernels' compiled code (their first call is mostly that).
     process_caches.setup()
-    mod = chosen.mod
-    operands = tuple(jnp.asarray(x) for x in mod.operands) if mod is not None else ()
-    o, lse = execute(chosen.call, query, key, value, operands, sinks)
+    if table is not None:  # the kernel reads the pages through the table
+        o, lse = paged.execute(chosen.call, query, key, value, table, operands, sinks)
+    else:
+        o, lse = execute(chosen.call, query, key, value, operands, sinks)
     return (o, lse) if return_lse else o
 
 
@@ -178,29 +184,37 @@ def which_implementation(query, key, value, score_mod=None, *, scale=None, imple
     the mod has none); ``variant`` says which of the chosen backend's ways runs
     it and why, where it has several (the Pallas kernels' engine,
     ``LoweringOptions.pallas_engine``), else None; ``sinks`` says how the
-    attention sinks join the call (None without them). Only the IR and the
-    shapes are looked at; nothing is compiled or run.
+    attention sinks join the call (None without them); ``pages`` how a paged
+    cache is read (None without a ``page_table``). Only the IR and the shapes are
+    looked at; nothing is compiled or run.
     """
     options = _options(options)
-    _, _, _, problem, mod, scale, _, sink_layout = _call(
+    query, key, value, table, problem, mod, scale, sinks, sink_layout = _call(
         query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page_table, runs=False)
-    return route(problem, mod, scale, options, implementation, return_lse,
-                 sink_layout).describe()
+    chosen = route(problem, mod, scale, options, implementation, return_lse, sink_layout)
+    choice = chosen.describe()
+    if table is not None:
+        choice.pages = paged.note(chosen, key.shape[1], (query, key, value, sinks))
+    return choice
 
 
 def _call(query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page_table, runs):
-    """``(query, key, value, problem, mod, scale, sinks, sink layout)`` of a call,
-    checked: the pages gathered into rows, the positions and lengths in the mod, the
+    """``(query, key, value, page table, problem, mod, scale, sinks, sink layout)`` of
+    a call, checked: the problem of the pages gathered into rows (K and V stay
+    paged, with the table as int32, else None), the positions and lengths in the mod, the
     default scale, the sinks as float32 [batch, q_heads] and their ``sinks.layout``
     (None without sinks). ``runs``: the call is run, so
     the mod's operands must be bound and cover their index ranges."""
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     sinks_given = sinks
+    table = None
+    rows = key, value
     if page_table is not None:
-        key, value = positions.gather_pages(key, value, page_table)
+        table = positions.check_pages(key, value, page_table)
+        rows = positions.paged_rows(key, table), positions.paged_rows(value, table)
     # The inputs first: float64 ones (with x64 on) are refused for what they
     # are, before tracing the mod meets the same x64 in its literals.
-    problem = check_inputs(query, key, value)
+    problem = check_inputs(query, *rows)
     mod = as_score_mod(score_mod)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
@@ -217,7 +231,7 @@ def _call(query, key, value, score_mod, scale, sinks, q_offset, kv_lengths, page
     if sinks is not None:
         sinks = attention_sinks.check(sinks, problem)  # a shape error first
         sink_layout = attention_sinks.layout(sinks_given)
-    return query, key, value, problem, mod, scale, sinks, sink_layout
+    return query, key, value, table, problem, mod, scale, sinks, sink_layout
 
 
 def _options(options):

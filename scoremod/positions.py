@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -50,6 +51,26 @@ def gather_pages(key, value, page_table):
     """``(key, value)`` as [batch, pages_per_row * page_size, kv_heads, head_dim]
     from a paged cache ([num_pages, page_size, kv_heads, head_dim] each) and its
     int32 [batch, pages_per_row] page table."""
+    table = check_pages(key, value, page_table)
+    b, pages = table.shape
+
+    def rows(x):
+        _, page, h, d = x.shape
+        return jnp.take(x, table, axis=0, mode="clip").reshape(b, pages * page, h, d)
+
+    return rows(key), rows(value)
+
+
+def paged_rows(x, table):
+    """The shape and dtype (``jax.ShapeDtypeStruct``) of paged cache ``x`` gathered
+    into rows by ``table`` (checked: ``check_pages``)."""
+    _, page, h, d = x.shape
+    return jax.ShapeDtypeStruct((table.shape[0], table.shape[1] * page, h, d), x.dtype)
+
+
+def check_pages(key, value, page_table):
+    """``page_table`` as int32 [batch, pages_per_row], after checking it and the
+    paged cache's shapes (a ScoreModTypeError saying what is wrong)."""
     table = jnp.asarray(page_table)
     if not jnp.issubdtype(table.dtype, jnp.integer) or table.ndim != 2:
         raise ScoreModTypeError(
@@ -63,14 +84,7 @@ def gather_pages(key, value, page_table):
     if key.shape[:3] != value.shape[:3]:
         raise ScoreModTypeError(f"paged key {tuple(key.shape)} and value {tuple(value.shape)} "
                                 "must agree on pages, page size and heads")
-    b, pages = table.shape
-    table = table.astype(jnp.int32)
-
-    def rows(x):
-        _, page, h, d = x.shape
-        return jnp.take(x, table, axis=0, mode="clip").reshape(b, pages * page, h, d)
-
-    return rows(key), rows(value)
+    return table.astype(jnp.int32)
 
 
 def apply_positions(mod: ScoreMod | None, b: int, q_offset=None, kv_lengths=None):

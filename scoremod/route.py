@@ -41,6 +41,7 @@ class Choice(tuple):
         self.variant = variant
         self.sinks = sinks
         self.backward = backward  # where the backward runs, when not on the same backend
+        self.pages = None  # how a paged KV cache is read (set by which_implementation)
         return self
 
     @property

@@ -1417,3 +1417,130 @@ def test_key_parts_choice():
     assert pallas_backend.key_parts(decode, None, opts.replace(decode_splits=0)) == 1
     assert pallas_backend.key_parts(decode, None, opts.replace(decode_splits=6)) == 6
     assert pallas_backend.key_parts(prefill, None, opts.replace(decode_splits=6)) == 1
+
+
+# --------------------------------------------------------------------------- #
+# A paged KV cache read through its page table (lowering/paged.py)
+
+
+def _paged_cache(b, pages, page, hkv, d, seed=0, spare=3):
+    """K and V as rows, the same as shuffled pages of a cache with ``spare`` unused
+    pages, and the page table."""
+    rng = np.random.default_rng(seed)
+    k, v = (jnp.asarray(rng.standard_normal((b, pages * page, hkv, d)), jnp.bfloat16)
+            for _ in range(2))
+    order = rng.permutation(b * pages + spare)[:b * pages].reshape(b, pages)
+    cache = [np.zeros((b * pages + spare, page, hkv, d), np.float32) for _ in range(2)]
+    for bi in range(b):
+        for p in range(pages):
+            for c, x in zip(cache, (k, v)):
+                c[order[bi, p]] = np.asarray(x[bi, p * page:(p + 1) * page], np.float32)
+    kp, vp = (jnp.asarray(c, jnp.bfloat16) for c in cache)
+    return k, v, kp, vp, jnp.asarray(order, jnp.int32)
+
+
+def test_page_copies_and_rows():
+    """Pages nest with the 128-key tiles (a page of whole tiles, or whole swizzled
+    rows of 8 dividing a tile) or are refused; the table the kernel reads covers
+    the padded tiles with the last page and clips page numbers into the cache."""
+    assert [mosaic.page_copies(p) for p in (8, 16, 64, 128, 256, 512)] == [16, 8, 2, 1, 1, 1]
+    assert [mosaic.page_copies(p) for p in (4, 48, 96, 192)] == [None] * 4
+    table = jnp.asarray([[3, 1, 9], [0, 2, 5]], jnp.int32)
+    rows = mosaic.paged_rows(table, 64, 3 * 64, num_pages=7)  # 192 keys: 2 tiles, 4 pages
+    np.testing.assert_array_equal(rows, [[3, 1, 6, 6], [0, 2, 5, 5]])
+    rows = mosaic.paged_rows(table, 256, 3 * 256, num_pages=10)  # 768 keys: 3 pages of tiles
+    np.testing.assert_array_equal(rows, table)
+
+
+@pytest.mark.parametrize("page,pages,sq,hq", [
+    (64, 5, 1, 8),  # two pages per key tile, the last tile half past the end; heads packed
+    (128, 3, 4, 4),  # a page per tile
+    (256, 2, 130, 2),  # two tiles per page; a second query tile
+])
+def test_paged_forward_reads_the_pages_interpreted(page, pages, sq, hq, interprets, monkeypatch):
+    """On the Mosaic engine (interpret mode, the route on a faked H200) a paged call
+    reads the pages through the table, with no gathered copy of the cache: bitwise
+    the kernel's result on the gathered rows, and the reference path's within
+    bf16; its gradients (through the gathered call) reach the pages. A page read
+    from the wrong place (a permuted cache) fails it."""
+    monkeypatch.setattr(device, "current", lambda: HOPPER)
+    plan = PALLAS.plan
+    monkeypatch.setattr(type(PALLAS), "plan",
+                        lambda self, *a: dataclasses.replace(plan(*a), interpret=True))
+    b, hkv, d = 2, 2, 64
+    k, v, kp, vp, table = _paged_cache(b, pages, page, hkv, d)
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((b, sq, hq, d)), jnp.bfloat16)
+    slopes = jnp.linspace(0.1, 1.0, hq)
+    lengths = jnp.asarray([pages * page - 37, pages * page], jnp.int32)
+    kw = dict(q_offset=lengths - sq, kv_lengths=lengths, return_lse=True)
+
+    def mod(s, b, h, qi, ki):
+        return jnp.where(qi - ki <= 150, 30 * jnp.tanh(s / 30) - slopes[h] * (qi - ki) / 64,
+                         -jnp.inf)
+
+    gathers = []
+    gather = scoremod.positions.gather_pages
+    monkeypatch.setattr(scoremod.positions, "gather_pages",
+                        lambda *a: gathers.append(1) or gather(*a))
+    got = scoremod.attention(q, kp, vp, mod, implementation="pallas", options=MOSAIC,
+                             page_table=table, **kw)
+    assert gathers == []
+    rows = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC, **kw)
+    for a, c in zip(got, rows):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    want = scoremod.attention(q, k, v, mod, implementation="xla", **kw)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                               atol=2e-2)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-3)
+    moved = scoremod.attention(q, jnp.roll(kp, 1, axis=0), vp, mod, implementation="pallas",
+                               options=MOSAIC, page_table=table, **kw)
+    assert not np.allclose(np.asarray(moved[0], np.float32), np.asarray(got[0], np.float32),
+                           atol=2e-2)
+    if page != 64:
+        return
+
+    def loss(q, kp, vp, impl):
+        o, _ = scoremod.attention(q, kp, vp, mod, implementation=impl, options=MOSAIC,
+                                  page_table=table, **kw)
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    for a, c in zip(jax.grad(loss, (0, 1, 2))(q, kp, vp, "pallas"),
+                    jax.grad(loss, (0, 1, 2))(q, kp, vp, "xla")):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32),
+                                   atol=2e-2)
+
+
+def test_paged_decode_lowers_without_gathering_the_cache(hopper_here):
+    """A decode step on a paged cache on the Pallas kernels on an H200 lowers to one
+    Mosaic kernel and no gather (the kernel fetches the pages); a page size
+    that does not nest with the key tiles (96), the Triton engine, or a low-rank
+    bias appended to K gathers the pages first."""
+    q = jnp.zeros((8, 1, 32, 128), jnp.bfloat16)
+    table = jnp.arange(8 * 32, dtype=jnp.int32).reshape(8, 32)
+
+    def lowered(page, options=None, mod=lambda s, b, h, qi, ki: 30 * jnp.tanh(s / 30)):
+        kp = jnp.zeros((8 * 32, page, 8, 128), jnp.bfloat16)
+        return _lower_call(lambda q, kp, vp: scoremod.attention(
+            q, kp, vp, mod, page_table=table, implementation="pallas",
+            options=options or MOSAIC), q, kp, kp)
+
+    text = lowered(128)
+    assert _kernels(text) == {"mosaic": 1, "triton": 0} and "gather" not in text
+    kp = jnp.zeros((8 * 32, 128, 8, 128), jnp.bfloat16)
+    for options, fetches in ((MOSAIC, True), (TRITON, False)):
+        choice = scoremod.which_implementation(q, kp, kp, page_table=table,
+                                               implementation="pallas", options=options)
+        assert ("through the page table" in choice.pages) == fetches, choice.pages
+    assert "gather" in lowered(96)
+    assert "gather" in lowered(128, TRITON)
+    # K with a low-rank bias's columns appended (the Triton engine's head dims) is
+    # K's rows: the pages are gathered for it.
+    from scoremod.lowering import paged
+    from scoremod.route import route
+
+    problem = Problem(b=8, sq=1, skv=32 * 128, hq=32, hkv=8, d=128, dv=128, dtype="bfloat16")
+    chosen = route(problem, None, 0.125, MOSAIC, "pallas")
+    assert paged.fetched(chosen, 128, (q,))
+    assert not paged.fetched(dataclasses.replace(chosen, low_rank=object()), 128, (q,))
+    assert not paged.fetched(route(problem, None, 0.125, MOSAIC.replace(check_values=True),
+                                   "pallas"), 128, (q,))

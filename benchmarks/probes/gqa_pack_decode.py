@@ -36,6 +36,10 @@ With ``ragged`` in PROBE_MODS (not by default): softcap at one query row with
 ``kv_lengths`` all SKV, every other row 1000 (the rest SKV), and all 1000, the
 bytes read being those of each row's length: whether the time follows them.
 
+With ``paged`` in PROBE_MODS (not by default): the other mods named there on a
+paged cache of shuffled pages (64 and 128 keys a page), against the same call on
+the rows.
+
 With PROBE_HLO=1, each line is followed by the operations of the compiled call
 that launch work on the device (fusions, custom calls, copies: each a kernel),
 from XLA's optimized HLO: what the call runs besides the attention kernel.
@@ -179,6 +183,53 @@ def ragged(q, k, v):
                       f"{str(e)[:300]}", flush=True)
 
 
+def paged(q, k, v, sq):
+    """The mods on a paged cache (the rows' pages shuffled, page size 64 and 128):
+    ms and GB/s of the K and V bytes read, each route's O against the rows'."""
+    rng = np.random.default_rng(0)
+    offsets = jnp.full((B,), SKV - sq, jnp.int32)
+    for page in (64, 128):
+        pages = SKV // page
+        order = rng.permutation(B * pages)
+        table = jnp.asarray(order.reshape(B, pages), jnp.int32)
+        inverse = jnp.asarray(np.argsort(order), jnp.int32)  # the cache's page j: row page
+
+        def cache(x):
+            return x.reshape(B * pages, page, HKV, D)[inverse]
+
+        kp, vp = cache(k), cache(v)
+        for name in ("softcap", "window", "alibi"):
+            if name not in MODS:
+                continue
+            fn = traced_window(sq) if name == "window" else mods(SKV - sq)[name]
+            off = offsets if name == "window" else None
+            keys = min(SKV, WINDOW + sq) if name == "window" else SKV
+            need = 2 * B * keys * HKV * D * 2
+            for route, impl, opts in (("auto", None, scoremod.LoweringOptions()),
+                                      ("pallas", "pallas",
+                                       scoremod.LoweringOptions(pallas_engine="mosaic"))):
+                try:
+                    f = jax.jit(lambda q, k, v, t, fn=fn, impl=impl, opts=opts, off=off:
+                                scoremod.attention(q, k, v, fn, implementation=impl,
+                                                   options=opts, q_offset=off, page_table=t))
+                    rows = jax.jit(lambda q, k, v, fn=fn, impl=impl, opts=opts, off=off:
+                                   scoremod.attention(q, k, v, fn, implementation=impl,
+                                                      options=opts, q_offset=off))
+                    secs = timed(f, q, kp, vp, table)
+                    flat = timed(rows, q, k, v)
+                    err = float(jnp.max(jnp.abs(f(q, kp, vp, table).astype(jnp.float32)
+                                                - rows(q, k, v).astype(jnp.float32))))
+                    print(f"{name:8s} sq={sq} {route:6s} paged{page:<3d} {secs * 1e3:.3f} ms, "
+                          f"{need / secs / 1e9:.0f} GB/s of K and V (rows {flat * 1e3:.3f} ms), "
+                          f"|O - rows| {err:.2e}", flush=True)
+                    if os.environ.get("PROBE_HLO"):
+                        ops = launches(f.lower(q, kp, vp, table).compile().as_text())
+                        print(f"    {len(ops)} launches: " + "; ".join(ops), flush=True)
+                except Exception as e:
+                    print(f"{name:8s} sq={sq} {route:6s} paged{page:<3d} failed: "
+                          f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
 def timed(fn, *args, reps=50):
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
@@ -255,6 +306,8 @@ def main():
                               f"{type(e).__name__}: {str(e)[:300]}", flush=True)
         if "ragged" in MODS and sq == 1:
             ragged(q, k, v)
+        if "paged" in MODS:
+            paged(q, k, v, sq)
         if jax.devices()[0].platform == "gpu":
             for name, r in flex_decode(sq, k, v).items():
                 keys = min(SKV, WINDOW + sq) if name == "window" else SKV

@@ -154,6 +154,17 @@ class Backend:
         short-query fold (``lowering.decode``) then packs query heads only."""
         return False
 
+    def fetches_pages(self, plan, page_size: int) -> bool:
+        """Whether its forward for ``plan`` reads a paged KV cache of ``page_size``
+        keys a page through the page table itself (``paged_forward``); else the
+        pages are gathered into rows first."""
+        return False
+
+    def paged_forward(self, plan, q, key_pages, value_pages, table, operands):
+        """``(O, LSE)`` with K and V as a paged cache [num_pages, page_size, Hkv, D]
+        and ``table`` int32 [B, pages per row] (where ``fetches_pages``)."""
+        raise NotImplementedError
+
     def joins_sinks(self, plan, options) -> bool:
         """Whether its forward takes per-head sinks into its own softmax for ``plan``
         (else they join around it: ``lowering/sinks.py``'s combine). Asked through

@@ -46,15 +46,15 @@ def _err(a, b):
     return np.max(np.abs(a[fin] - b[fin]), initial=0) / (np.max(np.abs(b[fin]), initial=0) + 1e-6)
 
 
-def _paged(k, v, seed=1):
+def _paged(k, v, seed=1, page=PAGE):
     """The cache as shuffled pages, and its page table."""
-    pages = SKV // PAGE
+    pages = SKV // page
     order = np.random.default_rng(seed).permutation(B * pages).reshape(B, pages)
-    cache = [np.zeros((B * pages, PAGE, HKV, D), np.float32) for _ in range(2)]
+    cache = [np.zeros((B * pages, page, HKV, D), np.float32) for _ in range(2)]
     for b in range(B):
         for p in range(pages):
             for c, x in zip(cache, (k, v)):
-                c[order[b, p]] = np.asarray(x[b, p * PAGE:(p + 1) * PAGE], np.float32)
+                c[order[b, p]] = np.asarray(x[b, p * page:(p + 1) * page], np.float32)
     return (*(jnp.asarray(c, jnp.bfloat16) for c in cache), jnp.asarray(order, jnp.int32))
 
 
@@ -84,6 +84,43 @@ def test_decode_steps_match_the_reference(route, name, sq, paged):
     # the next step, at new positions: the same compiled call
     again = run(impl, options)
     np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(got[0]))
+
+
+@pytest.mark.parametrize("page", [64, 128, 256])
+@pytest.mark.parametrize("route", ["auto", "pallas"])
+def test_the_kernel_reads_the_pages(route, page):
+    """On Hopper a decode step on a paged cache runs the Mosaic kernel on the pages
+    (which_implementation says so): O and LSE bitwise those of the same call on the
+    rows, and its gradients (through the gathered rows) the reference path's."""
+    impl, options = ROUTES[route]
+    _skip_unless_hopper("pallas")
+    q, k, v, do = _inputs(1)
+    kp, vp, table = _paged(k, v, page=page)
+    lengths = jnp.asarray([1000, SKV, 17, 1500], jnp.int32)
+    kw = dict(q_offset=lengths - 1, kv_lengths=lengths)
+    for name in sorted(MODS):
+        choice = scoremod.which_implementation(q, kp, vp, MODS[name], implementation=impl,
+                                               options=options, page_table=table, **kw)
+        assert "through the page table" in (choice.pages or ""), (name, choice.pages)
+
+        def run(k, v, table, impl=impl, options=options):
+            return jax.jit(lambda q, k, v: scoremod.attention(
+                q, k, v, MODS[name], implementation=impl, options=options, return_lse=True,
+                page_table=table, **kw))(q, k, v)
+
+        for a, b in zip(run(kp, vp, table), run(k, v, None)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+        def grads(impl, options, k, v, table):
+            def loss(q, k, v):
+                o = scoremod.attention(q, k, v, MODS[name], implementation=impl,
+                                       options=options, page_table=table, **kw)
+                return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+        for a, b in zip(grads(impl, options, kp, vp, table), grads("xla", None, kp, vp, table)):
+            assert _err(a, b) < TOL, name
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))

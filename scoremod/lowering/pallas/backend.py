@@ -387,6 +387,18 @@ class Pallas(Backend):
     def splits_keys(self, plan):
         return plan.engine == "mosaic"
 
+    def fetches_pages(self, plan, page_size):
+        return plan.engine == "mosaic" and mosaic.page_copies(page_size) is not None
+
+    def paged_forward(self, plan, q, key_pages, value_pages, table, operands):
+        p = plan.problem
+        bmap = _map(plan, plan.forward_blocks, operands)
+        rows = mosaic.paged_rows(table, key_pages.shape[1], p.skv, key_pages.shape[0])
+        o, lse = mosaic.forward(plan.mosaic_spec(), bmap, _pad(q, 1, _padded(p.sq, mosaic.TILE_Q)),
+                                key_pages, value_pages, _kernel_operands(plan, tuple(operands)),
+                                pages=rows)
+        return _join_parts(o, lse, plan.key_parts, p.sq)
+
     def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         if dlse is None:
             dlse = jnp.zeros(lse.shape, jnp.float32)

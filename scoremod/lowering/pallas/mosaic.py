@@ -738,9 +738,37 @@ def swizzled(dtype=jnp.bfloat16):
             plgpu.SwizzleTransform(128))
 
 
-def forward(spec: MosaicSpec, bmap, q, k, v, operands):
+def page_copies(page: int) -> int | None:
+    """Copies per key tile from a paged cache of ``page`` keys a page (one where a
+    page holds whole tiles), or None where tiles and pages do not nest: a page
+    smaller than a tile must be whole rows of its swizzled tile (8) and divide it."""
+    if page % BLOCK_KV == 0:
+        return 1
+    if BLOCK_KV % page == 0 and page % 8 == 0:
+        return BLOCK_KV // page
+    return None
+
+
+def paged_rows(table, page: int, skv: int, num_pages: int):
+    """A page table [B, pages] as ``forward`` reads it: the pages of ``skv`` keys
+    padded to whole key tiles, past the table its last page (keys past ``skv``
+    are masked), page numbers clipped into the cache (as a gather clips them), int32."""
+    tiles = -(-skv // BLOCK_KV)
+    need = -(-tiles * BLOCK_KV // page)
+    table = jnp.clip(jnp.asarray(table, jnp.int32)[:, :need], 0, num_pages - 1)
+    if table.shape[1] < need:
+        table = jnp.concatenate([table, jnp.repeat(table[:, -1:], need - table.shape[1], 1)], 1)
+    return table
+
+
+def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     """O [B, Sq, Hq, Dv] (q's dtype) and LSE [B, Hq, Sq] (float32, natural log)
     on arrays padded to whole tiles (Sq to ``TILE_Q``, Skv to ``BLOCK_KV``).
+
+    With ``pages`` (int32 [B, key tiles * BLOCK_KV / page size], a paged cache's
+    table: ``paged_rows``), K and V are the cache's pages [num_pages, page size,
+    Hkv, D] and each key tile is fetched from the pages that hold it: one copy per
+    page (``page_copies``), no gathered copy of the cache in memory.
 
     Reads of captured arrays along one tile axis (``vector_reads``) come from
     arrays of their values over the whole axis (``vector_arrays``): a compute
@@ -778,8 +806,10 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                                sq, k.shape[1])
     sources, side, offsets, vectors = copied.sources, copied.side, copied.offsets, copied.arrays
     n_vec = len(vectors)
+    page = None if pages is None else k.shape[1]
+    copies = 1 if pages is None else page_copies(page)
 
-    def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, operand_refs,
+    def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, pages_ref, operand_refs,
                 vector_refs, o_ref, lse_ref, scoped):
         (qo_smem2, k_smem, v_smem, off_smem, lse_smem2, *staged), \
             (k_ready, v_ready, q_ready), (k_free, v_free), turn, (qvec_smem, kvvec_smem), \
@@ -950,17 +980,28 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             kv_head = lax.div(hi, jnp.int32(spec.groups))
 
+            def copy_keys(ref, smem, ready, start):  # one key tile, from its pages if paged
+                if pages is None:
+                    plgpu.copy_gmem_to_smem(ref.at[bi, pl.ds(start, BLOCK_KV), kv_head], smem,
+                                            ready)
+                elif page >= BLOCK_KV:  # one page holds the tile
+                    at = pages_ref[bi, lax.div(start, jnp.int32(page))]
+                    rows = pl.ds(lax.rem(start, jnp.int32(page)), BLOCK_KV)
+                    plgpu.copy_gmem_to_smem(ref.at[at, rows, kv_head], smem, ready)
+                else:  # the tile's pages, each into its rows (the barrier takes every copy)
+                    first = lax.div(start, jnp.int32(page))
+                    for j in range(copies):
+                        plgpu.copy_gmem_to_smem(ref.at[pages_ref[bi, first + j], :, kv_head],
+                                                smem.at[pl.ds(j * page, page)], ready)
+
             def fetch(step, slot, wait):
                 start = kv_start(step)
-                rows = pl.ds(start, BLOCK_KV)
                 if wait:
                     plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[slot],
-                                        k_ready.at[slot])
+                copy_keys(k_ref, k_smem.at[slot], k_ready.at[slot], start)
                 if wait:
                     plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[slot],
-                                        v_ready.at[slot])
+                copy_keys(v_ref, v_smem.at[slot], v_ready.at[slot], start)
                 # The key tile's vectors: read by the mod before the slot's v_free.
                 for src, smem, ready in zip(side["kv_idx"], kvvec_smem, kvvec_ready):
                     plgpu.copy_gmem_to_smem(vector_slice(src, start, BLOCK_KV), smem.at[slot],
@@ -990,6 +1031,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
             lax.fori_loop(jnp.maximum(count - STAGES, 0), count, drain, None)
 
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, *rest):
+        pages_ref, rest = (rest[0], rest[1:]) if pages is not None else (None, rest)
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
         o_ref, lse_ref = rest[n_ops + n_vec:]
         smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled()),
@@ -998,7 +1040,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
                 offsets.scratch(STAGES),
                 plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32)]
         smem += staging(spec, COMPUTE_WGS, BLOCK_Q, BLOCK_KV, dtype)
-        ready = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
+        ready = (plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),
+                 plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),
                  plgpu.Barrier(num_barriers=COMPUTE_WGS))
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),) * 2
         turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
@@ -1010,7 +1053,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
         diagonal = [plgpu.Barrier(num_barriers=STAGES) for _ in offsets.sources]
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref,
-                                    operand_refs, vector_refs, o_ref, lse_ref, scoped),
+                                    pages_ref, operand_refs, vector_refs, o_ref, lse_ref,
+                                    scoped),
             smem, ready, free, turn, vec_smem, vec_ready, diagonal, collective_axes="wg")
 
     # With parts, each part's O and LSE (rows part * sq + i), joined by the caller.
@@ -1022,4 +1066,4 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands):
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params(spec),
-    )(counts, blocks, full, q, k, v, *operands, *vectors)
+    )(counts, blocks, full, q, k, v, *(() if pages is None else (pages,)), *operands, *vectors)
