@@ -1496,6 +1496,14 @@ def test_paged_forward_reads_the_pages_interpreted(page, pages, sq, hq, interpre
                                options=MOSAIC, page_table=table, **kw)
     assert not np.allclose(np.asarray(moved[0], np.float32), np.asarray(got[0], np.float32),
                            atol=2e-2)
+    if page == 128:  # sinks join the paged kernel's O and LSE
+        sinks = jnp.linspace(-2.0, 3.0, hq)
+        got = scoremod.attention(q, kp, vp, mod, implementation="pallas", options=MOSAIC,
+                                 page_table=table, sinks=sinks, **kw)
+        want = scoremod.attention(q, k, v, mod, implementation="xla", sinks=sinks, **kw)
+        np.testing.assert_allclose(np.asarray(got[0], np.float32),
+                                   np.asarray(want[0], np.float32), atol=2e-2)
+        np.testing.assert_allclose(got[1], want[1], atol=1e-3)
     if page != 64:
         return
 
