@@ -206,6 +206,20 @@ def vector_mod(name, b, hq, sq, skv):
         table = jnp.asarray(np.random.default_rng(22).normal(size=(hq, -(-n // 48), -(-n // 32))),
                             jnp.float32)
         return (lambda s, b, h, q, k, t: s + t[h, q // 48, k >> 5]), (table,)
+    if name == "block_bias64":  # a float bias per block of 64 queries by 32 keys, causal
+        table = jnp.asarray(np.random.default_rng(23).normal(size=(hq, -(-n // 64), -(-n // 32))),
+                            jnp.float32)
+        return (lambda s, b, h, q, k, t: jnp.where(q >= k, s + t[h, q // 64, k >> 5], -jnp.inf)
+                ), (table,)
+    if name == "block_map_bias":  # a tile map, and a learned bias per batch, head, 128 x 128
+        rng = np.random.default_rng(24)
+        tiles = -(-n // 64)
+        keep = rng.random((b, hq, tiles, tiles)) < 0.5
+        keep[..., np.arange(tiles), np.arange(tiles)] = True
+        table = jnp.asarray(rng.normal(size=(b, hq, -(-n // 128), -(-n // 128))), jnp.float32)
+        return (lambda s, b, h, q, k, m, t: jnp.where(m[b, h, q // 64, k // 64],
+                                                      s + t[b, h, q // 128, k // 128], -jnp.inf)
+                ), (jnp.asarray(keep), table)
     if name == "relative_softcap":  # relbias's index (jax.numpy wraps negatives) under a softcap
         table = jnp.asarray(np.random.default_rng(14).normal(size=(hq, sq + skv - 1)),
                             jnp.float32)

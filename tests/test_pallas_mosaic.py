@@ -627,6 +627,41 @@ def test_backward_learns_relative_tables_interpreted(case, shape, interprets):
 
 
 @pytest.mark.parametrize("case,shape", [
+    ("block_bias64", dict(sq=200, skv=150, hq=2, hkv=1, d=64)),
+    ("block_map_bias", dict(sq=256, skv=320, hq=2, hkv=1, d=64, dtype=jnp.float16)),
+])
+def test_backward_learns_block_reads_interpreted(case, shape, interprets):
+    """Arrays read at whole blocks of a multiple of 64 queries (a bias per 64
+    queries by 32 keys under a causal mask; a bias per batch, head and 128 x 128
+    block beside a tile map the block map follows), learned: the Mosaic dK/dV
+    kernel's per-step sums in interpret mode, the steps the map skips dropped, each
+    block's keys summed and placed at the entry it reads, against the reference
+    path; no Triton kernel; twice the same bits."""
+    def on_mosaic(plan, learned):
+        assert plan.backward_engine == "mosaic" and plan.triton_operands == (), plan.describe()
+
+    _learns_interpreted_twice(case, shape, on_mosaic)
+
+
+def test_block_reads_learned_past_the_step_sums_bound_go_to_triton(monkeypatch):
+    """Reads at blocks of 48 queries (a step's 64 meet two), and any block read whose
+    per-step sums pass MAX_STEP_SUMS, are learned by the Triton backward, saying why."""
+    monkeypatch.setattr(device, "current", lambda: HOPPER)
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    q = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
+    for case, bound, refused in (("block_bias64", None, False), ("block_bias", None, True),
+                                 ("block_bias64", 1000, True)):
+        if bound is not None:
+            monkeypatch.setattr(pallas_backend, "MAX_STEP_SUMS", bound)
+        mod, _ = pc.traced_vector_mod(case, q, q)
+        plan = PALLAS.plan(Problem.of(q, q, q), mod, 0.125, MOSAIC, True)
+        assert plan.backward_engine == "mosaic"
+        assert bool(plan.triton_operands) == refused, (case, plan.triton_operands)
+        if bound is not None:
+            assert "past 1000" in plan.triton_operands[0][1]
+
+
+@pytest.mark.parametrize("case,shape", [
     ("shifted_bias", dict(sq=130, skv=190, hq=4, hkv=2, d=64)),
     ("key_chunks", dict(sq=100, skv=150, hq=2, hkv=1, d=128, dtype=jnp.float16)),
     ("query_scale", dict(sq=200, skv=136, hq=4, hkv=2, d=64)),

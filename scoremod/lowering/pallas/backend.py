@@ -365,7 +365,8 @@ class Pallas(Backend):
             if backward_note is None:  # its tiles are fixed by its warpgroups too
                 backward_engine = "mosaic"
                 bwd = (mosaic_backward.TILE, mosaic_backward.TILE)  # the padding's
-                triton_operands, diagonal_operands = _mosaic_unlearnable(mod, full_expr)
+                triton_operands, diagonal_operands = _mosaic_unlearnable(mod, full_expr,
+                                                                         problem)
             elif not interpret and support.pallas_triton_missing():
                 backward_engine = None  # the backward refuses, saying why (_backward)
         return PallasPlan(
@@ -449,18 +450,34 @@ def _mosaic_backward_refusal(mod, full_expr):
     return why
 
 
-def _mosaic_unlearnable(mod, full_expr) -> tuple:
+# The most float32 entries of the dK/dV kernel's per-step sums of reads at whole blocks
+# ([B, Hq, reads, Sq / 64, Skv]: 512 MiB); past it those gradients take the Triton backward.
+MAX_STEP_SUMS = 1 << 27
+
+
+def _mosaic_unlearnable(mod, full_expr, problem) -> tuple:
     """``(((name, why), ...), diagonal names)``: the float operands of ``mod`` whose
     gradients the Mosaic GPU backward cannot compute (``learning_refusal``, and
-    not read at q_idx - kv_idx alone: ``diagonal_refusal``), and those read there,
-    which its per-block-diagonal kernel sums."""
+    not read at q_idx - kv_idx alone: ``diagonal_refusal``; reads at whole blocks
+    whose per-step sums would pass ``MAX_STEP_SUMS``), and those read at q_idx -
+    kv_idx, which its per-block-diagonal kernel sums."""
     out, diagonal = [], []
     exprs = [mod.expr] + ([full_expr] if full_expr is not None else []) if mod else []
-    for name, node in zip(mod.operand_names, mod.operand_nodes) if mod is not None else ():
+    names = mod.operand_names if mod is not None else ()
+    blocks = mosaic_backward.block_loads(mod.expr, names) if mod is not None else ()
+    step_sums = (problem.b * problem.hq * len(blocks) * -(-problem.sq // mosaic_backward.BLOCK)
+                 * problem.skv)
+    for name, node in zip(names, mod.operand_nodes if mod is not None else ()):
         if node.dtype != ir.F32:
             continue
         why = next((w for e in exprs
                     if (w := mosaic_backward.learning_refusal(e, name, mod.sources))), None)
+        if why is None and step_sums > MAX_STEP_SUMS and any(
+                n.args[0].attr[0] == name for n in blocks):
+            why = (f"its sums of a read at whole blocks per {mosaic_backward.BLOCK} queries "
+                   f"and key would take {step_sums} float32 entries, past {MAX_STEP_SUMS}")
+            out.append((name, why))
+            continue
         if why is None:
             continue
         if all(mosaic_backward.diagonal_refusal(e, name, mod.sources) is None for e in exprs):
@@ -638,14 +655,78 @@ def _place(values, members):
 
 
 def _along_axes(plan) -> tuple:
-    """The learned operands with a read along the keys or the queries
-    (``mosaic_backward.along_keys``, ``along_queries``)."""
+    """The learned operands with a read along the keys or the queries, or at whole
+    blocks (``mosaic_backward.along_keys``, ``along_queries``, ``along_blocks``):
+    placed per position, not summed in a program's row."""
     if plan.mod is None:
         return ()
     return tuple(dict.fromkeys(
         n.args[0].attr[0] for n in mosaic_backward.learned_loads(
             plan.mod.expr, plan.mod.operand_names)
-        if mosaic_backward.along_keys(n) or mosaic_backward.along_queries(n)))
+        if mosaic_backward.along_keys(n) or mosaic_backward.along_queries(n)
+        or mosaic_backward.along_blocks(n)))
+
+
+def _visited_steps(kv_map, nq):
+    """bool [Bm, Hm, nq, key tiles]: whether the dK/dV kernel's program of each key
+    tile runs the step of each query block (its map's lists; a max over a scatter of
+    flags: the same on every run)."""
+    bm, hm, nk = kv_map.kv_counts.shape
+    valid = jnp.arange(kv_map.kv_blocks.shape[-1])[None, None, None, :] < \
+        kv_map.kv_counts[..., None]
+    idx = (jnp.arange(bm)[:, None, None, None], jnp.arange(hm)[None, :, None, None],
+           kv_map.kv_blocks, jnp.arange(nk)[None, None, :, None])
+    return jnp.zeros((bm, hm, nq, nk), bool).at[idx].max(valid)
+
+
+def _block_parts(plan, spec, steps, kv_map, windows) -> dict:
+    """The partial rows [B, Hq, 1, window] of the reads at whole blocks
+    (``mosaic_backward.block_loads``) of each learned operand (``windows``), from
+    the dK/dV kernel's per-step sums ``steps`` [B, Hq, reads, Sq / BLOCK, Skv]: the
+    steps the map did not run dropped, each block's keys summed, and each
+    (query block, key block)'s total placed at the position its read takes there
+    (the index evaluated when tracing; a gather and a sum in a fixed order)."""
+    p = plan.problem
+    blk = mosaic_backward.BLOCK
+    b, hq, _, _, skv = steps.shape
+    nq = kv_map.block_counts[0]  # the map's query blocks (the arrays may be padded further)
+    visited = _visited_steps(kv_map, nq)  # [Bm, Hm, nq, key tiles]
+    visited = jnp.repeat(visited, skv // visited.shape[-1], axis=-1)[:, :, None]
+    steps = jnp.where(visited, steps[:, :, :, :nq], 0.0)
+    loads = mosaic_backward.block_loads(spec.expr, spec.learned)
+    parts = {}
+    for name, axes, size in windows:
+        part = None
+        for r, node in enumerate(loads):
+            if node.args[0].attr[0] != name:
+                continue
+            u = mosaic.block_sizes(node)["kv_idx"]
+            n_q, n_k = -(-p.sq // blk), -(-p.skv // u)
+            x = jnp.pad(steps[:, :, r, :n_q, :p.skv], [(0, 0)] * 3 + [(0, n_k * u - p.skv)])
+            totals = x.reshape(b, hq, n_q, n_k, u).sum(-1).reshape(b, hq, n_q * n_k)
+            at = _grid_positions(node, axes, np.arange(n_q) * blk, np.arange(n_k) * u, p.b, p.hq)
+            members = _members(at, size, n_q * n_k, f"`{format_expr(node)}`", "blocks")
+            total = _place(totals, members)
+            part = total if part is None else part + total
+        if part is not None:
+            parts[name] = part
+    return parts
+
+
+def _grid_positions(read, axes, qs, ks, b, hq):
+    """int [Bx, Hx, len(qs) * len(ks)]: the flat position along ``axes`` that
+    ``read`` takes at each (query, key) of the grid, queries major, clamped as reads
+    clamp; Bx, Hx 1 where it does not read b, h."""
+    used = ir.variables(*read.args[1:])
+    grid = {"q_idx": np.asarray(qs, np.int32)[None, None, :, None],
+            "kv_idx": np.asarray(ks, np.int32)[None, None, None, :],
+            "b": np.arange(b if "b" in used else 1, dtype=np.int32)[:, None, None, None],
+            "h": np.arange(hq if "h" in used else 1, dtype=np.int32)[None, :, None, None]}
+    with jax.ensure_compile_time_eval():
+        index = codegen.evaluate_tile(list(read.args[1:]), grid, {})
+        flat = codegen.flat_index(read, index, axes)
+        shape = (grid["b"].shape[0], grid["h"].shape[1], len(qs), len(ks))
+        return np.broadcast_to(np.asarray(flat), shape).reshape(shape[0], shape[1], -1)
 
 
 def _position_parts(plan, loads, sums, windows) -> dict:
@@ -770,9 +851,9 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
             dq, query_sums = mosaic_backward.dq(
                 mspec, _map(plan, mosaic_backward.DQ_BLOCKS, operands), qp, kp, vp, dop, lse2,
                 deltap, kops)
-        dk, dv, sums, fused_dq = mosaic_backward.dkdv(
-            mspec, _map(plan, mosaic_backward.DKDV_BLOCKS, operands), qp, kp, vp, dop, lse2,
-            deltap, kops, with_dq=fused)
+        kv_map = _map(plan, mosaic_backward.DKDV_BLOCKS, operands)
+        dk, dv, sums, fused_dq, step_sums = mosaic_backward.dkdv(
+            mspec, kv_map, qp, kp, vp, dop, lse2, deltap, kops, with_dq=fused)
         if fused:
             dq = fused_dq.astype(q.dtype)
         parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, per_key)
@@ -783,6 +864,10 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
                 continue
             loads = along(mspec.expr, mspec.learned)
             for name, part in _position_parts(plan, loads, found, per_key).items():
+                parts[name] = (parts[name].sum(2, keepdims=True) + part if name in parts
+                               else part)
+        if step_sums is not None:  # reads at whole blocks: the dK/dV kernel's steps
+            for name, part in _block_parts(plan, mspec, step_sums, kv_map, per_key).items():
                 parts[name] = (parts[name].sum(2, keepdims=True) + part if name in parts
                                else part)
         if diagonal:

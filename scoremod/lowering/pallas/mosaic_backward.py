@@ -172,10 +172,29 @@ def along_queries(node) -> bool:
     return _along(node, "q_idx")
 
 
+def along_blocks(node) -> bool:
+    """Whether read ``node`` is at whole blocks of positions (``mosaic.block_sizes``)
+    of a multiple of ``BLOCK`` queries, with an index of the positions alone
+    (``table[h, q_idx // 64, kv_idx // 64]``): each step of the dK/dV kernel (its
+    ``BLOCK`` queries) lies in one block row, so its cotangents summed over the
+    step's queries, per key, are what the backend places."""
+    if mosaic.read_axis(node) != mosaic.BLOCKS or any(
+            n.op == ir.OPERAND for i in node.args[1:] for n in ir.toposort(i)):
+        return False
+    return mosaic.block_sizes(node)["q_idx"] % BLOCK == 0
+
+
 def key_loads(expr, names) -> tuple:
     """The ``learned_loads`` whose cotangents the dK/dV kernel sums per key (those
     at one position per program, and those along the keys)."""
-    return tuple(n for n in learned_loads(expr, names) if not along_queries(n))
+    return tuple(n for n in learned_loads(expr, names)
+                 if not along_queries(n) and not along_blocks(n))
+
+
+def block_loads(expr, names) -> tuple:
+    """The ``learned_loads`` at whole blocks (``along_blocks``): the dK/dV kernel
+    writes their cotangents summed per step and key."""
+    return tuple(n for n in learned_loads(expr, names) if along_blocks(n))
 
 
 def query_loads(expr, names) -> tuple:
@@ -190,12 +209,12 @@ def learning_refusal(expr, name, sources) -> str | None:
     loads = learned_loads(expr, (name,))
     for node in loads:
         if not (ir.variables(*node.args[1:]) <= {"b", "h"} or along_keys(node)
-                or along_queries(node)):
+                or along_queries(node) or along_blocks(node)):
             where = ir.source_of(node, expr, sources)
             return (f"it sums the gradients of reads at indices built from b, h and constants, "
-                    f"and of reads along the keys or the queries at positions known when "
-                    f"tracing; `{format_expr(node)}`{' at ' + where if where else ''} is "
-                    f"neither")
+                    f"of reads along the keys or the queries, and of reads at whole blocks of "
+                    f"a multiple of {BLOCK} queries, at positions known when tracing; "
+                    f"`{format_expr(node)}`{' at ' + where if where else ''} is none of these")
     for local in load_derivatives(expr, loads):
         why = mosaic.refusal(local, sources, advice=False)
         if why:
@@ -550,8 +569,11 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     """Per query head dK, dV [B, Skv, Hq, D] (q's dtype, or float32 where query
     heads share key heads) on arrays padded to whole tiles (``TILE``), the
     sums of the cotangents of the reads of ``spec.learned`` (``key_loads``) per key [B, Hq, reads,
-    Skv] (float32; None without such reads), and with ``with_dq`` dQ too (else None):
-    float32 [B, Sq, Hq, D]. ``bmap``: the block map at ``DKDV_BLOCKS``; ``lse2``: the LSE in
+    Skv] (float32; None without such reads), with ``with_dq`` dQ too (else None):
+    float32 [B, Sq, Hq, D], and the cotangents of the reads at whole blocks
+    (``block_loads``) summed over each step's ``BLOCK`` queries, per key: float32
+    [B, Hq, reads, Sq / BLOCK, Skv], written only where the map visits that step's
+    tile (None without such reads). ``bmap``: the block map at ``DKDV_BLOCKS``; ``lse2``: the LSE in
     log2 units, +inf on rows that see no key; ``delta``: D [B, Hq, Sq].
 
     A program owns ``TILE`` keys, ``BLOCK`` per compute warpgroup; both take each
@@ -580,6 +602,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     vectors = _Vectors(spec, operands, b, hq, sq, skv, own="kv_idx")
     n_vec = len(vectors.arrays)
     loads = key_loads(spec.expr, spec.learned)
+    blocks = block_loads(spec.expr, spec.learned)
     turns_on = takes_turns(spec, "dkdv")
     dq_acc = None  # with_dq: dQ's float32 sums in global memory (set in ``run``)
     # Each warpgroup adds half of dQ's columns where a half is whole swizzled tiles
@@ -587,17 +610,19 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     dq_cols = d // COMPUTE_WGS if d // COMPUTE_WGS % 64 == 0 else d
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, operand_refs, vector_refs, dk_ref, dv_ref, sums_ref, scoped):
+                delta_ref, operand_refs, vector_refs, dk_ref, dv_ref, sums_ref, steps_ref,
+                scoped):
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *out_smem2), \
             (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, turn, \
             (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem, dq_scoped, \
-            staging = scoped
+            staging, steps_smem = scoped
         if with_dq:  # dK and dV leave through the memory dS and dQ used
             (ds_smem, dq_smem), out_smem2 = dq_scoped[0]
         else:
             out_smem2 = out_smem2[0]
         sums_smem = sums_smem[0] if sums_smem else None  # with learned reads only
         staging = staging[0] if staging else None  # interpret mode's
+        steps_smem = steps_smem[0] if steps_smem else None  # with reads at whole blocks
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
         kv_head = lax.div(hi, jnp.int32(spec.groups))
@@ -662,6 +687,19 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
                         plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[bi, rows, hi, cols],
                                                 reduction_op="add")
 
+            def put_steps(step, totals):  # the block reads' sums over this step's queries
+                slot = lax.rem(step, 2)
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's last copy read it
+                for r, total in enumerate(totals):
+                    steps_smem.at[wg, slot, r][...] = total
+                plgpu.commit_smem()
+                i = lax.div(q_start(step), jnp.int32(BLOCK))
+                for r in range(len(totals)):
+                    plgpu.copy_smem_to_gmem(steps_smem.at[wg, slot, r],
+                                            steps_ref.at[bi, hi, r, i, pl.ds(k0, BLOCK)],
+                                            commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+
             def step_fn(step, carry):
                 dk, dv, sums = carry
                 slot = lax.rem(step, STAGES)
@@ -684,8 +722,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
                     value, local, *terms = _tile_terms(
                         spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK), origin=(q0, k0),
                         keys_down=True, reads=vectors.tile(own_vectors, vec_smem, slot, wg),
-                        loads=loads)
-                    terms = terms[0] if loads else ()  # the learned reads' cotangents at dP = 1
+                        loads=loads + blocks)
+                    terms = terms[0] if loads + blocks else ()  # the reads' cotangents at dP = 1
                     lse = plgpu.load(lse_smem.at[slot], layout=along_q)
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [1]))
                     return p, local, terms, dp_acc[...]
@@ -695,8 +733,12 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
                 plgpu.barrier_wait(delta_ready.at[slot])
                 dd = plgpu.load(delta_smem.at[slot], layout=along_q)
                 ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [1]))
-                # Each learned read's cotangent, summed over the tile's queries (per key).
+                # Each learned read's cotangent, summed over the tile's queries (per key):
+                # over the loop for the reads per key, for this step for those at blocks.
                 sums = tuple(acc + (term * ds).sum(axis=1) for acc, term in zip(sums, terms))
+                if blocks:
+                    put_steps(step, tuple((term * ds).sum(axis=1)
+                                          for term in terms[len(loads):]))
                 if local is not None:
                     ds = ds * local
                 if not turns.on:  # with turns, the scale multiplies dK or dQ at the end
@@ -756,7 +798,9 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
-        dk_ref, dv_ref, *sums_ref = rest[n_ops + n_vec:]
+        dk_ref, dv_ref, *more = rest[n_ops + n_vec:]
+        sums_ref = more.pop(0) if loads else None
+        steps_ref = more.pop(0) if blocks else None
         swizzled = mosaic.swizzled()
         own = plgpu.SMEM((COMPUTE_WGS, BLOCK, d), dtype, transforms=swizzled)
         streamed = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=swizzled)
@@ -779,25 +823,34 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
             [plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),
              plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),
              plgpu.Barrier(num_arrivals=COMPUTE_WGS)]]
+        # The block reads' per-step sums, two slots a warpgroup (one being copied out).
+        steps_smem = ([plgpu.SMEM((COMPUTE_WGS, 2, len(blocks), BLOCK), jnp.float32)]
+                      if blocks else [])
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
                                     lse_ref, delta_ref, operand_refs, vector_refs, dk_ref,
-                                    dv_ref, sums_ref[0] if sums_ref else None, scoped),
+                                    dv_ref, sums_ref, steps_ref, scoped),
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), *vectors.scratch(),
             sums_smem, dq_scoped, mosaic.staging(spec, 2 * COMPUTE_WGS, BLOCK, BLOCK, dtype),
-            collective_axes="wg")
+            steps_smem, collective_axes="wg")
 
     out = jax.ShapeDtypeStruct((b, skv, hq, d), out_dtype)
     sums = (jax.ShapeDtypeStruct((b, hq, len(loads), skv), jnp.float32),) if loads else ()
+    if blocks:
+        sums += (jax.ShapeDtypeStruct((b, hq, len(blocks), sq // BLOCK, skv), jnp.float32),)
     kernel = plgpu.kernel(
         entry, out_type=(out, out) + sums, grid=(hq, skv // TILE, b),
         grid_names=("heads", "kv_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec))
     args = (counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
+    def learned(outs):  # (per key sums or None, per step sums or None)
+        extra = list(outs[2:])
+        return (extra.pop(0) if loads else None), (extra.pop(0) if blocks else None)
+
     if not with_dq:
         outs = kernel(*args)
-        return outs[0], outs[1], (outs[2] if loads else None), None
+        return outs[0], outs[1], learned(outs)[0], None, learned(outs)[1]
 
     @jax.jit  # (a reference in global memory lives inside a jit only)
     def run(*args):
@@ -814,7 +867,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
         return outs, dq
 
     outs, dq = run(*args)
-    return outs[0], outs[1], (outs[2] if loads else None), dq
+    return outs[0], outs[1], learned(outs)[0], dq, learned(outs)[1]
 
 
 def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
