@@ -806,6 +806,10 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                                sq, k.shape[1])
     sources, side, offsets, vectors = copied.sources, copied.side, copied.offsets, copied.arrays
     n_vec = len(vectors)
+    # A call whose live rows fit one compute warpgroup (a decode step's packed rows) runs
+    # one: a second would only multiply padding rows, as long as the first.
+    wgs = 1 if spec.sq <= BLOCK_Q else COMPUTE_WGS
+    turns = wgs > 1  # the compute warpgroups alternate on the tensor cores
     page = None if pages is None else k.shape[1]
     copies = 1 if pages is None else page_copies(page)
 
@@ -842,10 +846,11 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
             return blocks_ref[mb, mh, tile, step + first] * BLOCK_KV
 
         def take_turn():  # the two compute warpgroups alternate on the tensor cores
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
+            if turns:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
 
-        @pl.when(wg < COMPUTE_WGS)
+        @pl.when(wg < wgs)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
@@ -941,9 +946,11 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                 p = p.astype(dtype)
                 # Keep the softmax ahead of the turn's barriers (the order matters for speed).
                 acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
-                plgpu.barrier_arrive(turn)
+                if turns:
+                    plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)
+                if turns:
+                    plgpu.barrier_wait(turn)
 
                 def products(acc_refs):
                     plgpu.wgmma(acc_refs[0], left_operand(spec, p, staged, wg), v_smem.at[slot])
@@ -975,7 +982,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, hi, out_rows])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WGS)
+        @pl.when(wg == wgs)
         def _memory():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             kv_head = lax.div(hi, jnp.int32(spec.groups))
@@ -1034,21 +1041,21 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
         pages_ref, rest = (rest[0], rest[1:]) if pages is not None else (None, rest)
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
         o_ref, lse_ref = rest[n_ops + n_vec:]
-        smem = [plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), dtype, transforms=swizzled()),
+        smem = [plgpu.SMEM((wgs, BLOCK_Q, d), dtype, transforms=swizzled()),
                 plgpu.SMEM((STAGES, BLOCK_KV, d), dtype, transforms=swizzled()),
                 plgpu.SMEM((STAGES, BLOCK_KV, dv), dtype, transforms=swizzled()),
                 offsets.scratch(STAGES),
-                plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32)]
-        smem += staging(spec, COMPUTE_WGS, BLOCK_Q, BLOCK_KV, dtype)
+                plgpu.SMEM((wgs, BLOCK_Q), jnp.float32)]
+        smem += staging(spec, wgs, BLOCK_Q, BLOCK_KV, dtype)
         ready = (plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),
                  plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),
-                 plgpu.Barrier(num_barriers=COMPUTE_WGS))
-        free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),) * 2
-        turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+                 plgpu.Barrier(num_barriers=wgs))
+        free = (plgpu.Barrier(num_arrivals=wgs, num_barriers=STAGES),) * 2
+        turn = plgpu.Barrier(num_arrivals=wgs)
         kernel_dtype = {src: vectors[sources.index(src)].dtype for src in sources}
-        vec_smem = ([plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), kernel_dtype[s]) for s in side["q_idx"]],
+        vec_smem = ([plgpu.SMEM((wgs, BLOCK_Q), kernel_dtype[s]) for s in side["q_idx"]],
                     [plgpu.SMEM((STAGES, BLOCK_KV), kernel_dtype[s]) for s in side["kv_idx"]])
-        vec_ready = ([plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in side["q_idx"]],
+        vec_ready = ([plgpu.Barrier(num_barriers=wgs) for _ in side["q_idx"]],
                      [plgpu.Barrier(num_barriers=STAGES) for _ in side["kv_idx"]])
         diagonal = [plgpu.Barrier(num_barriers=STAGES) for _ in offsets.sources]
         pl.run_scoped(
@@ -1063,7 +1070,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     return plgpu.kernel(
         entry, out_type=out_type, grid=(hq, n_tiles * parts, b),
         grid_names=("heads", "q_seq", "batch"),
-        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params(spec),
     )(counts, blocks, full, q, k, v, *(() if pages is None else (pages,)), *operands, *vectors)
