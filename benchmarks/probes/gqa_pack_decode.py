@@ -230,6 +230,17 @@ def paged(q, k, v, sq):
                           f"{type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
+def two_warpgroups(q, k, v, fn, impl, opts):
+    """The call with ``mosaic.SHORT_ONE_WARPGROUP`` off while it is traced."""
+    from scoremod.lowering.pallas import mosaic
+
+    mosaic.SHORT_ONE_WARPGROUP = False
+    try:
+        return scoremod.attention(q, k, v, fn, implementation=impl, options=opts)
+    finally:
+        mosaic.SHORT_ONE_WARPGROUP = True
+
+
 def timed(fn, *args, reps=50):
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
@@ -267,6 +278,10 @@ def main():
                     variants.append((label, opts, lambda q, k, v, fn=fn, impl=impl, opts=opts:
                                      scoremod.attention(q, k, v, fn, implementation=impl,
                                                         options=opts)))
+                if impl:  # the Mosaic forward's packed rows on two compute warpgroups
+                    opts = scoremod.LoweringOptions(**engine)
+                    variants.append(("2wg", opts, lambda q, k, v, fn=fn, impl=impl, opts=opts:
+                                     two_warpgroups(q, k, v, fn, impl, opts)))
                 if name == "window":
                     opts = scoremod.LoweringOptions(decode_splits=0, **engine)
                     c = SKV // 8
@@ -283,8 +298,9 @@ def main():
                 for label, opts, f in variants:
                     try:
                         jf = jax.jit(f)
-                        if label in ("dropped8", "traced"):
-                            chosen = "by hand" if label == "dropped8" else "q_offset"
+                        if label in ("dropped8", "traced", "2wg"):
+                            chosen = {"dropped8": "by hand", "traced": "q_offset",
+                                      "2wg": "two compute warpgroups"}[label]
                         else:
                             choice = scoremod.which_implementation(q, k, v, fn, implementation=impl,
                                                                    options=opts)

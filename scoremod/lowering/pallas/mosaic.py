@@ -68,6 +68,9 @@ COMPUTE_WGS = 2
 TILE_Q = BLOCK_Q * COMPUTE_WGS  # query rows per program: the block map's query block
 BLOCK_KV = 128  # keys per tile: the block map's key block
 STAGES = 2  # key/value tiles in flight
+# A call of at most BLOCK_Q live rows (a decode step's packed rows) runs one compute
+# warpgroup (not yet measured against two on the H200: gqa_pack_decode's "2wg" rows).
+SHORT_ONE_WARPGROUP = True
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 # Registers per thread: compute warpgroups take what the memory warpgroup gives up.
@@ -808,7 +811,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     n_vec = len(vectors)
     # A call whose live rows fit one compute warpgroup (a decode step's packed rows) runs
     # one: a second would only multiply padding rows, as long as the first.
-    wgs = 1 if spec.sq <= BLOCK_Q else COMPUTE_WGS
+    wgs = 1 if SHORT_ONE_WARPGROUP and spec.sq <= BLOCK_Q else COMPUTE_WGS
     turns = wgs > 1  # the compute warpgroups alternate on the tensor cores
     page = None if pages is None else k.shape[1]
     copies = 1 if pages is None else page_copies(page)
