@@ -1587,3 +1587,27 @@ def test_paged_decode_lowers_without_gathering_the_cache(hopper_here):
     assert not paged.fetched(dataclasses.replace(chosen, low_rank=object()), 128, (q,))
     assert not paged.fetched(route(problem, None, 0.125, MOSAIC.replace(check_values=True),
                                    "pallas"), 128, (q,))
+
+
+def test_paged_forward_under_vmap_runs_the_gathered_call(interprets, monkeypatch):
+    """Under jax.vmap a paged call on the Mosaic engine runs the gathered call (its
+    pipeline folds the mapped axes into the batch), not the kernel on the pages:
+    each mapped query batch's O equals its own call's within bf16."""
+    monkeypatch.setattr(device, "current", lambda: HOPPER)
+    plan = PALLAS.plan
+    monkeypatch.setattr(type(PALLAS), "plan",
+                        lambda self, *a: dataclasses.replace(plan(*a), interpret=True))
+    k, v, kp, vp, table = _paged_cache(2, 2, 128, 1, 64)
+    qs = jnp.asarray(np.random.default_rng(2).standard_normal((3, 2, 1, 4, 64)), jnp.bfloat16)
+    mod = lambda s, b, h, qi, ki: 30 * jnp.tanh(s / 30)  # noqa: E731
+    gathers = []
+    gather = scoremod.positions.gather_pages
+    monkeypatch.setattr(scoremod.positions, "gather_pages",
+                        lambda *a: gathers.append(1) or gather(*a))
+    got = jax.vmap(lambda q: scoremod.attention(q, kp, vp, mod, implementation="pallas",
+                                                options=MOSAIC, page_table=table))(qs)
+    assert gathers, "the vmap rule did not run the gathered call"
+    for i in range(3):
+        want = scoremod.attention(qs[i], k, v, mod, implementation="xla")
+        np.testing.assert_allclose(np.asarray(got[i], np.float32), np.asarray(want, np.float32),
+                                   atol=2e-2)

@@ -9,8 +9,9 @@ itself (``Backend.fetches_pages``: the Pallas kernels' Mosaic GPU engine),
 :func:`execute` runs it on the pages, the short-query fold packing the query
 heads as for any call. Its gradients (a decode step is rarely differentiated)
 are those of the same call on the gathered rows, through the one pipeline,
-and reach the pages by the gather's transpose. Elsewhere the pages are gathered
-(``positions.gather_pages``) and the call runs as any other.
+and reach the pages by the gather's transpose; under ``jax.vmap`` the gathered
+call runs (its pipeline folds the mapped axes into the batch). Elsewhere the
+pages are gathered (``positions.gather_pages``) and the call runs as any other.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.custom_batching  # noqa: F401 - jax.custom_batching.custom_vmap
 from jax.interpreters import ad
 
 from scoremod import positions
@@ -60,15 +62,34 @@ def execute(call, q, key_pages, value_pages, table, operands, sinks=None):
 
 
 def _forward(call, q, key_pages, value_pages, table, operands, sinks):
-    def run(inner, q, k, v, ops):
-        return inner.backend.paged_forward(inner.plan, q, k, v, table, ops)
+    """The kernel on the pages; under ``jax.vmap``, the gathered call (whose
+    pipeline folds the mapped axes into the batch) vmapped instead."""
+    def kernel(q, key_pages, value_pages, table, operands, sinks):
+        def run(inner, q, k, v, ops):
+            return inner.backend.paged_forward(inner.plan, q, k, v, table, ops)
 
-    folded = decode.choose(call)
-    if folded is not None:  # heads packed only (``fetched``): the pages pass as they are
-        o, lse = decode.forward(call, folded, q, key_pages, value_pages, operands, run)
-    else:
-        o, lse = run(call, q, key_pages, value_pages, operands)
-    return (o, lse) if sinks is None else attention_sinks.combine(o, lse, sinks)
+        folded = decode.choose(call)
+        if folded is not None:  # heads packed only (``fetched``): the pages pass as they are
+            o, lse = decode.forward(call, folded, q, key_pages, value_pages, operands, run)
+        else:
+            o, lse = run(call, q, key_pages, value_pages, operands)
+        return (o, lse) if sinks is None else attention_sinks.combine(o, lse, sinks)
+
+    batched = jax.custom_batching.custom_vmap(kernel)
+
+    @batched.def_vmap
+    def _(axis_size, in_batched, *args):
+        axes = tuple(jax.tree.map(lambda mapped: 0 if mapped else None, b) for b in in_batched)
+        out = jax.vmap(functools.partial(_on_rows, call), in_axes=axes,
+                       axis_size=axis_size)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return batched(q, key_pages, value_pages, table, operands, sinks)
+
+
+def _on_rows(call, q, key_pages, value_pages, table, operands, sinks):
+    k, v = positions.gather_pages(key_pages, value_pages, table)
+    return execute_rows(call, q, k, v, operands, sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -85,8 +106,7 @@ def _paged_bwd(call, saved, cotangents):
     q, key_pages, value_pages, table, operands, sinks = saved
 
     def on_rows(q, key_pages, value_pages, operands, sinks):
-        k, v = positions.gather_pages(key_pages, value_pages, table)
-        return execute_rows(call, q, k, v, operands, sinks)
+        return _on_rows(call, q, key_pages, value_pages, table, operands, sinks)
 
     _, pull = jax.vjp(on_rows, q, key_pages, value_pages, operands, sinks)
     dq, dk, dv, doperands, dsinks = pull(cotangents)
