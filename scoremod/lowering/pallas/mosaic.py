@@ -813,6 +813,9 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     # one: a second would only multiply padding rows, as long as the first.
     wgs = 1 if SHORT_ONE_WARPGROUP and spec.sq <= BLOCK_Q else COMPUTE_WGS
     turns = wgs > 1  # the compute warpgroups alternate on the tensor cores
+    # One compute warpgroup takes the most a thread can hold (as JAX's warp-specialized
+    # pipeline gives a single one: 256), two share what the memory warpgroup leaves.
+    registers = COMPUTE_REGISTERS if turns else 256
     page = None if pages is None else k.shape[1]
     copies = 1 if pages is None else page_copies(page)
 
@@ -855,7 +858,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
 
         @pl.when(wg < wgs)
         def _compute():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(registers, action="increase")
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
             row0 = tile * TILE_Q + wg * BLOCK_Q
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK_Q), hi], qo_smem,
