@@ -66,6 +66,7 @@ SAMPLED = {
     "test_decode.py::test_the_fold_is_the_same_attention_on_random_mods": 1,
     "test_sinks.py::test_reference_path_is_the_softmax_with_one_more_column": 2,
     "test_pallas_mosaic.py::test_paged_forward_reads_the_pages_interpreted": 1,
+    "test_pallas_mosaic.py::test_backward_learns_block_reads_interpreted": 1,
 }
 
 # "file::test": whole tests only the full tier runs (each over 5 s on two cores, with
