@@ -643,6 +643,26 @@ def test_backward_learns_block_reads_interpreted(case, shape, interprets):
     _learns_interpreted_twice(case, shape, on_mosaic)
 
 
+def test_a_learned_block_table_lowers_to_mosaic_kernels_only(hopper_here):
+    """jax.grad of a call that learns a bias per 64 x 64 block (beside a tile map of
+    the same blocks, as video sparse attention's) lowers for CUDA to the three Mosaic
+    kernels and no Triton kernel; per 48 queries, to the Triton backward."""
+    q, k, v, _ = pc.inputs(b=1, sq=256, skv=256, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
+    keep = jnp.asarray(np.random.default_rng(5).random((2, 4, 4)) < 0.6) | jnp.eye(4, dtype=bool)
+
+    for rows, kernels in ((64, {"mosaic": 3, "triton": 0}), (48, {"mosaic": 1, "triton": 2})):
+        table = jnp.zeros((2, -(-256 // rows), 4), jnp.float32)
+
+        def loss(q, k, v, table, rows=rows):
+            mod = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
+                keep[h, qi // 64, ki // 64], s + table[h, qi // rows, ki // 64], -jnp.inf)
+            o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+            return jnp.sum(o.astype(jnp.float32))
+
+        lowered = _lower_call(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, table)
+        assert _kernels(lowered) == kernels, rows
+
+
 def test_block_reads_learned_past_the_step_sums_bound_go_to_triton(monkeypatch):
     """Reads at blocks of 48 queries (a step's 64 meet two), and any block read whose
     per-step sums pass MAX_STEP_SUMS, are learned by the Triton backward, saying why."""
