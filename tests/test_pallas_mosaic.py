@@ -1579,22 +1579,24 @@ def test_paged_decode_lowers_without_gathering_the_cache(hopper_here):
     that does not nest with the key tiles (96), the Triton engine, or a low-rank
     bias appended to K gathers the pages first."""
     q = jnp.zeros((8, 1, 32, 128), jnp.bfloat16)
-    table = jnp.arange(8 * 32, dtype=jnp.int32).reshape(8, 32)
-
     def lowered(page, options=None, mod=lambda s, b, h, qi, ki: 30 * jnp.tanh(s / 30)):
-        kp = jnp.zeros((8 * 32, page, 8, 128), jnp.bfloat16)
+        pages = 4096 // page
+        table = jnp.arange(8 * pages, dtype=jnp.int32).reshape(8, pages)
+        kp = jnp.zeros((8 * pages, page, 8, 128), jnp.bfloat16)
         return _lower_call(lambda q, kp, vp: scoremod.attention(
             q, kp, vp, mod, page_table=table, implementation="pallas",
             options=options or MOSAIC), q, kp, kp)
 
-    text = lowered(128)
-    assert _kernels(text) == {"mosaic": 1, "triton": 0} and "gather" not in text
+    for page in (16, 64, 128, 256):  # copies into a tile's rows, or a window of a page
+        text = lowered(page)
+        assert _kernels(text) == {"mosaic": 1, "triton": 0} and "gather" not in text, page
     kp = jnp.zeros((8 * 32, 128, 8, 128), jnp.bfloat16)
+    table = jnp.arange(8 * 32, dtype=jnp.int32).reshape(8, 32)
     for options, fetches in ((MOSAIC, True), (TRITON, False)):
         choice = scoremod.which_implementation(q, kp, kp, page_table=table,
                                                implementation="pallas", options=options)
         assert ("through the page table" in choice.pages) == fetches, choice.pages
-    assert "gather" in lowered(96)
+    assert "gather" in lowered(96)  # pages of 96 keys do not nest with the tiles
     assert "gather" in lowered(128, TRITON)
     # K with a low-rank bias's columns appended (the Triton engine's head dims) is
     # K's rows: the pages are gathered for it.
