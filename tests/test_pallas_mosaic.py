@@ -629,14 +629,16 @@ def test_backward_learns_relative_tables_interpreted(case, shape, interprets):
 @pytest.mark.parametrize("case,shape", [
     ("block_bias64", dict(sq=200, skv=150, hq=2, hkv=1, d=64)),
     ("block_map_bias", dict(sq=256, skv=320, hq=2, hkv=1, d=64, dtype=jnp.float16)),
+    ("block_bias", dict(sq=200, skv=150, hq=2, hkv=1, d=64)),
 ])
 def test_backward_learns_block_reads_interpreted(case, shape, interprets):
-    """Arrays read at whole blocks of a multiple of 64 queries (a bias per 64
-    queries by 32 keys under a causal mask; a bias per batch, head and 128 x 128
-    block beside a tile map the block map follows), learned: the Mosaic dK/dV
-    kernel's per-step sums in interpret mode, the steps the map skips dropped, each
-    block's keys summed and placed at the entry it reads, against the reference
-    path; no Triton kernel; twice the same bits."""
+    """Arrays read at whole blocks of positions (a bias per 64 queries by 32 keys
+    under a causal mask; a bias per batch, head and 128 x 128 block beside a tile map
+    the block map follows; a bias per 48 queries by 32 keys, read with `>>`: a step's
+    64 queries meet two or three block rows), learned: the Mosaic dK/dV kernel's
+    per-step sums over each block row in interpret mode, the steps the map skips
+    dropped, each block's keys summed and placed at the entry it reads, against the
+    reference path; no Triton kernel; twice the same bits."""
     def on_mosaic(plan, learned):
         assert plan.backward_engine == "mosaic" and plan.triton_operands == (), plan.describe()
 
@@ -645,12 +647,12 @@ def test_backward_learns_block_reads_interpreted(case, shape, interprets):
 
 def test_a_learned_block_table_lowers_to_mosaic_kernels_only(hopper_here):
     """jax.grad of a call that learns a bias per 64 x 64 block (beside a tile map of
-    the same blocks, as video sparse attention's) lowers for CUDA to the three Mosaic
-    kernels and no Triton kernel; per 48 queries, to the Triton backward."""
+    the same blocks, as video sparse attention's), or per 48 queries by 64 keys,
+    lowers for CUDA to the three Mosaic kernels and no Triton kernel."""
     q, k, v, _ = pc.inputs(b=1, sq=256, skv=256, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
     keep = jnp.asarray(np.random.default_rng(5).random((2, 4, 4)) < 0.6) | jnp.eye(4, dtype=bool)
 
-    for rows, kernels in ((64, {"mosaic": 3, "triton": 0}), (48, {"mosaic": 1, "triton": 2})):
+    for rows, kernels in ((64, {"mosaic": 3, "triton": 0}), (48, {"mosaic": 3, "triton": 0})):
         table = jnp.zeros((2, -(-256 // rows), 4), jnp.float32)
 
         def loss(q, k, v, table, rows=rows):
@@ -664,21 +666,27 @@ def test_a_learned_block_table_lowers_to_mosaic_kernels_only(hopper_here):
 
 
 def test_block_reads_learned_past_the_step_sums_bound_go_to_triton(monkeypatch):
-    """Reads at blocks of 48 queries (a step's 64 meet two), and any block read whose
-    per-step sums pass MAX_STEP_SUMS, are learned by the Triton backward, saying why."""
+    """A block read whose per-step sums pass MAX_STEP_SUMS (counting the block rows a
+    step meets: two or three for blocks of 48 queries) is learned by the Triton
+    backward, saying why."""
     monkeypatch.setattr(device, "current", lambda: HOPPER)
     monkeypatch.setattr(jax, "__version__", "0.11.2")
     q = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
-    for case, bound, refused in (("block_bias64", None, False), ("block_bias", None, True),
-                                 ("block_bias64", 1000, True)):
+    for case, rows in (("block_bias64", 1), ("block_bias", 2)):
+        (node,) = mosaic_backward.block_loads(pc.traced_vector_mod(case, q, q)[0].expr, ("c0",))
+        assert mosaic_backward.step_blocks(node) == rows, case
+    # block_bias at b2 h2, 256 x 256: 2 * 2 * 4 steps * 2 rows * 256 keys = 8192 sums
+    for case, bound, refused in (("block_bias64", None, False), ("block_bias", None, False),
+                                 ("block_bias64", 1000, True), ("block_bias", 8191, True),
+                                 ("block_bias", 8192, False)):
         if bound is not None:
             monkeypatch.setattr(pallas_backend, "MAX_STEP_SUMS", bound)
         mod, _ = pc.traced_vector_mod(case, q, q)
         plan = PALLAS.plan(Problem.of(q, q, q), mod, 0.125, MOSAIC, True)
         assert plan.backward_engine == "mosaic"
         assert bool(plan.triton_operands) == refused, (case, plan.triton_operands)
-        if bound is not None:
-            assert "past 1000" in plan.triton_operands[0][1]
+        if refused:
+            assert f"past {bound}" in plan.triton_operands[0][1]
 
 
 @pytest.mark.parametrize("case,shape", [

@@ -593,13 +593,15 @@ def test_mosaic_learns_position_reads(case, shape, dtype, hopper):
     ("block_bias64", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("block_map_bias", dict(sq=1024, skv=1536, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("block_map_bias", dict(sq=512, skv=777, hq=2, hkv=1, d=64), jnp.float16),
+    ("block_bias", dict(sq=300, skv=520, hq=4, hkv=2, d=128), jnp.bfloat16),
 ])
 def test_mosaic_learns_block_reads(case, shape, dtype, hopper):
-    """A learned array read at whole blocks of 64 or 128 queries (a bias per 64 x 32
-    block under a causal mask; a bias per batch, head and 128 x 128 block beside a
-    video-sparse tile map): O, LSE, dQ, dK, dV and its gradient (the dK/dV kernel's
-    per-step sums, written through shared memory every step) against the
-    reference path, no Triton kernel in the plan; the same bits on a second run."""
+    """A learned array read at whole blocks of positions (a bias per 64 x 32 block
+    under a causal mask; a bias per batch, head and 128 x 128 block beside a
+    video-sparse tile map; a bias per 48 x 32 block, two block rows a step): O, LSE,
+    dQ, dK, dV and its gradient (the dK/dV kernel's per-step sums over each block
+    row, written through shared memory every step) against the reference path, no
+    Triton kernel in the plan; the same bits on a second run."""
     def per_step(plan):
         assert plan.triton_operands == () and not plan.diagonal_operands, plan.describe()
 

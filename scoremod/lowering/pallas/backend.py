@@ -466,7 +466,7 @@ def _mosaic_unlearnable(mod, full_expr, problem) -> tuple:
     names = mod.operand_names if mod is not None else ()
     blocks = mosaic_backward.block_loads(mod.expr, names) if mod is not None else ()
     step_sums = (problem.b * problem.hq * len(blocks) * -(-problem.sq // mosaic_backward.BLOCK)
-                 * problem.skv)
+                 * max(map(mosaic_backward.step_blocks, blocks), default=1) * problem.skv)
     for name, node in zip(names, mod.operand_nodes if mod is not None else ()):
         if node.dtype != ir.F32:
             continue
@@ -682,16 +682,17 @@ def _visited_steps(kv_map, nq):
 def _block_parts(plan, spec, steps, kv_map, windows) -> dict:
     """The partial rows [B, Hq, 1, window] of the reads at whole blocks
     (``mosaic_backward.block_loads``) of each learned operand (``windows``), from
-    the dK/dV kernel's per-step sums ``steps`` [B, Hq, reads, Sq / BLOCK, Skv]: the
-    steps the map did not run dropped, each block's keys summed, and each
-    (query block, key block)'s total placed at the position its read takes there
-    (the index evaluated when tracing; a gather and a sum in a fixed order)."""
+    the dK/dV kernel's per-step sums ``steps`` [B, Hq, reads, Sq / BLOCK, rows, Skv]
+    (``mosaic_backward.dkdv``): the steps the map did not run dropped, each block's
+    keys summed, and each (step's block row, key block)'s total placed at the
+    position its read takes there (the index evaluated when tracing; a gather and a
+    sum in a fixed order)."""
     p = plan.problem
     blk = mosaic_backward.BLOCK
-    b, hq, _, _, skv = steps.shape
+    b, hq, _, _, _, skv = steps.shape
     nq = kv_map.block_counts[0]  # the map's query blocks (the arrays may be padded further)
     visited = _visited_steps(kv_map, nq)  # [Bm, Hm, nq, key tiles]
-    visited = jnp.repeat(visited, skv // visited.shape[-1], axis=-1)[:, :, None]
+    visited = jnp.repeat(visited, skv // visited.shape[-1], axis=-1)[:, :, None, :, None]
     steps = jnp.where(visited, steps[:, :, :, :nq], 0.0)
     loads = mosaic_backward.block_loads(spec.expr, spec.learned)
     parts = {}
@@ -700,12 +701,16 @@ def _block_parts(plan, spec, steps, kv_map, windows) -> dict:
         for r, node in enumerate(loads):
             if node.args[0].attr[0] != name:
                 continue
-            u = mosaic.block_sizes(node)["kv_idx"]
+            t, u = (mosaic.block_sizes(node)[a] for a in ("q_idx", "kv_idx"))
+            rows = mosaic_backward.step_blocks(node)
             n_q, n_k = -(-p.sq // blk), -(-p.skv // u)
-            x = jnp.pad(steps[:, :, r, :n_q, :p.skv], [(0, 0)] * 3 + [(0, n_k * u - p.skv)])
-            totals = x.reshape(b, hq, n_q, n_k, u).sum(-1).reshape(b, hq, n_q * n_k)
-            at = _grid_positions(node, axes, np.arange(n_q) * blk, np.arange(n_k) * u, p.b, p.hq)
-            members = _members(at, size, n_q * n_k, f"`{format_expr(node)}`", "blocks")
+            x = jnp.pad(steps[:, :, r, :n_q, :rows, :p.skv],
+                        [(0, 0)] * 4 + [(0, n_k * u - p.skv)])
+            totals = x.reshape(b, hq, n_q, rows, n_k, u).sum(-1).reshape(b, hq, -1)
+            # step i's row a: the block row from query (i * BLOCK // t + a) * t
+            qs = ((np.arange(n_q)[:, None] * blk // t + np.arange(rows)[None, :]) * t).ravel()
+            at = _grid_positions(node, axes, qs, np.arange(n_k) * u, p.b, p.hq)
+            members = _members(at, size, n_q * rows * n_k, f"`{format_expr(node)}`", "blocks")
             total = _place(totals, members)
             part = total if part is None else part + total
         if part is not None:

@@ -174,14 +174,18 @@ def along_queries(node) -> bool:
 
 def along_blocks(node) -> bool:
     """Whether read ``node`` is at whole blocks of positions (``mosaic.block_sizes``)
-    of a multiple of ``BLOCK`` queries, with an index of the positions alone
-    (``table[h, q_idx // 64, kv_idx // 64]``): each step of the dK/dV kernel (its
-    ``BLOCK`` queries) lies in one block row, so its cotangents summed over the
-    step's queries, per key, are what the backend places."""
-    if mosaic.read_axis(node) != mosaic.BLOCKS or any(
-            n.op == ir.OPERAND for i in node.args[1:] for n in ir.toposort(i)):
-        return False
-    return mosaic.block_sizes(node)["q_idx"] % BLOCK == 0
+    with an index of the positions alone (``table[h, q_idx // 64, kv_idx // 32]``):
+    each step of the dK/dV kernel (its ``BLOCK`` queries) meets ``step_blocks`` block
+    rows, and its cotangents summed over each one's queries, per key, are what the
+    backend places."""
+    return mosaic.read_axis(node) == mosaic.BLOCKS and not any(
+        n.op == ir.OPERAND for i in node.args[1:] for n in ir.toposort(i))
+
+
+def step_blocks(node) -> int:
+    """The most block rows of read ``node`` (``along_blocks``) that one step's
+    ``BLOCK`` queries meet (1 where the blocks are whole steps)."""
+    return mosaic._blocks_along(mosaic.block_sizes(node)["q_idx"], BLOCK, BLOCK)
 
 
 def key_loads(expr, names) -> tuple:
@@ -213,7 +217,7 @@ def learning_refusal(expr, name, sources) -> str | None:
             where = ir.source_of(node, expr, sources)
             return (f"it sums the gradients of reads at indices built from b, h and constants, "
                     f"of reads along the keys or the queries, and of reads at whole blocks of "
-                    f"a multiple of {BLOCK} queries, at positions known when tracing; "
+                    f"positions, at positions known when tracing; "
                     f"`{format_expr(node)}`{' at ' + where if where else ''} is none of these")
     for local in load_derivatives(expr, loads):
         why = mosaic.refusal(local, sources, advice=False)
@@ -571,9 +575,11 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     sums of the cotangents of the reads of ``spec.learned`` (``key_loads``) per key [B, Hq, reads,
     Skv] (float32; None without such reads), with ``with_dq`` dQ too (else None):
     float32 [B, Sq, Hq, D], and the cotangents of the reads at whole blocks
-    (``block_loads``) summed over each step's ``BLOCK`` queries, per key: float32
-    [B, Hq, reads, Sq / BLOCK, Skv], written only where the map visits that step's
-    tile (None without such reads). ``bmap``: the block map at ``DKDV_BLOCKS``; ``lse2``: the LSE in
+    (``block_loads``) summed over the queries of each block row a step meets, per key:
+    float32 [B, Hq, reads, Sq / BLOCK, rows, Skv] (``rows`` the most ``step_blocks``;
+    row ``a`` of step ``i`` the block row ``(i * BLOCK) // t + a``, zeros past the
+    step's), written only where the map visits that step's tile (None without such
+    reads). ``bmap``: the block map at ``DKDV_BLOCKS``; ``lse2``: the LSE in
     log2 units, +inf on rows that see no key; ``delta``: D [B, Hq, Sq].
 
     A program owns ``TILE`` keys, ``BLOCK`` per compute warpgroup; both take each
@@ -603,6 +609,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     n_vec = len(vectors.arrays)
     loads = key_loads(spec.expr, spec.learned)
     blocks = block_loads(spec.expr, spec.learned)
+    rows_of = [step_blocks(n) for n in blocks]
+    n_rows = max(rows_of, default=1)
     turns_on = takes_turns(spec, "dkdv")
     dq_acc = None  # with_dq: dQ's float32 sums in global memory (set in ``run``)
     # Each warpgroup adds half of dQ's columns where a half is whole swizzled tiles
@@ -687,17 +695,27 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
                         plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[bi, rows, hi, cols],
                                                 reduction_op="add")
 
-            def put_steps(step, totals):  # the block reads' sums over this step's queries
+            def put_steps(step, xs):  # the block reads' sums over the step's block rows
                 slot = lax.rem(step, 2)
+                q0 = q_start(step)
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's last copy read it
-                for r, total in enumerate(totals):
-                    steps_smem.at[wg, slot, r][...] = total
+                for r, (node, x, n) in enumerate(zip(blocks, xs, rows_of)):
+                    if n == 1:  # the step lies in one block row
+                        steps_smem.at[wg, slot, r, 0][...] = x.sum(axis=1)
+                        continue
+                    t = mosaic.block_sizes(node)["q_idx"]
+                    first = lax.div(q0, jnp.int32(t)) * t - q0  # its first row, step-relative
+                    cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1, layout=layout)
+                    for a in range(n):
+                        inside = (cols >= first + a * t) & (cols < first + (a + 1) * t)
+                        steps_smem.at[wg, slot, r, a][...] = jnp.where(inside, x, 0.0).sum(axis=1)
                 plgpu.commit_smem()
-                i = lax.div(q_start(step), jnp.int32(BLOCK))
-                for r in range(len(totals)):
-                    plgpu.copy_smem_to_gmem(steps_smem.at[wg, slot, r],
-                                            steps_ref.at[bi, hi, r, i, pl.ds(k0, BLOCK)],
-                                            commit_group=False)
+                i = lax.div(q0, jnp.int32(BLOCK))
+                for r, n in enumerate(rows_of):
+                    for a in range(n):
+                        plgpu.copy_smem_to_gmem(steps_smem.at[wg, slot, r, a],
+                                                steps_ref.at[bi, hi, r, i, a, pl.ds(k0, BLOCK)],
+                                                commit_group=False)
                 plgpu.commit_smem_to_gmem_group()
 
             def step_fn(step, carry):
@@ -737,8 +755,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
                 # over the loop for the reads per key, for this step for those at blocks.
                 sums = tuple(acc + (term * ds).sum(axis=1) for acc, term in zip(sums, terms))
                 if blocks:
-                    put_steps(step, tuple((term * ds).sum(axis=1)
-                                          for term in terms[len(loads):]))
+                    put_steps(step, tuple(term * ds for term in terms[len(loads):]))
                 if local is not None:
                     ds = ds * local
                 if not turns.on:  # with turns, the scale multiplies dK or dQ at the end
@@ -824,7 +841,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
              plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),
              plgpu.Barrier(num_arrivals=COMPUTE_WGS)]]
         # The block reads' per-step sums, two slots a warpgroup (one being copied out).
-        steps_smem = ([plgpu.SMEM((COMPUTE_WGS, 2, len(blocks), BLOCK), jnp.float32)]
+        steps_smem = ([plgpu.SMEM((COMPUTE_WGS, 2, len(blocks), n_rows, BLOCK), jnp.float32)]
                       if blocks else [])
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
@@ -837,7 +854,8 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     out = jax.ShapeDtypeStruct((b, skv, hq, d), out_dtype)
     sums = (jax.ShapeDtypeStruct((b, hq, len(loads), skv), jnp.float32),) if loads else ()
     if blocks:
-        sums += (jax.ShapeDtypeStruct((b, hq, len(blocks), sq // BLOCK, skv), jnp.float32),)
+        sums += (jax.ShapeDtypeStruct((b, hq, len(blocks), sq // BLOCK, n_rows, skv),
+                                      jnp.float32),)
     kernel = plgpu.kernel(
         entry, out_type=(out, out) + sums, grid=(hq, skv // TILE, b),
         grid_names=("heads", "kv_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
