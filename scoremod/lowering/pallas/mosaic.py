@@ -269,7 +269,7 @@ def read_axis(load):
     return BLOCKS if block_sizes(load) is not None else False
 
 
-def _blocks_along(size, rows=_TILE_ROWS, align=_TILE_ALIGN) -> int:
+def blocks_along(size, rows=_TILE_ROWS, align=_TILE_ALIGN) -> int:
     """The most blocks of ``size`` positions that ``rows`` positions from a multiple
     of ``align`` meet (the pattern repeats every lcm(size, align) positions)."""
     period = size * align // math.gcd(size, align)
@@ -299,7 +299,7 @@ def block_sizes(load):
     if set(sizes) != set(_TILE_AXES) or any(a.op == ir.VAR and a.attr in _TILE_AXES
                                             for a in args):
         return None
-    if math.prod(_blocks_along(t) for t in sizes.values()) > MAX_BLOCK_VALUES:
+    if math.prod(blocks_along(t) for t in sizes.values()) > MAX_BLOCK_VALUES:
         return None
     return sizes
 
@@ -363,7 +363,7 @@ def block_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False) -> dict:
         sizes = block_sizes(read)
         t, u = sizes["q_idx"], sizes["kv_idx"]
         first_q, first_k = lax.div(q0, jnp.int32(t)) * t, lax.div(k0, jnp.int32(u)) * u
-        n_q, n_k = _blocks_along(t, shape[q_dim]), _blocks_along(u, shape[k_dim])
+        n_q, n_k = blocks_along(t, shape[q_dim]), blocks_along(u, shape[k_dim])
 
         def value(i, j):  # the block i down the queries and j across the keys
             inputs = {"b": bi, "h": hi, "q_idx": first_q + i * t, "kv_idx": first_k + j * u}

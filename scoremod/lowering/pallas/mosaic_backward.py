@@ -185,7 +185,7 @@ def along_blocks(node) -> bool:
 def step_blocks(node) -> int:
     """The most block rows of read ``node`` (``along_blocks``) that one step's
     ``BLOCK`` queries meet (1 where the blocks are whole steps)."""
-    return mosaic._blocks_along(mosaic.block_sizes(node)["q_idx"], BLOCK, BLOCK)
+    return mosaic.blocks_along(mosaic.block_sizes(node)["q_idx"], BLOCK, BLOCK)
 
 
 def key_loads(expr, names) -> tuple:
