@@ -392,13 +392,7 @@ class Pallas(Backend):
         return plan.engine == "mosaic" and mosaic.page_copies(page_size) is not None
 
     def paged_forward(self, plan, q, key_pages, value_pages, table, operands):
-        p = plan.problem
-        bmap = _map(plan, plan.forward_blocks, operands)
-        rows = mosaic.paged_rows(table, key_pages.shape[1], p.skv, key_pages.shape[0])
-        o, lse = mosaic.forward(plan.mosaic_spec(), bmap, _pad(q, 1, _padded(p.sq, mosaic.TILE_Q)),
-                                key_pages, value_pages, _kernel_operands(plan, tuple(operands)),
-                                pages=rows)
-        return _join_parts(o, lse, plan.key_parts, p.sq)
+        return _forward(plan, q, key_pages, value_pages, tuple(operands), table)
 
     def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         if dlse is None:
@@ -451,7 +445,8 @@ def _mosaic_backward_refusal(mod, full_expr):
 
 
 # The most float32 entries of the dK/dV kernel's per-step sums of reads at whole blocks
-# ([B, Hq, reads, Sq / 64, Skv]: 512 MiB); past it those gradients take the Triton backward.
+# ([B, Hq, reads, Sq / 64, block rows, Skv]: 512 MiB); past it those gradients take the
+# Triton backward.
 MAX_STEP_SUMS = 1 << 27
 
 
@@ -474,10 +469,9 @@ def _mosaic_unlearnable(mod, full_expr, problem) -> tuple:
                     if (w := mosaic_backward.learning_refusal(e, name, mod.sources))), None)
         if why is None and step_sums > MAX_STEP_SUMS and any(
                 n.args[0].attr[0] == name for n in blocks):
-            why = (f"its sums of a read at whole blocks per {mosaic_backward.BLOCK} queries "
-                   f"and key would take {step_sums} float32 entries, past {MAX_STEP_SUMS}")
-            out.append((name, why))
-            continue
+            why = (f"its sums of a read at whole blocks per step of {mosaic_backward.BLOCK} "
+                   f"queries, block row and key would take {step_sums} float32 entries, past "
+                   f"{MAX_STEP_SUMS}")
         if why is None:
             continue
         if all(mosaic_backward.diagonal_refusal(e, name, mod.sources) is None for e in exprs):
@@ -515,14 +509,21 @@ def _map(plan, blocks_, operands):
     return plan.block_map(plan.problem, blocks_[0], blocks_[1], named)
 
 
-def _forward(plan, q, k, v, operands):
+def _forward(plan, q, k, v, operands, table=None):
+    """O and LSE; with ``table`` (Mosaic engine only: ``fetches_pages``) K and V are a
+    paged cache that the kernel reads through it."""
     p = plan.problem
     bq, bk = plan.forward_blocks
     if plan.engine == "mosaic":
         bmap = _map(plan, plan.forward_blocks, operands)
         sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
-        o, lse = mosaic.forward(plan.mosaic_spec(), bmap, _pad(q, 1, sq), _pad(k, 1, skv),
-                                _pad(v, 1, skv), _kernel_operands(plan, operands))
+        pages = None
+        if table is None:
+            k, v = _pad(k, 1, skv), _pad(v, 1, skv)
+        else:
+            pages = mosaic.paged_rows(table, k.shape[1], p.skv, k.shape[0])
+        o, lse = mosaic.forward(plan.mosaic_spec(), bmap, _pad(q, 1, sq), k, v,
+                                _kernel_operands(plan, operands), pages=pages)
         return _join_parts(o, lse, plan.key_parts, p.sq)
     spec = plan.spec(plan.forward_blocks, plan.num_warps[0])
     bmap = _map(plan, plan.forward_blocks, operands)
@@ -707,31 +708,15 @@ def _block_parts(plan, spec, steps, kv_map, windows) -> dict:
             x = jnp.pad(steps[:, :, r, :n_q, :rows, :p.skv],
                         [(0, 0)] * 4 + [(0, n_k * u - p.skv)])
             totals = x.reshape(b, hq, n_q, rows, n_k, u).sum(-1).reshape(b, hq, -1)
-            # step i's row a: the block row from query (i * BLOCK // t + a) * t
+            # step i's row a: the block row from query (i * BLOCK // t + a) * t, by key block
             qs = ((np.arange(n_q)[:, None] * blk // t + np.arange(rows)[None, :]) * t).ravel()
-            at = _grid_positions(node, axes, qs, np.arange(n_k) * u, p.b, p.hq)
+            at = _static_positions(node, axes, qs, p.b, p.hq, ks=np.arange(n_k) * u)
             members = _members(at, size, n_q * rows * n_k, f"`{format_expr(node)}`", "blocks")
             total = _place(totals, members)
             part = total if part is None else part + total
         if part is not None:
             parts[name] = part
     return parts
-
-
-def _grid_positions(read, axes, qs, ks, b, hq):
-    """int [Bx, Hx, len(qs) * len(ks)]: the flat position along ``axes`` that
-    ``read`` takes at each (query, key) of the grid, queries major, clamped as reads
-    clamp; Bx, Hx 1 where it does not read b, h."""
-    used = ir.variables(*read.args[1:])
-    grid = {"q_idx": np.asarray(qs, np.int32)[None, None, :, None],
-            "kv_idx": np.asarray(ks, np.int32)[None, None, None, :],
-            "b": np.arange(b if "b" in used else 1, dtype=np.int32)[:, None, None, None],
-            "h": np.arange(hq if "h" in used else 1, dtype=np.int32)[None, :, None, None]}
-    with jax.ensure_compile_time_eval():
-        index = codegen.evaluate_tile(list(read.args[1:]), grid, {})
-        flat = codegen.flat_index(read, index, axes)
-        shape = (grid["b"].shape[0], grid["h"].shape[1], len(qs), len(ks))
-        return np.broadcast_to(np.asarray(flat), shape).reshape(shape[0], shape[1], -1)
 
 
 def _position_parts(plan, loads, sums, windows) -> dict:
@@ -761,20 +746,22 @@ def _position_parts(plan, loads, sums, windows) -> dict:
     return parts
 
 
-def _static_positions(read, axes, d, b, hq):
-    """int [Bx, Hx, len(d)]: the flat position along ``axes`` that ``read`` (a
-    function of b, h and q_idx standing for q_idx - kv_idx, or for kv_idx) takes
-    at each diagonal (or key) ``d``, clamped as reads clamp; Bx, Hx 1 where it
-    does not read b, h."""
+def _static_positions(read, axes, d, b, hq, ks=(0,)):
+    """int [Bx, Hx, len(d) * len(ks)]: the flat position along ``axes`` that ``read``
+    (a function of b, h and q_idx standing for q_idx - kv_idx, or for kv_idx; or of
+    both q_idx and kv_idx, at the keys ``ks``) takes at each diagonal (or key, or
+    query) ``d``, ``d`` major, clamped as reads clamp; Bx, Hx 1 where it does not
+    read b, h."""
     used = ir.variables(read)
-    grid = {"q_idx": d[None, None, :].astype(np.int32),
-            "b": np.arange(b if "b" in used else 1, dtype=np.int32)[:, None, None],
-            "h": np.arange(hq if "h" in used else 1, dtype=np.int32)[None, :, None]}
+    grid = {"q_idx": np.asarray(d, np.int32)[None, None, :, None],
+            "kv_idx": np.asarray(ks, np.int32)[None, None, None, :],
+            "b": np.arange(b if "b" in used else 1, dtype=np.int32)[:, None, None, None],
+            "h": np.arange(hq if "h" in used else 1, dtype=np.int32)[None, :, None, None]}
     with jax.ensure_compile_time_eval():
         index = codegen.evaluate_tile(list(read.args[1:]), grid, {})
         flat = codegen.flat_index(read, index, axes)
-        return np.broadcast_to(np.asarray(flat), (grid["b"].shape[0], grid["h"].shape[1],
-                                                  len(d)))
+        shape = (grid["b"].shape[0], grid["h"].shape[1], len(d), len(ks))
+        return np.broadcast_to(np.asarray(flat), shape).reshape(shape[0], shape[1], -1)
 
 
 _MAX_MEMBERS = 1 << 26

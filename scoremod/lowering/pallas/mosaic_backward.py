@@ -862,13 +862,15 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec))
     args = (counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
-    def learned(outs):  # (per key sums or None, per step sums or None)
+
+    def returned(outs, dq):  # dK, dV, per key sums or None, dQ or None, per step sums or None
         extra = list(outs[2:])
-        return (extra.pop(0) if loads else None), (extra.pop(0) if blocks else None)
+        sums_out = extra.pop(0) if loads else None
+        steps_out = extra.pop(0) if blocks else None
+        return outs[0], outs[1], sums_out, dq, steps_out
 
     if not with_dq:
-        outs = kernel(*args)
-        return outs[0], outs[1], learned(outs)[0], None, learned(outs)[1]
+        return returned(kernel(*args), None)
 
     @jax.jit  # (a reference in global memory lives inside a jit only)
     def run(*args):
@@ -884,8 +886,7 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
             dq = dq * jnp.float32(spec.scale)
         return outs, dq
 
-    outs, dq = run(*args)
-    return outs[0], outs[1], learned(outs)[0], dq, learned(outs)[1]
+    return returned(*run(*args))
 
 
 def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
