@@ -8,8 +8,10 @@ Per variant, one line: whether the forward graph builds, its O and stats against
 float32 reference with the sink in the softmax, whether a backward graph with
 ``sink_token`` (and with ``dSink_token``) builds and its dQ/dK/dV/dSink errors, and
 whether the plain backward given the sink-including stats gives the same
-gradients (the way scoremod joins sinks today). Then the forward time with and
-without the sink at batch 4, 16 heads, 4096, d128 bf16.
+gradients (the way scoremod joins sinks today). Then, at batch 4, 16 heads, 4096,
+d128 bf16: the forward time with and without the sink, and the backward's with
+``dSink_token`` against the plain one, whether its dSink repeats bitwise, with
+and without cuDNN's deterministic algorithm.
 
     python benchmarks/probes/cudnn_sinks.py
 """
@@ -106,8 +108,10 @@ def run_forward(handle, q, k, v, sink, mask, mod):
     return g, pack, o, stats[..., 0]
 
 
-def run_backward(handle, q, k, v, o, do, stats, sink, mask, with_sink, with_dsink):
-    """Native masks only: a score_mod's backward is not probed here."""
+def backward_graph(handle, q, k, v, o, do, stats, sink, mask, with_sink, with_dsink,
+                   deterministic=False):
+    """Native masks only: a score_mod's backward is not probed here. The graph, its
+    variant pack and its outputs (dSink_token's buffer zeroed: cuDNN adds into it)."""
     g = new_graph(handle)
     tq, tk, tv, to, tdo = (g.tensor_like(x) for x in (q, k, v, o, do))
     st = stats[..., None].contiguous()
@@ -120,6 +124,8 @@ def run_backward(handle, q, k, v, o, do, stats, sink, mask, with_sink, with_dsin
         dsink = torch.zeros_like(sink)
         tds = g.tensor_like(dsink)
         extra["dSink_token"] = tds
+    if deterministic:
+        extra["use_deterministic_algorithm"] = True
     dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=tq, k=tk, v=tv, o=to, dO=tdo, stats=tst,
                                  attn_scale=1 / math.sqrt(q.shape[-1]), **mask_args(mask), **extra)
     for t, like in ((dq, q), (dk, k), (dv, v)):
@@ -132,8 +138,67 @@ def run_backward(handle, q, k, v, o, do, stats, sink, mask, with_sink, with_dsin
     if with_dsink:
         pack[tds] = dsink
         out["dsink"] = dsink
+    return g, pack, out
+
+
+def run_backward(handle, *args):
+    g, pack, out = backward_graph(handle, *args)
     execute(g, pack, handle)
     return out
+
+
+def timed(g, pack, handle, reps=50, before=None):
+    """ms per execute (``before`` runs ahead of each, inside the timing)."""
+    ws = torch.empty(g.get_workspace_size(), device="cuda", dtype=torch.uint8)
+    for _ in range(5):
+        g.execute(pack, ws, handle=handle)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        if before is not None:
+            before()
+        g.execute(pack, ws, handle=handle)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def sink_gradient_at_scale(handle):
+    """At b4 h16 s4096 d128: the backward's time with sink_token and dSink_token
+    against the plain backward on the sink's stats, whether dSink repeats bitwise
+    over 20 runs, and its error against the closed form
+    ``-sum_i exp(sink - LSE_i) * rowsum(dO_i * O_i)`` in float64."""
+    b, h, s, d = 4, 16, 4096, 128
+    q, k, v, do = (bshd_tensor(b, s, h, d, i) for i in range(4))
+    sink = torch.linspace(-1.0, 2.0, h, device="cuda").reshape(1, h, 1, 1).float().contiguous()
+    for mask_name in ("causal", "window"):
+        _, _, o, stats = run_forward(handle, q, k, v, sink, mask_name, False)
+        rowsum = (do.double() * o.double()).sum(-1)
+        closed = -(torch.exp(sink.double().reshape(1, h, 1) - stats.double()) * rowsum).sum((0, 2))
+        for deterministic in (False, True):
+            label = f"{mask_name} (window {WINDOW}) b{b} h{h} s{s} d{d} deterministic={deterministic}"
+            try:
+                plain = backward_graph(handle, q, k, v, o, do, stats, sink, mask_name,
+                                       False, False, deterministic)
+                fused = backward_graph(handle, q, k, v, o, do, stats, sink, mask_name,
+                                       True, True, deterministic)
+            except Exception as e:
+                print(f"backward {label}: refused: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            dsink = fused[2]["dsink"]
+            seen = set()
+            for _ in range(20):
+                dsink.zero_()
+                execute(fused[0], fused[1], handle)
+                seen.add(dsink.cpu().numpy().tobytes())
+            error = float((dsink.flatten().double() - closed).abs().max())
+            scale = float(closed.abs().max())
+            t_plain = timed(*plain[:2], handle)
+            t_fused = timed(*fused[:2], handle, before=dsink.zero_)
+            print(f"backward {label}: plain {t_plain:.4f} ms, with sink and dSink "
+                  f"{t_fused:.4f} ms ({t_fused / t_plain:.3f}x); dSink {len(seen)} distinct "
+                  f"result(s) in 20 runs, |dSink - closed form| {error:.2e} (max |dSink| "
+                  f"{scale:.2e})", flush=True)
 
 
 def err(a, b):
@@ -192,17 +257,10 @@ def main():
             except Exception as e:
                 print(f"time {mask_name} sink={with_sink}: refused: {str(e)[:200]}")
                 continue
-            ws = torch.empty(g.get_workspace_size(), device="cuda", dtype=torch.uint8)
-            for _ in range(5):
-                g.execute(pack, ws, handle=handle)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(50):
-                g.execute(pack, ws, handle=handle)
-            end.record()
-            torch.cuda.synchronize()
+            ms = timed(g, pack, handle)
             print(f"time {mask_name} (window {WINDOW}) b{b} h{h} s{s} d{d} sink={with_sink}: "
-                  f"{start.elapsed_time(end) / 50:.4f} ms per forward", flush=True)
+                  f"{ms:.4f} ms per forward", flush=True)
+    sink_gradient_at_scale(handle)
 
 
 if __name__ == "__main__":
