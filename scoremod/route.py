@@ -158,7 +158,7 @@ def route(problem: Problem, mod, scale, options: LoweringOptions, implementation
         inner_variant = backend.variant(inner.problem, inner.plan.mod, inner.options)
         variant = fold.describe(problem) + (f"; {inner_variant}" if inner_variant else "")
     return Route(call, mod, low_rank, verdicts, why, warning, note, variant,
-                 _sinks_note(backend, inside) if sinks else None,
+                 _sinks_note(backend, inside, plan, options) if sinks else None,
                  _backward_note(backend, fallback, options, backward_on))
 
 
@@ -175,7 +175,12 @@ def _backward_note(backend, fallback, options, backward_on=None) -> str | None:
             f"{backend.title}'s O and LSE ({backend.title}'s backward is not bitwise repeatable)")
 
 
-def _sinks_note(backend, inside) -> str:
+def _sinks_note(backend, inside, plan=None, options=None) -> str:
+    if inside and backend.sums_sink_gradient(plan, options):
+        return (f"the sinks join the softmax inside {backend.title}'s forward (one logit per "
+                "head, with the kernel's own LSE); its backward runs on the final O and LSE "
+                "and sums the sinks' gradient itself (with an LSE cotangent, or "
+                "deterministic=True, the one reduction of lowering/sinks.py)")
     if inside:
         return (f"the sinks join the softmax inside {backend.title}'s forward (one logit per "
                 "head, with the kernel's own LSE); its backward runs unchanged on the final O "

@@ -5,9 +5,11 @@ every plan of the suite's mods builds its forward and backward graphs (no
 exception on any path of the builders) with the tensors, strides, scale and
 scalars the plan describes."""
 
+import dataclasses
 import sys
 import types
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -205,10 +207,12 @@ def test_python_engines_that_drop_the_score_mod_are_excluded_and_refused(recorde
 
 
 @pytest.mark.parametrize("name", ["native_causal", "split_softcap_prefix_lm", "fold_softcap"])
-def test_forward_graphs_with_a_sink_take_it_last(name, recorder):
+def test_graphs_with_a_sink_take_it_last(name, recorder):
     """Part.forward_graph(sink=True): the forward graph gets cuDNN's sink input, one
     float32 logit per query head ([1, hq, 1, 1]), as its last input (after the
-    loads: a block's byte offsets put 0 there); the backward graph never has one."""
+    loads: a block's byte offsets put 0 there); backward_graph(sink=True) takes it
+    likewise and writes the sink's gradient (dSink_token) as its last output; the
+    plain graphs have neither."""
     import dataclasses
 
     fn, (sq, skv, hq) = CASES[name]
@@ -227,3 +231,87 @@ def test_forward_graphs_with_a_sink_take_it_last(name, recorder):
         recorder.calls.clear()
         build_both(part, recorder)
         assert all("sink_token" not in kw for _, kw in recorder.calls)
+        # the backward with the sink: its input last, its gradient the last output
+        recorder.calls.clear()
+        bwd = cg.build_backward(part.fwd, part.bwd, dataclasses.replace(part.spec, sink=True),
+                                part.consts, [l.node for l in part.loads], part.describe)
+        (call,) = [kw for n, kw in recorder.calls if n == "sdpa_backward"]
+        for key, uid in (("sink_token", cg.UID_SINK), ("dSink_token", cg.UID_DSINK)):
+            t = call[key].props
+            assert t["uid"] == uid and t["dim"] == [1, hq, 1, 1] and t["data_type"] == "FLOAT"
+        assert bwd.in_uids[-1] == cg.UID_SINK
+        assert bwd.out_uids == (cg.UID_DQ, cg.UID_DK, cg.UID_DV, cg.UID_DSINK)
+
+
+SINK_PLANS = {  # a plan of each shape (mod, options): one graph, query blocks, key blocks
+    "one graph": (lambda s, b, h, q, k: jnp.where(q >= k, 30 * jnp.tanh(s / 30), -jnp.inf),
+                  scoremod.LoweringOptions(sms=1, split_blocks=1)),
+    "query blocks": (lambda s, b, h, q, k: jnp.where(q >= k, 30 * jnp.tanh(s / 30), -jnp.inf),
+                     scoremod.LoweringOptions(sms=1, split_blocks=4)),
+    "key blocks": (lambda s, b, h, q, k: jnp.where((k < 128) | (q >= k), s, -jnp.inf),
+                   scoremod.LoweringOptions(sms=132)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SINK_PLANS))
+def test_the_backward_sums_the_sinks_gradient_in_its_graphs(name, recorder, monkeypatch):
+    """Cudnn.backward_with_sinks on a faked H200, its graphs built into the
+    recorder and its FFI calls checked and answered: every graph that takes the
+    sink (each query block's; of key blocks, the first: it sums over every row)
+    gets it after its loads and a zeroed buffer for dSink carried into its last
+    output, the byte offsets line up, and the gradient is the blocks' sum in the
+    first batch row."""
+    import jax
+    import jax.numpy as jnp  # noqa: F811
+
+    from scoremod import device, kernels_ffi
+    from scoremod.lowering.cudnn import backend as cudnn_backend
+
+    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", "NVIDIA H200", 9, 132))
+    monkeypatch.setattr(cg, "cached", lambda key, build: build())
+    monkeypatch.setattr(cg, "backend_version", lambda: 91900)
+    monkeypatch.setattr(cg, "frontend_version", lambda: 13200)
+    calls = []
+
+    def call(blob, gid, inputs, out_shapes, in_uids, out_uids, *rest, offsets=(), carry=None):
+        assert len(inputs) == len(in_uids) and len(out_shapes) == len(out_uids)
+        assert len(offsets) in (0, len(in_uids) + len(out_uids)), (offsets, in_uids, out_uids)
+        for i, o in (carry or {}).items():
+            assert in_uids[i] == -1 and inputs[i].shape == out_shapes[o].shape
+            assert inputs[i].dtype == out_shapes[o].dtype
+        sink = cg.UID_SINK in in_uids
+        assert (cg.UID_DSINK in out_uids) == sink
+        if sink:
+            at = out_uids.index(cg.UID_DSINK)
+            assert in_uids.index(cg.UID_SINK) == len(in_uids) - len(carry) - 1
+            assert {o: i for i, o in carry.items()}.get(at) is not None  # starts from zeros
+            assert not offsets or (offsets[in_uids.index(cg.UID_SINK)] == 0
+                                   and offsets[len(in_uids) + at] == 0)
+        calls.append(sink)
+        # dSink: 1 + the call's number, so that the sum over blocks shows
+        return [jnp.full(s.shape, len(calls) if u == cg.UID_DSINK else 0, s.dtype)
+                for s, u in zip(out_shapes, out_uids)]
+
+    monkeypatch.setattr(kernels_ffi, "call", call)
+    fn, options = SINK_PLANS[name]
+    b, s, hq, hkv, d = 2, 1024, 4, 2, 64
+    plan = Plan(scoremod.trace(fn), Problem(b, s, s, hq, hkv, d, d, "bfloat16"), 0.125, options)
+    back = plan.backward_plan
+    assert {"one graph": not back.split, "query blocks": back.split and not back.key_split,
+            "key blocks": back.key_split}[name], back.describe()
+    cudnn = cudnn_backend.CUDNN
+    assert cudnn.sums_sink_gradient(plan, options)
+    assert not cudnn.sums_sink_gradient(plan, options.replace(deterministic=True))
+    q = jnp.zeros((b, s, hq, d), jnp.bfloat16)
+    kv = jnp.zeros((b, s, hkv, d), jnp.bfloat16)
+    lse = jnp.zeros((b, hq, s), jnp.float32)
+    sinks = jnp.zeros((b, hq), jnp.float32)
+    dq, dk, dv, dsinks = jax.jit(lambda *a: cudnn.backward_with_sinks(plan, *a, (), sinks))(
+        q, kv, kv, q, lse, q)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
+    takes = [i + 1 for i, sink in enumerate(calls) if sink]
+    want = {"one graph": [1], "query blocks": list(range(1, len(back.blocks) + 1)),
+            "key blocks": [1]}[name]
+    assert takes == want and len(calls) == len(back.blocks), calls
+    np.testing.assert_array_equal(dsinks[0], np.full(hq, sum(want), np.float32))
+    np.testing.assert_array_equal(dsinks[1:], 0)

@@ -224,9 +224,22 @@ class _JoinsSinks(_StandInFused):
 
     name = "fused-sinks-standin"
     joined: list = []
+    summed: list = []
 
     def joins_sinks(self, plan, options):
         return not options.check_values
+
+    def sums_sink_gradient(self, plan, options):
+        return self.joins_sinks(plan, options)
+
+    def backward_with_sinks(self, plan, q, k, v, o, lse, do, operands, sinks):
+        """As cuDNN's dSink: the first batch row's sinks, summed over the batch, the
+        total in the first row (a sum over rows of the closed form)."""
+        self.summed.append(tuple(sinks.shape))
+        dq, dk, dv, _ = self.backward(plan, q, k, v, o, lse, do, operands)
+        head = jnp.broadcast_to(sinks[:1], sinks.shape)
+        total = attention_sinks.gradient(o, lse, do, None, head).sum(0)
+        return dq, dk, dv, jnp.zeros(sinks.shape, jnp.float32).at[0].set(total)
 
     def forward(self, plan, q, k, v, operands, sinks=None):
         out = super().forward(plan, q, k, v, operands)
@@ -251,10 +264,18 @@ def test_a_backend_that_joins_sinks_gets_them_per_head_only(monkeypatch):
     assert "inside" not in scoremod.which_implementation(q, k, v, mod, sinks=per_batch).sinks
     for sinks, inside in ((per_head, True), (per_head[None], True), (per_batch, False)):
         joins.joined.clear()
+        joins.summed.clear()
         _close(_attention(q, k, v, sinks, None), _attention(q, k, v, sinks, "xla"), 2e-6)
         _close(jax.jit(lambda *a: _grads(None, *a))(q, k, v, sinks),
                _grads("xla", q, k, v, sinks), 2e-5)
         assert bool(joins.joined) == inside, (sinks.shape, joins.joined)
+        # an LSE cotangent (the loss weighs the LSE) leaves the sum to the pipeline
+        assert not joins.summed
+        only_o = jax.grad(lambda *a: jnp.sum(jnp.sin(_attention(*a, None)[0])),
+                          argnums=(0, 3))(q, k, v, sinks)
+        _close(only_o, jax.grad(lambda *a: jnp.sum(jnp.sin(_attention(*a, "xla")[0])),
+                                argnums=(0, 3))(q, k, v, sinks), 2e-5)
+        assert bool(joins.summed) == inside, (sinks.shape, joins.summed)
     checked = scoremod.LoweringOptions(check_values=True)
     assert "inside" not in scoremod.which_implementation(q, k, v, mod, sinks=per_head,
                                                          options=checked).sinks
@@ -262,15 +283,25 @@ def test_a_backend_that_joins_sinks_gets_them_per_head_only(monkeypatch):
     def loss(q, s, impl):
         return _loss_of(*_attention(q, k, v, s, impl))
 
+    def o_loss(q, s, impl):
+        return jnp.sum(jnp.sin(_attention(q, k, v, s, impl)[0]))
+
     # Vmapped sinks differ per example: joined from the first batch row (as the
-    # stand-in does) they would give the second example the first one's sinks.
+    # stand-in does) they would give the second example the first one's sinks;
+    # summed over the folded batch, their gradients would mix the examples'.
     qs = jnp.stack([q, q * 0.5])
     for sinks, axis in ((per_head, None), (jnp.stack([per_head, per_head[::-1]]), 0)):
-        joins.joined.clear()
-        grad = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, axis, None))
-        got = jax.jit(grad, static_argnums=2)(qs, sinks, None)
-        _close(got, grad(qs, sinks, "xla"), 2e-5)
-        assert joins.joined
+        for f in (loss, o_loss):
+            joins.joined.clear()
+            grad = jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(0, axis, None))
+            got = jax.jit(grad, static_argnums=2)(qs, sinks, None)
+            _close(got, grad(qs, sinks, "xla"), 2e-5)
+            assert joins.joined
+            # the gradient of the examples' sum: the sinks' folded over the batch
+            summed = jax.grad(lambda q, s, impl: jnp.sum(jax.vmap(f, in_axes=(0, axis, None))(
+                q, s, impl)), argnums=(0, 1))
+            _close(jax.jit(summed, static_argnums=2)(qs, sinks, None),
+                   summed(qs, sinks, "xla"), 2e-5)
 
 
 def test_forward_mode_and_second_order_with_sinks(fused_first):

@@ -171,6 +171,18 @@ class Backend:
         :func:`sinks_inside`, the one rule."""
         return False
 
+    def sums_sink_gradient(self, plan, options) -> bool:
+        """Whether its backward for ``plan`` sums the gradient of sinks it joined
+        inside (``joins_sinks``) itself, in ``backward_with_sinks`` (else the
+        pipeline sums it: ``lowering/sinks.py``'s gradient)."""
+        return False
+
+    def backward_with_sinks(self, plan, q, k, v, o, lse, do, operands, sinks):
+        """``(dQ, dK, dV, d(sinks))`` for ``sinks`` float32 [b, hq], one per head
+        (the same in every batch row), where ``sums_sink_gradient``; the sinks'
+        gradient may come in any split over the batch rows that sums to theirs."""
+        raise NotImplementedError
+
     def __repr__(self):
         return f"<scoremod backend {self.name!r}>"
 
@@ -450,11 +462,17 @@ def _tangent_transpose(cts, *args, static, which):
         # The fallback's backward, on this forward's O and LSE (every backward
         # takes them from any forward: the same softmax).
         call = call.to(call.fallback)
-    dq, dk, dv, learned = _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks)
+    summed_inside = (sinks is not None and which[-1] and dlse is None and not any(wanted)
+                     and call.sinks_inside
+                     and call.backend.sums_sink_gradient(call.plan, call.options))
+    dq, dk, dv, learned, dsinks = _run_backward(call, wanted, q, k, v, o, lse, do, dlse,
+                                                operands, sinks, summed_inside)
     by_operand = iter(learned)
     grads = (dq, dk, dv, *(next(by_operand) if w else None for w in wanted))
-    if sinks is not None:  # O and LSE are the final ones (with the sinks): lowering/sinks.py
-        grads += (attention_sinks.gradient(o, lse, do, dlse, sinks) if which[-1] else None,)
+    if sinks is not None:
+        if which[-1] and dsinks is None:  # O and LSE are the final ones: lowering/sinks.py
+            dsinks = attention_sinks.gradient(o, lse, do, dlse, sinks)
+        grads += (dsinks if which[-1] else None,)
     return [None] * (5 + n + call.sinks) + [g for g, w in zip(grads, which) if w]
 
 
@@ -560,6 +578,8 @@ def _tangent_batched(args, dims, *, static, which):
     q, k, v = folded[0], folded[1], folded[2]
     sub = static.refolded(Problem.of(q, k, v), mod,
                           "under jax.vmap (the mapped axes folded into the batch)")
+    if static.sinks and mapped[at_sinks]:  # sinks per example: not one per head of the batch
+        sub = dataclasses.replace(sub, sinks_inside=False)
     sink_tangent = (folded[where[-1]],) if static.sinks and where[-1] is not None else ()
     outs = _TANGENT.bind(*(folded[i] for i in range(5)), *operands,
                          *((folded[at_sinks],) if static.sinks else ()),
@@ -581,31 +601,43 @@ ad.primitive_jvps[_TANGENT] = _tangent_jvp
 batching.primitive_batchers[_TANGENT] = _tangent_batched
 
 
-def _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks=None):
+def _run_backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks=None,
+                  summed_inside=False):
+    """``(dQ, dK, dV, gradients of the wanted operands, d(sinks))``, the last None
+    unless ``summed_inside``: the backend's backward sums it (its
+    ``sums_sink_gradient``)."""
     try:
-        return _backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks)
+        return _backward(call, wanted, summed_inside, q, k, v, o, lse, do, dlse, operands, sinks)
     except UnsupportedOpError as e:
         pair = _refused_when_built(call, e, "backward")
-        return _vjp_on(call.to(pair), q, k, v, do, dlse, operands, wanted, sinks)
+        return (*_vjp_on(call.to(pair), q, k, v, do, dlse, operands, wanted, sinks), None)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _backward(call, wanted, q, k, v, o, lse, do, dlse, operands, sinks):
-    """``(dQ, dK, dV, gradients of the wanted operands)``; ``o`` and ``lse`` are the
-    call's final ones (with the sinks, which the kernel's backward needs no more of)."""
-    del sinks  # an argument for the derivative below: O and LSE move with them
-    return sharding.backward(call, q, k, v, o, lse, do, operands, dlse,
-                             tuple(n for n, w in zip(_names(call.plan), wanted) if w))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _backward(call, wanted, summed_inside, q, k, v, o, lse, do, dlse, operands, sinks):
+    """``(dQ, dK, dV, gradients of the wanted operands, d(sinks) or None)``; ``o`` and
+    ``lse`` are the call's final ones (with the sinks, which the kernel's backward
+    needs only to sum their gradient: ``summed_inside``)."""
+    names = tuple(n for n, w in zip(_names(call.plan), wanted) if w)
+    return sharding.backward(call, q, k, v, o, lse, do, operands, dlse, names,
+                             sinks if summed_inside else None)
 
 
 @_backward.defjvp
-def _backward_jvp(call, wanted, primals, tangents):
+def _backward_jvp(call, wanted, summed_inside, primals, tangents):
     q, k, v, _, _, do, dlse, operands, sinks = primals
     tq, tk, tv, _, _, tdo, tdlse, toperands, tsinks = tangents  # O, LSE move with q, k, v, sinks
     pair = _fallback_for(call, _SECOND_ORDER)
-    return jax.jvp(lambda q, k, v, do, dlse, operands, sinks: _vjp_on(
-                       call.to(pair), q, k, v, do, dlse, operands, wanted, sinks),
-                   (q, k, v, do, dlse, operands, sinks),
+    fallback = call.to(pair)
+
+    def grads(q, k, v, do, dlse, operands, sinks):
+        out = _vjp_on(fallback, q, k, v, do, dlse, operands, wanted, sinks)
+        if not summed_inside:
+            return (*out, None)
+        o, lse = execute(fallback, q, k, v, operands, sinks)
+        return (*out, attention_sinks.gradient(o, lse, do, dlse, sinks))
+
+    return jax.jvp(grads, (q, k, v, do, dlse, operands, sinks),
                    (tq, tk, tv, tdo, tdlse, toperands, tsinks))
 
 

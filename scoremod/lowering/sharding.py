@@ -134,9 +134,11 @@ def _count(mesh, entry):
 
 
 # The kinds of call: "forward" (q, k, v), "forward_sinks" (q, k, v and the sinks
-# [b, hq], which the backend joins in its softmax: Call.sinks_inside) and
-# "backward" (q, k, v, O, LSE, dO); the mod's operands follow.
-_ARRAYS = {"forward": 3, "forward_sinks": 4, "backward": 6}
+# [b, hq], which the backend joins in its softmax: Call.sinks_inside),
+# "backward" (q, k, v, O, LSE, dO) and "backward_sinks" (those and the sinks,
+# whose gradient the backend sums: Backend.sums_sink_gradient); the mod's
+# operands follow.
+_ARRAYS = {"forward": 3, "forward_sinks": 4, "backward": 6, "backward_sinks": 7}
 
 
 def _operand_arrays(kind):
@@ -156,6 +158,8 @@ def _layout(kind, problem: Problem):
         return (q, kv, kv), (o, lse)
     if kind == "forward_sinks":
         return (q, kv, kv, ("b", "h")), (o, lse)
+    if kind == "backward_sinks":
+        return (q, kv, kv, o, lse, o, ("b", "h")), (q, kv, kv, ("b", "h"))
     return (q, kv, kv, o, lse, o), (q, kv, kv)
 
 
@@ -298,15 +302,14 @@ def _lower(kind, static, keep, sharded, mesh, *arrays):
         for (_, entry), c in zip(moving, counts):
             index = index * c + jax.lax.axis_index(_axes(entry))
         out = jax.lax.switch(index, [branch(p) for p in positions], *arrays)
-    if kind != "backward" or sharded["q_idx"] is None:
+    if not kind.startswith("backward") or sharded["q_idx"] is None:
         return out
-    # Each query shard's rows contribute to every key's gradient: summed after the
-    # switch, which every device leaves (a collective inside a branch that only
-    # some devices take waits forever for the others).
-    dq, dk, dv = out
+    # Each query shard's rows contribute to every key's gradient (and to the sinks'):
+    # summed after the switch, which every device leaves (a collective inside a
+    # branch that only some devices take waits forever for the others).
     axes = _axes(sharded["q_idx"])
-    return (dq, jax.lax.psum(dk.astype(jnp.float32), axes).astype(dk.dtype),
-            jax.lax.psum(dv.astype(jnp.float32), axes).astype(dv.dtype))
+    dq, *summed = out
+    return (dq, *(jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype) for x in summed))
 
 
 def _declared_at_local_shapes(mod, values):
@@ -343,7 +346,7 @@ def _call(kind, static, *arrays):
     folded = decode.choose(static)
     if folded is not None:  # short queries: the same kernels on folded shapes
         return _folded_call(kind, static, folded, head, operands)
-    if kind != "backward":
+    if not kind.startswith("backward"):
         q, k, v = head[:3]
         sinks = head[3] if kind == "forward_sinks" else None
         if sinks is not None and not static.sinks_inside:  # joined around it
@@ -353,15 +356,17 @@ def _call(kind, static, *arrays):
             return tuple(backend.forward(plan, q, k, v, operands, *(
                 () if sinks is None else (sinks,))))
         return nonfinite.forward(backend, plan, q, k, v, operands)
-    q, k, v, o, lse, do = head
+    q, k, v, o, lse, do = head[:6]
+    if kind == "backward_sinks":  # per head (the route's rule), O and V finite (no check)
+        return tuple(backend.backward_with_sinks(plan, q, k, v, o, lse, do, operands, head[6]))
     dq, dk, dv, _ = nonfinite.backward(backend, plan, q, k, v, o, lse, do, operands, check)
     return dq, dk, dv
 
 
 def _folded_call(kind, static, folded, head, operands):
     """``_call`` of a call of short queries, on the folded call's kernels (the sinks
-    joined around them)."""
-    if kind != "backward":
+    joined around them, their gradient summed after)."""
+    if not kind.startswith("backward"):
         out = decode.forward(static, folded, *head[:3], operands,
                              lambda inner, q, k, v, ops: _call("forward", inner, q, k, v, *ops))
         return out if kind == "forward" else tuple(attention_sinks.combine(*out, head[3]))
@@ -369,7 +374,11 @@ def _folded_call(kind, static, folded, head, operands):
     def run(inner, q, k, v, o, lse, do, ops, dlse, wanted):
         return (*_call("backward", inner, q, k, v, o, lse, do, *ops), {})
 
-    return decode.backward(static, folded, *head, operands, None, (), run)[:3]
+    grads = decode.backward(static, folded, *head[:6], operands, None, (), run)[:3]
+    if kind == "backward":
+        return grads
+    o, lse, do = head[3:6]
+    return (*grads, attention_sinks.gradient(o, lse, do, None, head[6]))
 
 
 def _partitioned(kind):
@@ -475,6 +484,12 @@ def _batched(kind, static):
         if kind == "forward_sinks" and in_batched[3]:  # sinks per example: not one per head
             outs = attention_sinks.combine(*_batched("forward", sub)(*head[:3], *operands),
                                            head[3])
+        elif kind == "backward_sinks":
+            # Summed after: the kernel's sum over the folded batch would add up the
+            # examples' gradients, each example's own being wanted.
+            o, lse, do = head[3:6]
+            outs = (*_batched("backward", sub)(*head[:6], *operands),
+                    attention_sinks.gradient(o, lse, do, None, head[6]))
         else:
             outs = _batched(kind, sub)(*head, *operands)
         outs = jax.tree.map(lambda x: unfold(x, n), outs)
@@ -491,14 +506,20 @@ def forward(static, q, k, v, operands, sinks=None):
     return _batched("forward_sinks", static)(q, k, v, sinks, *operands)
 
 
-def backward(static, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
-    """``(dQ, dK, dV, gradients of the operands named in wanted)`` of the backend's
-    backward, partitioned and batched as above. With the LSE's cotangent
+def backward(static, q, k, v, o, lse, do, operands, dlse=None, wanted=(), sinks=None):
+    """``(dQ, dK, dV, gradients of the operands named in wanted, d(sinks) or None)``
+    of the backend's backward, partitioned and batched as above; with ``sinks``
+    (float32 [b, hq]: no ``dlse`` or ``wanted`` then), their gradient summed by
+    the backend (``Backend.sums_sink_gradient``). With the LSE's cotangent
     ``dlse`` or operand gradients (the Pallas kernels compute both; they are
     not partitioned) the backend's backward is called on the arrays as they
     are: JAX batches its kernels under ``jax.vmap``."""
+    if sinks is not None:
+        dq, dk, dv, dsinks = _batched("backward_sinks", static)(q, k, v, o, lse, do, sinks,
+                                                                 *operands)
+        return dq, dk, dv, (), dsinks
     if dlse is None and not wanted:
-        return (*_batched("backward", static)(q, k, v, o, lse, do, *operands), ())
+        return (*_batched("backward", static)(q, k, v, o, lse, do, *operands), (), None)
     def run(call, q, k, v, o, lse, do, operands, dlse, wanted):
         return nonfinite.backward(call.backend, call.plan, q, k, v, o, lse, do, operands,
                                   call.options.check_values, dlse, wanted)
@@ -509,4 +530,4 @@ def backward(static, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
     else:
         dq, dk, dv, grads = decode.backward(static, folded, q, k, v, o, lse, do, operands, dlse,
                                             wanted, run)
-    return dq, dk, dv, tuple(grads[name] for name in wanted)
+    return dq, dk, dv, tuple(grads[name] for name in wanted), None

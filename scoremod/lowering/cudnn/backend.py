@@ -169,7 +169,7 @@ class Cudnn(Backend):
             return attention_sinks.combine(*self.forward(plan, q, k, v, operands), sinks)
         sink = None if sinks is None else sinks[0].astype(jnp.float32).reshape(1, s.hq, 1, 1)
         out_shapes = _forward_outputs(s.b, s.sq, s.hq, s.dv, q.dtype)
-        carried, outs = (), []  # the first block's call allocates O and the stats
+        carried, outs = {}, []  # the first block's call allocates O and the stats
         for i, (blk, part, graph) in enumerate(zip(plan.blocks, plan.parts, graphs)):
             inputs = [q, k, v, *part.load_arrays(operands, forward=True)] + [sink] * takes[i]
             offsets = plan.offsets(blk)
@@ -177,31 +177,64 @@ class Cudnn(Backend):
                 oq, ok, ov, oo, os_ = offsets
                 offsets = (oq, ok, ov) + (0,) * (len(inputs) - 3) + (oo, os_)
             if plan.key_split and i:  # its own O and stats, its rows written in place
-                carried = (jnp.zeros(out_shapes[0].shape, q.dtype),
-                           jnp.full(out_shapes[1].shape, -jnp.inf, jnp.float32))
-            carried = tuple(_call(graph, inputs, out_shapes, offsets, carried))
-            outs.append((carried[0], carried[1][..., 0]))
+                carried = {0: jnp.zeros(out_shapes[0].shape, q.dtype),
+                           1: jnp.full(out_shapes[1].shape, -jnp.inf, jnp.float32)}
+            o, stats = _call(graph, inputs, out_shapes, offsets, carried)
+            carried = {0: o, 1: stats}
+            outs.append((o, stats[..., 0]))
         return split.joined(outs, plan.blocks) if plan.key_split else outs[-1]
 
     def backward(self, plan, q, k, v, o, lse, do, operands, dlse=None, wanted=()):
         if dlse is not None:
             raise self.no_lse_cotangent()
-        return (*self._backward(plan, q, k, v, o, lse, do, operands), {})
+        return (*self._backward(plan, q, k, v, o, lse, do, operands)[:3], {})
 
-    def _backward(self, plan, q, k, v, o, lse, do, operands):
+    def sums_sink_gradient(self, plan, options):
+        # cuDNN's backward sums the sinks' gradient itself (dSink_token) beside dQ,
+        # dK and dV, sparing a second pass over dO and O (about 45 us at b4 h16
+        # s4096 d128: a tenth of a narrow window's backward). Not under
+        # deterministic=True: the order of its sum is its own.
+        return not options.deterministic and self.joins_sinks(plan, options)
+
+    def backward_with_sinks(self, plan, q, k, v, o, lse, do, operands, sinks):
+        # A row that sees no key and whose sink is -inf has LSE -inf: +inf gives it
+        # P = 0 for its keys and its sink alike (not exp(-inf + inf)).
+        seen = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+        try:
+            dq, dk, dv, dsink = self._backward(plan, q, k, v, o, seen, do, operands, sinks)
+        except UnsupportedOpError as e:
+            log.info("cuDNN refused the sink in the backward graph (%s); its gradient is "
+                     "summed after", e)
+            dq, dk, dv = self._backward(plan, q, k, v, o, lse, do, operands)
+            return dq, dk, dv, attention_sinks.gradient(o, lse, do, None, sinks)
+        # One sink per head, summed over the batch by cuDNN: the total in the first
+        # batch row, which the broadcast of the user's per-head sinks sums back.
+        dsinks = jnp.zeros(sinks.shape, jnp.float32).at[0].set(dsink)
+        return dq, dk, dv, dsinks
+
+    def _backward(self, plan, q, k, v, o, lse, do, operands, sinks=None):
+        """(dQ, dK, dV, the sinks' gradient [hq] summed over the batch: None without
+        ``sinks``, whose first batch row the graphs take)."""
         plan = plan.backward_plan  # any partition of the rows or keys takes the final O, LSE
+        sink = None if sinks is None else sinks[0].astype(jnp.float32).reshape(1, -1, 1, 1)
         if plan.key_split:
-            return _key_split_backward(plan, q, k, v, o, lse, do, operands)
+            return _key_split_backward(plan, q, k, v, o, lse, do, operands, sink)
         if not plan.split:
             (part,) = plan.parts
             out_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
-            return _call(part.backward_graph(),
-                         [q, k, v, o, do, lse[..., None], *part.load_arrays(operands)], out_shapes)
-        dq, dks, dvs = None, [], []  # dQ: the first block's call allocates it, later ones fill in
-        for blk, part in zip(plan.blocks, plan.parts):
-            dq, dk, dv = _block_backward(plan, blk, part, q, k, v, o, lse, do, operands, dq)
+            inputs = [q, k, v, o, do, lse[..., None], *part.load_arrays(operands)]
+            if sink is None:
+                return (*_call(part.backward_graph(), inputs, out_shapes), None)
+            return _summed_sink(_call(part.backward_graph(sink=True), inputs + [sink],
+                                      out_shapes + [_sink_shape(sink)], carried={3: _zeros(sink)}))
+        dq, dks, dvs, dsink = None, [], [], None  # dQ: the first block's call allocates it,
+        for blk, part in zip(plan.blocks, plan.parts):  # later ones fill in; each row in one block
+            dq, dk, dv, block_dsink = _block_backward(plan, blk, part, q, k, v, o, lse, do,
+                                                      operands, dq, sink)
             dks.append(dk)
             dvs.append(dv)
+            if block_dsink is not None:
+                dsink = block_dsink if dsink is None else dsink + block_dsink
 
         def summed(parts, like):  # blocks overlap in keys: add their gradients, in float32
             total = sum(jax.lax.pad(p.astype(jnp.float32), jnp.float32(0),
@@ -210,13 +243,14 @@ class Cudnn(Backend):
                         for p, blk in zip(parts, plan.blocks))
             return total.astype(like.dtype)
 
-        return dq, summed(dks, k), summed(dvs, v)
+        return dq, summed(dks, k), summed(dvs, v), dsink
 
 
-def _block_backward(plan, blk, part, q, k, v, o, lse, do, operands, dq=None):
-    """One block's (dQ, dK, dV), on its rows and keys of the full arrays: dQ written
-    into ``dq``'s rows in place (None: a new array, the other rows unwritten), dK
-    and dV its keys' own."""
+def _block_backward(plan, blk, part, q, k, v, o, lse, do, operands, dq=None, sink=None):
+    """One block's (dQ, dK, dV, the sink's gradient or None), on its rows and keys of
+    the full arrays: dQ written into ``dq``'s rows in place (None: a new array, the
+    other rows unwritten), dK and dV its keys' own; with ``sink`` ([1, hq, 1, 1]),
+    the sink's gradient over its rows."""
     loads = part.load_arrays(operands)
     oq, ok, ov, oo, _ = plan.offsets(blk)
     stats = lse[:, :, blk.q0:blk.q1, None]  # packed: see GraphSpec.stats_layout
@@ -224,25 +258,52 @@ def _block_backward(plan, blk, part, q, k, v, o, lse, do, operands, dq=None):
     out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct(k.shape[:1] + (n,) + k.shape[2:], k.dtype),
                   jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
-    offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + (oq, 0, 0)
-    return _call(part.backward_graph(), [q, k, v, o, do, stats, *loads], out_shapes, offsets,
-                 () if dq is None else (dq,))
+    inputs = [q, k, v, o, do, stats, *loads]
+    offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads)
+    carried = {} if dq is None else {0: dq}
+    if sink is None:
+        return (*_call(part.backward_graph(), inputs, out_shapes, offsets + (oq, 0, 0), carried),
+                None)
+    carried[3] = _zeros(sink)
+    return _summed_sink(_call(part.backward_graph(sink=True), inputs + [sink],
+                              out_shapes + [_sink_shape(sink)], offsets + (0, oq, 0, 0, 0),
+                              carried))
 
 
-def _key_split_backward(plan, q, k, v, o, lse, do, operands):
+def _key_split_backward(plan, q, k, v, o, lse, do, operands, sink=None):
     """dQ, dK, dV of key blocks: each block's backward on the joined O and LSE (its
     probabilities are the row's, restricted to its keys), dQ summed over the blocks,
-    dK and dV each block's own keys."""
-    dq, dks, dvs = None, [], []
-    for blk, part in zip(plan.blocks, plan.parts):
+    dK and dV each block's own keys; the sink's gradient (with ``sink``) from the
+    first block, whose graph sums it over every row."""
+    dq, dks, dvs, dsink = None, [], [], None
+    for i, (blk, part) in enumerate(zip(plan.blocks, plan.parts)):
         # dQ into zeros: the block writes its rows only
-        block_dq, dk, dv = _block_backward(plan, blk, part, q, k, v, o, lse, do, operands,
-                                           jnp.zeros(q.shape, q.dtype))
+        block_dq, dk, dv, block_dsink = _block_backward(
+            plan, blk, part, q, k, v, o, lse, do, operands, jnp.zeros(q.shape, q.dtype),
+            sink if i == 0 else None)
         block_dq = block_dq.astype(jnp.float32)
         dq = block_dq if dq is None else dq + block_dq
         dks.append(dk)
         dvs.append(dv)
-    return dq.astype(q.dtype), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
+        dsink = block_dsink if i == 0 else dsink
+    return (dq.astype(q.dtype), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1),
+            dsink)
+
+
+def _sink_shape(sink):
+    return jax.ShapeDtypeStruct(sink.shape, jnp.float32)
+
+
+def _zeros(sink):
+    """The buffer cuDNN sums the sink's gradient into (carried: its contents start
+    the sum)."""
+    return jnp.zeros(sink.shape, jnp.float32)
+
+
+def _summed_sink(outputs):
+    """A backward graph's (dQ, dK, dV, dSink [1, hq, 1, 1]) with dSink as [hq]."""
+    dq, dk, dv, dsink = outputs
+    return dq, dk, dv, dsink.reshape(-1)
 
 
 def _frontend_installed() -> bool:
@@ -262,14 +323,15 @@ def _forward_outputs(b, sq, hq, dv, dtype):
             jax.ShapeDtypeStruct((b, hq, sq, 1), jnp.float32)]
 
 
-def _call(built, inputs, out_shapes, offsets=(), carried=()):
-    """Runs ``built``; ``carried``: arrays appended to the inputs that become
-    the outputs of the same index, updated in place (see ``kernels_ffi.call``)."""
+def _call(built, inputs, out_shapes, offsets=(), carried=None):
+    """Runs ``built``; ``carried``: ``{output index: array}``, arrays appended to
+    the inputs that become those outputs, updated in place (see ``kernels_ffi.call``)."""
+    carried = carried or {}
     n = len(inputs)
-    carry = {n + i: i for i in range(len(carried))}
-    if carried:
+    carry = {n + i: out for i, out in enumerate(carried)}
+    if carried and offsets:
         offsets = offsets[:n] + (0,) * len(carried) + offsets[n:]
-    return kernels_ffi.call(built.blob, built.graph_id, [*inputs, *carried], out_shapes,
+    return kernels_ffi.call(built.blob, built.graph_id, [*inputs, *carried.values()], out_shapes,
                             built.in_uids + (-1,) * len(carried), built.out_uids,
                             built.scalar_uids, built.scalar_bits, built.workspace,
                             offsets=offsets, carry=carry)

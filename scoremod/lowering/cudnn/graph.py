@@ -30,7 +30,8 @@ from scoremod.lowering.problem import AXIS, Problem
 
 log = logging.getLogger("scoremod")
 
-UID_Q, UID_K, UID_V, UID_O, UID_STATS, UID_DO, UID_DQ, UID_DK, UID_DV, UID_SINK = range(1, 11)
+(UID_Q, UID_K, UID_V, UID_O, UID_STATS, UID_DO, UID_DQ, UID_DK, UID_DV, UID_SINK,
+ UID_DSINK) = range(1, 12)
 UID_LOADS, UID_SCALARS = 100, 1000
 
 # Python engines that may claim an SDPA graph and drop score_mod (seed 003).
@@ -152,6 +153,8 @@ class GraphSpec:
     # float32 [1, hq, 1, 1]); its stats are then the LSE with the sink. Measured on
     # the H200 with cuDNN 9.19: taken with native masks and with a score_mod without
     # one, at no cost (benchmarks/probes/cudnn_sinks.py); refused at one query row.
+    # The backward then takes the sink too and writes its gradient (dSink_token,
+    # float32 [1, hq, 1, 1], summed over the batch and the graph's rows).
     sink: bool = False
 
     def stats_layout(self, packed=False):
@@ -290,6 +293,10 @@ def build_backward(fwd: Node, bwd: Node, p: GraphSpec, consts, load_nodes, descr
         return _fresh(gg, em.emit(gg, bwd, dp), dp)
 
     mods = {} if fwd is None else {"score_mod": score_mod, "score_mod_bprop": score_mod_bprop}
+    if p.sink:
+        sink_dims = ((1, p.shape.hq, 1, 1), (p.shape.hq, 1, 1, 1), "float32")
+        mods["sink_token"] = _io_tensor(g, "sink", UID_SINK, *sink_dims)
+        mods["dSink_token"] = _io_tensor(g, "dsink", UID_DSINK, *sink_dims)
     dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
                                  attn_scale=p.scale, use_deterministic_algorithm=p.deterministic,
                                  **_mask_args(p), **mods)
@@ -304,8 +311,9 @@ def build_backward(fwd: Node, bwd: Node, p: GraphSpec, consts, load_nodes, descr
         t.set_uid(uid)
     with frontend_release.releasing(g, em.env):  # nothing of the frontend outlives the build
         blob, gid, ws, plan, secs = _finalize(g, "backward", describe)
-    ins = (UID_Q, UID_K, UID_V, UID_O, UID_DO, UID_STATS) + tuple(s.uid for s in p.loads)
-    return Built(blob, gid, ins, (UID_DQ, UID_DK, UID_DV),
+    ins = ((UID_Q, UID_K, UID_V, UID_O, UID_DO, UID_STATS) + tuple(s.uid for s in p.loads)
+           + ((UID_SINK,) if p.sink else ()))
+    return Built(blob, gid, ins, (UID_DQ, UID_DK, UID_DV) + ((UID_DSINK,) if p.sink else ()),
                  tuple(UID_SCALARS + i for i in range(len(consts))),
                  tuple(_scalar_bits(c) for c in consts), ws, plan, secs)
 

@@ -218,10 +218,14 @@ class Part:
                                                   [l.node for l in self.fwd_loads],
                                                   self.describe))
 
-    def backward_graph(self):
-        return cg.cached(("backward",) + self._graph_key(), lambda: cg.build_backward(
-            self.fwd, self.bwd, self.spec, self.consts, [l.node for l in self.loads],
-            self.describe))
+    def backward_graph(self, sink=False):
+        """The built backward graph; with ``sink``, the one that takes the sink per
+        head and writes its gradient (``GraphSpec.sink``)."""
+        spec = dataclasses.replace(self.spec, sink=True) if sink else self.spec
+        return cg.cached(("backward",) + self._graph_key() + (("sink",) if sink else ()),
+                         lambda: cg.build_backward(self.fwd, self.bwd, spec, self.consts,
+                                                   [l.node for l in self.loads],
+                                                   self.describe))
 
     def _graph_key(self):
         # Versions read without importing the frontend: a warm process whose
