@@ -100,6 +100,17 @@ class JoinsSinks(StandIn):
         self.seen.append(("sinks", tuple(sinks.shape)))
         return attention_sinks.combine(*out, jnp.broadcast_to(sinks[:1], sinks.shape))
 
+    def sums_sink_gradient(self, plan, options):
+        return True
+
+    def backward_with_sinks(self, plan, q, k, v, o, lse, do, operands, sinks):
+        """As cuDNN's: the sum over the shard's batch rows in its first row."""
+        self.seen.append(("sink gradient", tuple(sinks.shape)))
+        dq, dk, dv, _ = self.backward(plan, q, k, v, o, lse, do, operands)
+        total = attention_sinks.gradient(o, lse, do, None,
+                                         jnp.broadcast_to(sinks[:1], sinks.shape)).sum(0)
+        return dq, dk, dv, jnp.zeros(sinks.shape, jnp.float32).at[0].set(total)
+
 
 STANDIN, JOINS_SINKS = StandIn(), JoinsSinks()
 
@@ -210,8 +221,9 @@ def test_training_step_runs_per_shard_without_communication(name):
 def test_sinks_on_shards(name, impl):
     """Attention sinks ([batch, heads] after broadcasting) on sharded inputs: they
     join each shard's O and LSE outside the kernel, or (standin-sinks) inside its
-    forward with the shard's own slice of them; their gradient is summed to
-    the user's [heads]; no collective but the scalar loss's and the sinks' own
+    forward with the shard's own slice of them, and its backward sums their
+    gradient over the shard's rows; their gradient is summed to the user's
+    [heads]; no collective but the scalar loss's and the sinks' own
     gradient."""
     spec, _ = SPECS[name]
     mesh = _mesh()
@@ -229,6 +241,8 @@ def test_sinks_on_shards(name, impl):
     compiled = jax.jit(step(impl)).lower(*_put(mesh, spec, q, k, v, w), sinks).compile()
     joined = [shape for what, shape in StandIn.seen if what == "sinks"]
     assert bool(joined) == (impl == "standin-sinks"), StandIn.seen
+    summed = [shape for what, shape in StandIn.seen if what == "sink gradient"]
+    assert summed == joined, StandIn.seen  # the backward sums it where the forward joined
     for op, shape in _collectives(compiled.as_text()):
         assert op == "all-reduce" and re.fullmatch(r"f32\[(4)?\]", shape), (op, shape)
     _close(compiled(*_put(mesh, spec, q, k, v, w), sinks), want)
