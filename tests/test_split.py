@@ -429,8 +429,9 @@ def test_none_kept_is_exact():
 
 
 @pytest.mark.parametrize("sq,skv", [(256, 640), (512, 640), (640, 640), (1024, 1024)])
-def test_key_blocks_trace_through_the_fused_pipeline(stand_in_h200, sq, skv):
-    """The cuDNN path's forward and backward of key blocks, with and without sinks,
+def test_key_blocks_trace_through_the_fused_pipeline(stand_in_h200, monkeypatch, sq, skv):
+    """The cuDNN path's forward and backward of key blocks, with and without sinks
+    (their gradient summed by cuDNN's backward: Cudnn.backward_with_sinks, once),
     trace under jit and grad through lowering.sharding's custom_partitioning (which
     refuses a body with constants: `.at[].set` over every row made one) on a faked
     H200 whose graphs and FFI calls are stand-ins returning zeros."""
@@ -446,6 +447,12 @@ def test_key_blocks_trace_through_the_fused_pipeline(stand_in_h200, sq, skv):
     softcap = lambda s, b, h, q, k: jnp.where(q + skv - sq >= k, 30 * jnp.tanh(s / 30), NEG)  # noqa: E731
     four = scoremod.LoweringOptions(split_blocks=4, sms=1)
     assert Plan(scoremod.trace(softcap), Problem.of(q, k, k), 0.125, four).split or sq < 1024
+    from scoremod.lowering.cudnn import backend as cudnn_backend
+
+    summed = []
+    with_sinks = cudnn_backend.Cudnn.backward_with_sinks
+    monkeypatch.setattr(cudnn_backend.Cudnn, "backward_with_sinks",
+                        lambda self, plan, *a: summed.append(plan) or with_sinks(self, plan, *a))
     for m, options in ((mod, None), (softcap, four)):
         for sinks in (None, jnp.zeros(8)):
             def loss(q, k, s):
@@ -453,4 +460,8 @@ def test_key_blocks_trace_through_the_fused_pipeline(stand_in_h200, sq, skv):
                                        options=options)
                 return jnp.sum(o.astype(jnp.float32))
             jax.jit(loss).lower(q, k, sinks)
-            jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, k, sinks)
+            # with the sinks' gradient: cuDNN's backward sums it (a backward_sinks call)
+            argnums = (0, 1) if sinks is None else (0, 1, 2)
+            summed.clear()
+            jax.jit(jax.grad(loss, argnums=argnums)).lower(q, k, sinks)
+            assert len(summed) == (sinks is not None), summed
