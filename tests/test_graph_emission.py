@@ -293,6 +293,7 @@ def test_the_backward_sums_the_sinks_gradient_in_its_graphs(name, recorder, monk
                 for s, u in zip(out_shapes, out_uids)]
 
     monkeypatch.setattr(kernels_ffi, "call", call)
+    monkeypatch.setattr(cudnn_backend, "SINK_GRADIENT_IN_GRAPH", True)
     fn, options = SINK_PLANS[name]
     b, s, hq, hkv, d = 2, 1024, 4, 2, 64
     plan = Plan(scoremod.trace(fn), Problem(b, s, s, hq, hkv, d, d, "bfloat16"), 0.125, options)

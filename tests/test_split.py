@@ -450,6 +450,7 @@ def test_key_blocks_trace_through_the_fused_pipeline(stand_in_h200, monkeypatch,
     from scoremod.lowering.cudnn import backend as cudnn_backend
 
     summed = []
+    monkeypatch.setattr(cudnn_backend, "SINK_GRADIENT_IN_GRAPH", True)
     with_sinks = cudnn_backend.Cudnn.backward_with_sinks
     monkeypatch.setattr(cudnn_backend.Cudnn, "backward_with_sinks",
                         lambda self, plan, *a: summed.append(plan) or with_sinks(self, plan, *a))

@@ -1,9 +1,9 @@
 """Attention sinks on the GPU: O, LSE, dQ, dK, dV and d(sinks) on each fused
 backend against the reference path, for causal, sliding window, document
 masks, softcap + causal and ALiBi, with GQA and Sq != Skv, in bfloat16 and
-float16; and on a second run the same O and LSE on every route, the same dQ, dK,
-dV and d(sinks) on the Pallas kernels and with deterministic=True (issue: sinks with
-any mod)."""
+float16; and on a second run the same O and LSE on every route, the same d(sinks)
+where it is one reduction, the same dQ, dK, dV on the Pallas kernels and with
+deterministic=True (issue: sinks with any mod)."""
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,8 @@ ROUTES = {
     # deterministic algorithm
     "deterministic": (None, scoremod.LoweringOptions(deterministic=True)),
     "cudnn-deterministic": ("cudnn", scoremod.LoweringOptions(deterministic=True)),
+    # the sinks' gradient summed by cuDNN's backward graphs (dSink_token)
+    "cudnn-dsink": ("cudnn", None),
 }
 
 
@@ -83,6 +85,19 @@ def _check(got, want):
         assert err < TOL, (name, err)
 
 
+def _sums_in_graph(monkeypatch):
+    """cuDNN's backward graphs sum the sinks' gradient (SINK_GRADIENT_IN_GRAPH on);
+    the list of the plans it did so for."""
+    from scoremod.lowering.cudnn import backend as cudnn_backend
+
+    summed = []
+    with_sinks = cudnn_backend.Cudnn.backward_with_sinks
+    monkeypatch.setattr(cudnn_backend, "SINK_GRADIENT_IN_GRAPH", True)
+    monkeypatch.setattr(cudnn_backend.Cudnn, "backward_with_sinks",
+                        lambda self, plan, *a: summed.append(plan) or with_sinks(self, plan, *a))
+    return summed
+
+
 def _skip_unless_hopper(impl):
     from scoremod import device
 
@@ -95,9 +110,10 @@ def _skip_unless_hopper(impl):
 @pytest.mark.parametrize("name", ["causal", "window", "softcap_causal", "alibi", "document",
                                   "masked_rows", "prefix_lm"])
 @pytest.mark.parametrize("route", sorted(ROUTES))
-def test_sinks_match_the_reference_and_repeat(route, name, sq, skv, dtype):
+def test_sinks_match_the_reference_and_repeat(route, name, sq, skv, dtype, monkeypatch):
     impl, options = ROUTES[route]
     _skip_unless_hopper(impl)
+    summed = _sums_in_graph(monkeypatch) if route == "cudnn-dsink" else None
     if name == "document" and sq != skv:
         pytest.skip("document ids are per position of one sequence (Sq = Skv)")
     q, k, v, do = pc.inputs(b=2, sq=sq, skv=skv, hq=HQ, hkv=HKV, d=128, dtype=dtype)
@@ -110,15 +126,16 @@ def test_sinks_match_the_reference_and_repeat(route, name, sq, skv, dtype):
     want = _run("xla", None, mod, q, k, v, do, SINKS)
     got = _run(impl, options, mod, q, k, v, do, SINKS)
     _check(got, want)
+    assert summed is None or summed, "cuDNN's backward did not sum the sinks' gradient"
     again = _run(impl, options, mod, q, k, v, do, SINKS)
     # The forward and the LSE repeat bitwise on every route; the gradients on the
     # Pallas kernels and wherever deterministic=True. cuDNN's Hopper backward
     # accumulates in an order that varies between runs (last bits, measured), as
-    # does dQ fused into the Mosaic dK/dV kernel; it sums the sinks' gradient too
-    # (dSink_token) where it joined them in its forward.
+    # does dQ fused into the Mosaic dK/dV kernel, and so may its sum of the sinks'
+    # gradient (dSink_token, cudnn-dsink); elsewhere that gradient is one reduction.
     names = ("O", "LSE", "dQ", "dK", "dV", "dsinks")
     repeat = names if route in ("pallas", "deterministic", "cudnn-deterministic") else (
-        "O", "LSE")
+        ("O", "LSE") if route == "cudnn-dsink" else ("O", "LSE", "dsinks"))
     if route == "pallas" and mosaic_backward.FUSE_DQ:
         repeat = tuple(n for n in repeat if n != "dQ")
     for name, a, b in zip(names, got, again):
