@@ -175,16 +175,16 @@ def _backward_note(backend, fallback, options, backward_on=None) -> str | None:
             f"{backend.title}'s O and LSE ({backend.title}'s backward is not bitwise repeatable)")
 
 
-def _sinks_note(backend, inside, plan=None, options=None) -> str:
-    if inside and backend.sums_sink_gradient(plan, options):
-        return (f"the sinks join the softmax inside {backend.title}'s forward (one logit per "
-                "head, with the kernel's own LSE); its backward runs on the final O and LSE "
-                "and sums the sinks' gradient itself (with an LSE cotangent, or "
-                "deterministic=True, the one reduction of lowering/sinks.py)")
+def _sinks_note(backend, inside, plan, options) -> str:
     if inside:
-        return (f"the sinks join the softmax inside {backend.title}'s forward (one logit per "
-                "head, with the kernel's own LSE); its backward runs unchanged on the final O "
-                "and LSE, and the sinks' gradient is one reduction (lowering/sinks.py)")
+        joined = (f"the sinks join the softmax inside {backend.title}'s forward (one logit "
+                  "per head, with the kernel's own LSE); its backward runs ")
+        if backend.sums_sink_gradient(plan, options):
+            return (joined + "on the final O and LSE and sums the sinks' gradient itself "
+                    "(with an LSE cotangent, or deterministic=True, the one reduction of "
+                    "lowering/sinks.py)")
+        return (joined + "unchanged on the final O and LSE, and the sinks' gradient is one "
+                "reduction (lowering/sinks.py)")
     if backend.differentiable:
         return (f"the sinks join each row's softmax after {backend.title}'s scores; JAX "
                 "differentiates it")

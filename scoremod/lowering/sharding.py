@@ -375,10 +375,14 @@ def _folded_call(kind, static, folded, head, operands):
         return (*_call("backward", inner, q, k, v, o, lse, do, *ops), {})
 
     grads = decode.backward(static, folded, *head[:6], operands, None, (), run)[:3]
-    if kind == "backward":
-        return grads
-    o, lse, do = head[3:6]
-    return (*grads, attention_sinks.gradient(o, lse, do, None, head[6]))
+    return grads if kind == "backward" else (*grads, _sink_gradient(head))
+
+
+def _sink_gradient(head):
+    """The sinks' gradient of a "backward_sinks" call's arrays by the one reduction
+    (lowering/sinks.py), for the ways that do not run the backend's own sum."""
+    o, lse, do, sinks = head[3:7]
+    return attention_sinks.gradient(o, lse, do, None, sinks)
 
 
 def _partitioned(kind):
@@ -487,9 +491,7 @@ def _batched(kind, static):
         elif kind == "backward_sinks":
             # Summed after: the kernel's sum over the folded batch would add up the
             # examples' gradients, each example's own being wanted.
-            o, lse, do = head[3:6]
-            outs = (*_batched("backward", sub)(*head[:6], *operands),
-                    attention_sinks.gradient(o, lse, do, None, head[6]))
+            outs = (*_batched("backward", sub)(*head[:6], *operands), _sink_gradient(head))
         else:
             outs = _batched(kind, sub)(*head, *operands)
         outs = jax.tree.map(lambda x: unfold(x, n), outs)

@@ -232,10 +232,7 @@ class Cudnn(Backend):
             (part,) = plan.parts
             out_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
             inputs = [q, k, v, o, do, lse[..., None], *part.load_arrays(operands)]
-            if sink is None:
-                return (*_call(part.backward_graph(), inputs, out_shapes), None)
-            return _summed_sink(_call(part.backward_graph(sink=True), inputs + [sink],
-                                      out_shapes + [_sink_shape(sink)], carried={3: _zeros(sink)}))
+            return _backward_call(part, inputs, out_shapes, sink=sink)
         dq, dks, dvs, dsink = None, [], [], None  # dQ: the first block's call allocates it,
         for blk, part in zip(plan.blocks, plan.parts):  # later ones fill in; each row in one block
             dq, dk, dv, block_dsink = _block_backward(plan, blk, part, q, k, v, o, lse, do,
@@ -267,16 +264,9 @@ def _block_backward(plan, blk, part, q, k, v, o, lse, do, operands, dq=None, sin
     out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct(k.shape[:1] + (n,) + k.shape[2:], k.dtype),
                   jax.ShapeDtypeStruct(v.shape[:1] + (n,) + v.shape[2:], v.dtype)]
-    inputs = [q, k, v, o, do, stats, *loads]
-    offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads)
-    carried = {} if dq is None else {0: dq}
-    if sink is None:
-        return (*_call(part.backward_graph(), inputs, out_shapes, offsets + (oq, 0, 0), carried),
-                None)
-    carried[3] = _zeros(sink)
-    return _summed_sink(_call(part.backward_graph(sink=True), inputs + [sink],
-                              out_shapes + [_sink_shape(sink)], offsets + (0, oq, 0, 0, 0),
-                              carried))
+    offsets = (oq, ok, ov, oo, oo, 0) + (0,) * len(loads) + (oq, 0, 0)
+    return _backward_call(part, [q, k, v, o, do, stats, *loads], out_shapes, offsets,
+                          {} if dq is None else {0: dq}, sink)
 
 
 def _key_split_backward(plan, q, k, v, o, lse, do, operands, sink=None):
@@ -294,24 +284,24 @@ def _key_split_backward(plan, q, k, v, o, lse, do, operands, sink=None):
         dq = block_dq if dq is None else dq + block_dq
         dks.append(dk)
         dvs.append(dv)
-        dsink = block_dsink if i == 0 else dsink
+        if block_dsink is not None:
+            dsink = block_dsink
     return (dq.astype(q.dtype), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1),
             dsink)
 
 
-def _sink_shape(sink):
-    return jax.ShapeDtypeStruct(sink.shape, jnp.float32)
-
-
-def _zeros(sink):
-    """The buffer cuDNN sums the sink's gradient into (carried: its contents start
-    the sum)."""
-    return jnp.zeros(sink.shape, jnp.float32)
-
-
-def _summed_sink(outputs):
-    """A backward graph's (dQ, dK, dV, dSink [1, hq, 1, 1]) with dSink as [hq]."""
-    dq, dk, dv, dsink = outputs
+def _backward_call(part, inputs, out_shapes, offsets=(), carried=None, sink=None):
+    """``part``'s backward graph on ``inputs``: (dQ, dK, dV, None); with ``sink``
+    ([1, hq, 1, 1]) the graph that takes it after the loads and sums its gradient
+    into a zeroed buffer carried to its last output: (dQ, dK, dV, that sum [hq])."""
+    if sink is None:
+        return (*_call(part.backward_graph(), inputs, out_shapes, offsets, carried), None)
+    n = len(inputs)
+    if offsets:  # the sink's and its gradient's at 0
+        offsets = offsets[:n] + (0,) + offsets[n:] + (0,)
+    dq, dk, dv, dsink = _call(part.backward_graph(sink=True), inputs + [sink],
+                              out_shapes + [jax.ShapeDtypeStruct(sink.shape, jnp.float32)],
+                              offsets, {**(carried or {}), 3: jnp.zeros(sink.shape, jnp.float32)})
     return dq, dk, dv, dsink.reshape(-1)
 
 
