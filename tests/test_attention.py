@@ -827,3 +827,34 @@ def test_cudnn_yields_masks_of_captured_arrays_to_the_pallas_kernels(monkeypatch
 
     monkeypatch.setattr(registry, "_BACKENDS", [_CudnnHere(), Refusing(), REFERENCE])
     assert scoremod.which_implementation(q, k, v, documents).implementation == "cudnn"
+
+
+@pytest.mark.parametrize("gpu", ["hopper", "ampere"])
+def test_masks_the_mosaic_engine_refuses_stay_on_cudnn_beside_it(monkeypatch, gpu):
+    """A mask of captured arrays that only the Triton engine's kernels can read (a
+    2-D window of a table, JetSpec's tree): where the Mosaic GPU engine runs the
+    problem (Hopper) the planner does not choose the Triton engine, which JAX
+    deprecates, and cuDNN computes the mask ahead; where the Mosaic engine is
+    missing (an A100) the Triton engine claims it as before. A mask the Mosaic
+    engine reads (document ids) is claimed on both; by name the Pallas kernels
+    still take the tree on the Triton engine."""
+    from scoremod import support
+
+    family, name = (9, "NVIDIA H200") if gpu == "hopper" else (8, "NVIDIA A100")
+    monkeypatch.setattr(device, "current", lambda: device.Device("gpu", name, family, 132))
+    monkeypatch.setattr(support, "mosaic_missing", lambda: None)  # as jax 0.11 or later
+    monkeypatch.setattr(registry, "_BACKENDS", [_CudnnHere(), _PallasHere(), REFERENCE])
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    kv = jnp.zeros((1, 384, 2, 64), jnp.bfloat16)
+    ancestor = jnp.asarray(np.tril(np.ones((256, 256), bool)))
+    doc = jnp.arange(384, dtype=jnp.int32) // 100
+    tree = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
+        (ki < 128) | ancestor[qi, jnp.clip(ki - 128, 0, 255)], s, -jnp.inf)
+    documents = lambda s, b, h, qi, ki: jnp.where(  # noqa: E731
+        doc[qi] == doc[ki], s, -jnp.inf)
+    choice = scoremod.which_implementation(q, kv, kv, tree)
+    assert choice.implementation == ("cudnn" if gpu == "hopper" else "pallas"), choice
+    assert choice.verdicts["pallas"] is None
+    named = scoremod.which_implementation(q, kv, kv, tree, implementation="pallas")
+    assert named.implementation == "pallas" and "Triton" in named.variant, named
+    assert scoremod.which_implementation(q, kv, kv, documents).implementation == "pallas"

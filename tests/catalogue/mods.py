@@ -888,7 +888,7 @@ entry(
             in_tree = (k >= P) & (k < P + N)
             return jnp.where((k < P) | (in_tree & ancestor[q, node]), s, -jnp.inf)
         """,
-    verdict="block-sparse Pallas kernels, mask in the kernel",
+    verdict="materialized [1,1,Sq,Skv]: data mask",
 )
 
 

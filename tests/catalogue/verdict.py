@@ -101,9 +101,11 @@ def planned(mod, shape, d=128, sms=H200_SMS):
     # tried before "cudnn"); ids that are not runs take the dense route at run time.
     if isinstance(segments.recognize(mod.expr, problem(shape, d)), segments.Segments):
         return notes, "cudnn-varlen", None
-    # A mask of captured arrays (packed documents) cuDNN yields to the Pallas kernels.
+    # A mask of captured arrays (packed documents) cuDNN yields to the Pallas kernels'
+    # Mosaic GPU engine (the H200's jax deprecates their Triton engine: Pallas.claims).
     if (patterns.mask_from_data(mod.expr) is not None
-            and PALLAS.why_not(problem(shape, d), mod, automatic=False) is None):
+            and PALLAS.why_not(problem(shape, d), mod, automatic=False) is None
+            and mosaic.refusal(mod.expr, mod.sources) is None):
         return notes, "pallas", None
     # A relative-position table: to the Mosaic GPU engine, where it reads the mod.
     if mosaic.offset_reads(mod.expr) and mosaic.refusal(mod.expr, mod.sources) is None:

@@ -258,8 +258,12 @@ class Pallas(Backend):
                     "per group at most of the GPU's bandwidth")
         # Measured against cuDNN's dense graph (docs/performance.md): 4 documents per
         # row with a softcap, the kernels run 2.8x its forward and 4x its fwd+bwd at 4096.
+        # Not on the Triton engine where the Mosaic GPU engine runs this problem but
+        # refuses the mod (Hopper, jax 0.11 or later): JAX deprecates Pallas's Triton
+        # backend there, and cuDNN computing the mask ahead is what a user gets from
+        # the supported stack (JetSpec's tree: a 2-D window of its ancestor table).
         cond = None if mod is None or over.name != "cudnn" else patterns.mask_from_data(mod.expr)
-        if cond is not None:
+        if cond is not None and not self.triton_beside_mosaic(problem, mod, options):
             return (f"the mask `{format_expr(cond)}` reads captured arrays; cuDNN would "
                     "compute it ahead as a [.., Sq, Skv] tensor and visit every tile, the "
                     "Pallas kernels compute it in the kernel and skip the tiles it empties")
@@ -296,6 +300,14 @@ class Pallas(Backend):
                     f"{over.name}'s plan computes {theirs:.0%} (forward and backward weighted "
                     f"1 : 2.5), at {MOSAIC_TILE_COST:.2f}x cuDNN's time per tile")
         return None
+
+    def triton_beside_mosaic(self, problem, mod, options) -> bool:
+        """Whether ``pallas_engine="auto"`` would run this call on the Triton engine
+        only because the Mosaic GPU engine, which takes this problem here, refuses the
+        mod (a choice the planner does not make for a faster backend's call)."""
+        return (options.pallas_engine == "auto"
+                and self.engine(problem, mod, options)[0] == "triton"
+                and self._why_not_mosaic(problem, None) is None)
 
     def claims_forward(self, problem, mod, options, over):
         # Measured forwards on the H200 (docs/performance.md): the Mosaic GPU kernels
