@@ -271,7 +271,7 @@ def main():
             for route, impl in routes.items():
                 engine = {"pallas_engine": "mosaic"} if impl else {}
                 variants = []
-                for label, splits in (("unfolded", 0), ("packed", 1), ("split4", 4),
+                for label, splits in (("unfolded", 0), ("packed", 1), ("split2", 2), ("split4", 4),
                                       ("split8", 8), ("split16", 16), ("split32", 32),
                                       ("auto", None)):
                     opts = scoremod.LoweringOptions(decode_splits=splits, **engine)
