@@ -99,39 +99,49 @@ def choose(call) -> tuple | None:
 
 @functools.lru_cache(maxsize=256)
 def _choose(call):
-    p, options = call.problem, call.options
-    if not short(p):
-        return None
-    group = p.hq // p.hkv
     # A backend that spreads the keys over programs itself only packs: its folded
     # call, planned for the packed shapes, splits their key lists (a static window
     # too: packing reads no batch row, so the static block map stays).
-    inside = call.backend.splits_keys(call.plan)
+    folding = _folding(call.backend, call.problem, call.plan.mod, call.options,
+                       inside=call.backend.splits_keys(call.plan))
+    if folding is None:
+        return None
+    fold, folded, mod, inner_options = folding
+    inner = dataclasses.replace(call, options=inner_options, sinks=False,
+                                sinks_inside=False)
+    return fold, inner.on(folded, mod, "folded for short queries")
+
+
+def _folding(backend, p: Problem, mod, options, inside: bool):
+    """``(fold, folded problem, folded mod, the folded call's options)`` for a call of
+    ``p`` on ``backend`` (``inside``: one that splits a tile's keys over programs
+    itself), or None where it runs as it is: not short, nothing to fold, a plan
+    that skips tiles already, or a backend that refuses the folded call."""
+    if not short(p):
+        return None
+    group = p.hq // p.hkv
     splits = 1 if inside else _splits(p, group, options)
     if group == 1 and splits == 1:
         return None
     # A call whose plan skips tiles already (a static window under cuDNN's native mask,
     # a block map): the chunks' indices depend on the batch row, which no static block
     # map reads, so the folded call would compute every tile.
-    if not inside and _skips_tiles(call.backend, p, call.plan.mod, options):
+    if not inside and _skips_tiles(backend, p, mod, options):
         return None
     fold = Fold(group, splits)
-    mod = None if call.plan.mod is None else ScoreMod(rewrite(call.plan.mod, fold, p)[0])
+    folded_mod = None if mod is None else ScoreMod(rewrite(mod, fold, p)[0])
     # The folded call is not folded again (its options say so), except that a backend
     # splitting keys itself takes the option's count for its parts.
     inner_options = options if inside else options.replace(decode_splits=0)
-    inner = dataclasses.replace(call, options=inner_options, sinks=False,
-                                sinks_inside=False)
     folded = fold.problem(p)
-    if inner.backend.why_not(folded, mod, False, inner.options) is not None:
+    if backend.why_not(folded, folded_mod, False, inner_options) is not None:
         return None
-    return fold, inner.on(folded, mod, "folded for short queries")
+    return fold, folded, folded_mod, inner_options
 
 
 def _skips_tiles(backend, p: Problem, mod, options) -> bool:
     """Whether ``backend``'s plan of ``p`` skips tiles already (a static window under
-    cuDNN's native mask, a block map): the chunks' indices depend on the batch row,
-    which no static block map reads, so the folded call would compute every tile."""
+    cuDNN's native mask, a block map)."""
     share = backend.tile_share(p, mod, options)
     return share is not None and share < 1.0
 
@@ -140,14 +150,9 @@ def packs_rows(backend, p: Problem, mod, options) -> bool:
     """Whether a call of ``p`` on ``backend`` (one that does not spread a tile's keys
     itself) runs folded with each group's query heads packed into more query rows:
     ``choose``'s rule, asked before the call is routed."""
-    if options.decode_splits == 0 or not short(p) or p.hq == p.hkv:
+    if options.decode_splits == 0 or p.hq == p.hkv:
         return False
-    if _skips_tiles(backend, p, mod, options):
-        return False
-    fold = Fold(p.hq // p.hkv, _splits(p, p.hq // p.hkv, options))
-    folded = None if mod is None else ScoreMod(rewrite(mod, fold, p)[0])
-    return backend.why_not(fold.problem(p), folded, False,
-                           options.replace(decode_splits=0)) is None
+    return _folding(backend, p, mod, options, inside=False) is not None
 
 
 def multiprocessors(options) -> int:
