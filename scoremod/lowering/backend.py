@@ -454,10 +454,9 @@ def _tangent_transpose(cts, *args, static, which):
     n = len(operands)
     wanted = tuple(which[3:3 + n])
     if _backward_on_other(call, wanted, dlse):
-        # The faster backward, on this forward's O and LSE. A row that sees no key has
-        # LSE -inf here; +inf gives it P = 0 on any backward (exp(s - LSE)), as its O of 0 wants.
+        # The faster backward, on this forward's O and LSE.
         call = call.to(call.backward_on)
-        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+        lse = empty_rows_at_inf(lse)
     elif _backward_elsewhere(call, wanted):
         # The fallback's backward, on this forward's O and LSE (every backward
         # takes them from any forward: the same softmax).
@@ -474,6 +473,12 @@ def _tangent_transpose(cts, *args, static, which):
             dsinks = attention_sinks.gradient(o, lse, do, dlse, sinks)
         grads += (dsinks if which[-1] else None,)
     return [None] * (5 + n + call.sinks) + [g for g, w in zip(grads, which) if w]
+
+
+def empty_rows_at_inf(lse):
+    """``lse`` with -inf (a row that sees no key, nor a sink) made +inf: any backward's
+    P = exp(s - LSE) is then 0 on that row, as its O of 0 wants (not exp(-inf + inf))."""
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
 
 def _backward_on_other(call, wanted, dlse) -> bool:

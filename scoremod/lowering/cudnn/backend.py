@@ -22,7 +22,7 @@ from scoremod.dsl import ir
 from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
 from scoremod.lowering import block_maps, decode
 from scoremod.lowering import sinks as attention_sinks
-from scoremod.lowering.backend import Backend
+from scoremod.lowering.backend import Backend, empty_rows_at_inf
 from scoremod.lowering.cudnn import rules, split, verify
 from scoremod.lowering.cudnn.plan import plan_for
 
@@ -206,11 +206,11 @@ class Cudnn(Backend):
                 and self.joins_sinks(plan, options))
 
     def backward_with_sinks(self, plan, q, k, v, o, lse, do, operands, sinks):
-        # A row that sees no key and whose sink is -inf has LSE -inf: +inf gives it
-        # P = 0 for its keys and its sink alike (not exp(-inf + inf)).
-        seen = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+        # A row that sees no key and whose sink is -inf has LSE -inf: P = 0 for its keys
+        # and its sink alike.
         try:
-            dq, dk, dv, dsink = self._backward(plan, q, k, v, o, seen, do, operands, sinks)
+            dq, dk, dv, dsink = self._backward(plan, q, k, v, o, empty_rows_at_inf(lse), do,
+                                               operands, sinks)
         except UnsupportedOpError as e:
             log.info("cuDNN refused the sink in the backward graph (%s); its gradient is "
                      "summed after", e)
