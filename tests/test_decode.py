@@ -290,7 +290,7 @@ def test_mosaic_engine_packs_and_splits_keys_itself(stand_in_h200):
     window = scoremod.trace(lambda s, b, h, q, k: jnp.where(
         (q + 32767 >= k) & (q + 32767 - k < 4096), s, NEG))
     be = registry.get("pallas")
-    for mod, parts in ((None, 4), (window, 4)):  # 64 packed tiles; 256 or 33 key tiles
+    for mod, parts in ((None, 2), (window, 2)):  # 64 packed tiles; 256 or 33 key tiles
         call = Call(be, be.plan(p, mod, 0.125, opts, True), p, opts)
         fold, inner = decode.choose(call)
         assert fold == decode.Fold(4, 1) and inner.problem == fold.problem(p)

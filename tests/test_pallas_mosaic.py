@@ -1464,15 +1464,21 @@ def test_forward_key_parts_interpreted(case, parts, shape, interprets):
 
 
 def test_key_parts_choice():
-    """Parts only where the programs are fewer than the multiprocessors, each part
-    at least MIN_PART_TILES of the tiles a static mask keeps; decode_splits sets
-    them for short queries (0 or 1: none)."""
+    """Parts only where the programs are fewer than the multiprocessors: the power of
+    two whose waves of programs finish first (PART_FIXED_TILES), each part at least
+    MIN_PART_TILES of the tiles a static mask keeps; decode_splits sets them for
+    short queries (0 or 1: none)."""
     opts = MOSAIC.replace(sms=132)
     window = scoremod.trace(lambda s, b, h, q, k: jnp.where(
         (q + 32767 >= k) & (q + 32767 - k < 4096), s, -jnp.inf))
     decode = Problem(8, 4, 32768, 8, 8, 128, 128, "bfloat16")  # 64 programs
-    assert pallas_backend.key_parts(decode, None, opts) == 4  # 256 >= 132
-    assert pallas_backend.key_parts(decode, window, opts) == 4  # 33 live tiles: parts of 8
+    # two parts: 128 programs in one wave; four would take two waves of half the tiles
+    assert pallas_backend.key_parts(decode, None, opts) == 2
+    assert pallas_backend.key_parts(decode, window, opts) == 2  # 33 live tiles
+    assert pallas_backend.key_parts(decode, None, opts.replace(sms=264)) == 4  # one wave
+    few = Problem(2, 4, 32768, 8, 8, 128, 128, "bfloat16")  # 16 programs
+    assert pallas_backend.key_parts(few, None, opts) == 8
+    assert pallas_backend.key_parts(few, window, opts) == 4  # 33 live tiles: parts of 8
     small = Problem(1, 4, 32768, 1, 1, 128, 128, "bfloat16")
     assert pallas_backend.key_parts(small, None, opts) == 32  # 256 tiles: parts of 8
     prefill = Problem(4, 4096, 4096, 16, 16, 128, 128, "bfloat16")

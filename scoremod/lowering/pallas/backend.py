@@ -76,6 +76,12 @@ CLAIM_MARGIN = 0.8
 # stays small beside a part's reads).
 MIN_PART_TILES = 8
 MAX_PARTS = 64
+# A program's fixed cost (its start, its query tile, its O and LSE written, the join's
+# share), in key tiles: fitted to the softcap decode on the H200 (b8, 32 query heads on
+# 8, 32768 keys, one row: 256 tiles per query tile; 0.510 ms in one part, 64 programs
+# on 132 multiprocessors; 0.273 in four parts, two waves; 2026-12-06, run_s21_call1):
+# 1.95 us a tile and 12 us a program, one program per multiprocessor at a time.
+PART_FIXED_TILES = 6
 
 
 def dense_map(problem: Problem, block_q: int, block_kv: int, operands) -> block_maps.BlockMap:
@@ -418,11 +424,11 @@ PALLAS = Pallas()
 def key_parts(problem: Problem, mod, options) -> int:
     """Programs per query tile for the Mosaic GPU forward (``mosaic.forward``'s
     parts): ``options.decode_splits`` if given for short queries (0 or 1: one;
-    ``lowering.decode``'s limits), else doubled while the
-    call has fewer programs than multiprocessors and each part keeps at least
-    ``MIN_PART_TILES`` of the key tiles the mask keeps (a static mask's share;
-    every tile for a mask known only at run time: a part then takes its share of
-    whatever the run's list holds)."""
+    ``lowering.decode``'s limits), else the power of two whose programs finish
+    first in waves over the multiprocessors (``PART_FIXED_TILES``), each part
+    keeping at least ``MIN_PART_TILES`` of the key tiles the mask keeps (a static
+    mask's share; every tile for a mask known only at run time: a part then takes
+    its share of whatever the run's list holds)."""
     if options.decode_splits is not None:  # short queries only, as the option says
         given = options.decode_splits if problem.sq <= decode.MAX_ROWS else 1
         return max(1, min(given, MAX_PARTS))
@@ -432,10 +438,17 @@ def key_parts(problem: Problem, mod, options) -> int:
     tiles = -(-problem.skv // mosaic.BLOCK_KV)
     if kept is not None:
         tiles = int(kept.sum(axis=1).max())  # the longest list of a query tile
-    parts = 1
-    while (programs * parts < sms and tiles >= 2 * parts * MIN_PART_TILES
-           and parts < MAX_PARTS):
-        parts *= 2
+    # The parts (a power of two) whose programs finish first: waves of programs over
+    # the multiprocessors, each wave as long as a part's tiles and its fixed cost. One
+    # wave of twice the parts is no faster than that; a second wave adds a fixed cost.
+    def finish(parts):
+        return -(-programs * parts // sms) * (-(-tiles // parts) + PART_FIXED_TILES)
+
+    parts, tried = 1, 1
+    while tried * 2 <= MAX_PARTS and tiles >= 2 * tried * MIN_PART_TILES:
+        tried *= 2
+        if finish(tried) < finish(parts):
+            parts = tried
     return parts
 
 
