@@ -311,9 +311,9 @@ class Pallas(Backend):
         """Whether ``pallas_engine="auto"`` would run this call on the Triton engine
         only because the Mosaic GPU engine, which takes this problem here, refuses the
         mod (a choice the planner does not make for a faster backend's call)."""
-        return (options.pallas_engine == "auto"
-                and self.engine(problem, mod, options)[0] == "triton"
-                and self._why_not_mosaic(problem, None) is None)
+        return (options.pallas_engine == "auto" and mod is not None
+                and self._why_not_mosaic(problem, None) is None
+                and mosaic.refusal(mod.expr, mod.sources) is not None)
 
     def claims_forward(self, problem, mod, options, over):
         # Measured forwards on the H200 (docs/performance.md): the Mosaic GPU kernels
