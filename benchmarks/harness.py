@@ -81,6 +81,7 @@ IMPLS = {
     "scoremod-plain": "scoremod fused, plain score_mod",
     "scoremod-ids": "scoremod fused, operands as jit arguments",
     "scoremod-sinks": "scoremod fused, with sinks (learned)",
+    "scoremod-sinks-dsink": "scoremod fused, with sinks (learned), cuDNN's backward summing dSink",
     "scoremod-deterministic": "scoremod fused, deterministic=True",
     "scoremod-mosaic-forward": "scoremod, Mosaic GPU forward, cuDNN backward",
     "scoremod-cudnn": "scoremod on cuDNN by name",
@@ -178,7 +179,7 @@ DIRECTIONS = {"fwd": "fwd", "fwdbwd": "fwd+bwd", OPS: "fwd+bwd, operand grads"}
 DEFAULT_DIRECTIONS = ("fwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5, OPS: 3.5}  # backward counted as 2.5x the forward
 PLANNED_IMPLS = ("scoremod", "scoremod-plain", "scoremod-ids",
-                 "scoremod-sinks", "scoremod-deterministic",
+                 "scoremod-sinks", "scoremod-sinks-dsink", "scoremod-deterministic",
                  "scoremod-mosaic-forward")  # on fused_backend: recorded
 CUDNN_IMPLS = PLANNED_IMPLS + ("direct",)  # the cuDNN lowerings' switches apply when planned there
 CUDNN_BACKENDS = ("cudnn", "cudnn-varlen")
@@ -538,7 +539,10 @@ def make_call(impl, name, shape, direction):
 
         def fn(q, k, v, *ops):
             return scoremod.attention(q, k, v, scoremod.ScoreMod(mod.expr, ops), implementation=how)
-    elif impl == "scoremod-sinks":  # implementation=None, sinks differentiated in fwd+bwd
+    elif impl in ("scoremod-sinks", "scoremod-sinks-dsink"):
+        # implementation=None, sinks differentiated in fwd+bwd; -dsink: with cuDNN's
+        # backward graph summing the sinks' gradient (cudnn.backend.SINK_GRADIENT_IN_GRAPH,
+        # off by default until measured) while the call is traced
         mod = shape.mod(name)
         learned = (jax.numpy.linspace(-1.0, 1.0, shape.h, dtype=jax.numpy.float32),)
 
@@ -608,7 +612,24 @@ def make_call(impl, name, shape, direction):
             return (o, *vjp(do))
 
         f, args = jax.jit(step), (q, k, v, do, extra, learned)
+    if impl == "scoremod-sinks-dsink":
+        return _sink_gradient_in_graph(lambda: f(*args)), wall_clock, variant
     return (lambda: f(*args)), wall_clock, variant
+
+
+def _sink_gradient_in_graph(call):
+    """``call`` with cuDNN's backward summing the sinks' gradient while it runs (the
+    switch is read when the backward is traced: at the jitted step's first call)."""
+    from scoremod.lowering.cudnn import backend as cudnn_backend
+
+    def switched():
+        before = cudnn_backend.SINK_GRADIENT_IN_GRAPH
+        cudnn_backend.SINK_GRADIENT_IN_GRAPH = True
+        try:
+            return call()
+        finally:
+            cudnn_backend.SINK_GRADIENT_IN_GRAPH = before
+    return switched
 
 
 def mosaic_backward_variant(mod, q, k, v, options, direction):
@@ -1058,6 +1079,8 @@ TARGETS = [
      ("flex", None), "scoremod", 1.3, True),
     ("sinks / without", ("softcap_causal", "window"), ("fwd", "fwdbwd"), ("scoremod-sinks", None),
      "scoremod", 1.05, False),
+    ("sinks, dSink in cuDNN's graph / without", ("softcap_causal", "window"), ("fwdbwd",),
+     ("scoremod-sinks-dsink", None), "scoremod", 1.05, False),
     # the cost of repeatable gradients: cuDNN's deterministic backward measured
     # 1.04-1.08x its default (benchmarks/probes/cudnn_deterministic.py)
     ("deterministic / default", ("softcap", "causal", "softcap_causal"), ("fwdbwd",),

@@ -262,6 +262,25 @@ def test_plain_variant_passes_plain_options_and_the_harness_uses_public_names(mo
     assert not re.findall(r"\bscoremod(?:\.\w+)*\._[a-z]", text)  # no private scoremod names
 
 
+def test_dsink_variant_switches_the_sink_gradient_into_cudnn_while_it_runs(monkeypatch):
+    """scoremod-sinks-dsink traces its call with cuDNN's backward summing dSink (the
+    switch read when the backward is traced), and leaves the switch as it was."""
+    from scoremod.lowering.cudnn import backend as cudnn_backend
+
+    seen = []
+
+    def attention(q, *a, **kw):
+        seen.append(cudnn_backend.SINK_GRADIENT_IN_GRAPH)
+        return q * kw["sinks"].sum()
+    monkeypatch.setattr(scoremod, "attention", attention)
+    shape = bench.Shape(1, 2, 32, 16, "float32", 16)
+    for impl in ("scoremod-sinks-dsink", "scoremod-sinks"):
+        call, _, _ = bench.make_call(impl, "window", shape, "fwdbwd")
+        call()
+        assert cudnn_backend.SINK_GRADIENT_IN_GRAPH is False
+    assert seen == [True, False]
+
+
 def test_plan_hook_gives_the_blocks_scoremod_runs():
     shape = bench.Shape(4, 16, 4096, 128, "bfloat16", 256)
     plan = bench.plan_of("softcap_causal", shape, scoremod.LoweringOptions(sms=132))
