@@ -546,6 +546,9 @@ def make_call(impl, name, shape, direction):
         # implementation=None, sinks differentiated in fwd+bwd; -dsink: with cuDNN's
         # backward graph summing the sinks' gradient (cudnn.backend.SINK_GRADIENT_IN_GRAPH,
         # off by default until measured) while the call is traced
+        if impl == "scoremod-sinks-dsink" and direction == "fwd":
+            raise NotApplicable(f"{impl}'s forward is scoremod-sinks' (the switch is the "
+                                "backward's)")
         mod = shape.mod(name)
         learned = (jax.numpy.linspace(-1.0, 1.0, shape.h, dtype=jax.numpy.float32),)
 

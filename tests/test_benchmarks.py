@@ -279,6 +279,8 @@ def test_dsink_variant_switches_the_sink_gradient_into_cudnn_while_it_runs(monke
         call()
         assert cudnn_backend.SINK_GRADIENT_IN_GRAPH is False
     assert seen == [True, False]
+    with pytest.raises(bench.NotApplicable, match="backward"):  # no forward row twice
+        bench.make_call("scoremod-sinks-dsink", "window", shape, "fwd")
 
 
 def test_plan_hook_gives_the_blocks_scoremod_runs():
