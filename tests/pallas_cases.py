@@ -202,6 +202,18 @@ def vector_mod(name, b, hq, sq, skv):
         return (lambda s, b, h, q, k, m, z: jnp.where(m[b, h, q // 64, k // 64]
                                                       & (k % 64 < z[k // 64]), s, -jnp.inf)
                 ), (jnp.asarray(keep), jnp.asarray(sizes))
+    if name in ("kind_pair", "kind_mask"):  # a table between token kinds (text, image, ..)
+        rng = np.random.default_rng(25)
+        kind = jnp.asarray(rng.integers(0, 3, size=(b, n)), jnp.int32)
+        if name == "kind_pair":  # a per-head bias of each (query kind, key kind): a gather
+            pair = jnp.asarray(rng.normal(size=(hq, 3, 3)), jnp.float32)
+            return (lambda s, b, h, q, k, c, t: s + t[h, c[b, q], c[b, k]]), (kind, pair)
+        # which kinds see which (an int table), causal, and a per-kind-pair scale
+        allowed = jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 1, 1]], jnp.int32)
+        scale = jnp.asarray(1.0 + 0.2 * rng.normal(size=(3, 3)), jnp.float32)
+        return (lambda s, b, h, q, k, c, a, w: jnp.where(
+            (a[c[b, q], c[b, k]] != 0) | (q == k), s * w[c[b, q], c[b, k]], -jnp.inf)
+                ), (kind, allowed, scale)
     if name == "block_bias":  # a float bias per block of 48 queries by 32 keys (by >> 5)
         table = jnp.asarray(np.random.default_rng(22).normal(size=(hq, -(-n // 48), -(-n // 32))),
                             jnp.float32)

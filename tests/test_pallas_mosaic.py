@@ -580,7 +580,7 @@ def test_backward_learned_operands_deterministic(interprets):
 
 
 def _learns_interpreted_twice(case, shape, check_plan):
-    """``case`` (pc.vector_mod's, its last operand learned) through the backend's
+    """``case`` (pc.vector_mod's, its last float operand learned) through the backend's
     Mosaic backward in interpret mode, twice: ``check_plan(plan, learned name)``,
     O, LSE, dQ, dK, dV and the learned array's gradient against the reference
     path, and the same bits on the second run."""
@@ -589,7 +589,8 @@ def _learns_interpreted_twice(case, shape, check_plan):
     q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
     mod, operands = pc.traced_vector_mod(case, q, k)
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
-    learned = mod.operand_names[-1]
+    learned = [n for n, x in zip(mod.operand_names, operands)
+               if jnp.issubdtype(x.dtype, jnp.floating)][-1]
     check_plan(plan, learned)
     ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -601,8 +602,9 @@ def _learns_interpreted_twice(case, shape, check_plan):
     dq, dk, dv, grads = runs[0]
     op_grads = tuple(grads.get(name) for name in mod.operand_names)
     errs = pc.relative_errors((o, lse, dq, dk, dv, op_grads), want)
-    assert f"d_operand{len(operands) - 1}" in errs and all(e < 3e-2 for e in errs.values()), errs
-    assert grads[learned].shape == operands[-1].shape
+    at = mod.operand_names.index(learned)
+    assert f"d_operand{at}" in errs and all(e < 3e-2 for e in errs.values()), errs
+    assert grads[learned].shape == operands[at].shape
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
         assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
 
@@ -1059,6 +1061,89 @@ def test_vector_reads_lower(case, hopper_here):
         learn = lambda q, k, v, w: loss(q, k, v, (operands[0], w))  # noqa: E731
         assert _kernels(_lower_call(jax.grad(learn, argnums=(0, 3)), q, k, v, operands[1])) == \
             {"mosaic": 3, "triton": 0}
+
+
+# --------------------------------------------------------------------------- #
+# Short tables read at indices that vary over the tile: chains of selects (selects.py)
+
+
+def _gathers(expr):
+    return [n for n in ir.toposort(expr) if n.op == ir.LOAD and mosaic.read_axis(n) is False]
+
+
+def test_short_axis_gathers_are_spelled_as_selects():
+    """A table read through other arrays at both tile axes is rewritten over its
+    shortest axis that leaves reads the kernels make (here the 3 kinds of the
+    query's token: vectors along the keys); the chain's value is the read's at
+    every index, past both ends too (reads clamp); a gather along long axes, or a
+    bool table, stays as written, and the Mosaic engine refuses it."""
+    from scoremod.lowering.pallas import selects
+
+    kind = jnp.asarray([0, 2, 1, 5, -1, 1], jnp.int32)  # 5 and -1 read past the ends
+    pair = jnp.asarray(np.arange(12.0).reshape(4, 3), jnp.float32)
+    mod = scoremod.trace(lambda s, b, h, qi, ki: s + pair[kind[qi] + 1, kind[ki]])
+    assert len(_gathers(mod.expr)) == 1
+    spelled = selects.spelled(mod.expr)
+    assert _gathers(spelled) == []
+    reads = [n for n in ir.toposort(spelled) if n.op == ir.LOAD and n.args[0].attr[1] == (4, 3)]
+    assert sorted(mosaic.read_axis(n) for n in reads) == ["q_idx"] * 3  # the key's 3 kinds
+    qi, ki = np.meshgrid(np.arange(6), np.arange(6), indexing="ij")
+    values = dict(zip(mod.operand_names, mod.operands))
+    at = lambda i, n: np.clip(np.where(i < 0, i + n, i), 0, n - 1)  # noqa: E731 - as jnp reads
+    want = np.asarray(pair)[at(np.asarray(kind)[qi] + 1, 4), at(np.asarray(kind)[ki], 3)]
+    for expr in (mod.expr, spelled):
+        got = evaluate(expr, {"score": jnp.zeros((6, 6)), "b": 0, "h": 0, "q_idx": qi,
+                              "kv_idx": ki}, values)
+        np.testing.assert_array_equal(got, want)
+    long = jnp.zeros((64, 64), jnp.float32)
+    flags = jnp.zeros((3, 3), bool)
+    for fn in (lambda s, b, h, qi, ki: s + long[kind[qi], ki % 64],
+               lambda s, b, h, qi, ki: jnp.where(flags[kind[qi], kind[ki]], s, -jnp.inf)):
+        kept = scoremod.trace(fn)
+        assert selects.spelled(kept.expr) is kept.expr
+        assert "(a gather)" in mosaic.refusal(kept.expr, kept.sources)
+
+
+@pytest.mark.parametrize("case,b,shape,dtype", [
+    ("kind_pair", 2, dict(sq=200, skv=150, hq=4, hkv=2, d=64), jnp.bfloat16),
+    ("kind_mask", 2, dict(sq=130, skv=190, hq=2, hkv=1, d=128), jnp.float16),
+])
+def test_short_axis_gathers_interpreted(case, b, shape, dtype, interprets):
+    """A bias between token kinds (a per-head 3 x 3 table read at each side's
+    kind), and a mask of which kinds see which (an int table) with a float scale
+    per kind pair, causal: forward and backward on the Mosaic kernels in
+    interpret mode, against the reference path."""
+    _interpreted_against_reference(case, b, shape, dtype, _gathers)
+
+
+def test_short_axis_gathers_learned_interpreted(interprets):
+    """The kind-pair bias learned: each entry's gradient from the Mosaic kernels'
+    sums of the chain's reads, against the reference path; twice the same bits;
+    no Triton kernel."""
+    def on_mosaic(plan, learned):
+        assert plan.spelled is not None and plan.triton_operands == (), plan.describe()
+
+    _learns_interpreted_twice("kind_pair", dict(sq=200, skv=150, hq=4, hkv=2, d=64), on_mosaic)
+
+
+def test_short_axis_gathers_lower_to_mosaic_kernels_only(hopper_here):
+    """jax.grad of a call that learns a bias between token kinds, written against
+    the kinds of documents (gathered.fold reads it through document ids first),
+    lowers for CUDA to the three Mosaic kernels and no Triton kernel."""
+    q, k, v, do = pc.inputs(b=2, sq=256, skv=256, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
+    doc = jnp.asarray(np.arange(256) // 64, jnp.int32)
+    kind_of_doc = jnp.asarray([0, 1, 0, 2], jnp.int32)
+
+    def loss(q, pair):
+        def mod(s, b, h, qi, ki):
+            return s + pair[h, kind_of_doc[doc[qi]], kind_of_doc[doc[ki]]]
+
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    pair = jnp.zeros((2, 3, 3), jnp.float32)
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1)), q, pair)) == \
+        {"mosaic": 3, "triton": 0}
 
 
 # --------------------------------------------------------------------------- #

@@ -608,8 +608,26 @@ def test_mosaic_learns_block_reads(case, shape, dtype, hopper):
     _learns_twice(case, shape, dtype, per_step)
 
 
+@pytest.mark.parametrize("case,shape,dtype", [
+    ("kind_pair", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("kind_pair", dict(sq=300, skv=777, hq=2, hkv=1, d=64), jnp.float16),
+    ("kind_mask", dict(sq=1024, skv=1024, hq=4, hkv=2, d=128), jnp.bfloat16),
+])
+def test_mosaic_learns_short_table_gathers(case, shape, dtype, hopper):
+    """A small table read through other arrays at both tile axes (a per-head bias
+    between token kinds; a mask of which kinds see which with a scale per kind
+    pair, causal), picked by comparisons (``selects``), learned: O, LSE, dQ, dK,
+    dV and the table's gradient (each entry's per-key or per-query sums placed by
+    the kinds at run time) against the reference path, no Triton kernel in the
+    plan; the same bits on a second run."""
+    def picked(plan):
+        assert plan.spelled is not None and plan.triton_operands == (), plan.describe()
+
+    _learns_twice(case, shape, dtype, picked)
+
+
 def _learns_twice(case, shape, dtype, check_plan):
-    """``case`` (pc.vector_mod's, its last operand learned) on the Mosaic kernels,
+    """``case`` (pc.vector_mod's, its float operands learned) on the Mosaic kernels,
     forward and backward, twice: ``check_plan(plan)`` on the Mosaic backward's
     plan, O, LSE, dQ, dK, dV and the array's gradient against the reference
     path, and the same bits on the second run."""
@@ -624,7 +642,8 @@ def _learns_twice(case, shape, dtype, check_plan):
     ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
-    assert runs[0][5][-1] is not None, "no gradient of the learned array"
+    floats = [i for i, x in enumerate(operands) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert runs[0][5][floats[-1]] is not None, "no gradient of the learned array"
     _check(runs[0], want, dtype)
     _same_bits(*runs, dq=not plan.fused_dq)
 

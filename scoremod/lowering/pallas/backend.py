@@ -52,7 +52,7 @@ from scoremod.dsl.text import format_expr
 from scoremod.errors import ScoreModError
 from scoremod.lowering import block_maps, decode, patterns
 from scoremod.lowering.backend import Backend
-from scoremod.lowering.pallas import codegen, kernels, mosaic, mosaic_backward
+from scoremod.lowering.pallas import codegen, kernels, mosaic, mosaic_backward, selects
 from scoremod.lowering.problem import Problem
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -147,11 +147,22 @@ class PallasPlan:
     # asks for deterministic gradients: its reduce-adds come in any order); else a
     # dQ kernel does.
     fused_dq: bool = False
+    # The mod as the Mosaic GPU kernels evaluate it (``selects.spelled``: short-axis
+    # gathers as chains of selects), where that differs from ``mod``'s; ``mod``
+    # keeps the caller's operand order, which the operand arrays follow.
+    spelled: object = None
+
+    @property
+    def expr(self):
+        """The mod's expression as the kernels evaluate it (None: plain attention)."""
+        if self.spelled is not None:
+            return self.spelled
+        return None if self.mod is None else self.mod.expr
 
     def spec(self, blocks_, warps) -> kernels.KernelSpec:
         p = self.problem
         return kernels.KernelSpec(
-            expr=None if self.mod is None else self.mod.expr,
+            expr=self.expr,
             full_expr=None if self.mod is None else self.full_expr,
             operand_names=() if self.mod is None else self.mod.operand_names,
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
@@ -161,7 +172,7 @@ class PallasPlan:
     def mosaic_spec(self) -> mosaic.MosaicSpec:
         p = self.problem
         return mosaic.MosaicSpec(
-            expr=None if self.mod is None else self.mod.expr,
+            expr=self.expr,
             operand_names=() if self.mod is None else self.mod.operand_names,
             scale=self.scale, sq=p.sq, skv=p.skv, groups=p.hq // p.hkv,
             full_expr=None if self.mod is None else self.full_expr, interpret=self.interpret,
@@ -313,7 +324,7 @@ class Pallas(Backend):
         mod (a choice the planner does not make for a faster backend's call)."""
         return (options.pallas_engine == "auto" and mod is not None
                 and self._why_not_mosaic(problem, None) is None
-                and mosaic.refusal(mod.expr, mod.sources) is not None)
+                and mosaic.refusal(selects.spelled(mod.expr), mod.sources) is not None)
 
     def claims_forward(self, problem, mod, options, over):
         # Measured forwards on the H200 (docs/performance.md): the Mosaic GPU kernels
@@ -338,7 +349,7 @@ class Pallas(Backend):
         kernels, chosen in ``plan``, where its own cannot run the mod); ``advice``:
         saying that the Triton engine runs the call."""
         if mod is not None:
-            why = mosaic.refusal(mod.expr, mod.sources, advice=advice)
+            why = mosaic.refusal(selects.spelled(mod.expr), mod.sources, advice=advice)
             if why:
                 return why
         switch = "; LoweringOptions(pallas_engine=\"triton\") runs it" if advice else ""
@@ -373,18 +384,20 @@ class Pallas(Backend):
         else:
             warps = (warps, warps)
         # The mod's own tiles: masked ones skipped, full ones run the mod without its mask.
-        block_map, full_expr = dense_map, None
+        block_map, full_expr, expr = dense_map, None, None
         if mod is not None:
-            block_map = AnalysedMap(mod.expr)
-            full_expr = _full_expr(mod)
+            expr = selects.spelled(mod.expr) if engine == "mosaic" else mod.expr
+            block_map = AnalysedMap(expr)
+            full_expr = _full_expr(expr)
         backward_engine, backward_note, triton_operands, diagonal_operands = "triton", None, (), ()
         if engine == "mosaic":
-            backward_note = _mosaic_backward_refusal(mod, full_expr)
+            sources = mod.sources if mod is not None else {}
+            backward_note = _mosaic_backward_refusal(expr, full_expr, sources)
             if backward_note is None:  # its tiles are fixed by its warpgroups too
                 backward_engine = "mosaic"
                 bwd = (mosaic_backward.TILE, mosaic_backward.TILE)  # the padding's
-                triton_operands, diagonal_operands = _mosaic_unlearnable(mod, full_expr,
-                                                                         problem)
+                triton_operands, diagonal_operands = _mosaic_unlearnable(expr, full_expr,
+                                                                         problem, sources)
             elif not interpret and support.pallas_triton_missing():
                 backward_engine = None  # the backward refuses, saying why (_backward)
         return PallasPlan(
@@ -398,7 +411,8 @@ class Pallas(Backend):
             engine_note=engine_note,
             key_parts=key_parts(problem, mod, options) if engine == "mosaic" else 1,
             fused_dq=(mosaic_backward.FUSE_DQ and backward_engine == "mosaic"
-                      and not options.deterministic))
+                      and not options.deterministic),
+            spelled=None if mod is None or expr is mod.expr else expr)
 
     def forward(self, plan, q, k, v, operands):
         return _forward(plan, q, k, v, tuple(operands))
@@ -452,20 +466,20 @@ def key_parts(problem: Problem, mod, options) -> int:
     return parts
 
 
-def _full_expr(mod):
+def _full_expr(expr):
     """The mod on tiles the block map marks full, or None where that is the mod."""
-    full = patterns.when_full(mod.expr)
-    return None if full is mod.expr else full
+    full = patterns.when_full(expr)
+    return None if full is expr else full
 
 
-def _mosaic_backward_refusal(mod, full_expr):
-    """Why the Mosaic GPU backward kernels cannot run ``mod`` (its derivative,
+def _mosaic_backward_refusal(expr, full_expr, sources):
+    """Why the Mosaic GPU backward kernels cannot run the mod ``expr`` (its derivative,
     or the mod on full tiles), or None: the plan then takes the Triton backward."""
-    if mod is None:
+    if expr is None:
         return None
-    why = mosaic_backward.refusal(mod.expr, mod.sources)
+    why = mosaic_backward.refusal(expr, sources)
     if why is None and full_expr is not None:
-        why = mosaic_backward.refusal(full_expr, mod.sources)
+        why = mosaic_backward.refusal(full_expr, sources)
     return why
 
 
@@ -475,23 +489,24 @@ def _mosaic_backward_refusal(mod, full_expr):
 MAX_STEP_SUMS = 1 << 27
 
 
-def _mosaic_unlearnable(mod, full_expr, problem) -> tuple:
-    """``(((name, why), ...), diagonal names)``: the float operands of ``mod`` whose
+def _mosaic_unlearnable(expr, full_expr, problem, sources) -> tuple:
+    """``(((name, why), ...), diagonal names)``: the float operands of ``expr`` whose
     gradients the Mosaic GPU backward cannot compute (``learning_refusal``, and
     not read at q_idx - kv_idx alone: ``diagonal_refusal``; reads at whole blocks
     whose per-step sums would pass ``MAX_STEP_SUMS``), and those read at q_idx -
     kv_idx, which its per-block-diagonal kernel sums."""
     out, diagonal = [], []
-    exprs = [mod.expr] + ([full_expr] if full_expr is not None else []) if mod else []
-    names = mod.operand_names if mod is not None else ()
-    blocks = mosaic_backward.block_loads(mod.expr, names) if mod is not None else ()
+    exprs = [expr] + ([full_expr] if full_expr is not None else []) if expr is not None else []
+    nodes = ir.operands_of(expr) if expr is not None else ()
+    names = tuple(n.attr[0] for n in nodes)
+    blocks = mosaic_backward.block_loads(expr, names) if expr is not None else ()
     step_sums = (problem.b * problem.hq * len(blocks) * -(-problem.sq // mosaic_backward.BLOCK)
                  * max(map(mosaic_backward.step_blocks, blocks), default=1) * problem.skv)
-    for name, node in zip(names, mod.operand_nodes if mod is not None else ()):
+    for name, node in zip(names, nodes):
         if node.dtype != ir.F32:
             continue
         why = next((w for e in exprs
-                    if (w := mosaic_backward.learning_refusal(e, name, mod.sources))), None)
+                    if (w := mosaic_backward.learning_refusal(e, name, sources))), None)
         if why is None and step_sums > MAX_STEP_SUMS and any(
                 n.args[0].attr[0] == name for n in blocks):
             why = (f"its sums of a read at whole blocks per step of {mosaic_backward.BLOCK} "
@@ -499,7 +514,7 @@ def _mosaic_unlearnable(mod, full_expr, problem) -> tuple:
                    f"{MAX_STEP_SUMS}")
         if why is None:
             continue
-        if all(mosaic_backward.diagonal_refusal(e, name, mod.sources) is None for e in exprs):
+        if all(mosaic_backward.diagonal_refusal(e, name, sources) is None for e in exprs):
             diagonal.append(name)
         else:
             out.append((name, why))
@@ -585,7 +600,7 @@ def _windows(plan, wanted) -> tuple:
         if name not in wanted or node.dtype != ir.F32:
             continue
         shape = node.attr[1]
-        fixed = codegen.program_axes(plan.mod.expr, name)
+        fixed = codegen.program_axes(plan.expr, name)
         axes = tuple(a for a in range(len(shape)) if a not in fixed)
         out.append((name, axes, math.prod(shape[a] for a in axes)))
     return tuple(out)
@@ -688,7 +703,7 @@ def _along_axes(plan) -> tuple:
         return ()
     return tuple(dict.fromkeys(
         n.args[0].attr[0] for n in mosaic_backward.learned_loads(
-            plan.mod.expr, plan.mod.operand_names)
+            plan.expr, plan.mod.operand_names)
         if mosaic_backward.along_keys(n) or mosaic_backward.along_queries(n)
         or mosaic_backward.along_blocks(n)))
 
@@ -744,15 +759,17 @@ def _block_parts(plan, spec, steps, kv_map, windows) -> dict:
     return parts
 
 
-def _position_parts(plan, loads, sums, windows) -> dict:
+def _position_parts(plan, loads, sums, windows, operands) -> dict:
     """The partial rows [B, Hq, 1, window] of the reads along the keys or the queries
     among ``loads`` (a kernel's learned reads, in the order of its ``sums`` [B, Hq,
     reads, positions]: the cotangents of each read summed per key, or per query)
     of each learned operand (``windows``: (name, axes, size)): each real key's (or
     query's) sum placed at the position its read takes there, the read's index
-    evaluated when tracing; each position sums its keys in a fixed order (a gather
-    and a sum: the same bits on every run)."""
+    evaluated when tracing (each position sums its keys in a fixed order: a gather
+    and a sum), or where it reads captured arrays (``operands``: the kernels'
+    flat arrays), at run time (a one-hot product); the same bits on every run."""
     p = plan.problem
+    refs = dict(zip(_names(plan), operands))
     parts = {}
     for name, axes, size in windows:
         part = None
@@ -761,10 +778,15 @@ def _position_parts(plan, loads, sums, windows) -> dict:
             if node.args[0].attr[0] != name or not (keys or mosaic_backward.along_queries(node)):
                 continue
             where = np.arange(p.skv if keys else p.sq)
-            at = _static_positions(mosaic.vector_source(node), axes, where, p.b, p.hq)
-            members = _members(at, size, len(where), f"`{format_expr(node)}`",
-                               "keys" if keys else "queries")
-            total = _place(sums[:, :, r, :len(where)], members)
+            what, by = f"`{format_expr(node)}`", "keys" if keys else "queries"
+            if mosaic_backward.reads_arrays(node):
+                at = _run_positions(mosaic.vector_source(node), axes, len(where), p.b, p.hq,
+                                    refs)
+                total = _place_by_value(sums[:, :, r, :len(where)], at, size, what, by)
+            else:
+                at = _static_positions(mosaic.vector_source(node), axes, where, p.b, p.hq)
+                total = _place(sums[:, :, r, :len(where)], _members(at, size, len(where),
+                                                                    what, by))
             part = total if part is None else part + total
         if part is not None:
             parts[name] = part
@@ -787,6 +809,36 @@ def _static_positions(read, axes, d, b, hq, ks=(0,)):
         flat = codegen.flat_index(read, index, axes)
         shape = (grid["b"].shape[0], grid["h"].shape[1], len(d), len(ks))
         return np.broadcast_to(np.asarray(flat), shape).reshape(shape[0], shape[1], -1)
+
+
+def _run_positions(read, axes, n, b, hq, refs):
+    """int32 [Bx, Hx, n]: the flat position along ``axes`` that ``read`` (a function
+    of b, h and q_idx standing for the axis it is read along, whose index reads
+    captured arrays: ``refs``, their flat values) takes at each position ``0..n-1``,
+    clamped as reads clamp; Bx, Hx 1 where it does not read b, h."""
+    used = ir.variables(read)
+    bx, hx = (b if "b" in used else 1), (hq if "h" in used else 1)
+    grid = {"q_idx": jnp.arange(n, dtype=jnp.int32)[None, None, :],
+            "b": jnp.arange(bx, dtype=jnp.int32)[:, None, None],
+            "h": jnp.arange(hx, dtype=jnp.int32)[None, :, None]}
+    index = codegen.evaluate_tile(list(read.args[1:]), grid, refs)
+    return jnp.broadcast_to(codegen.flat_index(read, index, axes), (bx, hx, n))
+
+
+def _place_by_value(values, at, size, what, by):
+    """[B, Hq, 1, size]: per position, the sum of ``values`` [B, Hq, n] over the
+    entries whose ``at`` ([Bx, Hx, n], known at run time) is that position: a
+    product with the one-hot of ``at`` (a matmul: the same bits on every run)."""
+    b, hq, n = values.shape
+    if b * hq * n * size > _MAX_MEMBERS:
+        raise ScoreModError(
+            f"implementation=\"pallas\" cannot place the gradient of {what}: its {n} {by} "
+            f"land on {size} entries at positions read from captured arrays, a one-hot "
+            f"product of {b * hq * n * size} entries (more than the backward builds); use "
+            "implementation=\"xla\", or keep the array fixed (jax.lax.stop_gradient)")
+    hot = (jnp.broadcast_to(at, (b, hq, n))[..., None] == jnp.arange(size)).astype(jnp.float32)
+    return jnp.einsum("bhn,bhns->bhs", values, hot,
+                      precision=jax.lax.Precision.HIGHEST)[:, :, None, :]
 
 
 _MAX_MEMBERS = 1 << 26
@@ -880,7 +932,7 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
             if found is None:
                 continue
             loads = along(mspec.expr, mspec.learned)
-            for name, part in _position_parts(plan, loads, found, per_key).items():
+            for name, part in _position_parts(plan, loads, found, per_key, kops).items():
                 parts[name] = (parts[name].sum(2, keepdims=True) + part if name in parts
                                else part)
         if step_sums is not None:  # reads at whole blocks: the dK/dV kernel's steps
@@ -905,6 +957,6 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     grads = {}
     for name, node, x in zip(_names(plan), plan.mod.operand_nodes if plan.mod else (), operands):
         if name in parts:
-            grads[name] = _operand_gradient(parts[name], node, plan.mod.expr, p.b,
+            grads[name] = _operand_gradient(parts[name], node, plan.expr, p.b,
                                             p.hq).astype(x.dtype)
     return dq[:, :p.sq], per_kv_head(dk, k), per_kv_head(dv, v), grads

@@ -35,6 +35,11 @@ tile, and each compute warpgroup spreads it over its tile in registers (a
 gather from shared memory, written in Mosaic GPU: ``diagonal_gather``). One
 such table per mod (``refusal``).
 
+A small table read through other arrays at both tile axes (``pair[kind[q_idx],
+kind[kv_idx]]``) is picked by comparisons along a short axis, each entry one of
+the reads above (``selects``, applied by the backend before the kernels see
+the mod).
+
 What this engine cannot evaluate is refused up front (``refusal``): ops
 Mosaic GPU has no lowering for, and other reads at an index that varies with
 both q_idx and kv_idx, or with the score (a gather: ``t[q_idx % 8, kv_idx]``).
@@ -211,6 +216,8 @@ OFFSET = "offset"
 # values per tile (``block_values``), at most this many.
 BLOCKS = "blocks"
 MAX_BLOCK_VALUES = 16
+# The most entries of a table that ``selects`` picks by comparisons on one read.
+MAX_PICKED = 16
 _TILE_ROWS = 128  # the longest side of any kernel's tile (``block_values``'s bound)
 _TILE_ALIGN = 64  # every kernel's tiles start at multiples of this
 
@@ -233,8 +240,10 @@ def refusal(expr, sources, advice=True) -> str | None:
                    "axis such as doc[b, q_idx]), from q_idx - kv_idx as a whole (a relative "
                    "position, such as bias[h, q_idx - kv_idx + S - 1]), or from whole blocks "
                    "of positions (block_map[b, h, q_idx // 64, kv_idx // 64], at most "
-                   f"{MAX_BLOCK_VALUES} blocks per 128 x 128 tile); this index varies over "
-                   f"the tile with {' and '.join(tile)} otherwise (a gather)")
+                   f"{MAX_BLOCK_VALUES} blocks per 128 x 128 tile), or along axes of at "
+                   f"most {MAX_PICKED} entries picked by comparisons (a small table read "
+                   f"through other arrays, such as pair[kind[q_idx], kind[kv_idx]]); this "
+                   f"index varies over the tile with {' and '.join(tile)} otherwise (a gather)")
         if node in flags:
             why = ("a bool array read at q_idx - kv_idx has not run on the GPU, and bool arrays "
                    "read along one tile axis gave wrong results there; capture it as an int "

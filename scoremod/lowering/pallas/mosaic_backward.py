@@ -154,22 +154,23 @@ def load_derivatives(expr, loads) -> tuple:
     return tuple(ir.substitute(cts[n], one) if n in cts else ir.const(0.0, F32) for n in loads)
 
 
-def _along(node, axis) -> bool:
-    return mosaic.read_axis(node) == axis and not any(
-        n.op == ir.OPERAND for i in node.args[1:] for n in ir.toposort(i))
+def reads_arrays(node) -> bool:
+    """Whether read ``node``'s index reads captured arrays (``t[kind[kv_idx], 0]``):
+    where it reads is known at run time only."""
+    return any(n.op == ir.OPERAND for i in node.args[1:] for n in ir.toposort(i))
 
 
 def along_keys(node) -> bool:
-    """Whether read ``node`` is along the keys with an index of the positions alone
-    (``w[h, kv_idx]``, ``w[kv_idx // 4]``; no captured array in it): the dK/dV
-    kernel's per-key sums are its cotangents, which the backend places at the
-    positions it reads, known when tracing."""
-    return _along(node, "kv_idx")
+    """Whether read ``node`` is along the keys (``w[h, kv_idx]``, ``w[kv_idx // 4]``,
+    ``t[kind[kv_idx], 0]``): the dK/dV kernel's per-key sums are its cotangents,
+    which the backend places at the positions it reads (evaluated when tracing, or
+    at run time where the index reads captured arrays)."""
+    return mosaic.read_axis(node) == "kv_idx"
 
 
 def along_queries(node) -> bool:
     """``along_keys`` for the queries (``w[q_idx]``): the dQ kernel sums these, per query."""
-    return _along(node, "q_idx")
+    return mosaic.read_axis(node) == "q_idx"
 
 
 def along_blocks(node) -> bool:
@@ -178,8 +179,7 @@ def along_blocks(node) -> bool:
     each step of the dK/dV kernel (its ``BLOCK`` queries) meets ``step_blocks`` block
     rows, and its cotangents summed over each one's queries, per key, are what the
     backend places."""
-    return mosaic.read_axis(node) == mosaic.BLOCKS and not any(
-        n.op == ir.OPERAND for i in node.args[1:] for n in ir.toposort(i))
+    return mosaic.read_axis(node) == mosaic.BLOCKS and not reads_arrays(node)
 
 
 def step_blocks(node) -> int:
@@ -217,7 +217,7 @@ def learning_refusal(expr, name, sources) -> str | None:
             where = ir.source_of(node, expr, sources)
             return (f"it sums the gradients of reads at indices built from b, h and constants, "
                     f"of reads along the keys or the queries, and of reads at whole blocks of "
-                    f"positions, at positions known when tracing; "
+                    f"positions known when tracing; "
                     f"`{format_expr(node)}`{' at ' + where if where else ''} is none of these")
     for local in load_derivatives(expr, loads):
         why = mosaic.refusal(local, sources, advice=False)
