@@ -50,7 +50,8 @@ Same shapes, same run, side by side (``--impls``):
 
 Directions (``--directions``): fwd, fwdbwd (gradients of q, k, v) and fwdbwd_ops
 (the same and the gradients of the mod's captured float arrays: ALiBi's slopes,
-relbias's table, learned_cap's cap; scoremod, xla, pallas, pallas-mosaic and flex only).
+relbias's table, learned_cap's cap, kind_pair's table; scoremod, xla, pallas, pallas-mosaic
+and flex only).
 
 Times are medians (min, max) over ``--reps`` repetitions of N calls after warm-up;
 the first call (compilation and cuDNN graph builds) is timed apart. FLOPs are
@@ -97,7 +98,7 @@ IMPLS = {
 PALLAS_IMPLS = ("pallas", "pallas-mosaic")  # by name only, as the backend
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
         "document", "document_random", "document_noncausal", "document_softcap", "mla_rope",
-        "prefix_lm", "softcap_prefix_lm", "alibi_causal", "t5", "learned_cap")
+        "prefix_lm", "softcap_prefix_lm", "alibi_causal", "t5", "learned_cap", "kind_pair")
 
 
 def _canvas(s):
@@ -173,7 +174,7 @@ DOC_IDS = {"document": ("doc", True), "document_random": ("doc_random", True),
 DOC_MODS = ("document", "document_random", "document_noncausal")  # the pure document masks
 MASK_MODS = ("causal", "window") + DOC_MODS  # pure masks: jax.nn has them natively
 ARRAYS = ("slopes", "doc", "doc_random", "table", "buckets", "t5_table",
-          "cap")  # what the mods capture
+          "cap", "kind", "pair")  # what the mods capture
 # fwdbwd_ops: forward+backward that also differentiates with respect to the mod's captured
 # float arrays (ALiBi's slopes, relbias's table: learned parameters), on the
 # implementations whose gradients reach them; not run unless --directions asks.
@@ -190,7 +191,8 @@ OPS_IMPLS = ("scoremod", "xla", "pallas", "pallas-mosaic", "flex")
 # The captured float arrays of FlexAttention's score_mods, by aux_arrays name (those of the
 # JAX mods are their float operands)
 FLEX_LEARNED = {"alibi": ("slopes",), "alibi_causal": ("slopes",), "relbias": ("table",),
-                "t5": ("t5_table",), "learned_cap": ("cap",)}
+                "t5": ("t5_table",), "learned_cap": ("cap",), "kind_pair": ("pair",)}
+KINDS, KIND_RUN = 3, 256  # kind_pair's token kinds (text, image, ..), in runs of 256 tokens
 T5_BUCKETS = 32  # T5's: a bucket per distance up to 8 back or ahead, then logarithmic
 SOFTCAP, DOCS = 30.0, 4
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,6 +221,11 @@ def aux_arrays(b, h, s, window):
         "t5_table": (0.1 * np.random.default_rng(1).standard_normal((T5_BUCKETS, h))
                      ).astype(np.float32),
         "cap": np.asarray(SOFTCAP, np.float32),  # learned_cap's: a 0-d learned softcap
+        # kind_pair's: each row's runs of tokens of one kind, a bias per head and kind pair
+        "kind": np.repeat(np.random.default_rng(2).integers(0, KINDS, (b, -(-s // KIND_RUN))),
+                          KIND_RUN, 1)[:, :s].astype(np.int32),
+        "pair": (0.5 * np.random.default_rng(3).standard_normal((h, KINDS, KINDS))
+                 ).astype(np.float32),
         "window": window, "seq": s, "batch": b, "heads": h,
     }
 
@@ -272,6 +279,7 @@ def mod_parts(name, t, lib):
         "relbias": lambda sc, b, h, q, k: sc + table[h, q - k + s - 1],
         "t5": lambda sc, b, h, q, k: sc + t["t5_table"][t["buckets"][k - q + s - 1], h],
         "learned_cap": lambda sc, b, h, q, k: t["cap"] * tanh(sc / t["cap"]),
+        "kind_pair": lambda sc, b, h, q, k: sc + t["pair"][h, t["kind"][b, q], t["kind"][b, k]],
     }
     def prefix_lm(b, h, q, k):
         return (k < s // PREFIX) | (q >= k)

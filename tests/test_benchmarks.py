@@ -463,7 +463,8 @@ def test_flex_and_jax_mods_share_their_definitions():
         learned = [aux[n] for n in bench.FLEX_LEARNED.get(name, ())]
         assert len(floats) == len(learned) and all(
             np.array_equal(x, y) for x, y in zip(floats, learned)), name
-    assert set(bench.FLEX_LEARNED) == {"alibi", "alibi_causal", "relbias", "t5", "learned_cap"}
+    assert set(bench.FLEX_LEARNED) == {"alibi", "alibi_causal", "relbias", "t5", "learned_cap",
+                                       "kind_pair"}
 
 
 @pytest.mark.parametrize("name", ["alibi", "relbias"])
