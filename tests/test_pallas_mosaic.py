@@ -1146,6 +1146,33 @@ def test_short_axis_gathers_lower_to_mosaic_kernels_only(hopper_here):
         {"mosaic": 3, "triton": 0}
 
 
+def test_the_kernels_claim_a_bias_cudnn_computes_ahead_from_arrays(hopper_here):
+    """implementation=None gives a small table read through other arrays to the
+    Mosaic engine, where cuDNN would compute it ahead as a [B, H, Sq, Skv] float32
+    tensor (it says so), and the call, gradients included, lowers to the Mosaic
+    kernels alone; a bias cuDNN reads as vectors (no such tensor) stays on cuDNN."""
+    b, s, h = 2, 512, 2
+    q, k, v, do = pc.inputs(b=b, sq=s, skv=s, hq=h, hkv=h, d=64, dtype=jnp.bfloat16)
+    kind = jnp.asarray(np.random.default_rng(0).integers(0, 3, (b, s)), jnp.int32)
+    pair, w = jnp.zeros((h, 3, 3), jnp.float32), jnp.zeros((h, s), jnp.float32)
+
+    def kinds(s_, b_, h_, qi, ki):
+        return s_ + pair[h_, kind[b_, qi], kind[b_, ki]]
+
+    choice = scoremod.which_implementation(q, k, v, kinds)
+    assert choice[0] == "pallas", choice
+    assert f"[{b},{h},{s},{s}] float32 tensor" in choice[1] and "claims" in choice[1], choice
+    vectors = scoremod.which_implementation(q, k, v, lambda s_, b_, h_, qi, ki: s_ + w[h_, ki])
+    assert vectors[0] == "cudnn", vectors
+
+    def loss(q, k, v):
+        o = scoremod.attention(q, k, v, kinds)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)) == \
+        {"mosaic": 3, "triton": 0}
+
+
 # --------------------------------------------------------------------------- #
 # Captured arrays read at q_idx - kv_idx (relative-position tables): tiles per diagonal
 

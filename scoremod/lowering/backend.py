@@ -132,6 +132,13 @@ class Backend:
         why, in words; else None. What a later backend's ``claims`` can spare the call."""
         return None
 
+    def data_tensor_ahead(self, problem, mod, options) -> str | None:
+        """Where its plan has XLA compute a float tensor of the whole [.., Sq, Skv]
+        score matrix from captured arrays read at both positions ahead of its kernels
+        (a table read through other arrays, on cuDNN): that value and its shape, in words;
+        else None. What a later backend's ``claims`` can spare the call."""
+        return None
+
     def variant(self, problem, mod, options) -> str | None:
         """Which of its ways runs the call under ``options`` and why, for a backend
         with more than one (the Pallas engines); None for one way."""

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from scoremod import device, kernels_ffi, support
 from scoremod import options as lowering_options
 from scoremod.dsl import ir
+from scoremod.dsl.text import format_expr
 from scoremod.errors import CudnnUnavailableError, ScoreModError, UnsupportedOpError
 from scoremod.lowering import block_maps, decode
 from scoremod.lowering import sinks as attention_sinks
@@ -142,19 +143,36 @@ class Cudnn(Backend):
         # captured array: a static mask (or bias) through an op the graphs lack. (A
         # split plan's tensors cover its blocks' tiles, which tile_share counts; masks
         # of captured arrays are the other claim's, by their form.)
+        for load, nodes in self._whole_matrix_inputs(problem, mod, options):
+            if not any(n.op == ir.OPERAND for n in nodes):
+                lacked = next((n for n in nodes if rules.refusal(n)), None)
+                if lacked is None:  # computed ahead for another reason: not this case
+                    continue
+                return (f"`{lacked.op}` ({rules.refusal(lacked)}), so XLA computes a "
+                        f"[{','.join(map(str, load.spec.dims))}] tensor ahead")
+        return None
+
+    def data_tensor_ahead(self, problem, mod, options):
+        # A float input over the whole score matrix computed from captured arrays at
+        # both positions (a small table read through others: kind pairs; masks are the
+        # other claim's; a vector along the keys is laid over the queries too, for a
+        # cuDNN fault: plan._varies_along_kv_only, not this case).
+        for load, nodes in self._whole_matrix_inputs(problem, mod, options):
+            if (load.node.dtype == ir.F32 and any(n.op == ir.OPERAND for n in nodes)
+                    and {"q_idx", "kv_idx"} <= ir.variables(load.node)):
+                return (f"`{format_expr(load.node)}`, computed by XLA ahead as a "
+                        f"[{','.join(map(str, load.spec.dims))}] float32 tensor")
+        return None
+
+    def _whole_matrix_inputs(self, problem, mod, options):
+        """``(load, its nodes)`` per input its plan materializes over the whole
+        [.., Sq, Skv] score matrix."""
         if mod is None:
-            return None
+            return
         for part in plan_for(mod, problem, 1.0, options).parts:
             for load in part.loads:
-                dims, nodes = load.spec.dims, ir.toposort(load.node)
-                if (load.operand is None and dims[2:] == (problem.sq, problem.skv)
-                        and not any(n.op == ir.OPERAND for n in nodes)):
-                    lacked = next((n for n in nodes if rules.refusal(n)), None)
-                    if lacked is None:  # computed ahead for another reason: not this case
-                        continue
-                    return (f"`{lacked.op}` ({rules.refusal(lacked)}), so XLA computes a "
-                            f"[{','.join(map(str, dims))}] tensor ahead")
-        return None
+                if load.operand is None and load.spec.dims[2:] == (problem.sq, problem.skv):
+                    yield load, ir.toposort(load.node)
 
     def joins_sinks(self, plan, options):
         # cuDNN takes a sink with every graph scoremod builds (its native masks, or a

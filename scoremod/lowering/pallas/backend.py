@@ -293,6 +293,17 @@ class Pallas(Backend):
             return (f"`{format_expr(reads[0])}` reads a table at q_idx - kv_idx, which other "
                     "backends compute ahead as a [.., Sq, Skv] tensor; the Mosaic GPU engine "
                     "reads it a value per diagonal")
+        # A float value cuDNN computes ahead from captured arrays over the whole score
+        # matrix (a small table read through other arrays: a bias between token kinds),
+        # which the Mosaic GPU engine evaluates per tile (``selects``): by the bytes, a
+        # [B, H, Sq, Skv] float32 tensor written and read (4 GiB at b4 h16 s4096, past
+        # the H200's memory at 32768) against none.
+        ahead = (None if mod is None or over.name != "cudnn"
+                 or self.engine(problem, mod, options)[0] != "mosaic"
+                 else over.data_tensor_ahead(problem, mod, options))
+        if ahead is not None:
+            return (f"cuDNN would read {ahead}; the Mosaic GPU engine evaluates it per tile "
+                    "from the arrays")
         # A static mask whose block map keeps far fewer tiles than the other backend's
         # plan computes (NATTEN, STA, block masks: cuDNN's query blocks take each
         # block's keys from its first to its last live tile): per tile, the Mosaic GPU
