@@ -713,20 +713,20 @@ def test_backward_learns_position_reads_interpreted(case, shape, interprets):
 
 
 def test_position_reads_refusals():
-    """A read along both axes, or along the keys at an index that reads a captured
-    array, is not learned on the Mosaic backward (the Triton one's), saying why."""
+    """A read along both axes is not learned on the Mosaic backward (the Triton
+    one's), saying why; one along the keys or the queries is, its index reading a
+    captured array or not."""
     doc = pc.doc_ids(1, 64)
     w = jnp.ones((64,), jnp.float32)
     def learned(mod):  # the float operand's name
         return next(n for n, x in zip(mod.operand_names, mod.operands)
                     if jnp.issubdtype(x.dtype, jnp.floating))
 
-    for fn in (lambda s, b, h, q, k: s * w[(q + k) % 64],
-               lambda s, b, h, q, k: s + w[doc[0, k]]):
-        mod = scoremod.trace(fn)
-        why = mosaic_backward.learning_refusal(mod.expr, learned(mod), mod.sources)
-        assert why is not None and "along the keys" in why, why
-    for fn in (lambda s, b, h, q, k: s + w[k // 2], lambda s, b, h, q, k: s * w[q]):
+    mod = scoremod.trace(lambda s, b, h, q, k: s * w[(q + k) % 64])
+    why = mosaic_backward.learning_refusal(mod.expr, learned(mod), mod.sources)
+    assert why is not None and "along the keys" in why, why
+    for fn in (lambda s, b, h, q, k: s + w[k // 2], lambda s, b, h, q, k: s * w[q],
+               lambda s, b, h, q, k: s + w[doc[0, k]], lambda s, b, h, q, k: s * w[doc[0, q]]):
         mod = scoremod.trace(fn)
         assert mosaic_backward.learning_refusal(mod.expr, learned(mod), mod.sources) is None
 
@@ -1116,14 +1116,18 @@ def test_short_axis_gathers_interpreted(case, b, shape, dtype, interprets):
     _interpreted_against_reference(case, b, shape, dtype, _gathers)
 
 
-def test_short_axis_gathers_learned_interpreted(interprets):
-    """The kind-pair bias learned: each entry's gradient from the Mosaic kernels'
-    sums of the chain's reads, against the reference path; twice the same bits;
-    no Triton kernel."""
+@pytest.mark.parametrize("case,spelled", [("kind_pair", True), ("kind_query_scale", False)])
+def test_short_axis_gathers_learned_interpreted(case, spelled, interprets):
+    """The kind-pair bias learned (each entry's gradient from the Mosaic dK/dV
+    kernel's per-key sums of the chain's reads, placed by the keys' kinds at run
+    time), and a factor per head and query kind (the dQ kernel's per-query sums,
+    placed by the queries' kinds): against the reference path; twice the same
+    bits; no Triton kernel."""
     def on_mosaic(plan, learned):
-        assert plan.spelled is not None and plan.triton_operands == (), plan.describe()
+        assert (plan.spelled is not None) == spelled and plan.triton_operands == (), \
+            plan.describe()
 
-    _learns_interpreted_twice("kind_pair", dict(sq=200, skv=150, hq=4, hkv=2, d=64), on_mosaic)
+    _learns_interpreted_twice(case, dict(sq=200, skv=150, hq=4, hkv=2, d=64), on_mosaic)
 
 
 def test_short_axis_gathers_lower_to_mosaic_kernels_only(hopper_here):

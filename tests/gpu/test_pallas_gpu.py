@@ -612,16 +612,18 @@ def test_mosaic_learns_block_reads(case, shape, dtype, hopper):
     ("kind_pair", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("kind_pair", dict(sq=300, skv=777, hq=2, hkv=1, d=64), jnp.float16),
     ("kind_mask", dict(sq=1024, skv=1024, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("kind_query_scale", dict(sq=700, skv=900, hq=4, hkv=2, d=128), jnp.bfloat16),
 ])
 def test_mosaic_learns_short_table_gathers(case, shape, dtype, hopper):
     """A small table read through other arrays at both tile axes (a per-head bias
     between token kinds; a mask of which kinds see which with a scale per kind
-    pair, causal), picked by comparisons (``selects``), learned: O, LSE, dQ, dK,
+    pair, causal; a factor per head and query kind), the tables picked by
+    comparisons (``selects``) or read along the queries through the kinds, learned: O, LSE, dQ, dK,
     dV and the table's gradient (each entry's per-key or per-query sums placed by
     the kinds at run time) against the reference path, no Triton kernel in the
     plan; the same bits on a second run."""
     def picked(plan):
-        assert plan.spelled is not None and plan.triton_operands == (), plan.describe()
+        assert plan.triton_operands == (), plan.describe()
 
     _learns_twice(case, shape, dtype, picked)
 
