@@ -202,7 +202,7 @@ def vector_mod(name, b, hq, sq, skv):
         return (lambda s, b, h, q, k, m, z: jnp.where(m[b, h, q // 64, k // 64]
                                                       & (k % 64 < z[k // 64]), s, -jnp.inf)
                 ), (jnp.asarray(keep), jnp.asarray(sizes))
-    if name in ("kind_pair", "kind_mask", "kind_query_scale"):  # tables of token kinds
+    if name in ("kind_pair", "kind_mask", "kind_query_scale", "kind_key_bias"):  # token kinds
         rng = np.random.default_rng(25)
         kind = jnp.asarray(rng.integers(0, 3, size=(b, n)), jnp.int32)
         if name == "kind_pair":  # a per-head bias of each (query kind, key kind): a gather
@@ -212,6 +212,9 @@ def vector_mod(name, b, hq, sq, skv):
             per_kind = jnp.asarray(1.0 + 0.3 * rng.normal(size=(hq, 3)), jnp.float32)
             return (lambda s, b, h, q, k, c, w: jnp.where(q >= k, s * w[h, c[b, q]], -jnp.inf)
                     ), (kind, per_kind)
+        if name == "kind_key_bias":  # a bias per head and key kind
+            per_kind = jnp.asarray(rng.normal(size=(hq, 3)), jnp.float32)
+            return (lambda s, b, h, q, k, c, w: s + w[h, c[b, k]]), (kind, per_kind)
         # which kinds see which (an int table), causal, and a per-kind-pair scale
         allowed = jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 1, 1]], jnp.int32)
         scale = jnp.asarray(1.0 + 0.2 * rng.normal(size=(3, 3)), jnp.float32)

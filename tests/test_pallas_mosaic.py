@@ -1116,13 +1116,14 @@ def test_short_axis_gathers_interpreted(case, b, shape, dtype, interprets):
     _interpreted_against_reference(case, b, shape, dtype, _gathers)
 
 
-@pytest.mark.parametrize("case,spelled", [("kind_pair", True), ("kind_query_scale", False)])
+@pytest.mark.parametrize("case,spelled", [("kind_pair", True), ("kind_query_scale", False),
+                                          ("kind_key_bias", False)])
 def test_short_axis_gathers_learned_interpreted(case, spelled, interprets):
-    """The kind-pair bias learned (each entry's gradient from the Mosaic dK/dV
-    kernel's per-key sums of the chain's reads, placed by the keys' kinds at run
-    time), and a factor per head and query kind (the dQ kernel's per-query sums,
-    placed by the queries' kinds): against the reference path; twice the same
-    bits; no Triton kernel."""
+    """The kind-pair bias learned (each entry, a vector along the queries, from the
+    dQ kernel's per-query sums, placed by the queries' kinds at run time), a factor
+    per head and query kind (the same sums), and a bias per head and key kind (the
+    dK/dV kernel's per-key sums, placed by the keys' kinds): against the reference
+    path; twice the same bits; no Triton kernel."""
     def on_mosaic(plan, learned):
         assert (plan.spelled is not None) == spelled and plan.triton_operands == (), \
             plan.describe()
@@ -1138,7 +1139,7 @@ def test_short_axis_gathers_lower_to_mosaic_kernels_only(hopper_here):
     doc = jnp.asarray(np.arange(256) // 64, jnp.int32)
     kind_of_doc = jnp.asarray([0, 1, 0, 2], jnp.int32)
 
-    def loss(q, pair):
+    def loss(q, k, v, pair):
         def mod(s, b, h, qi, ki):
             return s + pair[h, kind_of_doc[doc[qi]], kind_of_doc[doc[ki]]]
 
@@ -1146,7 +1147,7 @@ def test_short_axis_gathers_lower_to_mosaic_kernels_only(hopper_here):
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
     pair = jnp.zeros((2, 3, 3), jnp.float32)
-    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1)), q, pair)) == \
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, pair)) == \
         {"mosaic": 3, "triton": 0}
 
 

@@ -613,6 +613,7 @@ def test_mosaic_learns_block_reads(case, shape, dtype, hopper):
     ("kind_pair", dict(sq=300, skv=777, hq=2, hkv=1, d=64), jnp.float16),
     ("kind_mask", dict(sq=1024, skv=1024, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("kind_query_scale", dict(sq=700, skv=900, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("kind_key_bias", dict(sq=640, skv=1000, hq=4, hkv=4, d=64), jnp.float16),
 ])
 def test_mosaic_learns_short_table_gathers(case, shape, dtype, hopper):
     """A small table read through other arrays at both tile axes (a per-head bias

@@ -8,8 +8,8 @@ score. A small table read through other arrays at both tile axes, such as a
 bias between token types ``pair[kind[q_idx], kind[kv_idx]]`` (or, after
 ``gathered.fold``, ``pair_kind[q_idx, kind[kv_idx]]``), reads a few entries
 along an axis whose index varies over the tile. :func:`spelled` picks the
-entry with comparisons instead: ``where(kind[kv_idx] <= 0, pair_kind[q_idx, 0],
-where(kind[kv_idx] == 1, pair_kind[q_idx, 1], ...))``, each entry a read the
+entry with comparisons instead: ``where(kind[kv_idx] <= 0, pair[kind[q_idx], 0],
+where(kind[kv_idx] == 1, pair[kind[q_idx], 1], ...))``, each entry a read the
 kernels make (here a vector along the queries), and each entry's gradient
 summed as any such read's is (no atomics: the same bits on every run). The
 first comparison and the last entry take the indices past the axis's ends, as
@@ -23,8 +23,8 @@ score, and, in the backward, a product and a sum per entry: so only for up to
     >>> mosaic.read_axis(mod.expr.args[1])   # pair[..]: a gather on the tile
     False
     >>> chain = spelled(mod.expr).args[1]
-    >>> chain.op, [mosaic.read_axis(n) for n in chain.args[1:]]   # pair[0, ..], pair[1, ..]
-    ('where', ['kv_idx', 'kv_idx'])
+    >>> chain.op, [mosaic.read_axis(n) for n in chain.args[1:]]   # pair[.., 0], pair[.., 1]
+    ('where', ['q_idx', 'q_idx'])
 """
 
 from __future__ import annotations
@@ -57,23 +57,34 @@ def spelled(expr):
     return ir.rebuild(expr, rewrite)
 
 
+# The kernels' cost of an entry by how it is read: a vector along the queries is
+# two registers a thread on a forward or dQ tile (queries down), one along the
+# keys 32; so of two chains of as many entries, the one whose entries run along
+# the queries.
+_ENTRY_COST = {None: 0, "q_idx": 0, mosaic.OFFSET: 1, mosaic.BLOCKS: 1, "kv_idx": 2}
+
+
 def _chain(read):
-    """The chain standing for ``read`` over its fewest entries, or None."""
+    """The chain standing for ``read`` over its fewest (then cheapest) entries, or None."""
     table, index = read.args[0], read.args[1:]
     shape = table.attr[1]
     varying = [a for a, i in enumerate(index) if i.op != ir.CONST and shape[a] > 1]
-    choices = sorted((math.prod(shape[a] for a in axes), axes)
-                     for n in range(1, len(varying) + 1)
-                     for axes in itertools.combinations(varying, n))
-    for entries, axes in choices:
-        if entries > mosaic.MAX_PICKED:
-            break
-        first = list(index)
-        for a in axes:
-            first[a] = ir.const(0, ir.I32)
-        if mosaic.read_axis(apply(ir.LOAD, table, *first)) is not False:
-            return _select(table, list(index), axes)
-    return None
+    choices = []
+    for n in range(1, len(varying) + 1):
+        for axes in itertools.combinations(varying, n):
+            entries = math.prod(shape[a] for a in axes)
+            if entries > mosaic.MAX_PICKED:
+                continue
+            first = list(index)
+            for a in axes:
+                first[a] = ir.const(0, ir.I32)
+            kind = mosaic.read_axis(apply(ir.LOAD, table, *first))
+            if kind is not False:
+                choices.append((entries, _ENTRY_COST[kind], axes))
+    if not choices:
+        return None
+    _, _, axes = min(choices)
+    return _select(table, list(index), axes)
 
 
 def _select(table, index, axes):
