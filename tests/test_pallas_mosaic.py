@@ -1075,8 +1075,9 @@ def test_short_axis_gathers_are_spelled_as_selects():
     """A table read through other arrays at both tile axes is rewritten over its
     shortest axis that leaves reads the kernels make (here the 3 kinds of the
     query's token: vectors along the keys); the chain's value is the read's at
-    every index, past both ends too (reads clamp); a gather along long axes, or a
-    bool table, stays as written, and the Mosaic engine refuses it."""
+    every index, past both ends too (reads clamp), and at an index computed from
+    the score; a gather along long axes, or a bool table, stays as written, and
+    the Mosaic engine refuses it."""
     from scoremod.lowering.pallas import selects
 
     kind = jnp.asarray([0, 2, 1, 5, -1, 1], jnp.int32)  # 5 and -1 read past the ends
@@ -1095,6 +1096,18 @@ def test_short_axis_gathers_are_spelled_as_selects():
         got = evaluate(expr, {"score": jnp.zeros((6, 6)), "b": 0, "h": 0, "q_idx": qi,
                               "kv_idx": ki}, values)
         np.testing.assert_array_equal(got, want)
+    # an index computed from the score (its derivative through the index is 0 either way)
+    steps = jnp.asarray([[-1.0, 0.5, 2.0], [0.0, 1.0, 3.0]], jnp.float32)
+    by_score = scoremod.trace(lambda s, b, h, qi, ki: s + steps[h, (s > 0).astype(jnp.int32)
+                                                                + (s > 1).astype(jnp.int32)])
+    spelled = selects.spelled(by_score.expr)
+    assert _gathers(by_score.expr) and not _gathers(spelled)
+    s = jnp.linspace(-2.0, 2.0, 9)[:, None]
+    values = dict(zip(by_score.operand_names, by_score.operands))
+    for h in (0, 1):
+        grid = {"score": s, "b": 0, "h": h, "q_idx": 0, "kv_idx": 0}
+        np.testing.assert_array_equal(evaluate(spelled, grid, values),
+                                      evaluate(by_score.expr, grid, values))
     long = jnp.zeros((64, 64), jnp.float32)
     flags = jnp.zeros((3, 3), bool)
     for fn in (lambda s, b, h, qi, ki: s + long[kind[qi], ki % 64],
