@@ -1164,6 +1164,26 @@ def test_short_axis_gathers_lower_to_mosaic_kernels_only(hopper_here):
         {"mosaic": 3, "triton": 0}
 
 
+def test_a_read_through_arrays_past_the_one_hot_bound_is_learned_elsewhere(hopper_here):
+    """A learned read along the keys through captured arrays is placed by a one-hot
+    product of B x H x Skv x entries: a per-kind bias is learned on the Mosaic
+    backward, a per-position one read through a permutation (past 2^26 entries at
+    b4 h16 s4096) is left to the Triton backward by the plan, saying why."""
+    q = jnp.zeros((4, 4096, 16, 64), jnp.bfloat16)
+    perm = jnp.asarray(np.random.default_rng(0).permutation(4096), jnp.int32)
+    kind = perm % 3
+    per_kind, per_position = jnp.zeros((16, 3)), jnp.zeros((16, 4096))
+    for w, at, learned in ((per_kind, kind, True), (per_position, perm, False)):
+        mod = scoremod.trace(lambda s, b, h, qi, ki, w=w, at=at: s + w[h, at[ki]])
+        plan = PALLAS.plan(Problem.of(q, q, q), mod, 0.125, MOSAIC, False)
+        assert plan.backward_engine == "mosaic", plan.describe()
+        if learned:
+            assert plan.triton_operands == (), plan.describe()
+        else:
+            (name, why), = plan.triton_operands
+            assert "one-hot product of 1073741824 entries" in why, why
+
+
 def test_the_kernels_claim_a_bias_cudnn_computes_ahead_from_arrays(hopper_here):
     """implementation=None gives a small table read through other arrays to the
     Mosaic engine, where cuDNN would compute it ahead as a [B, H, Sq, Skv] float32

@@ -524,12 +524,34 @@ def _mosaic_unlearnable(expr, full_expr, problem, sources) -> tuple:
                    f"queries, block row and key would take {step_sums} float32 entries, past "
                    f"{MAX_STEP_SUMS}")
         if why is None:
+            why = _one_hot_refusal(expr, name, node, problem)
+        if why is None:
             continue
         if all(mosaic_backward.diagonal_refusal(e, name, sources) is None for e in exprs):
             diagonal.append(name)
         else:
             out.append((name, why))
     return tuple(out), tuple(diagonal)
+
+
+def _one_hot_refusal(expr, name, node, problem) -> str | None:
+    """Why the gradient of ``name``'s reads along one axis through captured arrays
+    cannot be placed by a one-hot product (``_place_by_value``) of at most
+    ``_MAX_MEMBERS`` entries, or None."""
+    fixed = codegen.program_axes(expr, name)
+    shape = node.attr[1]
+    size = math.prod(shape[a] for a in range(len(shape)) if a not in fixed)
+    for read in mosaic_backward.learned_loads(expr, (name,)):
+        keys = mosaic_backward.along_keys(read)
+        if not (keys or mosaic_backward.along_queries(read)) \
+                or not mosaic_backward.reads_arrays(read):
+            continue
+        entries = problem.b * problem.hq * (problem.skv if keys else problem.sq) * size
+        if entries > _MAX_MEMBERS:
+            return (f"its read `{format_expr(read)}` along the "
+                    f"{'keys' if keys else 'queries'} through captured arrays is placed by a "
+                    f"one-hot product of {entries} entries, past {_MAX_MEMBERS}")
+    return None
 
 
 # --------------------------------------------------------------------------- #
