@@ -145,7 +145,7 @@ def test_a_backward_only_triton_computes_is_refused_without_it(gpu, monkeypatch)
                                             "Triton backward cannot compile: this jax"):
         pallas_backend._refuse_without_triton(plan, [name], dict(plan.triton_operands))
 
-    monkeypatch.setattr(pallas_backend, "_mosaic_backward_refusal", lambda mod, full: "a reason")
+    monkeypatch.setattr(pallas_backend, "_mosaic_backward_refusal", lambda *a: "a reason")
     plan = pallas.plan(problem, mod, 0.125, options, True)
     assert plan.engine == "mosaic" and plan.backward_engine is None
     with pytest.raises(ScoreModError, match=r"does not take this mod \(a reason\)"):
