@@ -79,6 +79,11 @@ mods, `python -m scoremod show` prints the cuDNN graphs of a mod and
 - **block-sparse Pallas kernels, table per diagonal**: a table read at
   `q - k` (a relative bias), which the Mosaic GPU engine reads a value per
   diagonal where cuDNN would materialize it as an [.., Sq, Skv] bias.
+- **block-sparse Pallas kernels, values from arrays in the kernel**: a
+  value computed from arrays read at the query and the key (a paged cache's
+  logical positions, a bias between token kinds), which cuDNN would
+  materialize as an [.., Sq, Skv] tensor and the Mosaic GPU engine
+  computes per tile.
 - **not yet**: the mod uses an operation the op table does not have yet;
   the reference path cannot run it either, and the row gives the verdict
   expected once it has.

@@ -478,7 +478,7 @@ entry(
             slope = jnp.exp2(-(h + 1) * 8.0 / H)
             return jnp.where(page >= 0, s + slope * (k_logical - q), -jnp.inf)
         """,
-    verdict="materialized [B,1,Sq,Skv]: computed from arrays; [B,1,Sq,Skv]: data mask",
+    verdict="block-sparse Pallas kernels, values from arrays in the kernel",
 )
 
 

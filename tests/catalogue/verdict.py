@@ -22,6 +22,9 @@ query-block split is the one an H200 (132 SMs) gets.
   q_idx - kv_idx that cuDNN yields to the Pallas kernels' Mosaic GPU engine
   on an H200 (decided from the IR here: the engine's own refusals, not this
   machine's GPU or jax);
+- ``block-sparse Pallas kernels, values from arrays in the kernel``: a float
+  value cuDNN's plan would compute ahead from arrays read at both positions (an
+  [.., Sq, Skv] tensor), which the Mosaic GPU engine evaluates per tile;
 - ``block-sparse Pallas kernels, static block map``: a static mask whose
   block map keeps far fewer tiles than cuDNN's plan computes, claimed by the
   Mosaic GPU engine the same way;
@@ -43,7 +46,7 @@ from scoremod.lowering.cudnn import rules
 from scoremod.lowering import patterns
 from scoremod.lowering import lowrank, segments
 from scoremod.lowering.cudnn.plan import Plan
-from scoremod.lowering.pallas import mosaic
+from scoremod.lowering.pallas import mosaic, selects
 from scoremod.lowering.cudnn.backend import CUDNN
 from scoremod.lowering.pallas.backend import CLAIM_MARGIN, MOSAIC_TILE_COST, PALLAS
 from scoremod.lowering.problem import Problem
@@ -110,6 +113,13 @@ def planned(mod, shape, d=128, sms=H200_SMS):
     # A relative-position table: to the Mosaic GPU engine, where it reads the mod.
     if mosaic.offset_reads(mod.expr) and mosaic.refusal(mod.expr, mod.sources) is None:
         return notes + ["table per diagonal"], "pallas", None
+    # A float value cuDNN would compute ahead from arrays read at both positions (a
+    # paged cache's logical positions, a bias between token kinds): to the Mosaic GPU
+    # engine where it takes the mod (Pallas.claims' rule).
+    if (CUDNN.data_tensor_ahead(problem(shape, d), mod, scoremod.LoweringOptions(sms=sms))
+            is not None and PALLAS.why_not(problem(shape, d), mod, automatic=False) is None
+            and mosaic.refusal(selects.spelled(mod.expr), mod.sources) is None):
+        return notes + ["values from arrays in the kernel"], "pallas", None
     # A static mask whose block map keeps far fewer tiles than cuDNN's plan computes:
     # to the Mosaic GPU engine where it takes the mod (Pallas.claims' rule).
     options = scoremod.LoweringOptions(sms=sms)
@@ -138,7 +148,8 @@ def verdict(mod, shape, d=128, sms=H200_SMS) -> str:
     said, backend, plan = planned(mod, shape, d, sms)
     if backend == "pallas":
         what = (said[-1] if said[-1:] in (["table per diagonal"], ["static block map"],
-                                          ["static mask in the kernel"])
+                                          ["static mask in the kernel"],
+                                          ["values from arrays in the kernel"])
                 else "mask in the kernel")
         return ", ".join([n for n in said if n != what] + [f"block-sparse Pallas kernels, {what}"])
     if plan is None:

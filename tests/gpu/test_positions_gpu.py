@@ -200,8 +200,9 @@ def test_static_position_alibi_decode_matches_the_reference(route, sq, splits, b
     options = (options or scoremod.LoweringOptions()).replace(decode_splits=splits)
     if impl == "cudnn" and sq == 1 and splits == 0:
         q = jnp.zeros((b, 1, hq, D), jnp.bfloat16)
+        w = jnp.linspace(0.1, 1.0, hq)  # captured (jnp.ones(hq)[h] would trace to 1.0)
         with pytest.raises(scoremod.ScoreModError, match="wrongly at one query row"):
-            scoremod.attention(q, q, q, lambda s, b, h, qi, ki: s + jnp.ones(hq)[h],
+            scoremod.attention(q, q, q, lambda s, b, h, qi, ki: s + w[h],
                                implementation="cudnn", options=options)
         return
     skv = 32768

@@ -154,9 +154,10 @@ class Cudnn(Backend):
 
     def data_tensor_ahead(self, problem, mod, options):
         # A float input over the whole score matrix computed from captured arrays at
-        # both positions (a small table read through others: kind pairs; masks are the
-        # other claim's; a vector along the keys is laid over the queries too, for a
-        # cuDNN fault: plan._varies_along_kv_only, not this case).
+        # both positions (a small table read through others: kind pairs; a paged cache's
+        # logical positions; a mask of arrays the Pallas kernels' mask claim does not
+        # take). A vector along the keys laid over the queries too, for a cuDNN fault
+        # (plan._varies_along_kv_only), is not this case.
         for load, nodes in self._whole_matrix_inputs(problem, mod, options):
             if (load.node.dtype == ir.F32 and any(n.op == ir.OPERAND for n in nodes)
                     and {"q_idx", "kv_idx"} <= ir.variables(load.node)):
