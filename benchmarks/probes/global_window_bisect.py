@@ -16,6 +16,14 @@ path (bf16 tolerance about 3e-2):
 - `nested`: `where(g[q] != 0, s, where(g[kv] != 0, s, where(band, s, -inf)))`;
 - `float`: float flags compared with 0.5.
 
+Each on four plans: the plan's own (`map`: its block map and the mod it runs on full
+tiles), a dense map with no full-tile mod (`dense`), and one ingredient of the first
+at a time (`map_nofull`: the map without the full-tile mod; `dense_full`: a dense
+map with it, no tile full, so only its `lax.cond` differs); and whether the map
+computed on this device visits and marks full the tiles an exact map does
+(`PROBE_MAPS=1`). 2026-12-07 on the H200: `map` wrong for full, bool, kv_only and
+q_only, right for no_abs and sum; `dense` right everywhere; Triton right.
+
     python benchmarks/probes/global_window_bisect.py          (an H200)
     JAX_PLATFORMS=cpu python benchmarks/probes/global_window_bisect.py   (interpret mode: all right)
 """
@@ -77,12 +85,15 @@ def main():
         want = REFERENCE.forward(ref, f32(q), f32(k), f32(v), ops)[0]
         for engine in ("mosaic", "triton"):
             options = scoremod.LoweringOptions(pallas_engine=engine)
-            for label in ("map", "dense"):
+            for label in ("map", "dense", "map_nofull", "dense_full"):
+                if engine == "triton" and label in ("map_nofull", "dense_full"):
+                    continue
                 try:
                     plan = pallas_backend.PALLAS.plan(problem, mod, 0.125, options, True)
-                    if label == "dense":
-                        plan = dataclasses.replace(plan, block_map=pallas_backend.dense_map,
-                                                   full_expr=None)
+                    if label.startswith("dense"):
+                        plan = dataclasses.replace(plan, block_map=pallas_backend.dense_map)
+                    if label in ("dense", "map_nofull"):
+                        plan = dataclasses.replace(plan, full_expr=None)
                     run = functools.partial(pallas_backend.PALLAS.forward, plan)
                     if jax.devices()[0].platform == "gpu":  # (interpret mode hangs under jit)
                         run = jax.jit(run)
@@ -93,6 +104,40 @@ def main():
                 except Exception as e:  # an engine that refuses: say so, go on
                     print(f"{name:8s} {engine:6s} {label:5s} failed: {type(e).__name__}: "
                           f"{str(e)[:200]}", flush=True)
+        if os.environ.get("PROBE_MAPS"):
+            check_map(name, mod, ops, problem)
+
+
+def check_map(name, mod, ops, problem):
+    """The plan's block map at the Mosaic forward's tiles, computed on this device,
+    against the exact one (every entry evaluated by the reference path)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's tests
+    from tests import pallas_cases as pc
+
+    options = scoremod.LoweringOptions(pallas_engine="mosaic")
+    plan = pallas_backend.PALLAS.plan(problem, mod, 0.125, options, True)
+    named = dict(zip(mod.operand_names, ops))
+    bq, bk = plan.forward_blocks
+    nk = -(-problem.skv // bk)
+
+    def tiles(bmap):  # (visited, full) [B, H, query tiles, key tiles], broadcast
+        counts, ids, full = (np.asarray(x) for x in (bmap.q_counts, bmap.q_blocks, bmap.q_full))
+        visited = np.zeros(counts.shape + (nk,), bool)
+        marked = np.zeros_like(visited)
+        for at in np.ndindex(*counts.shape):
+            visited[at + (ids[at][:counts[at]],)] = True
+            marked[at + (ids[at][:counts[at]],)] = full[at][:counts[at]]
+        shape = (problem.b, problem.hq) + visited.shape[2:]
+        return np.broadcast_to(visited, shape), np.broadcast_to(marked, shape)
+
+    got = tiles(plan.block_map(problem, bq, bk, named))
+    want = tiles(pc.mask_block_map(mod, ops, problem, bq, bk))
+    same = all(np.array_equal(a, b) for a, b in zip(got, want))
+    print(f"{name:8s} map on {jax.devices()[0].platform}: "
+          f"{'the exact one' if same else 'DIFFERS from the exact one'}", flush=True)
 
 
 if __name__ == "__main__":

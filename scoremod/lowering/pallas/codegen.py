@@ -131,6 +131,14 @@ def _one_axis_read(node) -> bool:
 # `&`) run right, and so do `or`s of conditions on both indices over such reads
 # (shared_prefix, vsa_topk's `.any()`, catalogue GPU runs): what the failing masks
 # share is an `or` of a condition on one index alone that reads such an array.
+# The bisect (benchmarks/probes/global_window_bisect.py, 2026-12-07, run_s29_call2;
+# forward only, b2 s512 h4 d128, W16): the Mosaic forward is wrong on the plan's
+# block map (O off by 2.2) and right on a dense one with no full-tile mod, for int or
+# bool flags and for one side's flags alone; right with the band written as two
+# one-sided comparisons instead of `abs(q - kv) <= W`, and with the conditions added
+# as ints rather than `or`ed; the Triton forward is right in every variant. On the
+# CPU that map visits exactly the live tiles and marks none full (the map computed on
+# the GPU was not checked).
 ONE_AXIS_READ_UNDER_OR = ("an `or` of a condition on one of q_idx or kv_idx alone that reads "
                           "an array along it (bool flags, or int flags compared with 0: "
                           "Longformer's global tokens) gave wrong results on the H200 (the "
