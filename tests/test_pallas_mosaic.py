@@ -1580,6 +1580,39 @@ def test_claimed_static_masks_interpreted(name, dtype, interprets):
     assert all(e < 3e-2 for e in errs.values()), errs
 
 
+def test_a_static_map_of_only_full_tiles_runs_one_mod_without_flags(interprets, monkeypatch):
+    """A map known when tracing whose visited tiles are all full (keys before 512, four
+    query rows) runs the full tiles' mod on every tile, with no flags and no branch
+    (a decode step's window: its flags, one value, would cost XLA a broadcast kernel
+    per call): the same O and LSE as the reference path; a map with partial tiles
+    (causal) keeps the branch."""
+    specs = []
+    forward = mosaic.forward
+    monkeypatch.setattr(mosaic, "forward", lambda spec, *a, **k: specs.append(spec)
+                        or forward(spec, *a, **k))
+    for fn, uniform in ((lambda s, b, h, qi, ki: jnp.where(ki < 512, 30.0 * jnp.tanh(s / 30.0),
+                                                           -jnp.inf), True),
+                        (lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf), False)):
+        q, k, v, _ = pc.inputs(b=1, sq=4 if uniform else 256, skv=1024 if uniform else 256,
+                               hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
+        mod = scoremod.trace(fn)
+        plan = PALLAS.plan(Problem.of(q, k, v), mod, 0.125, MOSAIC, True)
+        assert plan.interpret and plan.full_expr is not None, plan.describe()
+        specs.clear()
+        got = pallas_backend._forward(plan, q, k, v, ())
+        (spec,) = specs
+        if uniform:
+            assert spec.full_expr is None and spec.expr is plan.full_expr
+        else:
+            assert spec.full_expr is plan.full_expr
+        ref = REFERENCE.plan(Problem.of(q, k, v), mod, 0.125, MOSAIC, True)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        want = REFERENCE.forward(ref, f32(q), f32(k), f32(v), ())
+        for a, b in zip(got, want):  # O and LSE (every row sees a key)
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert np.max(np.abs(a - b)) <= 3e-2 * np.max(np.abs(b)), (uniform, a, b)
+
+
 @pytest.mark.parametrize("case,parts,shape", [
     ("softcap", 3, dict(sq=4, skv=700, hq=2, hkv=1, d=64)),  # 6 key tiles: parts of 2
     ("masked_rows", 4, dict(sq=40, skv=300, hq=1, hkv=1, d=64)),  # 3 tiles: one part empty

@@ -595,7 +595,8 @@ def _forward(plan, q, k, v, operands, table=None):
             k, v = _pad(k, 1, skv), _pad(v, 1, skv)
         else:
             pages = mosaic.paged_rows(table, k.shape[1], p.skv, k.shape[0])
-        o, lse = mosaic.forward(plan.mosaic_spec(), bmap, _pad(q, 1, sq), k, v,
+        spec, bmap = _uniform_full(plan.mosaic_spec(), bmap)
+        o, lse = mosaic.forward(spec, bmap, _pad(q, 1, sq), k, v,
                                 _kernel_operands(plan, operands), pages=pages)
         return _join_parts(o, lse, plan.key_parts, p.sq)
     spec = plan.spec(plan.forward_blocks, plan.num_warps[0])
@@ -604,6 +605,21 @@ def _forward(plan, q, k, v, operands, table=None):
     o, lse = kernels.forward(spec, bmap, _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv),
                              _kernel_operands(plan, operands))
     return o[:, :p.sq], lse[:, :, :p.sq]
+
+
+def _uniform_full(spec, bmap):
+    """``(spec, bmap)`` for a map known when tracing whose tiles are all full (or none):
+    one mod on every tile, the full tiles' (or the whole), no per-tile flags and no
+    branch. A decode step's window is such a map; its flags, a constant of one value,
+    cost XLA a broadcast kernel per call, so the block ids stand in for them (unread)."""
+    full = bmap.q_full
+    if spec.full_expr is None or isinstance(full, jax.core.Tracer):
+        return spec, bmap
+    full = np.asarray(full)
+    if full.size == 0 or not (full.all() or not full.any()):
+        return spec, bmap
+    expr = spec.full_expr if full.all() else spec.expr
+    return dataclasses.replace(spec, expr=expr, full_expr=None), bmap._replace(q_full=bmap.q_blocks)
 
 
 def _join_parts(o, lse, parts, sq):
