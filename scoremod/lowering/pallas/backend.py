@@ -225,6 +225,12 @@ class Pallas(Backend):
                 return why
         if engine == "mosaic":  # "auto" chose it because it has no refusal
             return None if options.pallas_engine == "auto" else self._why_not_mosaic(problem, mod)
+        if automatic and self.triton_beside_mosaic(problem, mod, options):
+            # Not chosen where JAX deprecates the Triton engine (Hopper, jax 0.11 or
+            # later: the Mosaic engine runs this problem but refuses the mod).
+            return (f"JAX deprecates Pallas's Triton engine, and here its Mosaic GPU engine "
+                    f"refuses the mod: {self._why_not_mosaic(problem, mod, advice=False)}; "
+                    "implementation=\"pallas\" runs it on the Triton engine by name")
         if problem.dtype not in DTYPES:
             return f"it takes float16, bfloat16 or float32 inputs, got {problem.dtype}"
         if problem.d not in HEAD_DIMS or problem.dv not in HEAD_DIMS:
