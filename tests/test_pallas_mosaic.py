@@ -1830,3 +1830,20 @@ def test_paged_forward_under_vmap_runs_the_gathered_call(interprets, monkeypatch
         want = scoremod.attention(qs[i], k, v, mod, implementation="xla")
         np.testing.assert_allclose(np.asarray(got[i], np.float32), np.asarray(want, np.float32),
                                    atol=2e-2)
+
+
+def test_the_deprecated_triton_engine_is_not_chosen_on_hopper(hopper_here):
+    """Where the Mosaic engine runs the problem but refuses the mod (a float remainder
+    of the score), implementation=None does not take the Triton engine that JAX
+    deprecates: the reference path runs the call, the Pallas verdict saying why; by
+    name the Triton engine still runs it."""
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+
+    def fn(s, b, h, qi, ki):
+        return jax.lax.rem(s, 3.0)
+
+    choice = scoremod.which_implementation(q, q, q, fn)
+    assert choice[0] == "xla", choice
+    assert "JAX deprecates Pallas's Triton engine" in choice.verdicts["pallas"]
+    by_name = scoremod.which_implementation(q, q, q, fn, implementation="pallas")
+    assert by_name[0] == "pallas" and "Triton engine" in by_name.variant
