@@ -37,12 +37,14 @@ from scoremod.dsl import ir
 from scoremod.dsl.ops import apply
 from scoremod.lowering.pallas import mosaic
 
+
 @functools.lru_cache(maxsize=256)
 def spelled(expr):
     """``expr`` with each read that ``mosaic.read_axis`` cannot make rewritten as a
     chain over its shortest axes that leave reads it can make (``mosaic.MAX_PICKED``
-    entries at most); ``expr`` itself where there is none (bool arrays stay as
-    written: the kernels compare their int values, not bits)."""
+    entries at most); ``expr`` itself where there is none. Bool arrays stay as
+    written: their chains' entries would be bool reads along one tile axis, which
+    the kernels refuse (``codegen.ONE_AXIS_BOOL_READ``)."""
     if expr is None:
         return None
 
