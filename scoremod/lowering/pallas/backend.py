@@ -544,9 +544,7 @@ def _one_hot_refusal(expr, name, node, problem) -> str | None:
     """Why the gradient of ``name``'s reads along one axis through captured arrays
     cannot be placed by a one-hot product (``_place_by_value``) of at most
     ``_MAX_MEMBERS`` entries, or None."""
-    fixed = codegen.program_axes(expr, name)
-    shape = node.attr[1]
-    size = math.prod(shape[a] for a in range(len(shape)) if a not in fixed)
+    size = math.prod(node.attr[1][a] for a in _window_axes(expr, name, node))
     for read in mosaic_backward.learned_loads(expr, (name,)):
         keys = mosaic_backward.along_keys(read)
         if not (keys or mosaic_backward.along_queries(read)) \
@@ -601,7 +599,7 @@ def _forward(plan, q, k, v, operands, table=None):
             k, v = _pad(k, 1, skv), _pad(v, 1, skv)
         else:
             pages = mosaic.paged_rows(table, k.shape[1], p.skv, k.shape[0])
-        spec, bmap = _uniform_full(plan.mosaic_spec(), bmap)
+        spec = _uniform_full(plan.mosaic_spec(), bmap.q_full)
         o, lse = mosaic.forward(spec, bmap, _pad(q, 1, sq), k, v,
                                 _kernel_operands(plan, operands), pages=pages)
         return _join_parts(o, lse, plan.key_parts, p.sq)
@@ -613,19 +611,17 @@ def _forward(plan, q, k, v, operands, table=None):
     return o[:, :p.sq], lse[:, :, :p.sq]
 
 
-def _uniform_full(spec, bmap):
-    """``(spec, bmap)`` for a map known when tracing whose tiles are all full (or none):
-    one mod on every tile, the full tiles' (or the whole), no per-tile flags and no
-    branch. A decode step's window is such a map; its flags, a constant of one value,
-    cost XLA a broadcast kernel per call, so the block ids stand in for them (unread)."""
-    full = bmap.q_full
+def _uniform_full(spec, full):
+    """``spec`` for a map known when tracing whose tiles are all full (or none): one
+    mod on every tile, the full tiles' (or the whole), with no per-tile flags and no
+    branch (a decode step's window: ``mosaic.forward`` then passes no flags)."""
     if spec.full_expr is None or isinstance(full, jax.core.Tracer):
-        return spec, bmap
+        return spec
     full = np.asarray(full)
     if full.size == 0 or not (full.all() or not full.any()):
-        return spec, bmap
-    expr = spec.full_expr if full.all() else spec.expr
-    return dataclasses.replace(spec, expr=expr, full_expr=None), bmap._replace(q_full=bmap.q_blocks)
+        return spec
+    return dataclasses.replace(spec, expr=spec.full_expr if full.all() else spec.expr,
+                               full_expr=None)
 
 
 def _join_parts(o, lse, parts, sq):
@@ -654,11 +650,16 @@ def _windows(plan, wanted) -> tuple:
     for name, node in zip(_names(plan), plan.mod.operand_nodes if plan.mod else ()):
         if name not in wanted or node.dtype != ir.F32:
             continue
-        shape = node.attr[1]
-        fixed = codegen.program_axes(plan.expr, name)
-        axes = tuple(a for a in range(len(shape)) if a not in fixed)
-        out.append((name, axes, math.prod(shape[a] for a in axes)))
+        axes = _window_axes(plan.expr, name, node)
+        out.append((name, axes, math.prod(node.attr[1][a] for a in axes)))
     return tuple(out)
+
+
+def _window_axes(expr, name, node):
+    """The axes of operand ``name`` (its node) that one program's partial row of its
+    gradient covers: those its reads do not index by the program's b or h."""
+    fixed = codegen.program_axes(expr, name)
+    return tuple(a for a in range(len(node.attr[1])) if a not in fixed)
 
 
 def _refuse_too_large(plan, windows, unbounded):
@@ -833,15 +834,15 @@ def _position_parts(plan, loads, sums, windows, operands) -> dict:
             if node.args[0].attr[0] != name or not (keys or mosaic_backward.along_queries(node)):
                 continue
             where = np.arange(p.skv if keys else p.sq)
-            what, by = f"`{format_expr(node)}`", "keys" if keys else "queries"
             if mosaic_backward.reads_arrays(node):
                 at = _run_positions(mosaic.vector_source(node), axes, len(where), p.b, p.hq,
                                     refs)
-                total = _place_by_value(sums[:, :, r, :len(where)], at, size, what, by)
+                total = _place_by_value(sums[:, :, r, :len(where)], at, size)
             else:
                 at = _static_positions(mosaic.vector_source(node), axes, where, p.b, p.hq)
-                total = _place(sums[:, :, r, :len(where)], _members(at, size, len(where),
-                                                                    what, by))
+                members = _members(at, size, len(where), f"`{format_expr(node)}`",
+                                   "keys" if keys else "queries")
+                total = _place(sums[:, :, r, :len(where)], members)
             part = total if part is None else part + total
         if part is not None:
             parts[name] = part
@@ -880,17 +881,11 @@ def _run_positions(read, axes, n, b, hq, refs):
     return jnp.broadcast_to(codegen.flat_index(read, index, axes), (bx, hx, n))
 
 
-def _place_by_value(values, at, size, what, by):
+def _place_by_value(values, at, size):
     """[B, Hq, 1, size]: per position, the sum of ``values`` [B, Hq, n] over the
     entries whose ``at`` ([Bx, Hx, n], known at run time) is that position: a
     product with the one-hot of ``at`` (a matmul: the same bits on every run)."""
-    b, hq, n = values.shape
-    if b * hq * n * size > _MAX_MEMBERS:
-        raise ScoreModError(
-            f"implementation=\"pallas\" cannot place the gradient of {what}: its {n} {by} "
-            f"land on {size} entries at positions read from captured arrays, a one-hot "
-            f"product of {b * hq * n * size} entries (more than the backward builds); use "
-            "implementation=\"xla\", or keep the array fixed (jax.lax.stop_gradient)")
+    b, hq, n = values.shape  # b * hq * n * size <= _MAX_MEMBERS: the plan's _one_hot_refusal
     hot = (jnp.broadcast_to(at, (b, hq, n))[..., None] == jnp.arange(size)).astype(jnp.float32)
     return jnp.einsum("bhn,bhns->bhs", values, hot,
                       precision=jax.lax.Precision.HIGHEST)[:, :, None, :]

@@ -801,7 +801,10 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     n_tiles = sq // TILE_Q
     parts = spec.parts
     n_ops = len(operands)
-    counts, blocks, full = bmap.q_counts, bmap.q_blocks, bmap.q_full.astype(jnp.int32)
+    counts, blocks = bmap.q_counts, bmap.q_blocks
+    # The full-tile flags, read only with a full-tile mod; else the block ids stand in
+    # (flags of one value, a constant, would cost XLA a broadcast kernel per call).
+    full = blocks if spec.full_expr is None else bmap.q_full.astype(jnp.int32)
     shared_b, shared_h = counts.shape[0] == 1, counts.shape[1] == 1
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
