@@ -614,11 +614,15 @@ def _forward(plan, q, k, v, operands, table=None):
 def _uniform_full(spec, full):
     """``spec`` for a map known when tracing whose tiles are all full (or none): one
     mod on every tile, the full tiles' (or the whole), with no per-tile flags and no
-    branch (a decode step's window: ``mosaic.forward`` then passes no flags)."""
+    branch (a decode step's window: the kernels then pass no flags). A backward that
+    learns keeps the whole mod on full tiles: its sums are laid out by ``spec.expr``'s
+    reads."""
     if spec.full_expr is None or isinstance(full, jax.core.Tracer):
         return spec
     full = np.asarray(full)
     if full.size == 0 or not (full.all() or not full.any()):
+        return spec
+    if full.all() and getattr(spec, "learned", ()):
         return spec
     return dataclasses.replace(spec, expr=spec.full_expr if full.all() else spec.expr,
                                full_expr=None)
@@ -967,12 +971,13 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         fused = plan.fused_dq and not mosaic_backward.query_loads(mspec.expr, mspec.learned)
         query_sums = None
         if not fused:
+            q_map = _map(plan, mosaic_backward.DQ_BLOCKS, operands)
             dq, query_sums = mosaic_backward.dq(
-                mspec, _map(plan, mosaic_backward.DQ_BLOCKS, operands), qp, kp, vp, dop, lse2,
-                deltap, kops)
+                _uniform_full(mspec, q_map.q_full), q_map, qp, kp, vp, dop, lse2, deltap, kops)
         kv_map = _map(plan, mosaic_backward.DKDV_BLOCKS, operands)
         dk, dv, sums, fused_dq, step_sums = mosaic_backward.dkdv(
-            mspec, kv_map, qp, kp, vp, dop, lse2, deltap, kops, with_dq=fused)
+            _uniform_full(mspec, kv_map.kv_full), kv_map, qp, kp, vp, dop, lse2, deltap, kops,
+            with_dq=fused)
         if fused:
             dq = fused_dq.astype(q.dtype)
         parts = {} if sums is None else mosaic_backward.operand_parts(mspec, sums, kops, per_key)

@@ -247,6 +247,13 @@ def takes_turns(spec, kernel: str) -> bool:
     return any(n.op in _SLOW_OPS and ir.SCORE in deps[n] for n in ir.toposort(spec.expr))
 
 
+def _flags(full, blocks, with_full):
+    """The full-tile flags as int32, read only with a full-tile mod; else the block ids
+    stand in (flags of one value, a constant, would cost XLA a broadcast kernel per
+    call: ``mosaic.forward`` does the same)."""
+    return full.astype(jnp.int32) if with_full else blocks
+
+
 def _tile_terms(spec, s, inputs, refs, is_full, *, shape, origin, keys_down=False,
                 reads=lambda roots: {}, loads=()):
     """``(modded scores in log2 units, local derivative or None)`` of the
@@ -600,11 +607,12 @@ def dkdv(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands, with_dq=F
     dtype = q.dtype
     out_dtype = dtype if spec.groups == 1 else jnp.float32
     n_ops = len(operands)
-    counts, blocks_, full = bmap.kv_counts, bmap.kv_blocks, bmap.kv_full.astype(jnp.int32)
+    with_full = spec.full_expr is not None
+    counts, blocks_ = bmap.kv_counts, bmap.kv_blocks
+    full = _flags(bmap.kv_full, blocks_, with_full)
     layout = plgpu.Layout.WGMMA
     along_q = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tile's columns (queries)
     along_kv = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows (keys)
-    with_full = spec.full_expr is not None
     vectors = _Vectors(spec, operands, b, hq, sq, skv, own="kv_idx")
     n_vec = len(vectors.arrays)
     loads = key_loads(spec.expr, spec.learned)
@@ -933,10 +941,11 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     dtype = q.dtype
     n_tiles = sq // TILE
     n_ops = len(operands)
-    counts, blocks_, full = bmap.q_counts, bmap.q_blocks, bmap.q_full.astype(jnp.int32)
+    with_full = spec.full_expr is not None
+    counts, blocks_ = bmap.q_counts, bmap.q_blocks
+    full = _flags(bmap.q_full, blocks_, with_full)
     layout = plgpu.Layout.WGMMA
     along_rows = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows (queries)
-    with_full = spec.full_expr is not None
     vectors = _Vectors(spec, operands, b, hq, sq, k.shape[1], own="q_idx")
     n_vec = len(vectors.arrays)
     loads = query_loads(spec.expr, spec.learned)
@@ -1212,10 +1221,10 @@ def diagonal_sums(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     nq, nk = bmap.block_counts  # the real lengths' tiles (the arrays may be padded further)
     n_diag = nq + nk - 1
     n_ops = len(operands)
-    counts, blocks_, full = diagonal_map(bmap, nq, nk)
-    full = full.astype(jnp.int32)
-    along_rows = plgpu.Layout.WGMMA.reduce(1)
     with_full = spec.full_expr is not None
+    counts, blocks_, full = diagonal_map(bmap, nq, nk)
+    full = _flags(full, blocks_, with_full)
+    along_rows = plgpu.Layout.WGMMA.reduce(1)
     loads = learned_loads(spec.expr, spec.learned)
     copied = _copied_reads(spec, operands, b, hq, sq, skv, DIAGONAL_BLOCKS)
     offsets = copied.offsets
