@@ -42,7 +42,9 @@ the rows.
 
 With PROBE_HLO=1, each line is followed by the operations of the compiled call
 that launch work on the device (fusions, custom calls, copies: each a kernel),
-from XLA's optimized HLO: what the call runs besides the attention kernel.
+from XLA's optimized HLO: what the call runs besides the attention kernel. With
+PROBE_PROFILE=1, by the profiler: each kernel's time per call
+(``kernel_times.py``).
 """
 
 import os
@@ -53,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kernel_times  # this folder's
 import scoremod
 from scoremod.lowering import decode
 from scoremod.lowering.problem import Problem
@@ -317,6 +320,9 @@ def main():
                         if os.environ.get("PROBE_HLO"):
                             ops = launches(jf.lower(*args).compile().as_text())
                             print(f"    {len(ops)} launches: " + "; ".join(ops), flush=True)
+                        if os.environ.get("PROBE_PROFILE"):
+                            kernel_times.report("   ", *kernel_times.profile(
+                                lambda jf=jf, args=args: jf(*args)))
                     except Exception as e:  # a route that refuses: say so, go on
                         print(f"{name:8s} sq={sq} {route:6s} {label:8s} failed: "
                               f"{type(e).__name__}: {str(e)[:300]}", flush=True)
