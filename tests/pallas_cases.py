@@ -180,6 +180,14 @@ def vector_mod(name, b, hq, sq, skv):
         bias = jnp.asarray(np.random.default_rng(12).normal(size=(hq, n)), jnp.float32)
         return (lambda s, b, h, q, k, d, w: jnp.where(d[b, q] >= d[b, k + 1], s + w[h, k],
                                                       -jnp.inf)), (doc, bias)
+    if name == "alibi_unmasked":  # a term of each position (split, on the tile's vectors)
+        slopes = jnp.asarray([2.0 ** -(i + 1) for i in range(hq)], jnp.float32)
+        return (lambda s, b, h, q, k, sl: s + sl[h] * (k - q)), (slopes,)
+    if name == "log_scaled":  # the score times a factor of the query, causal
+        return (lambda s, b, h, q, k: jnp.where(q >= k, s * jnp.log(q + 2.0), -jnp.inf)), ()
+    if name == "key_terms":  # terms of the key alone, one through a vector read per head
+        bias = jnp.asarray(np.random.default_rng(26).normal(size=(hq, n)), jnp.float32)
+        return (lambda s, b, h, q, k, w: s + 0.5 * w[h, k] - 0.1 * jnp.sqrt(k + 1.0)), (bias,)
     if name == "key_chunks":  # a factor per 4 keys, shared by every head: positions repeat
         factor = jnp.asarray(np.random.default_rng(19).normal(size=(-(-n // 4),)) * 0.3,
                              jnp.float32)

@@ -1009,6 +1009,44 @@ def test_vector_reads_interpreted(case, b, shape, dtype, interprets):
     _interpreted_against_reference(case, b, shape, dtype, mosaic.vector_reads)
 
 
+def test_one_axis_parts():
+    """The forward's one-axis parts: ALiBi's product of a difference of positions
+    split into a term of each (log2(e) on the vectors), which then take both
+    positions off the tile (no index tiles where no mask reads them); a factor that
+    reads a position is not split; a lone difference is (exactly)."""
+    sl = jnp.asarray([0.5, 0.25], jnp.float32)
+    alibi = scoremod.trace(lambda s, b, h, qi, ki: s + sl[h] * (ki - qi))
+    expr, factor, in_log2 = mosaic.prepared(alibi.expr)
+    parts = mosaic.axis_parts(expr)
+    assert in_log2 and factor == pytest.approx(mosaic.LOG2E)
+    assert sorted(a for _, a in parts) == ["kv_idx", "q_idx"], expr
+    whole = {n for n, _ in parts}
+    assert not mosaic.uses_var(expr, "kv_idx", whole) and not mosaic.uses_var(expr, "q_idx", whole)
+    causal = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + sl[h] * (ki - qi),
+                                                              -jnp.inf))
+    expr = mosaic.prepared(causal.expr)[0]
+    assert len(mosaic.axis_parts(expr)) == 2 and mosaic.uses_var(
+        expr, "kv_idx", {n for n, _ in mosaic.axis_parts(expr)})  # the mask's own
+    kept = scoremod.trace(lambda s, b, h, qi, ki: s + ki * (ki - qi))
+    assert mosaic.split_axes(kept.expr) is kept.expr
+    lone = scoremod.trace(lambda s, b, h, qi, ki: s + (ki - qi))
+    assert str(mosaic.split_axes(lone.expr)) == "<f32 score + (f32(kv_idx) - f32(q_idx))>"
+    assert mosaic.axis_parts(mosaic.prepared(None)[0]) == ()
+
+
+@pytest.mark.parametrize("case,b,shape,dtype", [
+    ("alibi_unmasked", 2, dict(sq=150, skv=260, hq=4, hkv=2, d=64), jnp.bfloat16),
+    ("log_scaled", 1, dict(sq=200, skv=200, hq=2, hkv=1, d=128), jnp.float16),
+    ("key_terms", 2, dict(sq=130, skv=190, hq=2, hkv=2, d=64), jnp.bfloat16),
+])
+def test_one_axis_parts_interpreted(case, b, shape, dtype, interprets):
+    """Mods with terms of one position (ALiBi split, a factor of the query, terms
+    of the key through a vector read), their forward computing those terms on the
+    tile's vectors, forward and backward in interpret mode against the reference."""
+    _interpreted_against_reference(
+        case, b, shape, dtype, lambda e: mosaic.axis_parts(mosaic.prepared(e)[0]))
+
+
 @pytest.mark.parametrize("case,b,shape,dtype", [
     ("block_map", 2, dict(sq=300, skv=250, hq=4, hkv=2, d=64), jnp.bfloat16),
     ("block_bias", 1, dict(sq=200, skv=330, hq=2, hkv=1, d=128), jnp.float16),
@@ -1044,7 +1082,8 @@ def _interpreted_against_reference(case, b, shape, dtype, reads):
     assert all(e < 3e-2 for e in errs.values()), errs
 
 
-@pytest.mark.parametrize("case", ["document_bidirectional", "shifted_bias", "block_map"])
+@pytest.mark.parametrize("case", ["document_bidirectional", "shifted_bias", "block_map",
+                                  "alibi_unmasked", "log_scaled", "key_terms"])
 def test_vector_reads_lower(case, hopper_here):
     """Vector reads lower for CUDA: gradients of q, k, v to the three Mosaic GPU
     kernels; with a float vector along the keys learned, its gradient from the

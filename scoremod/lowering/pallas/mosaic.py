@@ -65,7 +65,8 @@ from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.dsl.ir import CONST, F32, LOAD, MATERIALIZE
 from scoremod.dsl.text import format_expr
-from scoremod.lowering.patterns import difference_form, reads_difference_only, score_factor
+from scoremod.lowering.patterns import (dependencies, difference_form, reads_difference_only,
+                                        score_factor)
 from scoremod.lowering.pallas import codegen
 
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M is 64 per warpgroup)
@@ -632,9 +633,11 @@ def prepared(expr):
     a constant multiple or a ``where`` of those (softcap's ``30 * tanh(..)``,
     a mask's ``-inf``), then the score's one constant factor (softcap's
     ``score / 30``, or that log2(e)) joins the scale: one multiply per score
-    for both, where the mod allows."""
+    for both, where the mod allows. Products of a difference of the positions are
+    split first (``split_axes``): the terms of one position alone run on vectors."""
     if expr is None:
         return None, 1.0, False
+    expr = split_axes(expr)
     pushed = _times(expr, LOG2E)
     in_log2 = pushed is not None
     expr, factor = score_factor(pushed if in_log2 else expr)
@@ -655,19 +658,123 @@ def _times(node, k):
         for x, c in ((a, b), (b, a)):
             if c.op == CONST and math.isfinite(float(c.attr)):
                 return ir.build("mul", x, ir.const(float(c.attr) * k, F32))
+        for x, c in ((a, b), (b, a)):
+            if _one_axis(c):  # the factor of one position takes k on its vector
+                return ir.build("mul", x, ir.build("mul", c, ir.const(k, F32)))
     if node.op == "where":
         cond, a, b = node.args
         a, b = _times(a, k), _times(b, k)
         if a is not None and b is not None:
             return ir.build("where", cond, a, b)
+    if node.op in ("add", "sub"):
+        a, b = (_times(x, k) for x in node.args)
+        if a is not None and b is not None:
+            return ir.build(node.op, a, b)
+    if _one_axis(node):
+        return ir.build("mul", node, ir.const(k, F32))  # a one-axis part: on its vector
     return None
 
 
-def uses_var(expr, name) -> bool:
+def _one_axis(node) -> bool:
+    """Whether float ``node`` reads one position and not the score (``axis_parts``)."""
+    used = ir.variables(node)
+    return (node.dtype == F32 and len(used & _POSITIONS) == 1
+            and not used & {ir.SCORE, ir.COTANGENT})
+
+
+def uses_var(expr, name, whole=()) -> bool:
     """Whether ``expr`` reads variable ``name`` other than in the index of a vector
-    read or a read at q_idx - kv_idx (the kernels take their values whole)."""
-    return expr is not None and any(n.op == ir.VAR and n.attr == name
-                                    for n in ir.toposort(expr, stop=_is_tile_read))
+    read or a read at q_idx - kv_idx (the kernels take their values whole), or in
+    the nodes ``whole`` (one-axis parts: ``axis_parts``)."""
+    return expr is not None and any(
+        n.op == ir.VAR and n.attr == name
+        for n in ir.toposort(expr, stop=lambda m: m in whole or _is_tile_read(m)))
+
+
+# --------------------------------------------------------------------------- #
+# One-axis parts: a float term with one value per row (or column) of the tile is
+# computed on that vector, once per compute warpgroup (or key tile), and added
+# broadcast, not evaluated on every score.
+
+_POSITIONS = frozenset(("q_idx", "kv_idx"))
+
+
+def split_axes(expr):
+    """``expr`` with each product of a difference of the positions split into one
+    term per position: ``c * f32(kv_idx - q_idx)`` becomes ``c * f32(kv_idx) - c *
+    f32(q_idx)`` (ALiBi), and a lone ``f32(kv_idx - q_idx)`` ``f32(kv_idx) - f32(q_idx)``
+    (exact), where ``c`` reads neither position nor the score: each term then has
+    one value per column or row (``axis_parts``). The products round separately
+    (at most half an ulp of ``c * S`` each, in float32; the reference rounds once)."""
+    if expr is None:
+        return None
+    deps = dependencies(expr)
+
+    def difference(n):  # f32(a - b) of the two positions, as (f32(a), f32(b))
+        if n.op != F32 or len(n.args) != 1 or n.args[0].op != "sub":
+            return None
+        a, b = n.args[0].args
+        if {a.op, b.op} != {ir.VAR} or {a.attr, b.attr} != _POSITIONS:
+            return None
+        return ir.build(F32, a), ir.build(F32, b)
+
+    mapping = {}
+    for n in ir.toposort(expr):
+        if n.op == "mul" and n.dtype == F32:
+            for c, x in (n.args, n.args[::-1]):
+                split = difference(x)
+                if split is not None and not deps[c] & (_POSITIONS | {ir.SCORE}):
+                    mapping[n] = ir.build("sub", ir.build("mul", c, split[0]),
+                                          ir.build("mul", c, split[1]))
+                    break
+    for n in ir.toposort(expr, stop=mapping.__contains__):
+        split = difference(n) if n not in mapping else None
+        if split is not None:
+            mapping[n] = ir.build("sub", *split)
+    return ir.substitute(expr, mapping) if mapping else expr
+
+
+@functools.lru_cache(maxsize=256)
+def axis_parts(expr) -> tuple:
+    """The largest float subexpressions of ``expr`` that read one position (q_idx or
+    kv_idx), not the score, with work in them (not a lone read the kernels copy
+    whole): ``((node, axis), ...)``. Their indices are not looked into."""
+    if expr is None:
+        return ()
+    deps = dependencies(expr)
+    found, seen = [], set()
+
+    def visit(n):
+        if n in seen:
+            return
+        seen.add(n)
+        axes = deps[n] & _POSITIONS
+        if (n.dtype == F32 and len(axes) == 1 and not deps[n] & {ir.SCORE, ir.COTANGENT}
+                and n.op not in (ir.VAR, CONST) and not _is_vector_read(n)):
+            found.append((n, next(iter(axes))))
+            return
+        if n.op != LOAD:
+            for a in n.args:
+                visit(a)
+
+    visit(expr)
+    return tuple(found)
+
+
+def part_vectors(parts, axis, positions, vectors, bi, hi, refs) -> dict:
+    """``{node: its float32 values along the axis}`` for the one-axis ``parts``
+    along ``axis``: each evaluated on ``positions`` (that axis's int32 vector), the
+    vector reads under it taken from ``vectors`` (``{source: vector}``)."""
+    out = {}
+    for node, along in parts:
+        if along != axis:
+            continue
+        known = {r: (vectors[vector_source(r)] != 0 if r.dtype == ir.BOOL
+                     else vectors[vector_source(r)]) for r in vector_reads(node)}
+        (x,) = codegen.evaluate_tile([node], {"b": bi, "h": hi, axis: positions}, refs,
+                                     gather=scalar_load, rules=TILE_RULES, known=known)
+        out[node] = x.astype(jnp.float32)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -812,8 +919,12 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     general = prepared(spec.expr)
     on_full = None if spec.full_expr is None else prepared(spec.full_expr)
     exprs = [e for e, _, _ in (general, on_full or general)]
-    needs_kv_idx = any(uses_var(e, "kv_idx") for e in exprs) or spec.skv % BLOCK_KV != 0
-    needs_q_idx = any(uses_var(e, "q_idx") for e in exprs)
+    parts_of = {e: axis_parts(e) for e in exprs}
+    whole = {n for found in parts_of.values() for n, _ in found}
+    kv_parts = any(a == "kv_idx" for found in parts_of.values() for _, a in found)
+    needs_kv_idx = (any(uses_var(e, "kv_idx", whole) for e in exprs)
+                    or spec.skv % BLOCK_KV != 0)
+    needs_q_idx = any(uses_var(e, "q_idx", whole) for e in exprs)
     has_blocks = bool(block_reads(*exprs))
     # Reads along a tile axis: the query rows' slice per warpgroup, the key tile's
     # per step; reads at q_idx - kv_idx: a window of diagonals per step, beside the key tile.
@@ -885,6 +996,13 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                 plgpu.barrier_wait(ready.at[wg])
                 own[src] = plgpu.load(smem.at[wg], layout=row_layout)
             refs = dict(zip(spec.operand_names, operand_refs))
+            # The mod's terms of the query alone, on the rows' vector, for the whole loop.
+            row_parts = {}
+            if any(a == "q_idx" for found in parts_of.values() for _, a in found):
+                rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q,), 0,
+                                                     layout=row_layout)
+                row_parts = {n: x for found in parts_of.values() for n, x in part_vectors(
+                    found, "q_idx", rows, own, bi, hi, refs).items()}
 
             @pl.when(count > 0)
             def _():
@@ -911,20 +1029,32 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                     expr, factor, in_log2 = variant
                     s = qk * jnp.float32(spec.scale * factor)
                     if expr is not None:
-                        mine = vector_reads(expr)
+                        mine = tuple(n for n in ir.toposort(
+                            expr, stop=lambda m: m in whole or _is_tile_read(m))
+                            if _is_vector_read(n))  # (a one-axis part reads its own whole)
                         diagonal = offset_reads(expr)  # spread over this warpgroup's tile
                         known = offset_values(diagonal, {
                             src: offsets.tile(smem.at[slot], wg * BLOCK_Q, (BLOCK_Q, BLOCK_KV),
                                               False, spec.interpret)
                             for src, smem in zip(offsets.sources, off_smem)} if diagonal else {})
-                        if mine:  # the key tile's vectors, loaded where this variant reads them
+                        keys = {}  # the key tile's vectors, loaded where this variant reads them
+                        if mine or parts_of[expr]:
                             keys = {src: plgpu.load(smem.at[slot], layout=col_layout)
                                     for src, smem in zip(side["kv_idx"], kvvec_smem)}
+                        if mine:
                             known.update(tile_reads(
                                 mine, {"q_idx": own, "kv_idx": keys}, {"q_idx": 0, "kv_idx": 1},
                                 (BLOCK_Q, BLOCK_KV)))
                         known.update(block_values(block_reads(expr), refs, bi, hi, row0, kv0,
                                                   (BLOCK_Q, BLOCK_KV)))
+                        if parts_of[expr]:  # one-axis terms: the key tile's on its columns
+                            cols = kv0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0,
+                                                                layout=col_layout)
+                            by_axis = {"q_idx": row_parts, "kv_idx": part_vectors(
+                                parts_of[expr], "kv_idx", cols, keys, bi, hi, refs)}
+                            known.update({n: lax.broadcast_in_dim(
+                                by_axis[a][n], (BLOCK_Q, BLOCK_KV), [0 if a == "q_idx" else 1])
+                                for n, a in parts_of[expr]})
                         (s,) = codegen.evaluate_tile([expr], dict(inputs, score=s), refs,
                                                      gather=scalar_load, rules=TILE_RULES,
                                                      known=known)
@@ -943,7 +1073,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                 acc, m, l = carry
                 slot = lax.rem(step, STAGES)
                 # The tile's first key, read ahead of the product that it waits on.
-                kv0 = kv_start(step) if needs_kv_idx or has_blocks else None
+                kv0 = kv_start(step) if needs_kv_idx or has_blocks or kv_parts else None
                 is_full = full_ref[mb, mh, tile, step + first] if on_full is not None else None
 
                 def scores(acc_ref):
