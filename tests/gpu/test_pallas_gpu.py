@@ -393,6 +393,10 @@ _VECTOR_CASES = [
     ("block_map", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("block_map", 1, dict(sq=512, skv=777, hq=2, hkv=1, d=64), jnp.float16),
     ("block_bias", 2, dict(sq=300, skv=520, hq=4, hkv=2, d=128), jnp.bfloat16),
+    # terms of one position on the forward's vectors (mosaic.axis_parts)
+    ("alibi_unmasked", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("log_scaled", 1, dict(sq=700, skv=900, hq=2, hkv=1, d=64), jnp.float16),
+    ("key_terms", 2, dict(sq=300, skv=520, hq=4, hkv=2, d=128), jnp.bfloat16),
 ]
 
 
@@ -405,7 +409,8 @@ def test_mosaic_vector_reads(case, b, shape, dtype, hopper):
     causal and not, random document lengths differing per batch, 1000 (no whole
     number of tiles), query heads sharing key heads (GQA, MQA), float16; an offset
     index and a float vector per head; a tile map and a bias read per block of
-    positions (``mosaic.block_values``)."""
+    positions (``mosaic.block_values``); terms of one position computed on the
+    forward's vectors (ALiBi split, a factor of the query, terms of the key)."""
     _vector_mod_against_reference(case, b, shape, dtype)
 
 
