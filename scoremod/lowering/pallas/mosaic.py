@@ -737,8 +737,10 @@ def split_axes(expr):
 @functools.lru_cache(maxsize=256)
 def axis_parts(expr) -> tuple:
     """The largest float subexpressions of ``expr`` that read one position (q_idx or
-    kv_idx), not the score, with work in them (not a lone read the kernels copy
-    whole): ``((node, axis), ...)``. Their indices are not looked into."""
+    kv_idx), not the score, with work in them and no read of an array along it
+    (the kernels copy those whole, and a term over one failed Mosaic GPU's layout
+    inference: a token-kind table's chain): ``((node, axis), ...)``. Indices are
+    not looked into."""
     if expr is None:
         return ()
     deps = dependencies(expr)
@@ -750,7 +752,7 @@ def axis_parts(expr) -> tuple:
         seen.add(n)
         axes = deps[n] & _POSITIONS
         if (n.dtype == F32 and len(axes) == 1 and not deps[n] & {ir.SCORE, ir.COTANGENT}
-                and n.op not in (ir.VAR, CONST) and not _is_vector_read(n)):
+                and n.op not in (ir.VAR, CONST) and not vector_reads(n)):
             found.append((n, next(iter(axes))))
             return
         if n.op != LOAD:
@@ -761,20 +763,13 @@ def axis_parts(expr) -> tuple:
     return tuple(found)
 
 
-def part_vectors(parts, axis, positions, vectors, bi, hi, refs) -> dict:
+def part_vectors(parts, axis, positions, bi, hi, refs) -> dict:
     """``{node: its float32 values along the axis}`` for the one-axis ``parts``
-    along ``axis``: each evaluated on ``positions`` (that axis's int32 vector), the
-    vector reads under it taken from ``vectors`` (``{source: vector}``)."""
-    out = {}
-    for node, along in parts:
-        if along != axis:
-            continue
-        known = {r: (vectors[vector_source(r)] != 0 if r.dtype == ir.BOOL
-                     else vectors[vector_source(r)]) for r in vector_reads(node)}
-        (x,) = codegen.evaluate_tile([node], {"b": bi, "h": hi, axis: positions}, refs,
-                                     gather=scalar_load, rules=TILE_RULES, known=known)
-        out[node] = x.astype(jnp.float32)
-    return out
+    along ``axis``, each evaluated on ``positions`` (that axis's int32 vector)."""
+    return {node: codegen.evaluate_tile([node], {"b": bi, "h": hi, axis: positions}, refs,
+                                        gather=scalar_load, rules=TILE_RULES)[0].astype(
+                                            jnp.float32)
+            for node, along in parts if along == axis}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1002,7 +997,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                 rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q,), 0,
                                                      layout=row_layout)
                 row_parts = {n: x for found in parts_of.values() for n, x in part_vectors(
-                    found, "q_idx", rows, own, bi, hi, refs).items()}
+                    found, "q_idx", rows, bi, hi, refs).items()}
 
             @pl.when(count > 0)
             def _():
@@ -1029,29 +1024,27 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                     expr, factor, in_log2 = variant
                     s = qk * jnp.float32(spec.scale * factor)
                     if expr is not None:
-                        mine = tuple(n for n in ir.toposort(
-                            expr, stop=lambda m: m in whole or _is_tile_read(m))
-                            if _is_vector_read(n))  # (a one-axis part reads its own whole)
+                        mine = vector_reads(expr)
                         diagonal = offset_reads(expr)  # spread over this warpgroup's tile
                         known = offset_values(diagonal, {
                             src: offsets.tile(smem.at[slot], wg * BLOCK_Q, (BLOCK_Q, BLOCK_KV),
                                               False, spec.interpret)
                             for src, smem in zip(offsets.sources, off_smem)} if diagonal else {})
-                        keys = {}  # the key tile's vectors, loaded where this variant reads them
-                        if mine or parts_of[expr]:
+                        if mine:  # the key tile's vectors, loaded where this variant reads them
                             keys = {src: plgpu.load(smem.at[slot], layout=col_layout)
                                     for src, smem in zip(side["kv_idx"], kvvec_smem)}
-                        if mine:
                             known.update(tile_reads(
                                 mine, {"q_idx": own, "kv_idx": keys}, {"q_idx": 0, "kv_idx": 1},
                                 (BLOCK_Q, BLOCK_KV)))
                         known.update(block_values(block_reads(expr), refs, bi, hi, row0, kv0,
                                                   (BLOCK_Q, BLOCK_KV)))
                         if parts_of[expr]:  # one-axis terms: the key tile's on its columns
-                            cols = kv0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0,
-                                                                layout=col_layout)
-                            by_axis = {"q_idx": row_parts, "kv_idx": part_vectors(
-                                parts_of[expr], "kv_idx", cols, keys, bi, hi, refs)}
+                            by_axis = {"q_idx": row_parts, "kv_idx": {}}
+                            if any(a == "kv_idx" for _, a in parts_of[expr]):
+                                cols = kv0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0,
+                                                                    layout=col_layout)
+                                by_axis["kv_idx"] = part_vectors(parts_of[expr], "kv_idx", cols,
+                                                                 bi, hi, refs)
                             known.update({n: lax.broadcast_in_dim(
                                 by_axis[a][n], (BLOCK_Q, BLOCK_KV), [0 if a == "q_idx" else 1])
                                 for n, a in parts_of[expr]})
