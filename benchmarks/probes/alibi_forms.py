@@ -16,7 +16,10 @@ fwd+bwd (gradients of q, k, v), with O's largest difference from the first form:
   (the relative-bias path);
 - ``none``: no mod (the engine's own speed);
 - ``fold``: ``implementation=None`` on ALiBi as written (today's route: the low-rank
-  fold on cuDNN).
+  fold on cuDNN);
+- ``graph``: ``implementation=None`` with the fold off (cuDNN's score_mod graph);
+- ``mixed``: the same with ``mosaic_forward=True`` (the Mosaic forward beside cuDNN's
+  backward).
 
     python benchmarks/probes/alibi_forms.py [--seq 4096]
 """
@@ -56,21 +59,27 @@ def main(argv=None):
         "diagonal": (lambda sc, bi, hi, qi, ki: sc + t[hi, ki - qi + s - 1], "pallas"),
         "none": (None, "pallas"),
         "fold": (lambda sc, bi, hi, qi, ki: sc + slopes[hi] * (ki - qi), None),
+        "graph": (lambda sc, bi, hi, qi, ki: sc + slopes[hi] * (ki - qi), None),
+        "mixed": (lambda sc, bi, hi, qi, ki: sc + slopes[hi] * (ki - qi), None),
     }
+    options = {"graph": scoremod.LoweringOptions(low_rank_bias=False),
+               "mixed": scoremod.LoweringOptions(low_rank_bias=False, mosaic_forward=True)}
     want = None
     for name, (mod, impl) in forms.items():
+        opts = options.get(name)
         try:
-            fwd = jax.jit(lambda q, k, v, mod=mod, impl=impl: scoremod.attention(
-                q, k, v, mod, implementation=impl))
-            grad = jax.jit(jax.grad(lambda q, k, v, mod=mod, impl=impl: jnp.sum(
-                scoremod.attention(q, k, v, mod, implementation=impl).astype(jnp.float32)),
-                argnums=(0, 1, 2)))
+            fwd = jax.jit(lambda q, k, v, mod=mod, impl=impl, opts=opts: scoremod.attention(
+                q, k, v, mod, implementation=impl, options=opts))
+            grad = jax.jit(jax.grad(lambda q, k, v, mod=mod, impl=impl, opts=opts: jnp.sum(
+                scoremod.attention(q, k, v, mod, implementation=impl, options=opts).astype(
+                    jnp.float32)), argnums=(0, 1, 2)))
             o = fwd(q, k, v).astype(jnp.float32)
             want = o if want is None else want
             err = float(jnp.max(jnp.abs(o - want)))
             f = time_jax(fwd, q, k, v, iters=20, reps=5)[0]
             fb = time_jax(grad, q, k, v, iters=10, reps=5)[0]
-            route = scoremod.which_implementation(q, k, v, mod, implementation=impl)
+            route = scoremod.which_implementation(q, k, v, mod, implementation=impl,
+                                                  options=opts)
             print(f"{name:9s} fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms, |O - written| {err:.2e} "
                   f"[{route[0]}: {(route.variant or 'as it is')[:100]}]", flush=True)
         except Exception as e:  # a form a route refuses: say so, go on
