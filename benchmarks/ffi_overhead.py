@@ -22,6 +22,21 @@ import scoremod
 from scoremod.lowering.cudnn import graph as cudnn_graph
 
 
+def shape_arguments(ap):
+    """The benchmarks' shape as options: --batch 4, --heads 16, --seq 4096, --head-dim 128."""
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--head-dim", type=int, default=128)
+
+
+def bf16_inputs(b, s, h, d):
+    """q, k, v [b, s, h, d] bfloat16, standard normal from key 0."""
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    return tuple(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+                 for kk in ks)
+
+
 def time_jax(fn, *args, iters=30, reps=7):
     jax.block_until_ready(fn(*args))
     out = []
@@ -93,16 +108,12 @@ def layer_check(b, s, h, d, mod):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--head-dim", type=int, default=128)
+    shape_arguments(ap)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     b, s, h, d = a.batch, a.seq, a.heads, a.head_dim
     softcap = scoremod.trace(lambda sc, bi, hi, qi, ki: 30.0 * jnp.tanh(sc / 30.0))
-    ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in ks)
+    q, k, v = bf16_inputs(b, s, h, d)
     flops = 4 * b * h * s * s * d
     cudnn_graph.cache_clear()
     t0 = time.perf_counter()

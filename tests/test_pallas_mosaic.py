@@ -1040,9 +1040,10 @@ def test_one_axis_parts():
     ("key_terms", 2, dict(sq=130, skv=190, hq=2, hkv=2, d=64), jnp.bfloat16),
 ])
 def test_one_axis_parts_interpreted(case, b, shape, dtype, interprets):
-    """Mods with terms of one position (ALiBi split, a factor of the query, terms
-    of the key through a vector read), their forward computing those terms on the
-    tile's vectors, forward and backward in interpret mode against the reference."""
+    """Mods with terms of one position (ALiBi split, a factor of the query, a term
+    of the key beside a vector read, which stays a read), their forward computing
+    those terms on the tile's vectors, forward and backward in interpret mode
+    against the reference."""
     _interpreted_against_reference(
         case, b, shape, dtype, lambda e: mosaic.axis_parts(mosaic.prepared(e)[0]))
 

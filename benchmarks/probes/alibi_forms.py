@@ -32,22 +32,17 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ffi_overhead import time_jax  # noqa: E402
+from ffi_overhead import bf16_inputs, shape_arguments, time_jax  # noqa: E402
 
 import scoremod  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--head-dim", type=int, default=128)
+    shape_arguments(ap)
     a = ap.parse_args(argv)
     b, s, h, d = a.batch, a.seq, a.heads, a.head_dim
-    ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
-               for kk in ks)
+    q, k, v = bf16_inputs(b, s, h, d)
     slopes = jnp.asarray([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], jnp.float32)
     pos = jnp.arange(s, dtype=jnp.float32)
     kb = qb = slopes[:, None] * pos[None, :]

@@ -69,14 +69,12 @@ def report(label, rows, wall, out=print):
 
 def main():
     import harness
+    from ffi_overhead import shape_arguments
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", required=True,
                     help="MOD:IMPL:DIRECTION, comma separated (benchmarks/run.py's names)")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--head-dim", type=int, default=128)
+    shape_arguments(ap)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--reps", type=int, default=20)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ffi_overhead import time_jax  # noqa: E402
+from ffi_overhead import shape_arguments, time_jax  # noqa: E402
 
 import scoremod  # noqa: E402
 from scoremod.lowering import lowrank  # noqa: E402
@@ -24,10 +24,7 @@ from scoremod.lowering.problem import Problem  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--head-dim", type=int, default=128)
+    shape_arguments(ap)
     a = ap.parse_args(argv)
     b, s, h, d, r = a.batch, a.seq, a.heads, a.head_dim, 64
     ks = jax.random.split(jax.random.PRNGKey(0), 5)

@@ -675,9 +675,10 @@ def _times(node, k):
     return None
 
 
-def _one_axis(node) -> bool:
-    """Whether float ``node`` reads one position and not the score (``axis_parts``)."""
-    used = ir.variables(node)
+def _one_axis(node, used=None) -> bool:
+    """Whether float ``node`` reads one position and not the score (``axis_parts``);
+    ``used``: the variables it reads, where the caller has them."""
+    used = ir.variables(node) if used is None else used
     return (node.dtype == F32 and len(used & _POSITIONS) == 1
             and not used & {ir.SCORE, ir.COTANGENT})
 
@@ -750,10 +751,8 @@ def axis_parts(expr) -> tuple:
         if n in seen:
             return
         seen.add(n)
-        axes = deps[n] & _POSITIONS
-        if (n.dtype == F32 and len(axes) == 1 and not deps[n] & {ir.SCORE, ir.COTANGENT}
-                and n.op not in (ir.VAR, CONST) and not vector_reads(n)):
-            found.append((n, next(iter(axes))))
+        if _one_axis(n, deps[n]) and n.op not in (ir.VAR, CONST) and not vector_reads(n):
+            found.append((n, next(iter(deps[n] & _POSITIONS))))
             return
         if n.op != LOAD:
             for a in n.args:
@@ -916,7 +915,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     exprs = [e for e, _, _ in (general, on_full or general)]
     parts_of = {e: axis_parts(e) for e in exprs}
     whole = {n for found in parts_of.values() for n, _ in found}
-    kv_parts = any(a == "kv_idx" for found in parts_of.values() for _, a in found)
+    part_axes = {a for found in parts_of.values() for _, a in found}
     needs_kv_idx = (any(uses_var(e, "kv_idx", whole) for e in exprs)
                     or spec.skv % BLOCK_KV != 0)
     needs_q_idx = any(uses_var(e, "q_idx", whole) for e in exprs)
@@ -993,7 +992,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
             refs = dict(zip(spec.operand_names, operand_refs))
             # The mod's terms of the query alone, on the rows' vector, for the whole loop.
             row_parts = {}
-            if any(a == "q_idx" for found in parts_of.values() for _, a in found):
+            if "q_idx" in part_axes:
                 rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q,), 0,
                                                      layout=row_layout)
                 row_parts = {n: x for found in parts_of.values() for n, x in part_vectors(
@@ -1066,7 +1065,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                 acc, m, l = carry
                 slot = lax.rem(step, STAGES)
                 # The tile's first key, read ahead of the product that it waits on.
-                kv0 = kv_start(step) if needs_kv_idx or has_blocks or kv_parts else None
+                kv0 = (kv_start(step) if needs_kv_idx or has_blocks or "kv_idx" in part_axes
+                       else None)
                 is_full = full_ref[mb, mh, tile, step + first] if on_full is not None else None
 
                 def scores(acc_ref):
