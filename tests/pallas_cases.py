@@ -229,6 +229,21 @@ def vector_mod(name, b, hq, sq, skv):
         return (lambda s, b, h, q, k, c, a, w: jnp.where(
             (a[c[b, q], c[b, k]] != 0) | (q == k), s * w[c[b, q], c[b, k]], -jnp.inf)
                 ), (kind, allowed, scale)
+    if name == "pair_bias":  # a float bias per score, per batch and head (Flax's ``bias``)
+        bias = jnp.asarray(np.random.default_rng(31).normal(size=(b, hq, sq, skv)), jnp.float32)
+        return (lambda s, b, h, q, k, t: s + t[b, h, q, k]), (bias,)
+    if name == "head_bias_causal":  # a bias per head shared by the batch, scaled score, causal
+        bias = jnp.asarray(np.random.default_rng(32).normal(size=(hq, sq, skv)), jnp.float32)
+        return (lambda s, b, h, q, k, t: jnp.where(q >= k, 0.5 * s + t[h, q, k], -jnp.inf)
+                ), (bias,)
+    if name == "clamped_bias":  # one row for every query (reads clamp), more keys, per head pair
+        bias = jnp.asarray(np.random.default_rng(33).normal(size=(-(-hq // 2), 1, skv + 9)),
+                           jnp.float32)
+        return (lambda s, b, h, q, k, t: s + t[h // 2, q, k]), (bias,)
+    if name == "capped_bias":  # softcap over score and bias: the bias's derivative varies
+        bias = jnp.asarray(np.random.default_rng(34).normal(size=(1, hq, sq, skv)) * 3.0,
+                           jnp.float32)
+        return (lambda s, b, h, q, k, t: 5.0 * jnp.tanh((s + t[0, h, q, k]) / 5.0)), (bias,)
     if name == "block_bias":  # a float bias per block of 48 queries by 32 keys (by >> 5)
         table = jnp.asarray(np.random.default_rng(22).normal(size=(hq, -(-n // 48), -(-n // 32))),
                             jnp.float32)

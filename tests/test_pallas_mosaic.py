@@ -1084,7 +1084,8 @@ def _interpreted_against_reference(case, b, shape, dtype, reads):
 
 
 @pytest.mark.parametrize("case", ["document_bidirectional", "shifted_bias", "block_map",
-                                  "alibi_unmasked", "log_scaled", "key_terms"])
+                                  "alibi_unmasked", "log_scaled", "key_terms", "pair_bias",
+                                  "clamped_bias"])
 def test_vector_reads_lower(case, hopper_here):
     """Vector reads lower for CUDA: gradients of q, k, v to the three Mosaic GPU
     kernels; with a float vector along the keys learned, its gradient from the

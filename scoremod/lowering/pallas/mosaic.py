@@ -35,6 +35,12 @@ tile, and each compute warpgroup spreads it over its tile in registers (a
 gather from shared memory, written in Mosaic GPU: ``diagonal_gather``). One
 such table per mod (``refusal``).
 
+A float array read at the positions themselves, its last two indices q_idx and
+kv_idx (a bias ``bias[b, h, q_idx, kv_idx]``: one value per score, as Flax's
+``bias`` argument or a pair bias), is read per tile from global memory
+straight into registers, each thread loading its own scores' values
+(``dense_gather``), clamped as the reference reads; nothing is copied ahead.
+
 A small table read through other arrays at both tile axes (``pair[kind[q_idx],
 kind[kv_idx]]``) is picked by comparisons along a short axis, each entry one of
 the reads above (``selects``, applied by the backend before the kernels see
@@ -216,6 +222,7 @@ OFFSET = "offset"
 # blocks of positions (``block_map[b, h, q_idx // 64, kv_idx // 64]``): a few
 # values per tile (``block_values``), at most this many.
 BLOCKS = "blocks"
+DENSE = "dense"  # ``read_axis``: a value per score, at [.., q_idx, kv_idx]
 MAX_BLOCK_VALUES = 16
 # The most entries of a table that ``selects`` picks by comparisons on one read.
 MAX_PICKED = 16
@@ -267,7 +274,8 @@ def read_axis(load):
     ``"kv_idx"``, a vector along that tile axis (they use that index too, and
     no other); ``OFFSET``, a value per diagonal (they use q_idx and kv_idx only
     as ``q_idx - kv_idx`` or ``kv_idx - q_idx``); ``BLOCKS``, a value per block
-    of positions (``block_sizes``); False, a gather they cannot make."""
+    of positions (``block_sizes``); ``DENSE``, a value per score (``is_dense``);
+    False, a gather they cannot make."""
     used = ir.variables(*load.args[1:])
     axes = [a for a in _TILE_AXES if a in used]
     if used - _PROGRAM_VARS - set(_TILE_AXES):
@@ -276,7 +284,20 @@ def read_axis(load):
         return axes[0] if axes else None
     if reads_difference_only(*load.args[1:]):
         return OFFSET
-    return BLOCKS if block_sizes(load) is not None else False
+    if block_sizes(load) is not None:
+        return BLOCKS
+    return DENSE if is_dense(load) else False
+
+
+def is_dense(load) -> bool:
+    """Whether read ``load`` is of a float array at ``[lead.., q_idx, kv_idx]``: its
+    last two indices the positions themselves, the others built from b, h and
+    constants (no array reads: the backward places the gradient by them when
+    tracing). Float only: masks stay with the engines that have run bool tiles."""
+    *lead, q, kv = load.args[1:] if len(load.args) >= 3 else (None, None)
+    return (load.dtype == F32 and q is ir.var("q_idx") and kv is ir.var("kv_idx")
+            and all(ir.variables(a) <= _PROGRAM_VARS
+                    and not any(n.op == ir.OPERAND for n in ir.toposort(a)) for a in lead))
 
 
 def blocks_along(size, rows=_TILE_ROWS, align=_TILE_ALIGN) -> int:
@@ -328,7 +349,7 @@ def _divisor(node):
 
 
 def _is_tile_read(node) -> bool:
-    return node.op == LOAD and read_axis(node) in (*_TILE_AXES, OFFSET, BLOCKS)
+    return node.op == LOAD and read_axis(node) in (*_TILE_AXES, OFFSET, BLOCKS, DENSE)
 
 
 def _is_vector_read(node) -> bool:
@@ -354,6 +375,82 @@ def offset_reads(*exprs) -> tuple:
 def block_reads(*exprs) -> tuple:
     """The reads of ``exprs`` at whole blocks of positions (``read_axis`` ``BLOCKS``)."""
     return _tile_reads_of(exprs, lambda n: n.op == LOAD and read_axis(n) == BLOCKS)
+
+
+def dense_reads(*exprs) -> tuple:
+    """The reads of ``exprs`` at [.., q_idx, kv_idx] (``read_axis`` ``DENSE``)."""
+    return _tile_reads_of(exprs, lambda n: n.op == LOAD and read_axis(n) == DENSE)
+
+
+def dense_index(read, bi, hi, q, kv):
+    """The flat position read ``read`` (``is_dense``) takes at query ``q`` and key
+    ``kv`` (int32 arrays of one shape) of program (bi, hi), clamped as reads clamp."""
+    *lead, _, _ = read.args[1:]
+    at = codegen.evaluate_tile(lead, {"b": bi, "h": hi}, {}, rules=TILE_RULES) if lead else []
+    return codegen.flat_index(read, [*at, q, kv])
+
+
+def dense_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False, interpret=False) -> dict:
+    """``{read: its values on the tile}`` for reads at [.., q_idx, kv_idx]
+    (``dense_reads``) on a tile of ``shape`` whose first query is ``q0`` and first
+    key ``k0`` (queries down, or keys down with ``keys_down``): each thread loads
+    its own elements from global memory (``dense_gather``)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not reads:
+        return {}
+    layout = plgpu.Layout.WGMMA
+    q_dim, k_dim = (1, 0) if keys_down else (0, 1)
+    q = q0 + plgpu.broadcasted_iota(jnp.int32, shape, q_dim, layout=layout)
+    kv = k0 + plgpu.broadcasted_iota(jnp.int32, shape, k_dim, layout=layout)
+    return {read: dense_gather(refs[read.args[0].attr[0]], dense_index(read, bi, hi, q, kv),
+                               interpret)
+            for read in reads}
+
+
+def dense_gather(ref, index, interpret):
+    """``ref[index]`` for a flat float32 array ``ref`` in global memory and an int32
+    ``index`` tile in the WGMMA layout: each thread loads its own elements (a
+    register's two neighbours in one row sit side by side in a row-major array, so a
+    warp's loads fill whole 32-byte sectors). Pallas has no such gather, so on the
+    GPU it is written in Mosaic GPU itself (``inline_mgpu``); interpret mode takes
+    jax.numpy's."""
+    if interpret:
+        return ref[...][index]
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.lib.mlir import ir as mlir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+
+    shape = index.shape
+    try:  # a read-only input (jax 0.12 tracks writes through inlined code; 0.11 has no flag)
+        source = plgpu.RefType(write=False)
+    except TypeError:
+        source = plgpu.RefType()
+
+    @plgpu.inline_mgpu(arg_types=(source, plgpu.Layout.WGMMA),
+                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def gather(ctx, gmem, at):
+        del ctx
+        f32 = mlir.F32Type.get()
+        vec_type = mlir.VectorType.get((mgpu.WGMMA_LAYOUT.vector_length,), f32)
+        regs = at.registers.copy()
+        for i, reg in enumerate(at.registers.flat):
+            out = None
+            for e in range(mgpu.WGMMA_LAYOUT.vector_length):
+                pos = vector.extract(reg, dynamic_position=[],
+                                     static_position=mlir.DenseI64ArrayAttr.get([e]))
+                x = memref.load(gmem, [arith.index_cast(mlir.IndexType.get(), pos)])
+                if out is None:
+                    out = vector.broadcast(vec_type, x)
+                else:
+                    out = vector.insert(x, out, dynamic_position=[],
+                                        static_position=mlir.DenseI64ArrayAttr.get([e]))
+            regs.flat[i] = out
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return gather(ref, index)
 
 
 def block_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False) -> dict:
@@ -919,7 +1016,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     needs_kv_idx = (any(uses_var(e, "kv_idx", whole) for e in exprs)
                     or spec.skv % BLOCK_KV != 0)
     needs_q_idx = any(uses_var(e, "q_idx", whole) for e in exprs)
-    has_blocks = bool(block_reads(*exprs))
+    has_blocks = bool(block_reads(*exprs) or dense_reads(*exprs))  # they read at kv0
     # Reads along a tile axis: the query rows' slice per warpgroup, the key tile's
     # per step; reads at q_idx - kv_idx: a window of diagonals per step, beside the key tile.
     copied = CopiedReads.build(exprs, spec.operand_names, operands, b, hq, TILE_Q, BLOCK_KV,
@@ -1037,6 +1134,9 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                                 (BLOCK_Q, BLOCK_KV)))
                         known.update(block_values(block_reads(expr), refs, bi, hi, row0, kv0,
                                                   (BLOCK_Q, BLOCK_KV)))
+                        known.update(dense_values(dense_reads(expr), refs, bi, hi, row0, kv0,
+                                                  (BLOCK_Q, BLOCK_KV),
+                                                  interpret=spec.interpret))
                         if parts_of[expr]:  # one-axis terms: the key tile's on its columns
                             by_axis = {"q_idx": row_parts, "kv_idx": {}}
                             if any(a == "kv_idx" for _, a in parts_of[expr]):
