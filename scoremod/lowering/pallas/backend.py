@@ -504,6 +504,9 @@ def _mosaic_backward_refusal(expr, full_expr, sources):
 # ([B, Hq, reads, Sq / 64, block rows, Skv]: 512 MiB); past it those gradients take the
 # Triton backward.
 MAX_STEP_SUMS = 1 << 27
+# The most float32 entries of the dQ kernel's cotangents of reads per score ([B, Hq,
+# reads, Sq, Skv]: 4 GiB); past it those gradients take the Triton backward.
+MAX_DENSE_SUMS = 1 << 30
 
 
 def _mosaic_unlearnable(expr, full_expr, problem, sources) -> tuple:
@@ -529,6 +532,11 @@ def _mosaic_unlearnable(expr, full_expr, problem, sources) -> tuple:
             why = (f"its sums of a read at whole blocks per step of {mosaic_backward.BLOCK} "
                    f"queries, block row and key would take {step_sums} float32 entries, past "
                    f"{MAX_STEP_SUMS}")
+        dense = len(mosaic_backward.dense_loads(expr, (name,))) if why is None else 0
+        if dense and problem.b * problem.hq * dense * problem.sq * problem.skv > MAX_DENSE_SUMS:
+            why = (f"the cotangents of its reads per score would take "
+                   f"{problem.b * problem.hq * dense * problem.sq * problem.skv} float32 "
+                   f"entries (batch x query heads x Sq x Skv), past {MAX_DENSE_SUMS}")
         if why is None:
             why = _one_hot_refusal(expr, name, node, problem)
         if why is None:
@@ -756,16 +764,67 @@ def _place(values, members):
 
 
 def _along_axes(plan) -> tuple:
-    """The learned operands with a read along the keys or the queries, or at whole
-    blocks (``mosaic_backward.along_keys``, ``along_queries``, ``along_blocks``):
-    placed per position, not summed in a program's row."""
+    """The learned operands with a read along the keys or the queries, at whole
+    blocks, or per score (``mosaic_backward.along_keys``, ``along_queries``,
+    ``along_blocks``, ``along_dense``): placed per position, not summed in a
+    program's row."""
     if plan.mod is None:
         return ()
     return tuple(dict.fromkeys(
         n.args[0].attr[0] for n in mosaic_backward.learned_loads(
             plan.expr, plan.mod.operand_names)
         if mosaic_backward.along_keys(n) or mosaic_backward.along_queries(n)
-        or mosaic_backward.along_blocks(n)))
+        or mosaic_backward.along_blocks(n) or mosaic_backward.along_dense(n)))
+
+
+def _dense_operands(plan) -> tuple:
+    """The learned operands read per score (``mosaic_backward.along_dense``: only so,
+    ``learning_refusal``): their gradients come whole from the dQ kernel's tiles."""
+    if plan.mod is None:
+        return ()
+    return tuple(dict.fromkeys(
+        n.args[0].attr[0] for n in mosaic_backward.dense_loads(plan.expr,
+                                                               plan.mod.operand_names)))
+
+
+def _dense_gradients(plan, spec, sums, q_map) -> dict:
+    """{name: gradient} of the operands read per score from the dQ kernel's
+    cotangents ``sums`` [B, Hq, reads, padded Sq, padded Skv] (``dense_loads``
+    order): the tiles the map did not visit zeroed (the kernel leaves them
+    unwritten), the padding dropped, positions past an axis's entries summed into
+    its last (reads clamp), and each (batch, head)'s matrix added into the entry
+    its leading indices read (a gather and a sum in a fixed order: the same bits
+    on every run)."""
+    p = plan.problem
+    b, hq, _, sq, skv = sums.shape
+    tile_q, blk = mosaic_backward.DQ_BLOCKS
+    bm, hm, nq = q_map.q_counts.shape
+    listed = jnp.arange(q_map.q_blocks.shape[-1]) < q_map.q_counts[..., None]
+    idx = (jnp.arange(bm)[:, None, None, None], jnp.arange(hm)[None, :, None, None],
+           jnp.arange(nq)[None, None, :, None], q_map.q_blocks)
+    visited = jnp.zeros((bm, hm, nq, skv // blk), bool).at[idx].max(listed)
+    visited = jnp.repeat(jnp.repeat(visited, tile_q, 2), blk, 3)[:, :, None, :sq, :skv]
+    sums = jnp.where(visited, sums, 0.0)[..., :p.sq, :p.skv]
+    out = {}
+    for r, read in enumerate(mosaic_backward.dense_loads(spec.expr, spec.learned)):
+        name, shape, _ = read.args[0].attr
+        x = sums[:, :, r]
+        for axis, n in ((2, shape[-2]), (3, shape[-1])):  # clamped reads: the tail to the last
+            if n >= x.shape[axis]:
+                x = _pad(x, axis, n)
+            else:
+                head, tail = jnp.split(x, [n - 1], axis=axis)
+                x = jnp.concatenate([head, tail.sum(axis, keepdims=True)], axis)
+        lead = shape[:-2]
+        at = _static_positions(read, range(len(lead)), [0], p.b, p.hq)  # [Bx, Hx, 1]
+        at = np.broadcast_to(at[..., 0], (p.b, p.hq)).reshape(1, 1, -1)
+        size = math.prod(lead)
+        members = _members(at, size, p.b * p.hq, f"`{format_expr(read)}`", "batches and heads")
+        slabs = jnp.concatenate([x.reshape(p.b * p.hq, *x.shape[2:]),
+                                 jnp.zeros((1,) + x.shape[2:], x.dtype)])
+        total = slabs[members[0, 0]].sum(1).reshape(shape)
+        out[name] = total if name not in out else out[name] + total
+    return out
 
 
 def _visited_steps(kv_map, nq):
@@ -960,19 +1019,22 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
     along_axes = _along_axes(plan) if mosaic else ()
     _refuse_too_large(plan, windows, plan.diagonal_operands + along_axes if mosaic else ())
     _refuse_without_triton(plan, learned_on_triton, on_triton)
+    dense = {}  # operand name: its gradient, from reads per score
     if mosaic:
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
         lse2 = jnp.where(lse_p == -jnp.inf, jnp.inf, lse_p * jnp.float32(mosaic_backward.LOG2E))
         diagonal = tuple(w for w in windows if w[0] in plan.diagonal_operands)
-        per_key = tuple(w for w in windows if w not in diagonal)
-        mspec = plan.mosaic_backward_spec(learned=(w[0] for w in per_key))
+        per_score = tuple(w for w in windows if w[0] in _dense_operands(plan))
+        per_key = tuple(w for w in windows if w not in diagonal and w not in per_score)
+        mspec = plan.mosaic_backward_spec(learned=(w[0] for w in per_key + per_score))
         # Each kernel's own map: a program's rows by a streamed tile. dQ in the dK/dV
         # kernel where the plan says, unless the dQ kernel's sums are wanted.
-        fused = plan.fused_dq and not mosaic_backward.query_loads(mspec.expr, mspec.learned)
-        query_sums = None
+        fused = plan.fused_dq and not (mosaic_backward.query_loads(mspec.expr, mspec.learned)
+                                       or per_score)
+        query_sums = dense_sums = None
         if not fused:
             q_map = _map(plan, mosaic_backward.DQ_BLOCKS, operands)
-            dq, query_sums = mosaic_backward.dq(
+            dq, query_sums, dense_sums = mosaic_backward.dq(
                 _uniform_full(mspec, q_map.q_full), q_map, qp, kp, vp, dop, lse2, deltap, kops)
         kv_map = _map(plan, mosaic_backward.DKDV_BLOCKS, operands)
         dk, dv, sums, fused_dq, step_sums = mosaic_backward.dkdv(
@@ -994,6 +1056,8 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
             for name, part in _block_parts(plan, mspec, step_sums, kv_map, per_key).items():
                 parts[name] = (parts[name].sum(2, keepdims=True) + part if name in parts
                                else part)
+        if dense_sums is not None:  # reads per score: the dQ kernel's tiles
+            dense = _dense_gradients(plan, mspec, dense_sums, q_map)
         if diagonal:
             dspec = plan.mosaic_backward_spec(learned=(w[0] for w in diagonal))
             dmap = _map(plan, mosaic_backward.DIAGONAL_BLOCKS, operands)
@@ -1014,4 +1078,6 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         if name in parts:
             grads[name] = _operand_gradient(parts[name], node, plan.expr, p.b,
                                             p.hq).astype(x.dtype)
+        elif name in dense:
+            grads[name] = dense[name].astype(x.dtype)
     return dq[:, :p.sq], per_kv_head(dk, k), per_kv_head(dv, v), grads

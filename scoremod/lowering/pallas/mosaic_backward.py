@@ -182,6 +182,13 @@ def along_blocks(node) -> bool:
     return mosaic.read_axis(node) == mosaic.BLOCKS and not reads_arrays(node)
 
 
+def along_dense(node) -> bool:
+    """Whether read ``node`` is a value per score (``bias[b, h, q_idx, kv_idx]``:
+    ``mosaic.is_dense``): the dQ kernel writes its cotangent on every tile it
+    visits, and the backend places each (batch, head)'s at the entry it reads."""
+    return mosaic.read_axis(node) == mosaic.DENSE
+
+
 def step_blocks(node) -> int:
     """The most block rows of read ``node`` (``along_blocks``) that one step's
     ``BLOCK`` queries meet (1 where the blocks are whole steps)."""
@@ -192,13 +199,19 @@ def key_loads(expr, names) -> tuple:
     """The ``learned_loads`` whose cotangents the dK/dV kernel sums per key (those
     at one position per program, and those along the keys)."""
     return tuple(n for n in learned_loads(expr, names)
-                 if not along_queries(n) and not along_blocks(n))
+                 if not along_queries(n) and not along_blocks(n) and not along_dense(n))
 
 
 def block_loads(expr, names) -> tuple:
     """The ``learned_loads`` at whole blocks (``along_blocks``): the dK/dV kernel
     writes their cotangents summed per step and key."""
     return tuple(n for n in learned_loads(expr, names) if along_blocks(n))
+
+
+def dense_loads(expr, names) -> tuple:
+    """The ``learned_loads`` of a value per score (``along_dense``): the dQ kernel
+    writes their cotangents per tile."""
+    return tuple(n for n in learned_loads(expr, names) if along_dense(n))
 
 
 def query_loads(expr, names) -> tuple:
@@ -211,13 +224,20 @@ def learning_refusal(expr, name, sources) -> str | None:
     of ``expr`` (a read at an index that varies over the tile other than along
     the keys, or a read's derivative it cannot evaluate), or None."""
     loads = learned_loads(expr, (name,))
+    dense = [n for n in loads if along_dense(n)]
+    if dense and len(dense) < len(loads):
+        where = ir.source_of(dense[0], expr, sources)
+        return (f"it sums the gradient of a read per score (`{format_expr(dense[0])}`"
+                f"{' at ' + where if where else ''}) apart from the array's other reads; "
+                f"this mod reads `{name}` both ways")
     for node in loads:
         if not (ir.variables(*node.args[1:]) <= {"b", "h"} or along_keys(node)
-                or along_queries(node) or along_blocks(node)):
+                or along_queries(node) or along_blocks(node) or along_dense(node)):
             where = ir.source_of(node, expr, sources)
             return (f"it sums the gradients of reads at indices built from b, h and constants, "
-                    f"of reads along the keys or the queries, and of reads at whole blocks of "
-                    f"positions known when tracing; "
+                    f"of reads along the keys or the queries, of reads at whole blocks of "
+                    f"positions known when tracing, and of float arrays read at [.., q_idx, "
+                    f"kv_idx]; "
                     f"`{format_expr(node)}`{' at ' + where if where else ''} is none of these")
     for local in load_derivatives(expr, loads):
         why = mosaic.refusal(local, sources, advice=False)
@@ -930,10 +950,12 @@ def operand_parts(spec: BackwardSpec, sums, operands, windows) -> dict:
 
 def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     """dQ [B, Sq, Hq, D] in q's dtype on arrays padded to whole tiles (``TILE``),
-    and the sums of the cotangents of the reads of ``spec.learned`` along the
+    the sums of the cotangents of the reads of ``spec.learned`` along the
     queries (``query_loads``) per query [B, Hq, reads, Sq] (float32; None without
-    such reads); ``bmap``: the block map at ``DQ_BLOCKS``; ``lse2``, ``delta`` as
-    for ``dkdv``.
+    such reads), and the cotangents of its reads per score (``dense_loads``)
+    [B, Hq, reads, Sq, Skv] (float32, written on the tiles the map visits only;
+    None without such reads); ``bmap``: the block map at ``DQ_BLOCKS``; ``lse2``,
+    ``delta`` as for ``dkdv``.
 
     A program owns ``TILE`` queries, ``BLOCK`` per compute warpgroup; both take
     each streamed key tile (K and V copied once for the two)."""
@@ -952,13 +974,16 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     vectors = _Vectors(spec, operands, b, hq, sq, k.shape[1], own="q_idx")
     n_vec = len(vectors.arrays)
     loads = query_loads(spec.expr, spec.learned)
+    dense = dense_loads(spec.expr, spec.learned)
+    skv = k.shape[1]
 
     def program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, operand_refs, vector_refs, dq_ref, sums_ref, scoped):
+                delta_ref, operand_refs, vector_refs, dq_ref, sums_ref, dense_ref, scoped):
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *staging), \
             (own_ready, k_ready, v_ready), free, turn, \
-            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem = scoped
+            (own_vec_smem, vec_smem), (own_vec_ready, vec_ready), sums_smem, dense_smem = scoped
         sums_smem = sums_smem[0] if sums_smem else None  # with learned reads only
+        dense_smem = dense_smem[0] if dense_smem else None  # with learned reads per score
         staging = staging[0] if staging else None  # interpret mode's
         wg = lax.axis_index("wg")
         bi, hi = lax.axis_index("batch"), lax.axis_index("heads")
@@ -996,6 +1021,18 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
             turns = _Turns(turn, wg, takes_turns(spec, "dq"))
             turns.start()
 
+            def put_dense(k0, xs):  # the reads per score: their cotangents on the tile
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's copies
+                for j, x in enumerate(xs):
+                    dense_smem.at[wg, j][...] = x
+                plgpu.commit_smem()
+                for j in range(len(xs)):
+                    plgpu.copy_smem_to_gmem(
+                        dense_smem.at[wg, j],
+                        dense_ref.at[bi, hi, j, pl.ds(q0, BLOCK), pl.ds(k0, BLOCK)],
+                        commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+
             def step_fn(step, carry):
                 acc, sums = carry
                 slot = lax.rem(step, STAGES)
@@ -1014,16 +1051,19 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                     vectors.wait(vec_ready, slot)
                     value, local, *terms = _tile_terms(
                         spec, s, inputs, refs, is_full, shape=(BLOCK, BLOCK), origin=(q0, k0),
-                        reads=vectors.tile(own_vectors, vec_smem, slot, wg), loads=loads)
-                    terms = terms[0] if loads else ()  # the learned reads' cotangents at dP = 1
+                        reads=vectors.tile(own_vectors, vec_smem, slot, wg), loads=loads + dense)
+                    terms = terms[0] if loads + dense else ()  # the reads' cotangents at dP = 1
                     p = jnp.exp2(value - lax.broadcast_in_dim(lse, (BLOCK, BLOCK), [0]))
                     return p, local, terms, dp_acc[...]
 
                 p, local, terms, dp = pl.run_scoped(
                     probabilities, *(plgpu.ACC((BLOCK, BLOCK), jnp.float32),) * 2)
                 ds = p * (dp - lax.broadcast_in_dim(dd, (BLOCK, BLOCK), [0]))
-                # Each learned read's cotangent, summed over the tile's keys (per query).
+                # Each learned read's cotangent, summed over the tile's keys (per query);
+                # those per score, written whole.
                 sums = tuple(total + (term * ds).sum(axis=1) for total, term in zip(sums, terms))
+                if dense:
+                    put_dense(k0, tuple(term * ds for term in terms[len(loads):]))
                 if local is not None:
                     ds = ds * local
                 if not turns.on:  # with turns, the scale multiplies dK or dQ at the end
@@ -1061,7 +1101,9 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
     def entry(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
               *rest):
         operand_refs, vector_refs = rest[:n_ops], rest[n_ops:n_ops + n_vec]
-        dq_ref, *sums_ref = rest[n_ops + n_vec:]
+        dq_ref, *more = rest[n_ops + n_vec:]
+        sums_ref = more.pop(0) if loads else None
+        dense_ref = more.pop(0) if dense else None
         swizzled = mosaic.swizzled()
         own = plgpu.SMEM((COMPUTE_WGS, BLOCK, d), dtype, transforms=swizzled)
         own_vector = plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32)
@@ -1072,21 +1114,26 @@ def dq(spec: BackwardSpec, bmap, q, k, v, do, lse2, delta, operands):
                  plgpu.Barrier(num_barriers=STAGES))
         free = plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES)
         sums_smem = [plgpu.SMEM((COMPUTE_WGS, len(loads), BLOCK), jnp.float32)] if loads else []
+        dense_smem = ([plgpu.SMEM((COMPUTE_WGS, len(dense), BLOCK, BLOCK), jnp.float32)]
+                      if dense else [])
         pl.run_scoped(
             lambda *scoped: program(counts_ref, blocks_ref, full_ref, q_ref, k_ref, v_ref, do_ref,
                                     lse_ref, delta_ref, operand_refs, vector_refs, dq_ref,
-                                    sums_ref[0] if sums_ref else None, scoped),
+                                    sums_ref, dense_ref, scoped),
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), *vectors.scratch(),
-            sums_smem, collective_axes="wg")
+            sums_smem, dense_smem, collective_axes="wg")
 
     sums = (jax.ShapeDtypeStruct((b, hq, len(loads), sq), jnp.float32),) if loads else ()
+    if dense:
+        sums += (jax.ShapeDtypeStruct((b, hq, len(dense), sq, skv), jnp.float32),)
     outs = plgpu.kernel(
         entry, out_type=(jax.ShapeDtypeStruct(q.shape, dtype),) + sums, grid=(hq, n_tiles, b),
         grid_names=("heads", "q_seq", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic.interpret_params(spec),
     )(counts, blocks_, full, q, k, v, do, lse2, delta, *operands, *vectors.arrays)
-    return outs[0], (outs[1] if loads else None)
+    extra = list(outs[1:])
+    return outs[0], (extra.pop(0) if loads else None), (extra.pop(0) if dense else None)
 
 
 # --- gradients of reads at q_idx - kv_idx: one program per block diagonal ----------------
