@@ -236,8 +236,8 @@ def vector_mod(name, b, hq, sq, skv):
         bias = jnp.asarray(np.random.default_rng(32).normal(size=(hq, sq, skv)), jnp.float32)
         return (lambda s, b, h, q, k, t: jnp.where(q >= k, 0.5 * s + t[h, q, k], -jnp.inf)
                 ), (bias,)
-    if name == "clamped_bias":  # one row for every query (reads clamp), more keys, per head pair
-        bias = jnp.asarray(np.random.default_rng(33).normal(size=(-(-hq // 2), 1, skv + 9)),
+    if name == "wider_bias":  # longer than the sequences (entries past them unread), head pairs
+        bias = jnp.asarray(np.random.default_rng(33).normal(size=(-(-hq // 2), sq + 5, skv + 9)),
                            jnp.float32)
         return (lambda s, b, h, q, k, t: s + t[h // 2, q, k]), (bias,)
     if name == "capped_bias":  # softcap over score and bias: the bias's derivative varies

@@ -649,6 +649,84 @@ def test_backward_learns_block_reads_interpreted(case, shape, interprets):
     _learns_interpreted_twice(case, shape, on_mosaic)
 
 
+@pytest.mark.parametrize("case,shape", [
+    ("pair_bias", dict(sq=150, skv=200, hq=4, hkv=2, d=64)),
+    ("head_bias_causal", dict(sq=300, skv=260, hq=2, hkv=1, d=64)),
+    ("wider_bias", dict(sq=130, skv=190, hq=4, hkv=2, d=128, dtype=jnp.float16)),
+    ("capped_bias", dict(sq=100, skv=70, hq=2, hkv=2, d=64)),
+])
+def test_backward_learns_dense_reads_interpreted(case, shape, interprets):
+    """A float array read per score (``bias[b, h, q_idx, kv_idx]``; one per head
+    shared by the batch, causal; one longer than the sequences, per head pair;
+    under a softcap, its derivative varying), forward and backward in interpret mode,
+    learned: each thread's values gathered from global memory on every kernel's
+    tiles (keys down in dK/dV), the dQ kernel's tiles of cotangents placed by batch
+    and head, against the reference path; no Triton kernel; twice the same bits."""
+    def per_score(plan, learned):
+        assert plan.backward_engine == "mosaic" and plan.triton_operands == (), plan.describe()
+        assert mosaic.dense_reads(plan.expr)
+
+    _learns_interpreted_twice(case, shape, per_score)
+
+
+def test_dense_gradient_ignores_the_tiles_the_map_skips(interprets, monkeypatch):
+    """The dQ kernel writes a read per score's cotangents only on the tiles its map
+    visits and leaves the others as the allocation found them: NaN written there
+    (as uninitialized memory may hold) leaves the gradient as it was."""
+    q, k, v, do = pc.inputs(b=1, sq=300, skv=260, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
+    mod, operands = pc.traced_vector_mod("head_bias_causal", q, k)
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
+    o, lse = pallas_backend._forward(plan, q, k, v, operands)
+    name = mod.operand_names[0]
+
+    def gradient():
+        return pallas_backend._backward(plan, q, k, v, o, lse, do, jnp.zeros(lse.shape),
+                                        operands, (name,))[3][name]
+
+    clean = gradient()
+    tile_q, blk = mosaic_backward.DQ_BLOCKS
+    real_dq = mosaic_backward.dq
+
+    def poisoned(*args):
+        dq, sums, dense = real_dq(*args)
+        rows = jnp.arange(dense.shape[3])[:, None] // tile_q
+        cols = jnp.arange(dense.shape[4])[None, :] // blk
+        skipped = cols * blk > rows * tile_q + tile_q - 1  # causal: past the tile's last query
+        assert bool(skipped.any())
+        return dq, sums, jnp.where(skipped, jnp.nan, dense)
+
+    monkeypatch.setattr(mosaic_backward, "dq", poisoned)
+    assert np.array_equal(np.asarray(gradient()), np.asarray(clean))
+
+
+def test_a_read_per_score_and_elsewhere_is_not_learned_on_mosaic():
+    """An array read per score and also at one position per program keeps its
+    gradient off the Mosaic backward, saying which read and why."""
+    q, k, v, _ = pc.inputs(b=1, sq=128, skv=128, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
+    bias = jnp.zeros((2, 128, 128), jnp.float32)
+    mod = scoremod.trace(lambda s, b, h, qi, ki: s * bias[h, 0, 0] + bias[h, qi, ki])
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True)
+    (name, why), = plan.triton_operands
+    assert name == mod.operand_names[0] and "both ways" in why and "q_idx, kv_idx" in why
+
+
+def test_a_learned_dense_bias_lowers_to_mosaic_kernels_only(hopper_here):
+    """jax.grad of a call that learns a bias per batch, head and score (Flax's
+    ``bias``) lowers for CUDA to the three Mosaic kernels and no Triton kernel."""
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    fn, (bias,) = pc.vector_mod("pair_bias", 2, 4, 300, 260)
+
+    def loss(q, bias):
+        mod = lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, bias)  # noqa: E731
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    # The forward and the dQ kernel (which writes the bias's cotangents); XLA drops
+    # the dK/dV kernel, whose outputs no gradient asked for reads.
+    assert _kernels(_lower_call(jax.grad(loss, argnums=(0, 1)), q, bias)) == \
+        {"mosaic": 2, "triton": 0}
+
+
 def test_a_learned_block_table_lowers_to_mosaic_kernels_only(hopper_here):
     """jax.grad of a call that learns a bias per 64 x 64 block (beside a tile map of
     the same blocks, as video sparse attention's), or per 48 queries by 64 keys,
@@ -1085,7 +1163,7 @@ def _interpreted_against_reference(case, b, shape, dtype, reads):
 
 @pytest.mark.parametrize("case", ["document_bidirectional", "shifted_bias", "block_map",
                                   "alibi_unmasked", "log_scaled", "key_terms", "pair_bias",
-                                  "clamped_bias"])
+                                  "wider_bias"])
 def test_vector_reads_lower(case, hopper_here):
     """Vector reads lower for CUDA: gradients of q, k, v to the three Mosaic GPU
     kernels; with a float vector along the keys learned, its gradient from the

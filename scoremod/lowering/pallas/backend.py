@@ -791,10 +791,11 @@ def _dense_gradients(plan, spec, sums, q_map) -> dict:
     """{name: gradient} of the operands read per score from the dQ kernel's
     cotangents ``sums`` [B, Hq, reads, padded Sq, padded Skv] (``dense_loads``
     order): the tiles the map did not visit zeroed (the kernel leaves them
-    unwritten), the padding dropped, positions past an axis's entries summed into
-    its last (reads clamp), and each (batch, head)'s matrix added into the entry
-    its leading indices read (a gather and a sum in a fixed order: the same bits
-    on every run)."""
+    unwritten), the padding dropped, entries past the sequences zero (``attention``
+    refuses an axis indexed by a position that is shorter than its range, and the
+    tracer reads a one-entry axis at 0), and each (batch, head)'s matrix added into
+    the entry its leading indices read (a gather and a sum in a fixed order: the
+    same bits on every run)."""
     p = plan.problem
     b, hq, _, sq, skv = sums.shape
     tile_q, blk = mosaic_backward.DQ_BLOCKS
@@ -808,13 +809,7 @@ def _dense_gradients(plan, spec, sums, q_map) -> dict:
     out = {}
     for r, read in enumerate(mosaic_backward.dense_loads(spec.expr, spec.learned)):
         name, shape, _ = read.args[0].attr
-        x = sums[:, :, r]
-        for axis, n in ((2, shape[-2]), (3, shape[-1])):  # clamped reads: the tail to the last
-            if n >= x.shape[axis]:
-                x = _pad(x, axis, n)
-            else:
-                head, tail = jnp.split(x, [n - 1], axis=axis)
-                x = jnp.concatenate([head, tail.sum(axis, keepdims=True)], axis)
+        x = _pad(_pad(sums[:, :, r], 2, shape[-2]), 3, shape[-1])
         lead = shape[:-2]
         at = _static_positions(read, range(len(lead)), [0], p.b, p.hq)  # [Bx, Hx, 1]
         at = np.broadcast_to(at[..., 0], (p.b, p.hq)).reshape(1, 1, -1)
