@@ -98,7 +98,8 @@ IMPLS = {
 PALLAS_IMPLS = ("pallas", "pallas-mosaic")  # by name only, as the backend
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
         "document", "document_random", "document_noncausal", "document_softcap", "mla_rope",
-        "prefix_lm", "softcap_prefix_lm", "alibi_causal", "t5", "learned_cap", "kind_pair")
+        "prefix_lm", "softcap_prefix_lm", "alibi_causal", "t5", "learned_cap", "kind_pair",
+        "pair_bias")
 
 
 def _canvas(s):
@@ -191,7 +192,11 @@ OPS_IMPLS = ("scoremod", "xla", "pallas", "pallas-mosaic", "flex")
 # The captured float arrays of FlexAttention's score_mods, by aux_arrays name (those of the
 # JAX mods are their float operands)
 FLEX_LEARNED = {"alibi": ("slopes",), "alibi_causal": ("slopes",), "relbias": ("table",),
-                "t5": ("t5_table",), "learned_cap": ("cap",), "kind_pair": ("pair",)}
+                "t5": ("t5_table",), "learned_cap": ("cap",), "kind_pair": ("pair",),
+                "pair_bias": ("pair_bias",)}
+# pair_bias's [H, S, S] float32 bias (Flax's ``bias``, a pair bias): 1 GiB at h16 s4096,
+# built on demand (``pair_bias``); longer sequences are not run.
+PAIR_BIAS_MAX_SEQ = 8192
 KINDS, KIND_RUN = 3, 256  # kind_pair's token kinds (text, image, ..), in runs of 256 tokens
 T5_BUCKETS = 32  # T5's: a bucket per distance up to 8 back or ahead, then logarithmic
 SOFTCAP, DOCS = 30.0, 4
@@ -228,6 +233,24 @@ def aux_arrays(b, h, s, window):
                  ).astype(np.float32),
         "window": window, "seq": s, "batch": b, "heads": h,
     }
+
+
+@functools.cache
+def _pair_bias(h, s):
+    return (0.1 * np.random.default_rng(4).standard_normal((h, s, s), dtype=np.float32))
+
+
+def pair_bias(a):
+    """pair_bias's array [H, S, S] (float32, seeded), built on the first call that
+    needs it; NotApplicable past ``PAIR_BIAS_MAX_SEQ``."""
+    if a["seq"] > PAIR_BIAS_MAX_SEQ:
+        raise NotApplicable(f"pair_bias's [H, S, S] bias is not built past seq "
+                            f"{PAIR_BIAS_MAX_SEQ}")
+    return _pair_bias(a["heads"], a["seq"])
+
+
+# Arrays too large to build for every mod: name -> builder from ``aux_arrays``' dict.
+ON_DEMAND = {"pair_bias": pair_bias}
 
 
 def random_documents(b, s, seed=0):
@@ -281,6 +304,9 @@ def mod_parts(name, t, lib):
         "learned_cap": lambda sc, b, h, q, k: t["cap"] * tanh(sc / t["cap"]),
         "kind_pair": lambda sc, b, h, q, k: sc + t["pair"][h, t["kind"][b, q], t["kind"][b, k]],
     }
+    if name == "pair_bias":  # its array on demand (``ON_DEMAND``), the caller's where given
+        bias = t["pair_bias"] if "pair_bias" in t else lib.asarray(pair_bias(t))
+        scores["pair_bias"] = lambda sc, b, h, q, k: sc + bias[h, q, k]
     def prefix_lm(b, h, q, k):
         return (k < s // PREFIX) | (q >= k)
 
@@ -426,6 +452,8 @@ def jax_bias(name, a, dtype):
     import jax.numpy as jnp
 
     s = a["seq"]
+    if name == "pair_bias":
+        return jnp.asarray(pair_bias(a))[None].astype(dtype)
     if name not in ("alibi", "relbias", "t5"):
         return None
 
@@ -448,6 +476,9 @@ def flex_mods(name, a, learn=False):
     import torch
 
     t = dict(a, **{n: torch.as_tensor(a[n], device="cuda") for n in ARRAYS})
+    for n, build in ON_DEMAND.items():
+        if n in FLEX_LEARNED.get(name, ()):
+            t[n] = torch.as_tensor(build(a), device="cuda")
     learned = [t[n] for n in FLEX_LEARNED.get(name, ())]
     for x in learned if learn else ():
         x.requires_grad_()

@@ -460,11 +460,12 @@ def test_flex_and_jax_mods_share_their_definitions():
         np.testing.assert_allclose(np.broadcast_to(flex, want.shape), np.asarray(want), rtol=1e-6,
                                    atol=1e-5, err_msg=name)
         floats = [np.asarray(x) for x in mod.operands if np.issubdtype(x.dtype, np.floating)]
-        learned = [aux[n] for n in bench.FLEX_LEARNED.get(name, ())]
+        learned = [aux[n] if n in aux else bench.ON_DEMAND[n](aux)
+                   for n in bench.FLEX_LEARNED.get(name, ())]
         assert len(floats) == len(learned) and all(
             np.array_equal(x, y) for x, y in zip(floats, learned)), name
     assert set(bench.FLEX_LEARNED) == {"alibi", "alibi_causal", "relbias", "t5", "learned_cap",
-                                       "kind_pair"}
+                                       "kind_pair", "pair_bias"}
 
 
 @pytest.mark.parametrize("name", ["alibi", "relbias"])
