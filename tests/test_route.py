@@ -263,3 +263,21 @@ def test_cudnn_refuses_one_query_row_with_a_captured_array(h200):
     mha = jnp.zeros((8, 4096, 32, 128), jnp.bfloat16)  # no group to pack: one row stays
     with pytest.raises(scoremod.ScoreModError, match="wrongly at one query row"):
         scoremod.which_implementation(q, mha, mha, alibi, implementation="cudnn")
+
+
+def test_a_learned_bias_per_score_trains_on_the_mosaic_backward(h200, monkeypatch):
+    """A float bias per head and score (Flax's ``bias``) stays on cuDNN's forward, and
+    its gradient's fallback is the Pallas kernels' Mosaic GPU backward, which learns it
+    (no Triton kernel, not the reference path's O(S^2) scores)."""
+    from scoremod import support
+    from scoremod.lowering.problem import Problem
+
+    monkeypatch.setattr(support, "mosaic_missing", lambda: None)  # as jax 0.11 or later
+    q = jnp.zeros((2, 1024, 8, 128), jnp.bfloat16)
+    bias = jnp.zeros((8, 1024, 1024), jnp.float32)
+    mod = scoremod.trace(lambda s, b, h, qi, ki: s + bias[h, qi, ki])
+    chosen = route_module.route(Problem.of(q, q, q), mod, 128 ** -0.5, scoremod.LoweringOptions())
+    assert chosen.backend.name == "cudnn", chosen.describe()
+    fallback, plan = chosen.call.fallback
+    assert fallback.name == "pallas" and plan.engine == "mosaic", plan.describe()
+    assert plan.backward_engine == "mosaic" and plan.triton_operands == (), plan.describe()
