@@ -47,9 +47,12 @@ kv_idx]``: ``along_keys``) take the same per-key sums, which are their
 cotangents; reads along the queries (``along_queries``) the dQ kernel's
 per-query sums, computed the same way; the backend places each key's (or
 query's) at the position it reads, each position summing its keys in a
-fixed order. No atomics: the same bits on every run. Other reads at an
-index that varies over the tile (a gather) are the Triton backward's
-(``learning_refusal``; the backend routes them).
+fixed order. A float array read per score (``bias[b, h, q_idx, kv_idx]``:
+``along_dense``) has a cotangent per score: the dQ kernel writes each tile it
+visits to [B, Hq, reads, Sq, Skv] through shared memory, and the backend adds
+each (batch, head)'s matrix into the entry it reads. No atomics: the same bits
+on every run. Other reads at an index that varies over the tile (a gather) are
+the Triton backward's (``learning_refusal``; the backend routes them).
 
 Off a GPU (the plan's interpret flag) the kernels run in Mosaic GPU's
 interpret mode, a CPU simulation of the warpgroups, barriers, copies and
