@@ -382,30 +382,34 @@ def dense_reads(*exprs) -> tuple:
     return _tile_reads_of(exprs, lambda n: n.op == LOAD and read_axis(n) == DENSE)
 
 
-def dense_index(read, bi, hi, q, kv):
-    """The flat position read ``read`` (``is_dense``) takes at query ``q`` and key
-    ``kv`` (int32 arrays of one shape) of program (bi, hi), clamped as reads clamp."""
-    *lead, _, _ = read.args[1:]
-    at = codegen.evaluate_tile(lead, {"b": bi, "h": hi}, {}, rules=TILE_RULES) if lead else []
-    return codegen.flat_index(read, [*at, q, kv])
-
-
 def dense_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False, interpret=False) -> dict:
     """``{read: its values on the tile}`` for reads at [.., q_idx, kv_idx]
     (``dense_reads``) on a tile of ``shape`` whose first query is ``q0`` and first
     key ``k0`` (queries down, or keys down with ``keys_down``): each thread loads
-    its own elements from global memory (``dense_gather``)."""
+    its own elements from global memory (``dense_gather``) at the sum of its row's
+    and its column's offsets (clamped as reads clamp, once per vector: one add per
+    score)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if not reads:
-        return {}
-    layout = plgpu.Layout.WGMMA
+    out = {}
     q_dim, k_dim = (1, 0) if keys_down else (0, 1)
-    q = q0 + plgpu.broadcasted_iota(jnp.int32, shape, q_dim, layout=layout)
-    kv = k0 + plgpu.broadcasted_iota(jnp.int32, shape, k_dim, layout=layout)
-    return {read: dense_gather(refs[read.args[0].attr[0]], dense_index(read, bi, hi, q, kv),
-                               interpret)
-            for read in reads}
+    layout = {0: plgpu.Layout.WGMMA.reduce(1), 1: plgpu.Layout.WGMMA.reduce(0)}
+
+    def positions(start, dim, n):  # 0..n-1 past start along the tile's dim, clamped
+        at = start + plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=layout[dim])
+        return jnp.clip(at, 0, n - 1)
+
+    for read in reads:
+        *lead, _, _ = read.args[1:]
+        dims = read.args[0].attr[1]
+        index = codegen.evaluate_tile(lead, {"b": bi, "h": hi}, {}, rules=TILE_RULES)
+        first = codegen.flat_index(read, [*index, 0, 0])  # the (b, h) matrix's first entry
+        offsets = {q_dim: first + positions(q0, q_dim, dims[-2]) * dims[-1],
+                   k_dim: positions(k0, k_dim, dims[-1])}
+        at = (lax.broadcast_in_dim(offsets[0], shape, [0])
+              + lax.broadcast_in_dim(offsets[1], shape, [1]))
+        out[read] = dense_gather(refs[read.args[0].attr[0]], at, interpret)
+    return out
 
 
 def dense_gather(ref, index, interpret):
