@@ -232,6 +232,9 @@ def vector_mod(name, b, hq, sq, skv):
     if name == "pair_bias":  # a float bias per score, per batch and head (Flax's ``bias``)
         bias = jnp.asarray(np.random.default_rng(31).normal(size=(b, hq, sq, skv)), jnp.float32)
         return (lambda s, b, h, q, k, t: s + t[b, h, q, k]), (bias,)
+    if name == "half_bias":  # a bfloat16 bias per score (kept 16-bit, widened as loaded)
+        bias = jnp.asarray(np.random.default_rng(35).normal(size=(b, hq, sq, skv)), jnp.bfloat16)
+        return (lambda s, b, h, q, k, t: s + t[b, h, q, k]), (bias,)
     if name == "head_bias_causal":  # a bias per head shared by the batch, scaled score, causal
         bias = jnp.asarray(np.random.default_rng(32).normal(size=(hq, sq, skv)), jnp.float32)
         return (lambda s, b, h, q, k, t: jnp.where(q >= k, 0.5 * s + t[h, q, k], -jnp.inf)

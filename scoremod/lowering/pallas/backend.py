@@ -582,11 +582,22 @@ def _padded(n, block):
     return block_maps.num_blocks(n, block) * block
 
 
-def _kernel_operands(plan, operands):
+def _kernel_operands(plan, operands, mosaic_kernels=True):
+    """The captured arrays as the kernels read them (``codegen.kernel_operand``); on
+    the Mosaic engine (``mosaic_kernels``: the forward's engine, or the backward's) a
+    16-bit float array read only per score stays as it is (``mosaic.dense_gather``
+    widens each value as it loads it: no float32 copy of a [.., Sq, Skv] array)."""
     if plan.mod is None:
         return ()
-    return tuple(codegen.kernel_operand(x, node)
-                 for x, node in zip(operands, plan.mod.operand_nodes))
+    out = []
+    for x, name, node in zip(operands, plan.mod.operand_names, plan.mod.operand_nodes):
+        reads = codegen.reads_of(plan.expr, name)
+        if (mosaic_kernels and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16) and reads
+                and all(mosaic.read_axis(r) == mosaic.DENSE for r in reads)):
+            out.append(jnp.ravel(x))
+        else:
+            out.append(codegen.kernel_operand(x, node))
+    return tuple(out)
 
 
 def _map(plan, blocks_, operands):
@@ -615,7 +626,7 @@ def _forward(plan, q, k, v, operands, table=None):
     bmap = _map(plan, plan.forward_blocks, operands)
     sq, skv = _padded(p.sq, bq), _padded(p.skv, bk)
     o, lse = kernels.forward(spec, bmap, _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv),
-                             _kernel_operands(plan, operands))
+                             _kernel_operands(plan, operands, mosaic_kernels=False))
     return o[:, :p.sq], lse[:, :, :p.sq]
 
 
@@ -1006,11 +1017,11 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         lse_p = lse_p.at[:, :, p.sq:].set(-jnp.inf)
     qp, kp, vp = _pad(q, 1, sq), _pad(k, 1, skv), _pad(v, 1, skv)
     dop, deltap = _pad(do, 1, sq), _pad(delta, 2, sq)
-    kops = _kernel_operands(plan, operands)
     windows = _windows(plan, wanted)
     on_triton = dict(plan.triton_operands)
     learned_on_triton = [w[0] for w in windows if w[0] in on_triton]
     mosaic = plan.backward_engine == "mosaic" and not learned_on_triton
+    kops = _kernel_operands(plan, operands, mosaic_kernels=mosaic)
     along_axes = _along_axes(plan) if mosaic else ()
     _refuse_too_large(plan, windows, plan.diagonal_operands + along_axes if mosaic else ())
     _refuse_without_triton(plan, learned_on_triton, on_triton)

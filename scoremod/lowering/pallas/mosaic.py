@@ -413,14 +413,14 @@ def dense_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False, interpret=
 
 
 def dense_gather(ref, index, interpret):
-    """``ref[index]`` for a flat float32 array ``ref`` in global memory and an int32
-    ``index`` tile in the WGMMA layout: each thread loads its own elements (a
-    register's two neighbours in one row sit side by side in a row-major array, so a
-    warp's loads fill whole 32-byte sectors). Pallas has no such gather, so on the
-    GPU it is written in Mosaic GPU itself (``inline_mgpu``); interpret mode takes
-    jax.numpy's."""
+    """``ref[index]`` as float32 for a flat float array ``ref`` in global memory
+    (float32, or 16-bit, widened as loaded) and an int32 ``index`` tile in the WGMMA
+    layout: each thread loads its own elements (a register's two neighbours in one
+    row sit side by side in a row-major array, so a warp's loads fill whole 32-byte
+    sectors). Pallas has no such gather, so on the GPU it is written in Mosaic GPU
+    itself (``inline_mgpu``); interpret mode takes jax.numpy's."""
     if interpret:
-        return ref[...][index]
+        return ref[...][index].astype(jnp.float32)
     import jax.experimental.mosaic.gpu as mgpu
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.lib.mlir import ir as mlir
@@ -446,6 +446,8 @@ def dense_gather(ref, index, interpret):
                 pos = vector.extract(reg, dynamic_position=[],
                                      static_position=mlir.DenseI64ArrayAttr.get([e]))
                 x = memref.load(gmem, [arith.index_cast(mlir.IndexType.get(), pos)])
+                if x.type != f32:  # a 16-bit array: widened in the register
+                    x = arith.extf(f32, x)
                 if out is None:
                     out = vector.broadcast(vec_type, x)
                 else:
