@@ -99,7 +99,7 @@ PALLAS_IMPLS = ("pallas", "pallas-mosaic")  # by name only, as the backend
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
         "document", "document_random", "document_noncausal", "document_softcap", "mla_rope",
         "prefix_lm", "softcap_prefix_lm", "alibi_causal", "t5", "learned_cap", "kind_pair",
-        "pair_bias")
+        "pair_bias", "pair_mask")
 
 
 def _canvas(s):
@@ -249,8 +249,24 @@ def pair_bias(a):
     return _pair_bias(a["heads"], a["seq"])
 
 
+@functools.cache
+def _pair_mask(b, s):
+    keep = np.random.default_rng(5).random((b, 1, s, s), dtype=np.float32) < 0.9
+    return keep & (np.arange(s)[:, None] >= np.arange(s)[None, :])
+
+
+def pair_mask(a):
+    """pair_mask's bool array [B, 1, S, S] (Flax's ``mask``: causal, a tenth of the rest
+    dropped at random, seeded), built on the first call that needs it; NotApplicable
+    past ``PAIR_BIAS_MAX_SEQ``."""
+    if a["seq"] > PAIR_BIAS_MAX_SEQ:
+        raise NotApplicable(f"pair_mask's [B, 1, S, S] mask is not built past seq "
+                            f"{PAIR_BIAS_MAX_SEQ}")
+    return _pair_mask(a["batch"], a["seq"])
+
+
 # Arrays too large to build for every mod: name -> builder from ``aux_arrays``' dict.
-ON_DEMAND = {"pair_bias": pair_bias}
+ON_DEMAND = {"pair_bias": pair_bias, "pair_mask": pair_mask}
 
 
 def random_documents(b, s, seed=0):
@@ -312,6 +328,9 @@ def mod_parts(name, t, lib):
 
     scores["softcap_prefix_lm"] = softcap
     scores["alibi_causal"] = scores["alibi"]
+    if name == "pair_mask":  # its array on demand, as pair_bias's
+        keep = t["pair_mask"] if "pair_mask" in t else lib.asarray(pair_mask(t))
+        return None, lambda b, h, q, k: keep[b, 0, q, k]
     masks = {"causal": causal, "softcap_causal": causal, "mla_rope": causal,
              "window": lambda b, h, q, k: (q >= k) & (q - k < w),
              "prefix_lm": prefix_lm, "softcap_prefix_lm": prefix_lm, "alibi_causal": causal}
@@ -436,6 +455,10 @@ def jax_native(name, a):
     if name == "window":
         w = a["window"]
         return f"local_window_size=({w - 1}, 0)", {"is_causal": True, "local_window_size": (w - 1, 0)}, None
+    if name == "pair_mask":
+        import jax.numpy as jnp
+
+        return "[B, 1, S, S] mask", {}, jnp.asarray(pair_mask(a))
     if name in DOC_MODS:
         import jax
         import jax.numpy as jnp

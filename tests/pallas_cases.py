@@ -235,6 +235,12 @@ def vector_mod(name, b, hq, sq, skv):
     if name == "half_bias":  # a bfloat16 bias per score (kept 16-bit, widened as loaded)
         bias = jnp.asarray(np.random.default_rng(35).normal(size=(b, hq, sq, skv)), jnp.bfloat16)
         return (lambda s, b, h, q, k, t: s + t[b, h, q, k]), (bias,)
+    if name == "masked_bias":  # Flax's mask [B, 1, Sq, Skv] (random, causal) and bias per head
+        rng = np.random.default_rng(36)
+        keep = (rng.random((b, 1, sq, skv)) < 0.7) & (np.arange(sq)[:, None] >= np.arange(skv))
+        bias = jnp.asarray(rng.normal(size=(hq, sq, skv)), jnp.float32)
+        return (lambda s, b, h, q, k, m, t: jnp.where(m[b, 0, q, k], s + t[h, q, k], -jnp.inf)
+                ), (jnp.asarray(keep), bias)
     if name == "head_bias_causal":  # a bias per head shared by the batch, scaled score, causal
         bias = jnp.asarray(np.random.default_rng(32).normal(size=(hq, sq, skv)), jnp.float32)
         return (lambda s, b, h, q, k, t: jnp.where(q >= k, 0.5 * s + t[h, q, k], -jnp.inf)

@@ -655,12 +655,13 @@ def test_backward_learns_block_reads_interpreted(case, shape, interprets):
     ("wider_bias", dict(sq=130, skv=190, hq=4, hkv=2, d=128, dtype=jnp.float16)),
     ("capped_bias", dict(sq=100, skv=70, hq=2, hkv=2, d=64)),
     ("half_bias", dict(sq=130, skv=100, hq=2, hkv=1, d=64)),
+    ("masked_bias", dict(sq=300, skv=260, hq=2, hkv=1, d=64)),
 ])
 def test_backward_learns_dense_reads_interpreted(case, shape, interprets):
     """A float array read per score (``bias[b, h, q_idx, kv_idx]``; one per head
     shared by the batch, causal; one longer than the sequences, per head pair;
-    under a softcap, its derivative varying; bfloat16, read as it is), forward and
-    backward in interpret mode,
+    under a softcap, its derivative varying; bfloat16, read as it is; beside a bool
+    mask per score, Flax's, read as int8), forward and backward in interpret mode,
     learned: each thread's values gathered from global memory on every kernel's
     tiles (keys down in dK/dV), the dQ kernel's tiles of cotangents placed by batch
     and head, against the reference path; no Triton kernel; twice the same bits."""
@@ -703,7 +704,8 @@ def test_dense_gradient_ignores_the_tiles_the_map_skips(interprets, monkeypatch)
 
 def test_a_16_bit_array_read_per_score_reaches_the_mosaic_kernels_as_it_is():
     """A bfloat16 bias read only per score goes to the Mosaic kernels in bfloat16 (no
-    float32 copy of the [.., Sq, Skv] array), to the Triton kernels in float32."""
+    float32 copy of the [.., Sq, Skv] array), to the Triton kernels in float32; a
+    bool mask read per score in int8."""
     q, k, v, _ = pc.inputs(b=1, sq=128, skv=128, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
     mod, operands = pc.traced_vector_mod("half_bias", q, k)
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True)
@@ -714,6 +716,10 @@ def test_a_16_bit_array_read_per_score_reaches_the_mosaic_kernels_as_it_is():
                             + operands[0][b, h, qi, ki])  # also read at one position
     plan = pc.pallas_plan(scaled, q, k, v, MOSAIC, skip=True)
     assert pallas_backend._kernel_operands(plan, operands)[0].dtype == jnp.float32
+    mod, operands = pc.traced_vector_mod("masked_bias", q, k)  # a bool mask: 8-bit
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True)
+    assert [x.dtype for x in pallas_backend._kernel_operands(plan, operands)] == \
+        [jnp.int8, jnp.float32]
 
 
 def test_a_read_per_score_and_elsewhere_is_not_learned_on_mosaic():
@@ -1180,7 +1186,7 @@ def _interpreted_against_reference(case, b, shape, dtype, reads):
 
 @pytest.mark.parametrize("case", ["document_bidirectional", "shifted_bias", "block_map",
                                   "alibi_unmasked", "log_scaled", "key_terms", "pair_bias",
-                                  "wider_bias", "half_bias"])
+                                  "wider_bias", "half_bias", "masked_bias"])
 def test_vector_reads_lower(case, hopper_here):
     """Vector reads lower for CUDA: gradients of q, k, v to the three Mosaic GPU
     kernels; with a float vector along the keys learned, its gradient from the

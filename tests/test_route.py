@@ -281,3 +281,12 @@ def test_a_learned_bias_per_score_trains_on_the_mosaic_backward(h200, monkeypatc
     fallback, plan = chosen.call.fallback
     assert fallback.name == "pallas" and plan.engine == "mosaic", plan.describe()
     assert plan.backward_engine == "mosaic" and plan.triton_operands == (), plan.describe()
+    # Beside Flax's mask per score the same (the mask is not claimed from cuDNN).
+    keep = jnp.ones((2, 1, 1024, 1024), bool)
+    masked = scoremod.trace(lambda s, b, h, qi, ki: jnp.where(keep[b, 0, qi, ki],
+                                                              s + bias[h, qi, ki], -jnp.inf))
+    chosen = route_module.route(Problem.of(q, q, q), masked, 128 ** -0.5,
+                                scoremod.LoweringOptions())
+    assert chosen.backend.name == "cudnn", chosen.describe()
+    fallback, plan = chosen.call.fallback
+    assert fallback.name == "pallas" and plan.backward_engine == "mosaic", plan.describe()

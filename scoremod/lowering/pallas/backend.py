@@ -279,6 +279,11 @@ class Pallas(Backend):
             return ("short queries: the Mosaic GPU engine packs each key/value head's query "
                     "heads and splits the key tiles over programs, reading K and V once "
                     "per group at most of the GPU's bandwidth")
+        # A mask or bias read per score (Flax's) on the Mosaic GPU engine: not measured
+        # against cuDNN's tensor of it, so not claimed from cuDNN (by the claims below).
+        if mod is not None and mosaic.dense_reads(mod.expr) and \
+                self.engine(problem, mod, options)[0] == "mosaic":
+            return None
         # Measured against cuDNN's dense graph (docs/performance.md): 4 documents per
         # row with a softcap, the kernels run 2.8x its forward and 4x its fwd+bwd at 4096.
         # Not on the Triton engine where the Mosaic GPU engine runs this problem but
@@ -584,17 +589,21 @@ def _padded(n, block):
 
 def _kernel_operands(plan, operands, mosaic_kernels=True):
     """The captured arrays as the kernels read them (``codegen.kernel_operand``); on
-    the Mosaic engine (``mosaic_kernels``: the forward's engine, or the backward's) a
-    16-bit float array read only per score stays as it is (``mosaic.dense_gather``
-    widens each value as it loads it: no float32 copy of a [.., Sq, Skv] array)."""
+    the Mosaic engine (``mosaic_kernels``: the forward's engine, or the backward's) an
+    array read only per score stays 16-bit if it is (a bool mask: 8-bit), as
+    ``mosaic.dense_gather`` widens each value as it loads it: no 4-byte copy of a
+    [.., Sq, Skv] array per call."""
     if plan.mod is None:
         return ()
     out = []
     for x, name, node in zip(operands, plan.mod.operand_names, plan.mod.operand_nodes):
         reads = codegen.reads_of(plan.expr, name)
-        if (mosaic_kernels and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16) and reads
-                and all(mosaic.read_axis(r) == mosaic.DENSE for r in reads)):
+        dense = mosaic_kernels and reads and all(
+            mosaic.read_axis(r) == mosaic.DENSE for r in reads)
+        if dense and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16):
             out.append(jnp.ravel(x))
+        elif dense and node.dtype == ir.BOOL:
+            out.append(jnp.ravel(x).astype(jnp.int8))
         else:
             out.append(codegen.kernel_operand(x, node))
     return tuple(out)

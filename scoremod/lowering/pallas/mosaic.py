@@ -35,9 +35,9 @@ tile, and each compute warpgroup spreads it over its tile in registers (a
 gather from shared memory, written in Mosaic GPU: ``diagonal_gather``). One
 such table per mod (``refusal``).
 
-A float array read at the positions themselves, its last two indices q_idx and
+An array read at the positions themselves, its last two indices q_idx and
 kv_idx (a bias ``bias[b, h, q_idx, kv_idx]``: one value per score, as Flax's
-``bias`` argument or a pair bias), is read per tile from global memory
+``bias`` argument or a pair bias; or a mask, Flax's ``mask``), is read per tile from global memory
 straight into registers, each thread loading its own scores' values
 (``dense_gather``), clamped as the reference reads; nothing is copied ahead.
 
@@ -290,12 +290,12 @@ def read_axis(load):
 
 
 def is_dense(load) -> bool:
-    """Whether read ``load`` is of a float array at ``[lead.., q_idx, kv_idx]``: its
-    last two indices the positions themselves, the others built from b, h and
-    constants (no array reads: the backward places the gradient by them when
-    tracing). Float only: masks stay with the engines that have run bool tiles."""
+    """Whether read ``load`` is at ``[lead.., q_idx, kv_idx]``: its last two indices
+    the positions themselves, the others built from b, h and constants (no array
+    reads: the backward places a float array's gradient by them when tracing). A
+    bias per score, or a mask (Flax's ``mask[b, 0, q_idx, kv_idx]``)."""
     *lead, q, kv = load.args[1:] if len(load.args) >= 3 else (None, None)
-    return (load.dtype == F32 and q is ir.var("q_idx") and kv is ir.var("kv_idx")
+    return (q is ir.var("q_idx") and kv is ir.var("kv_idx")
             and all(ir.variables(a) <= _PROGRAM_VARS
                     and not any(n.op == ir.OPERAND for n in ir.toposort(a)) for a in lead))
 
@@ -408,19 +408,22 @@ def dense_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False, interpret=
                    k_dim: positions(k0, k_dim, dims[-1])}
         at = (lax.broadcast_in_dim(offsets[0], shape, [0])
               + lax.broadcast_in_dim(offsets[1], shape, [1]))
-        out[read] = dense_gather(refs[read.args[0].attr[0]], at, interpret)
+        x = dense_gather(refs[read.args[0].attr[0]], at, interpret, read.dtype == F32)
+        out[read] = x != 0 if read.dtype == ir.BOOL else x
     return out
 
 
-def dense_gather(ref, index, interpret):
-    """``ref[index]`` as float32 for a flat float array ``ref`` in global memory
-    (float32, or 16-bit, widened as loaded) and an int32 ``index`` tile in the WGMMA
-    layout: each thread loads its own elements (a register's two neighbours in one
-    row sit side by side in a row-major array, so a warp's loads fill whole 32-byte
-    sectors). Pallas has no such gather, so on the GPU it is written in Mosaic GPU
-    itself (``inline_mgpu``); interpret mode takes jax.numpy's."""
+def dense_gather(ref, index, interpret, floats=True):
+    """``ref[index]`` as float32 (``floats``) or int32 for a flat array ``ref`` in
+    global memory (float32 or 16-bit floats; int32 or int8: a mask) and an int32
+    ``index`` tile in the WGMMA layout: each thread loads its own elements, widened
+    as loaded (a register's two neighbours in one row sit side by side in a
+    row-major array, so a warp's loads fill whole 32-byte sectors). Pallas has no
+    such gather, so on the GPU it is written in Mosaic GPU itself
+    (``inline_mgpu``); interpret mode takes jax.numpy's."""
+    dtype = jnp.float32 if floats else jnp.int32
     if interpret:
-        return ref[...][index].astype(jnp.float32)
+        return ref[...][index].astype(dtype)
     import jax.experimental.mosaic.gpu as mgpu
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.lib.mlir import ir as mlir
@@ -433,12 +436,12 @@ def dense_gather(ref, index, interpret):
         source = plgpu.RefType()
 
     @plgpu.inline_mgpu(arg_types=(source, plgpu.Layout.WGMMA),
-                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32,
+                       return_type=plgpu.ShapeDtypeStruct(shape, dtype,
                                                           layout=plgpu.Layout.WGMMA))
     def gather(ctx, gmem, at):
         del ctx
-        f32 = mlir.F32Type.get()
-        vec_type = mlir.VectorType.get((mgpu.WGMMA_LAYOUT.vector_length,), f32)
+        wide = mlir.F32Type.get() if floats else mlir.IntegerType.get_signless(32)
+        vec_type = mlir.VectorType.get((mgpu.WGMMA_LAYOUT.vector_length,), wide)
         regs = at.registers.copy()
         for i, reg in enumerate(at.registers.flat):
             out = None
@@ -446,15 +449,16 @@ def dense_gather(ref, index, interpret):
                 pos = vector.extract(reg, dynamic_position=[],
                                      static_position=mlir.DenseI64ArrayAttr.get([e]))
                 x = memref.load(gmem, [arith.index_cast(mlir.IndexType.get(), pos)])
-                if x.type != f32:  # a 16-bit array: widened in the register
-                    x = arith.extf(f32, x)
+                if x.type != wide:  # a 16-bit float or 8-bit int array: widened
+                    x = arith.extf(wide, x) if floats else arith.extsi(wide, x)
                 if out is None:
                     out = vector.broadcast(vec_type, x)
                 else:
                     out = vector.insert(x, out, dynamic_position=[],
                                         static_position=mlir.DenseI64ArrayAttr.get([e]))
             regs.flat[i] = out
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT,
+                                    _is_signed=None if floats else True)
 
     return gather(ref, index)
 
