@@ -722,6 +722,23 @@ def test_a_16_bit_array_read_per_score_reaches_the_mosaic_kernels_as_it_is():
         [jnp.int8, jnp.float32]
 
 
+def test_an_array_past_int32_positions_is_not_read_per_score():
+    """A bias per score of more than 2^31 - 1 entries is refused by the Mosaic engine,
+    saying so (the kernels' positions are int32; traced abstractly, never built)."""
+    bias = jax.ShapeDtypeStruct((4, 16, 8192, 8192), jnp.float32)
+    found = {}
+
+    def trace(bias):
+        mod = scoremod.trace(lambda s, b, h, qi, ki: s + bias[b, h, qi, ki])
+        found["read"] = next(n for n in ir.toposort(mod.expr) if n.op == ir.LOAD)
+        found["why"] = mosaic.refusal(mod.expr, mod.sources)
+        return jnp.zeros(())
+
+    jax.eval_shape(trace, bias)
+    assert not mosaic.is_dense(found["read"]) and mosaic.read_axis(found["read"]) is False
+    assert "int32" in found["why"] and str(4 * 16 * 8192 * 8192) in found["why"]
+
+
 def test_a_read_per_score_and_elsewhere_is_not_learned_on_mosaic():
     """An array read per score and also at one position per program keeps its
     gradient off the Mosaic backward, saying which read and why."""

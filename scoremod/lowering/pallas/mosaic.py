@@ -252,6 +252,9 @@ def refusal(expr, sources, advice=True) -> str | None:
                    f"most {MAX_PICKED} entries picked by comparisons (a small table read "
                    f"through other arrays, such as pair[kind[q_idx], kind[kv_idx]]); this "
                    f"index varies over the tile with {' and '.join(tile)} otherwise (a gather)")
+            if _dense_form(node):
+                why = (f"it reads arrays per score at int32 positions, at most {_MOST_INDEXED} "
+                       f"entries, and this one has {math.prod(node.args[0].attr[1])}")
         if node in flags:
             why = ("a bool array read at q_idx - kv_idx has not run on the GPU, and bool arrays "
                    "read along one tile axis gave wrong results there; capture it as an int "
@@ -294,6 +297,14 @@ def is_dense(load) -> bool:
     the positions themselves, the others built from b, h and constants (no array
     reads: the backward places a float array's gradient by them when tracing). A
     bias per score, or a mask (Flax's ``mask[b, 0, q_idx, kv_idx]``)."""
+    return _dense_form(load) and math.prod(load.args[0].attr[1]) <= _MOST_INDEXED
+
+
+_MOST_INDEXED = 2 ** 31 - 1  # the kernels' positions in an array are int32
+
+
+def _dense_form(load) -> bool:
+    """``is_dense`` but for the array's size."""
     *lead, q, kv = load.args[1:] if len(load.args) >= 3 else (None, None)
     return (q is ir.var("q_idx") and kv is ir.var("kv_idx")
             and all(ir.variables(a) <= _PROGRAM_VARS
