@@ -104,6 +104,10 @@ def planned(mod, shape, d=128, sms=H200_SMS):
     # tried before "cudnn"); ids that are not runs take the dense route at run time.
     if isinstance(segments.recognize(mod.expr, problem(shape, d)), segments.Segments):
         return notes, "cudnn-varlen", None
+    # Arrays read per score (Flax's bias or mask, a distance matrix): no claim from
+    # cuDNN until measured (Pallas.claims).
+    if mosaic.dense_reads(mod.expr):
+        return notes, "cudnn", plan_of(mod, shape, d, sms)
     # A mask of captured arrays (packed documents) cuDNN yields to the Pallas kernels'
     # Mosaic GPU engine (the H200's jax deprecates their Triton engine: Pallas.claims).
     if (patterns.mask_from_data(mod.expr) is not None
