@@ -783,28 +783,21 @@ def _place(values, members):
     return gathered.reshape(rows.shape).sum(-1)[:, :, None, :]
 
 
-def _along_axes(plan) -> tuple:
-    """The learned operands with a read along the keys or the queries, at whole
-    blocks, or per score (``mosaic_backward.along_keys``, ``along_queries``,
-    ``along_blocks``, ``along_dense``): placed per position, not summed in a
-    program's row."""
+def _operands_read(plan, *kinds) -> tuple:
+    """The float operands with a read of one of ``kinds`` (``mosaic_backward``'s
+    predicates: ``along_keys``, ...), in order."""
     if plan.mod is None:
         return ()
     return tuple(dict.fromkeys(
         n.args[0].attr[0] for n in mosaic_backward.learned_loads(
-            plan.expr, plan.mod.operand_names)
-        if mosaic_backward.along_keys(n) or mosaic_backward.along_queries(n)
-        or mosaic_backward.along_blocks(n) or mosaic_backward.along_dense(n)))
+            plan.expr, plan.mod.operand_names) if any(kind(n) for kind in kinds)))
 
 
-def _dense_operands(plan) -> tuple:
-    """The learned operands read per score (``mosaic_backward.along_dense``: only so,
-    ``learning_refusal``): their gradients come whole from the dQ kernel's tiles."""
-    if plan.mod is None:
-        return ()
-    return tuple(dict.fromkeys(
-        n.args[0].attr[0] for n in mosaic_backward.dense_loads(plan.expr,
-                                                               plan.mod.operand_names)))
+def _along_axes(plan) -> tuple:
+    """The learned operands with a read along the keys or the queries, at whole
+    blocks, or per score: placed per position, not summed in a program's row."""
+    return _operands_read(plan, mosaic_backward.along_keys, mosaic_backward.along_queries,
+                          mosaic_backward.along_blocks, mosaic_backward.along_dense)
 
 
 def _dense_gradients(plan, spec, sums, q_map) -> dict:
@@ -819,11 +812,7 @@ def _dense_gradients(plan, spec, sums, q_map) -> dict:
     p = plan.problem
     b, hq, _, sq, skv = sums.shape
     tile_q, blk = mosaic_backward.DQ_BLOCKS
-    bm, hm, nq = q_map.q_counts.shape
-    listed = jnp.arange(q_map.q_blocks.shape[-1]) < q_map.q_counts[..., None]
-    idx = (jnp.arange(bm)[:, None, None, None], jnp.arange(hm)[None, :, None, None],
-           jnp.arange(nq)[None, None, :, None], q_map.q_blocks)
-    visited = jnp.zeros((bm, hm, nq, skv // blk), bool).at[idx].max(listed)
+    visited = _listed(q_map.q_counts, q_map.q_blocks, skv // blk)
     visited = jnp.repeat(jnp.repeat(visited, tile_q, 2), blk, 3)[:, :, None, :sq, :skv]
     sums = jnp.where(visited, sums, 0.0)[..., :p.sq, :p.skv]
     out = {}
@@ -842,16 +831,15 @@ def _dense_gradients(plan, spec, sums, q_map) -> dict:
     return out
 
 
-def _visited_steps(kv_map, nq):
-    """bool [Bm, Hm, nq, key tiles]: whether the dK/dV kernel's program of each key
-    tile runs the step of each query block (its map's lists; a max over a scatter of
-    flags: the same on every run)."""
-    bm, hm, nk = kv_map.kv_counts.shape
-    valid = jnp.arange(kv_map.kv_blocks.shape[-1])[None, None, None, :] < \
-        kv_map.kv_counts[..., None]
+def _listed(counts, blocks, n):
+    """bool [Bm, Hm, rows, n]: whether each program (row) of a kernel's map lists each
+    of the ``n`` blocks it may visit (``counts`` [Bm, Hm, rows], ``blocks`` [Bm, Hm,
+    rows, L]: a map's lists; a max over a scatter of flags: the same on every run)."""
+    bm, hm, rows = counts.shape
+    valid = jnp.arange(blocks.shape[-1]) < counts[..., None]
     idx = (jnp.arange(bm)[:, None, None, None], jnp.arange(hm)[None, :, None, None],
-           kv_map.kv_blocks, jnp.arange(nk)[None, None, :, None])
-    return jnp.zeros((bm, hm, nq, nk), bool).at[idx].max(valid)
+           jnp.arange(rows)[None, None, :, None], blocks)
+    return jnp.zeros((bm, hm, rows, n), bool).at[idx].max(valid)
 
 
 def _block_parts(plan, spec, steps, kv_map, windows) -> dict:
@@ -866,7 +854,8 @@ def _block_parts(plan, spec, steps, kv_map, windows) -> dict:
     blk = mosaic_backward.BLOCK
     b, hq, _, _, _, skv = steps.shape
     nq = kv_map.block_counts[0]  # the map's query blocks (the arrays may be padded further)
-    visited = _visited_steps(kv_map, nq)  # [Bm, Hm, nq, key tiles]
+    # [Bm, Hm, nq, key tiles]: whether each key tile's program runs each query block
+    visited = jnp.swapaxes(_listed(kv_map.kv_counts, kv_map.kv_blocks, nq), -1, -2)
     visited = jnp.repeat(visited, skv // visited.shape[-1], axis=-1)[:, :, None, :, None]
     steps = jnp.where(visited, steps[:, :, :, :nq], 0.0)
     loads = mosaic_backward.block_loads(spec.expr, spec.learned)
@@ -1039,7 +1028,9 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
         # P = exp2(s * log2(e) - LSE * log2(e)); +inf on rows that see no key makes P 0.
         lse2 = jnp.where(lse_p == -jnp.inf, jnp.inf, lse_p * jnp.float32(mosaic_backward.LOG2E))
         diagonal = tuple(w for w in windows if w[0] in plan.diagonal_operands)
-        per_score = tuple(w for w in windows if w[0] in _dense_operands(plan))
+        # Read per score (only so: ``learning_refusal``): whole from the dQ kernel's tiles.
+        per_score = tuple(w for w in windows
+                          if w[0] in _operands_read(plan, mosaic_backward.along_dense))
         per_key = tuple(w for w in windows if w not in diagonal and w not in per_score)
         mspec = plan.mosaic_backward_spec(learned=(w[0] for w in per_key + per_score))
         # Each kernel's own map: a program's rows by a streamed tile. dQ in the dK/dV

@@ -37,9 +37,10 @@ such table per mod (``refusal``).
 
 An array read at the positions themselves, its last two indices q_idx and
 kv_idx (a bias ``bias[b, h, q_idx, kv_idx]``: one value per score, as Flax's
-``bias`` argument or a pair bias; or a mask, Flax's ``mask``), is read per tile from global memory
-straight into registers, each thread loading its own scores' values
-(``dense_gather``), clamped as the reference reads; nothing is copied ahead.
+``bias`` argument or a pair bias; or a mask, Flax's ``mask``), is read per
+tile from global memory straight into registers, each thread loading its own
+scores' values (``dense_gather``), clamped as the reference reads; nothing is
+copied ahead.
 
 A small table read through other arrays at both tile axes (``pair[kind[q_idx],
 kind[kv_idx]]``) is picked by comparisons along a short axis, each entry one of
@@ -391,6 +392,16 @@ def block_reads(*exprs) -> tuple:
 def dense_reads(*exprs) -> tuple:
     """The reads of ``exprs`` at [.., q_idx, kv_idx] (``read_axis`` ``DENSE``)."""
     return _tile_reads_of(exprs, lambda n: n.op == LOAD and read_axis(n) == DENSE)
+
+
+def position_values(exprs, refs, bi, hi, q0, k0, shape, keys_down=False,
+                    interpret=False) -> dict:
+    """``{read: its values on the tile}`` for the reads of ``exprs`` the kernels make
+    from the tile's positions themselves: at whole blocks (``block_values``) and per
+    score (``dense_values``); the arguments as theirs."""
+    return {**block_values(block_reads(*exprs), refs, bi, hi, q0, k0, shape, keys_down),
+            **dense_values(dense_reads(*exprs), refs, bi, hi, q0, k0, shape, keys_down,
+                           interpret)}
 
 
 def dense_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False, interpret=False) -> dict:
@@ -1153,11 +1164,9 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                             known.update(tile_reads(
                                 mine, {"q_idx": own, "kv_idx": keys}, {"q_idx": 0, "kv_idx": 1},
                                 (BLOCK_Q, BLOCK_KV)))
-                        known.update(block_values(block_reads(expr), refs, bi, hi, row0, kv0,
-                                                  (BLOCK_Q, BLOCK_KV)))
-                        known.update(dense_values(dense_reads(expr), refs, bi, hi, row0, kv0,
-                                                  (BLOCK_Q, BLOCK_KV),
-                                                  interpret=spec.interpret))
+                        known.update(position_values([expr], refs, bi, hi, row0, kv0,
+                                                     (BLOCK_Q, BLOCK_KV),
+                                                     interpret=spec.interpret))
                         if parts_of[expr]:  # one-axis terms: the key tile's on its columns
                             by_axis = {"q_idx": row_parts, "kv_idx": {}}
                             if any(a == "kv_idx" for _, a in parts_of[expr]):

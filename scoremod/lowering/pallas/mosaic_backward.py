@@ -309,11 +309,8 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, origin, keys_down=Fals
         roots = [expr] + ([local] if local is not None else [])
         extra = list(load_terms[expr])
         known = reads(roots + extra)
-        known.update(mosaic.block_values(mosaic.block_reads(*roots, *extra), refs,
-                                         inputs["b"], inputs["h"], *origin, shape, keys_down))
-        known.update(mosaic.dense_values(mosaic.dense_reads(*roots, *extra), refs, inputs["b"],
-                                         inputs["h"], *origin, shape, keys_down,
-                                         spec.interpret))
+        known.update(mosaic.position_values(roots + extra, refs, inputs["b"], inputs["h"],
+                                            *origin, shape, keys_down, spec.interpret))
         out = codegen.evaluate_tile(roots + extra, dict(inputs, score=score), refs,
                                     gather=mosaic.scalar_load, rules=mosaic.TILE_RULES,
                                     known=known)
