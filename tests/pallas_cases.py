@@ -253,6 +253,17 @@ def vector_mod(name, b, hq, sq, skv):
         bias = jnp.asarray(np.random.default_rng(34).normal(size=(1, hq, sq, skv)) * 3.0,
                            jnp.float32)
         return (lambda s, b, h, q, k, t: 5.0 * jnp.tanh((s + t[0, h, q, k]) / 5.0)), (bias,)
+    if name == "transposed_bias":  # a bias stored keys first: bias[h, kv_idx, q_idx], causal
+        bias = jnp.asarray(np.random.default_rng(37).normal(size=(hq, skv, sq)), jnp.float32)
+        return (lambda s, b, h, q, k, t: jnp.where(q >= k, s + t[h, k, q], -jnp.inf)), (bias,)
+    if name == "pair_features":  # pair features [B, Sq, Skv, 3], a head's feature per score
+        feats = jnp.asarray(np.random.default_rng(38).normal(size=(b, sq, skv, 3)), jnp.float32)
+        return (lambda s, b, h, q, k, t: s + 0.5 * t[b, q, k, h % 3]), (feats,)
+    if name == "edge_types":  # an edge type per pair [B, Sq, Skv, 2] picks a learned weight
+        rng = np.random.default_rng(39)
+        types = jnp.asarray(rng.integers(0, 5, size=(b, sq, skv, 2)), jnp.int32)
+        weight = jnp.asarray(rng.normal(size=(hq, 5)), jnp.float32)
+        return (lambda s, b, h, q, k, c, w: s + w[h, c[b, q, k, 1]]), (types, weight)
     if name == "block_bias":  # a float bias per block of 48 queries by 32 keys (by >> 5)
         table = jnp.asarray(np.random.default_rng(22).normal(size=(hq, -(-n // 48), -(-n // 32))),
                             jnp.float32)

@@ -656,12 +656,17 @@ def test_backward_learns_block_reads_interpreted(case, shape, interprets):
     ("capped_bias", dict(sq=100, skv=70, hq=2, hkv=2, d=64)),
     ("half_bias", dict(sq=130, skv=100, hq=2, hkv=1, d=64)),
     ("masked_bias", dict(sq=300, skv=260, hq=2, hkv=1, d=64)),
+    ("transposed_bias", dict(sq=200, skv=260, hq=2, hkv=1, d=64)),
+    ("pair_features", dict(sq=150, skv=130, hq=4, hkv=2, d=64)),
+    ("edge_types", dict(sq=130, skv=200, hq=2, hkv=1, d=64)),
 ])
 def test_backward_learns_dense_reads_interpreted(case, shape, interprets):
     """A float array read per score (``bias[b, h, q_idx, kv_idx]``; one per head
     shared by the batch, causal; one longer than the sequences, per head pair;
     under a softcap, its derivative varying; bfloat16, read as it is; beside a bool
-    mask per score, Flax's, read as int8), forward and backward in interpret mode,
+    mask per score, Flax's, read as int8; stored keys first, causal; pair features
+    [B, Sq, Skv, 3] read at a head's feature; an int edge type per score picking a
+    learned weight per head), forward and backward in interpret mode,
     learned: each thread's values gathered from global memory on every kernel's
     tiles (keys down in dK/dV), the dQ kernel's tiles of cotangents placed by batch
     and head, against the reference path; no Triton kernel; twice the same bits."""
@@ -1203,7 +1208,8 @@ def _interpreted_against_reference(case, b, shape, dtype, reads):
 
 @pytest.mark.parametrize("case", ["document_bidirectional", "shifted_bias", "block_map",
                                   "alibi_unmasked", "log_scaled", "key_terms", "pair_bias",
-                                  "wider_bias", "half_bias", "masked_bias"])
+                                  "wider_bias", "half_bias", "masked_bias", "transposed_bias",
+                                  "pair_features"])
 def test_vector_reads_lower(case, hopper_here):
     """Vector reads lower for CUDA: gradients of q, k, v to the three Mosaic GPU
     kernels; with a float vector along the keys learned, its gradient from the
@@ -2008,3 +2014,35 @@ def test_the_deprecated_triton_engine_is_not_chosen_on_hopper(hopper_here):
     assert "JAX deprecates Pallas's Triton engine" in choice.verdicts["pallas"]
     by_name = scoremod.which_implementation(q, q, q, fn, implementation="pallas")
     assert by_name[0] == "pallas" and "Triton engine" in by_name.variant
+
+
+def test_graphormer_edge_encoding_learns_interpreted(interprets):
+    """The catalogue's Graphormer edge encoding (path types read per score as
+    ``path_types[b, q, k, n]``, an int array whose hop axis is last, picking a
+    learned per-head weight per hop and edge type): forward and backward on the
+    Mosaic kernels in interpret mode with the weights learned, against the
+    reference path; no Triton kernel."""
+    from tests.catalogue.mods import CATALOGUE
+
+    entry = CATALOGUE["graphormer_edge"]
+    shape = entry.cpu
+    mod = scoremod.trace(entry.build(entry.env(shape)))
+    q, k, v, do = pc.inputs(b=shape.b, sq=shape.sq, skv=shape.skv, hq=shape.h, hkv=shape.h,
+                            d=64, dtype=jnp.bfloat16)
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.3)
+    assert plan.engine == "mosaic" and plan.backward_engine == "mosaic", plan.describe()
+    assert plan.triton_operands == () and mosaic.dense_reads(plan.expr), plan.describe()
+    operands = tuple(jnp.asarray(x) for x in mod.operands)
+    learned = next(n for n, x in zip(mod.operand_names, operands) if x.dtype == jnp.float32)
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
+    o, lse = want[0], want[1]
+    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
+    dq, dk, dv, grads = pallas_backend._backward(plan, q, k, v, o.astype(q.dtype), lse, do,
+                                                 dlse, operands, (learned,))
+    got_o, got_lse = pallas_backend._forward(plan, q, k, v, operands)
+    op_grads = tuple(grads.get(name) for name in mod.operand_names)
+    errs = pc.relative_errors((got_o, got_lse, dq, dk, dv, op_grads), want)
+    assert f"d_operand{mod.operand_names.index(learned)}" in errs, errs
+    assert all(e < 3e-2 for e in errs.values()), errs

@@ -642,13 +642,18 @@ def test_mosaic_learns_short_table_gathers(case, shape, dtype, hopper):
     ("capped_bias", dict(sq=640, skv=1000, hq=4, hkv=4, d=64), jnp.float16),
     ("half_bias", dict(sq=512, skv=777, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("masked_bias", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("transposed_bias", dict(sq=700, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("pair_features", dict(sq=512, skv=640, hq=4, hkv=4, d=64), jnp.float16),
+    ("edge_types", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
 ])
 def test_mosaic_learns_dense_reads(case, shape, dtype, hopper):
     """A learned float array read per score (``bias[b, h, q_idx, kv_idx]``: Flax's
     ``bias``; one per head shared by the batch under a causal mask, whose skipped
     tiles the kernel leaves unwritten; one longer than the sequences; a
     softcap over score and bias; a bfloat16 one, widened as loaded; one beside
-    Flax's bool mask per score, read as int8, its empty tiles skipped), each thread
+    Flax's bool mask per score, read as int8, its empty tiles skipped; one stored
+    keys first, causal; pair features [B, Sq, Skv, 3]; an edge type per score picking
+    a learned weight per head), each thread
     loading its scores' values from
     global memory: O, LSE, dQ, dK, dV and the array's gradient (the dQ kernel's
     tiles, placed by batch and head) against the reference path, no Triton kernel

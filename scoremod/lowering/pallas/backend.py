@@ -818,15 +818,17 @@ def _dense_gradients(plan, spec, sums, q_map) -> dict:
     out = {}
     for r, read in enumerate(mosaic_backward.dense_loads(spec.expr, spec.learned)):
         name, shape, _ = read.args[0].attr
-        x = _pad(_pad(sums[:, :, r], 2, shape[-2]), 3, shape[-1])
-        lead = shape[:-2]
-        at = _static_positions(read, range(len(lead)), [0], p.b, p.hq)  # [Bx, Hx, 1]
+        q_at, k_at = mosaic.dense_axes(read)
+        x = _pad(_pad(sums[:, :, r], 2, shape[q_at]), 3, shape[k_at])
+        lead = [i for i in range(len(shape)) if i not in (q_at, k_at)]
+        at = _static_positions(read, lead, [0], p.b, p.hq)  # [Bx, Hx, 1]
         at = np.broadcast_to(at[..., 0], (p.b, p.hq)).reshape(1, 1, -1)
-        size = math.prod(lead)
+        size = math.prod(shape[i] for i in lead)
         members = _members(at, size, p.b * p.hq, f"`{format_expr(read)}`", "batches and heads")
         slabs = jnp.concatenate([x.reshape(p.b * p.hq, *x.shape[2:]),
                                  jnp.zeros((1,) + x.shape[2:], x.dtype)])
-        total = slabs[members[0, 0]].sum(1).reshape(shape)
+        total = slabs[members[0, 0]].sum(1).reshape(*(shape[i] for i in lead), *x.shape[2:])
+        total = jnp.moveaxis(total, (-2, -1), (q_at, k_at))  # the q and kv axes where read
         out[name] = total if name not in out else out[name] + total
     return out
 

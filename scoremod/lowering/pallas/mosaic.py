@@ -294,22 +294,43 @@ def read_axis(load):
 
 
 def is_dense(load) -> bool:
-    """Whether read ``load`` is at ``[lead.., q_idx, kv_idx]``: its last two indices
-    the positions themselves, the others built from b, h and constants (no array
-    reads: the backward places a float array's gradient by them when tracing). A
-    bias per score, or a mask (Flax's ``mask[b, 0, q_idx, kv_idx]``)."""
+    """Whether read ``load`` is a value per score: q_idx and kv_idx themselves are
+    two of its indices (``dense_axes``), in either order, and the others are built
+    from b, h and constants (no array reads: the backward places a float array's
+    gradient by them when tracing). A bias per score (``bias[b, h, q_idx, kv_idx]``),
+    a mask (Flax's ``mask[b, 0, q_idx, kv_idx]``), pair features
+    (``edges[b, q_idx, kv_idx, 0]``), a transposed bias (``bias[h, kv_idx, q_idx]``)."""
     return _dense_form(load) and math.prod(load.args[0].attr[1]) <= _MOST_INDEXED
 
 
 _MOST_INDEXED = 2 ** 31 - 1  # the kernels' positions in an array are int32
 
 
+def dense_axes(load) -> tuple[int, int] | None:
+    """``(q axis, kv axis)``: the axes of a read per score (``is_dense``) indexed
+    by q_idx and by kv_idx, else None."""
+    args = load.args[1:]
+    at = [[i for i, a in enumerate(args) if a is ir.var(v)] for v in _TILE_AXES]
+    if any(len(axes) != 1 for axes in at):
+        return None
+    if not all(ir.variables(a) <= _PROGRAM_VARS
+               and not any(n.op == ir.OPERAND for n in ir.toposort(a))
+               for i, a in enumerate(args) if i not in (at[0][0], at[1][0])):
+        return None
+    return at[0][0], at[1][0]
+
+
 def _dense_form(load) -> bool:
     """``is_dense`` but for the array's size."""
-    *lead, q, kv = load.args[1:] if len(load.args) >= 3 else (None, None)
-    return (q is ir.var("q_idx") and kv is ir.var("kv_idx")
-            and all(ir.variables(a) <= _PROGRAM_VARS
-                    and not any(n.op == ir.OPERAND for n in ir.toposort(a)) for a in lead))
+    return dense_axes(load) is not None
+
+
+def strides(shape) -> tuple:
+    """The row-major strides of an array of ``shape``, in entries."""
+    out = [1]
+    for n in reversed(shape[1:]):
+        out.insert(0, out[0] * n)
+    return tuple(out)
 
 
 def blocks_along(size, rows=_TILE_ROWS, align=_TILE_ALIGN) -> int:
@@ -422,12 +443,14 @@ def dense_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False, interpret=
         return jnp.clip(at, 0, n - 1)
 
     for read in reads:
-        *lead, _, _ = read.args[1:]
-        dims = read.args[0].attr[1]
-        index = codegen.evaluate_tile(lead, {"b": bi, "h": hi}, {}, rules=TILE_RULES)
-        first = codegen.flat_index(read, [*index, 0, 0])  # the (b, h) matrix's first entry
-        offsets = {q_dim: first + positions(q0, q_dim, dims[-2]) * dims[-1],
-                   k_dim: positions(k0, k_dim, dims[-1])}
+        q_at, k_at = dense_axes(read)
+        dims, step = read.args[0].attr[1], strides(read.args[0].attr[1])
+        lead = [a for i, a in enumerate(read.args[1:]) if i not in (q_at, k_at)]
+        values = iter(codegen.evaluate_tile(lead, {"b": bi, "h": hi}, {}, rules=TILE_RULES))
+        index = [0 if i in (q_at, k_at) else next(values) for i in range(len(dims))]
+        first = codegen.flat_index(read, index)  # the (b, h) matrix's first entry
+        offsets = {q_dim: first + positions(q0, q_dim, dims[q_at]) * step[q_at],
+                   k_dim: positions(k0, k_dim, dims[k_at]) * step[k_at]}
         at = (lax.broadcast_in_dim(offsets[0], shape, [0])
               + lax.broadcast_in_dim(offsets[1], shape, [1]))
         x = dense_gather(refs[read.args[0].attr[0]], at, interpret, read.dtype == F32)
