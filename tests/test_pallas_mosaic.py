@@ -20,6 +20,7 @@ tests/gpu/test_pallas_gpu.py does, against the reference path.
 import dataclasses
 import functools
 import importlib
+import math
 import os
 import re
 import subprocess
@@ -123,9 +124,10 @@ def test_refusals(monkeypatch):
     assert "no float remainder" in why(_problem(), fmod)
     imod = scoremod.trace(lambda s, b, h, qi, ki: jnp.where((ki - qi) % 3 == 0, s, -jnp.inf))
     assert why(_problem(), imod) is None
-    # What the Triton backward cannot run is refused for either engine.
+    # What the Triton lowering cannot run (erf) is refused for the Triton engine only:
+    # the Mosaic GPU engine runs it, forward and backward.
     erf = scoremod.trace(lambda s, b, h, qi, ki: s + jax.scipy.special.erf(s))
-    assert "Triton" in why(_problem(), erf)
+    assert "Triton" in why(_problem(), erf, options=TRITON) and why(_problem(), erf) is None
 
 
 def test_refused_on_old_jax(monkeypatch):
@@ -179,9 +181,11 @@ def test_respelled_float_ops():
     halves, the int32 edge, 2**23 and past it, inf, NaN); log1p and expm1 stay
     within 3e-7 of float64's (their series near 0: log1p(1e-30) is 1e-30), tan
     within 2e-7 away from its poles, atan within 2.5e-7 (its reductions' edges,
-    signed zeros, infinities)."""
+    signed zeros, infinities), erf and erfc within 5e-7 (the series' edge at 0.75,
+    erfc's tail down to 1e-37, past which float32 holds no normal value)."""
     rng = np.random.default_rng(3)
     edges = [0.0, -0.0, 0.5, -0.5, 1.5, -1.5, 1e-30, -1e-30, 8388607.5, -8388607.5,
+             0.75, -0.75, 0.74999994, 9.3, -9.3, 26.0,
              0.41421354, 0.41421357, 2.4142134, 2.4142137, 1.0, -1.0,
              8388608.0, -8388609.0, 2.0 ** 31, -(2.0 ** 31) - 256, 3e38, np.inf, -np.inf, np.nan]
     x = np.concatenate([np.asarray(edges, np.float32),
@@ -197,12 +201,15 @@ def test_respelled_float_ops():
     with np.errstate(all="ignore"):
         for rule, want, tol in ((mosaic._log1p, np.log1p, 3e-7), (mosaic._expm1, np.expm1, 3e-7),
                                 (mosaic.TILE_RULES["tan"], np.tan, 2e-7),
-                                (mosaic._atan, np.arctan, 2.5e-7)):
+                                (mosaic._atan, np.arctan, 2.5e-7),
+                                (mosaic._erf, np.vectorize(math.erf), 5e-7),
+                                (mosaic._erfc, np.vectorize(math.erfc), 5e-7)):
             got = np.asarray(rule(jnp.asarray(x)), np.float64)
             exact = want(x.astype(np.float64))
             np.testing.assert_array_equal(np.isnan(got), np.isnan(exact.astype(np.float32)))
             finite = np.isfinite(exact) & (np.abs(exact) < 1e6)  # tan: not at its poles
-            np.testing.assert_allclose(got[finite], exact[finite], rtol=tol, atol=0)
+            # erfc's tail below float32's normals (1.2e-38) is what float32 holds
+            np.testing.assert_allclose(got[finite], exact[finite], rtol=tol, atol=1e-37)
 
 
 def test_int_remainders_negative():
@@ -753,6 +760,40 @@ def test_a_read_per_score_and_elsewhere_is_not_learned_on_mosaic():
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True)
     (name, why), = plan.triton_operands
     assert name == mod.operand_names[0] and "both ways" in why and "q_idx, kv_idx" in why
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_erf_runs_on_mosaic_kernels_interpreted(dtype, interprets):
+    """GELU with erf (exact) and a softcap through erfc, on the Mosaic kernels in
+    interpret mode: forward and backward against the reference path (erf and erfc
+    respelled: Pallas's lowerings have neither); a gradient that would need the
+    Triton backward (an array read per score and at one position) is refused,
+    naming erf and the user's line."""
+    q, k, v, do = pc.inputs(b=1, sq=200, skv=160, hq=2, hkv=1, d=64, dtype=dtype)
+    for fn in (lambda s, b, h, qi, ki: s * 0.5 * jax.scipy.special.erfc(-s * 0.70710677),
+               lambda s, b, h, qi, ki: jnp.where(qi >= ki, 4.0 * jax.lax.erf(s / 4.0),
+                                                 -jnp.inf)):
+        mod = scoremod.trace(fn)
+        plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.5)
+        assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
+        assert "`erf" in plan.triton_refusal
+        ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), (), False)
+        o, lse = pallas_backend._forward(plan, q, k, v, ())
+        dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
+        dq, dk, dv, _ = pallas_backend._backward(plan, q, k, v, o, lse, do, dlse, (), ())
+        errs = pc.relative_errors((o, lse, dq, dk, dv, ()), want)
+        assert all(e < 3e-2 for e in errs.values()), errs
+    bias = jnp.zeros((2, 200, 160), jnp.float32)
+    mod = scoremod.trace(lambda s, b, h, qi, ki: jax.lax.erf(s) * bias[h, 0, 0] + bias[h, qi, ki])
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.5)
+    name = mod.operand_names[0]
+    assert plan.backward_engine == "mosaic" and plan.triton_operands[0][0] == name
+    o, lse = pallas_backend._forward(plan, q, k, v, (bias,))
+    with pytest.raises(ScoreModError, match=r"(?s)`erf`.*test_pallas_mosaic.py.*xla"):
+        pallas_backend._backward(plan, q, k, v, o, lse, do, jnp.zeros(lse.shape), (bias,),
+                                 (name,))
 
 
 def test_a_learned_dense_bias_lowers_to_mosaic_kernels_only(hopper_here):

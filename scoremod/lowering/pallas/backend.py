@@ -134,6 +134,9 @@ class PallasPlan:
     # cannot compute (a read that varies over the tile); a call asking for one
     # runs the Triton backward.
     triton_operands: tuple = ()
+    # Why the Triton backward cannot run this mod (an op its lowering lacks, such
+    # as erf), or None: a Mosaic GPU call that would need it refuses its backward.
+    triton_refusal: str | None = None
     # Float operands read at q_idx - kv_idx only, whose gradients the Mosaic backward's
     # per-block-diagonal kernel sums (mosaic_backward.diagonal_sums).
     diagonal_operands: tuple = ()
@@ -220,7 +223,9 @@ class Pallas(Backend):
         options = lowering_options.current() if options is None else options
         engine, _ = self.engine(problem, mod, options)
         if mod is not None:
-            why = codegen.refusal(mod.expr, mod.sources)
+            # The ops the Triton lowering lacks: the Mosaic GPU engine runs them, and
+            # refuses a backward that would need the Triton kernels (_backward).
+            why = codegen.refusal(mod.expr, mod.sources, ops=engine != "mosaic")
             if why:
                 return why
         if engine == "mosaic":  # "auto" chose it because it has no refusal
@@ -429,6 +434,8 @@ class Pallas(Backend):
             interpret=interpret, block_map=block_map, full_expr=full_expr, engine=engine,
             backward_engine=backward_engine, backward_note=backward_note,
             triton_operands=triton_operands, diagonal_operands=diagonal_operands,
+            triton_refusal=(codegen.refusal(mod.expr, mod.sources)
+                            if mod is not None and engine == "mosaic" else None),
             auto_engine=options.pallas_engine == "auto",
             engine_note=engine_note,
             key_parts=key_parts(problem, mod, options) if engine == "mosaic" else 1,
@@ -985,11 +992,16 @@ def _members(at, size, none, what="a table read at q_idx - kv_idx", by="diagonal
 
 
 def _refuse_without_triton(plan, learned_on_triton, on_triton):
-    """The error for a backward that needs the Triton kernels where this jax cannot
-    compile them (support.pallas_triton_missing): the Mosaic GPU backward refused
-    the mod, or the gradient of a captured array asked for (``learned_on_triton``:
-    their names)."""
+    """The error for a backward that needs the Triton kernels where they cannot run
+    it: this jax cannot compile them (support.pallas_triton_missing), or the mod
+    has an op their lowering lacks (``plan.triton_refusal``); needed where the
+    Mosaic GPU backward refused the mod, or the gradient of a captured array asked
+    for (``learned_on_triton``: their names)."""
     gone = None if plan.interpret else support.pallas_triton_missing()
+    if gone:
+        gone = f"cannot compile: {gone}"
+    elif plan.triton_refusal:
+        gone = f"cannot run this mod: {plan.triton_refusal}"
     if gone is None or (plan.backward_engine == "mosaic" and not learned_on_triton):
         return
     first = learned_on_triton[0] if learned_on_triton else None
@@ -997,7 +1009,7 @@ def _refuse_without_triton(plan, learned_on_triton, on_triton):
            else f"this mod ({plan.backward_note or 'the Triton engine runs it'})")
     raise ScoreModError(
         f"the Pallas kernels cannot compute this backward here: the Mosaic GPU backward "
-        f"does not take {why}, and the Triton backward cannot compile: {gone}. "
+        f"does not take {why}, and the Triton backward {gone}. "
         "implementation=\"xla\" computes it (O(S^2) memory); jax.lax.stop_gradient on a "
         "captured array keeps it fixed.")
 

@@ -152,11 +152,13 @@ def _or_over_one_axis_read(node) -> bool:
         and any(_one_axis_read(n) for n in ir.toposort(a)) for a in node.args)
 
 
-def refusal(expr, sources) -> str | None:
+def refusal(expr, sources, ops=True) -> str | None:
     """Why the Pallas kernels cannot evaluate ``expr`` or its derivatives (a
-    sentence naming the op and where it was written), or None."""
+    sentence naming the op and where it was written), or None; without ``ops``,
+    the ops the Triton lowering lacks are not counted (the Mosaic GPU kernels
+    run them: ``mosaic.refusal`` decides)."""
     for node in ir.toposort(*all_expressions(expr)):
-        why = NOT_LOWERABLE.get(node.op)
+        why = NOT_LOWERABLE.get(node.op) if ops else None
         if _one_axis_bool_read(node):
             why = ONE_AXIS_BOOL_READ
         elif _or_over_one_axis_read(node):
