@@ -114,14 +114,15 @@ def test_refusals(monkeypatch):
         assert "an `or` of a condition on one of q_idx or kv_idx alone" in why(
             _problem(), int_window, options)
         assert why(_problem(), documents, options) is None
-    # An op Mosaic GPU cannot lower, and float remainders (int ones run).
-    power = scoremod.trace(lambda s, b, h, qi, ki: jnp.power(jnp.abs(s) + 0.0625, s))  # its line
-    assert "`pow`" in why(_problem(), power) and "test_pallas_mosaic.py" in why(_problem(), power)
-    # ... and ops it runs by respelling them: softplus's log1p, floor, expm1, tan, atan.
-    for fn in (jax.nn.softplus, jnp.floor, jnp.expm1, jnp.tan, jnp.arctan):
-        assert why(_problem(), scoremod.trace(lambda s, b, h, qi, ki, fn=fn: fn(s))) is None
+    # Float remainders, which Mosaic GPU cannot lower (int ones run), named with the line...
     fmod = scoremod.trace(lambda s, b, h, qi, ki: s % 0.75)
     assert "no float remainder" in why(_problem(), fmod)
+    assert "`rem`" in why(_problem(), fmod) and "test_pallas_mosaic.py" in why(_problem(), fmod)
+    # ... and ops it runs by respelling them: softplus's log1p, floor, expm1, tan, atan,
+    # erf, erfc, pow.
+    for fn in (jax.nn.softplus, jnp.floor, jnp.expm1, jnp.tan, jnp.arctan, jax.lax.erf,
+               jax.lax.erfc, lambda x: jnp.power(jnp.abs(x) + 0.0625, x)):
+        assert why(_problem(), scoremod.trace(lambda s, b, h, qi, ki, fn=fn: fn(s))) is None
     imod = scoremod.trace(lambda s, b, h, qi, ki: jnp.where((ki - qi) % 3 == 0, s, -jnp.inf))
     assert why(_problem(), imod) is None
     # What the Triton lowering cannot run (erf) is refused for the Triton engine only:
@@ -210,6 +211,30 @@ def test_respelled_float_ops():
             finite = np.isfinite(exact) & (np.abs(exact) < 1e6)  # tan: not at its poles
             # erfc's tail below float32's normals (1.2e-38) is what float32 holds
             np.testing.assert_allclose(got[finite], exact[finite], rtol=tol, atol=1e-37)
+
+
+def test_respelled_pow():
+    """pow as exp2(b * log2|a|) gives lax.pow's special values on a grid of signed
+    zeros, ones, halves, whole and odd numbers, infinities, NaN and numbers past
+    2**24 (every pair: signs, NaN, 1 for b == 0 and a == 1, NaN for a negative base
+    and a fraction), and within 1.2e-5 of float64's elsewhere (a in [0, 50], b in
+    [-20, 20])."""
+    edges = np.float32([0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.0, -3.0, 1.5, -1.5,
+                        np.inf, -np.inf, np.nan, 1e-30, 1e30, 7.25, -7.25, 2.0 ** 25,
+                        -(2.0 ** 25), 0.1])
+    a, b = (jnp.asarray(x) for x in np.meshgrid(edges, edges, indexing="ij"))
+    got, want = np.asarray(mosaic._pow(a, b)), np.asarray(jax.lax.pow(a, b))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.signbit(got)[~np.isnan(want)],
+                                  np.signbit(want)[~np.isnan(want)])
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
+    rng = np.random.default_rng(5)
+    a = rng.uniform(0, 50, 20000).astype(np.float32)
+    b = rng.uniform(-20, 20, 20000).astype(np.float32)
+    got = np.asarray(mosaic._pow(jnp.asarray(a), jnp.asarray(b)), np.float64)
+    exact = np.power(a.astype(np.float64), b.astype(np.float64))
+    normal = (exact > 1.2e-38) & (exact < 3.4e38)  # float32's normal range
+    np.testing.assert_allclose(got[normal], exact[normal], rtol=1.2e-5, atol=0)
 
 
 def test_int_remainders_negative():
