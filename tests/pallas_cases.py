@@ -264,6 +264,18 @@ def vector_mod(name, b, hq, sq, skv):
         types = jnp.asarray(rng.integers(0, 5, size=(b, sq, skv, 2)), jnp.int32)
         weight = jnp.asarray(rng.normal(size=(hq, 5)), jnp.float32)
         return (lambda s, b, h, q, k, c, w: s + w[h, c[b, q, k, 1]]), (types, weight)
+    if name == "query_pairs_bias":  # one row per two queries: t[h, q // 2, kv_idx], causal
+        bias = jnp.asarray(np.random.default_rng(40).normal(size=(hq, -(-sq // 2), skv)),
+                           jnp.float32)
+        return (lambda s, b, h, q, k, t: jnp.where(q >= k, s + t[h, q // 2, k], -jnp.inf)
+                ), (bias,)
+    if name == "key_pairs_bias":  # one column per two keys, the queries' axis their own
+        bias = jnp.asarray(np.random.default_rng(41).normal(size=(b, sq, -(-skv // 2))),
+                           jnp.float32)
+        return (lambda s, b, h, q, k, t: s + t[b, q, k // 2]), (bias,)
+    if name == "wrapped_bias":  # a 64 x 96 bias tiled over the scores: no axis of its own
+        bias = jnp.asarray(np.random.default_rng(42).normal(size=(hq, 64, 96)), jnp.float32)
+        return (lambda s, b, h, q, k, t: s + t[h, q % 64, k % 96]), (bias,)
     if name == "block_bias":  # a float bias per block of 48 queries by 32 keys (by >> 5)
         table = jnp.asarray(np.random.default_rng(22).normal(size=(hq, -(-n // 48), -(-n // 32))),
                             jnp.float32)

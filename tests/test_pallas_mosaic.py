@@ -691,6 +691,8 @@ def test_backward_learns_block_reads_interpreted(case, shape, interprets):
     ("transposed_bias", dict(sq=200, skv=260, hq=2, hkv=1, d=64)),
     ("pair_features", dict(sq=150, skv=130, hq=4, hkv=2, d=64)),
     ("edge_types", dict(sq=130, skv=200, hq=2, hkv=1, d=64)),
+    ("query_pairs_bias", dict(sq=200, skv=150, hq=2, hkv=1, d=64)),
+    ("key_pairs_bias", dict(sq=130, skv=190, hq=2, hkv=2, d=64)),
 ])
 def test_backward_learns_dense_reads_interpreted(case, shape, interprets):
     """A float array read per score (``bias[b, h, q_idx, kv_idx]``; one per head
@@ -698,7 +700,8 @@ def test_backward_learns_dense_reads_interpreted(case, shape, interprets):
     under a softcap, its derivative varying; bfloat16, read as it is; beside a bool
     mask per score, Flax's, read as int8; stored keys first, causal; pair features
     [B, Sq, Skv, 3] read at a head's feature; an int edge type per score picking a
-    learned weight per head), forward and backward in interpret mode,
+    learned weight per head; a row per two queries, causal; a column per two keys,
+    placed by key), forward and backward in interpret mode,
     learned: each thread's values gathered from global memory on every kernel's
     tiles (keys down in dK/dV), the dQ kernel's tiles of cotangents placed by batch
     and head, against the reference path; no Triton kernel; twice the same bits."""
@@ -819,6 +822,59 @@ def test_erf_runs_on_mosaic_kernels_interpreted(dtype, interprets):
     with pytest.raises(ScoreModError, match=r"(?s)`erf`.*test_pallas_mosaic.py.*xla"):
         pallas_backend._backward(plan, q, k, v, o, lse, do, jnp.zeros(lse.shape), (bias,),
                                  (name,))
+
+
+def test_a_read_per_score_without_an_axis_of_its_own_is_not_learned_on_mosaic(interprets):
+    """A read per score whose indices each take a part of one position
+    (``t[h, q % 64, kv % 96]``: no axis a position indexes by itself) runs on the
+    Mosaic forward, its offsets a row's plus a column's, against the reference
+    path; its gradient is not placed by rows, so it stays off the Mosaic
+    backward, saying which read and why."""
+    q, k, v, do = pc.inputs(b=1, sq=200, skv=260, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
+    mod, operands = pc.traced_vector_mod("wrapped_bias", q, k)
+    (read,) = mosaic.dense_reads(mod.expr)
+    assert mosaic.dense_sides(read) == ((1,), (2,)) and mosaic.bare_axis(read, "q_idx") is None
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
+    (name, why), = plan.triton_operands
+    assert name == mod.operand_names[0] and "by itself" in why and "pallas_cases.py" in why
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = REFERENCE.forward(ref, f32(q), f32(k), f32(v), operands)
+    o, lse = pallas_backend._forward(plan, q, k, v, operands)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(want[0]), atol=3e-2)
+    np.testing.assert_allclose(lse, want[1], atol=1e-3)
+
+
+def test_a_decode_step_packs_a_mask_per_score(interprets, monkeypatch):
+    """Speculative decoding's tree mask (a bool per draft query and key, Flax's
+    [B, 1, Sq, Skv]) on the Mosaic engine: its query heads packed into the rows
+    (the packed read ``mask[b, 0, q // 2, kv]`` is a row's offset plus a column's),
+    against the reference path."""
+    monkeypatch.setattr(device, "current", lambda: HOPPER)
+    plan = PALLAS.plan
+    monkeypatch.setattr(type(PALLAS), "plan",
+                        lambda self, *a: dataclasses.replace(plan(*a), interpret=True))
+    b, sq, hq, hkv, skv, d = 2, 4, 4, 2, 384, 64
+    rng = np.random.default_rng(9)
+    q = jnp.asarray(rng.standard_normal((b, sq, hq, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, skv, hkv, d)), jnp.bfloat16) for _ in "kv")
+    tree = rng.random((b, 1, sq, skv)) < 0.6
+    tree[..., :skv - sq] = True  # the prefix, then each draft's ancestors
+    tree[..., skv - sq:] &= np.tril(np.ones((sq, sq), bool))
+    tree = jnp.asarray(tree)
+
+    def mod(s, b, h, qi, ki):
+        return jnp.where(tree[b, 0, qi, ki], 30.0 * jnp.tanh(s / 30.0), -jnp.inf)
+
+    chosen = scoremod.which_implementation(q, k, v, mod, implementation="pallas",
+                                           options=MOSAIC)
+    assert "packed" in chosen.variant, chosen.variant
+    got = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC,
+                             return_lse=True)
+    want = scoremod.attention(q, k, v, mod, implementation="xla", return_lse=True)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                               atol=2e-2)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-3)
 
 
 def test_a_learned_dense_bias_lowers_to_mosaic_kernels_only(hopper_here):

@@ -86,6 +86,39 @@ def test_decode_steps_match_the_reference(route, name, sq, paged):
     np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(got[0]))
 
 
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_a_speculative_tree_mask_matches_the_reference(route):
+    """Four draft queries with a tree mask per query and key (Flax's [B, 1, Sq, Skv]
+    mask, read per score; on the Mosaic engine with the query heads packed into
+    the rows) and a softcap, at traced offsets: O and LSE against the reference."""
+    impl, options = ROUTES[route]
+    _skip_unless_hopper(impl)
+    sq = 4
+    q, k, v, _ = _inputs(sq)
+    lengths = jnp.asarray([1000, SKV, 17, 1500], jnp.int32)
+    rng = np.random.default_rng(3)
+    tree = rng.random((B, 1, sq, SKV)) < 0.5
+    tree |= np.arange(SKV) < (np.asarray(lengths)[:, None, None, None] - sq)  # the prefix
+    for b, n in enumerate(np.asarray(lengths)):  # each draft sees its ancestors and itself
+        tree[b, 0, :, n - sq:n] &= np.tril(np.ones((sq, sq), bool))
+        tree[b, 0, np.arange(sq), n - sq + np.arange(sq)] = True
+    tree = jnp.asarray(tree)
+
+    def mod(s, b, h, qi, ki):  # qi, ki from 0: the mask is laid out by the row's positions
+        return jnp.where(tree[b, 0, qi, ki], 30.0 * jnp.tanh(s / 30.0), -jnp.inf)
+
+    def run(impl, options):
+        return jax.jit(lambda q, k, v, n: scoremod.attention(
+            q, k, v, mod, implementation=impl, options=options, return_lse=True,
+            kv_lengths=n))(q, k, v, lengths)
+
+    if impl == "pallas":
+        assert "packed" in scoremod.which_implementation(
+            q, k, v, mod, implementation=impl, options=options, kv_lengths=lengths).variant
+    for a, b in zip(run(impl, options), run("xla", None)):
+        assert _err(a, b) < TOL
+
+
 @pytest.mark.parametrize("page", [64, 128, 256])
 @pytest.mark.parametrize("route", ["auto", "pallas"])
 def test_the_kernel_reads_the_pages(route, page):

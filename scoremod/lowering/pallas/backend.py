@@ -813,8 +813,9 @@ def _dense_gradients(plan, spec, sums, q_map) -> dict:
     order): the tiles the map did not visit zeroed (the kernel leaves them
     unwritten), the padding dropped, entries past the sequences zero (``attention``
     refuses an axis indexed by a position that is shorter than its range, and the
-    tracer reads a one-entry axis at 0), and each (batch, head)'s matrix added into
-    the entry its leading indices read (a gather and a sum in a fixed order: the
+    tracer reads a one-entry axis at 0), and each row of scores (by batch, head and
+    query; by key where the queries index an axis themselves) added into the row
+    of the array its other indices read (a gather and a sum in a fixed order: the
     same bits on every run)."""
     p = plan.problem
     b, hq, _, sq, skv = sums.shape
@@ -825,17 +826,24 @@ def _dense_gradients(plan, spec, sums, q_map) -> dict:
     out = {}
     for r, read in enumerate(mosaic_backward.dense_loads(spec.expr, spec.learned)):
         name, shape, _ = read.args[0].attr
-        q_at, k_at = mosaic.dense_axes(read)
-        x = _pad(_pad(sums[:, :, r], 2, shape[q_at]), 3, shape[k_at])
-        lead = [i for i in range(len(shape)) if i not in (q_at, k_at)]
-        at = _static_positions(read, lead, [0], p.b, p.hq)  # [Bx, Hx, 1]
-        at = np.broadcast_to(at[..., 0], (p.b, p.hq)).reshape(1, 1, -1)
-        size = math.prod(shape[i] for i in lead)
-        members = _members(at, size, p.b * p.hq, f"`{format_expr(read)}`", "batches and heads")
-        slabs = jnp.concatenate([x.reshape(p.b * p.hq, *x.shape[2:]),
-                                 jnp.zeros((1,) + x.shape[2:], x.dtype)])
-        total = slabs[members[0, 0]].sum(1).reshape(*(shape[i] for i in lead), *x.shape[2:])
-        total = jnp.moveaxis(total, (-2, -1), (q_at, k_at))  # the q and kv axes where read
+        x = sums[:, :, r]
+        # Rows of scores along the axis a position indexes itself (the keys', else the
+        # queries': ``learning_refusal``), each placed by the other indices.
+        along = mosaic.bare_axis(read, "kv_idx")
+        d, ks = range(p.sq), (0,)
+        if along is None:
+            along, x, d, ks = mosaic.bare_axis(read, "q_idx"), jnp.swapaxes(x, 2, 3), (0,), \
+                range(p.skv)
+        rest = [i for i in range(len(shape)) if i != along]
+        n = x.shape[2]
+        at = _static_positions(read, rest, d, p.b, p.hq, ks=ks)  # [Bx, Hx, n]
+        at = np.broadcast_to(at, (p.b, p.hq, n)).reshape(1, 1, -1)
+        members = _members(at, math.prod(shape[i] for i in rest), p.b * p.hq * n,
+                           f"`{format_expr(read)}`", "rows of scores")
+        rows = _pad(x, 3, shape[along]).reshape(-1, shape[along])
+        rows = jnp.concatenate([rows, jnp.zeros((1, shape[along]), rows.dtype)])
+        total = rows[members[0, 0]].sum(1).reshape(*(shape[i] for i in rest), shape[along])
+        total = jnp.moveaxis(total, -1, along)
         out[name] = total if name not in out else out[name] + total
     return out
 

@@ -293,7 +293,7 @@ OFFSET = "offset"
 # blocks of positions (``block_map[b, h, q_idx // 64, kv_idx // 64]``): a few
 # values per tile (``block_values``), at most this many.
 BLOCKS = "blocks"
-DENSE = "dense"  # ``read_axis``: a value per score, at [.., q_idx, kv_idx]
+DENSE = "dense"  # ``read_axis``: a value per score, a row's offset plus a column's
 MAX_BLOCK_VALUES = 16
 # The most entries of a table that ``selects`` picks by comparisons on one read.
 MAX_PICKED = 16
@@ -321,8 +321,10 @@ def refusal(expr, sources, advice=True) -> str | None:
                    "of positions (block_map[b, h, q_idx // 64, kv_idx // 64], at most "
                    f"{MAX_BLOCK_VALUES} blocks per 128 x 128 tile), or along axes of at "
                    f"most {MAX_PICKED} entries picked by comparisons (a small table read "
-                   f"through other arrays, such as pair[kind[q_idx], kind[kv_idx]]); this "
-                   f"index varies over the tile with {' and '.join(tile)} otherwise (a gather)")
+                   f"through other arrays, such as pair[kind[q_idx], kind[kv_idx]]), or per "
+                   f"score with each index built from b, h, constants and one of q_idx or "
+                   f"kv_idx (bias[b, h, q_idx, kv_idx]); this index varies over the tile with "
+                   f"{' and '.join(tile)} otherwise (a gather)")
             if _dense_form(node):
                 why = (f"it reads arrays per score at int32 positions, at most {_MOST_INDEXED} "
                        f"entries, and this one has {math.prod(node.args[0].attr[1])}")
@@ -364,35 +366,49 @@ def read_axis(load):
 
 
 def is_dense(load) -> bool:
-    """Whether read ``load`` is a value per score: q_idx and kv_idx themselves are
-    two of its indices (``dense_axes``), in either order, and the others are built
-    from b, h and constants (no array reads: the backward places a float array's
-    gradient by them when tracing). A bias per score (``bias[b, h, q_idx, kv_idx]``),
-    a mask (Flax's ``mask[b, 0, q_idx, kv_idx]``), pair features
-    (``edges[b, q_idx, kv_idx, 0]``), a transposed bias (``bias[h, kv_idx, q_idx]``)."""
+    """Whether read ``load`` is a value per score whose position is a sum of a part
+    of the query and a part of the key (``dense_sides``): a bias per score
+    (``bias[b, h, q_idx, kv_idx]``), a mask (Flax's ``mask[b, 0, q_idx, kv_idx]``),
+    pair features (``edges[b, q_idx, kv_idx, 0]``), one stored keys first
+    (``bias[h, kv_idx, q_idx]``), one per pair of queries (``bias[h, q_idx // 2,
+    kv_idx]``), a mask of a decode step whose query heads are packed into its rows
+    (``mask[b, h * 4 + q_idx % 4, q_idx // 4, kv_idx]``)."""
     return _dense_form(load) and math.prod(load.args[0].attr[1]) <= _MOST_INDEXED
 
 
 _MOST_INDEXED = 2 ** 31 - 1  # the kernels' positions in an array are int32
 
 
-def dense_axes(load) -> tuple[int, int] | None:
-    """``(q axis, kv axis)``: the axes of a read per score (``is_dense``) indexed
-    by q_idx and by kv_idx, else None."""
-    args = load.args[1:]
-    at = [[i for i, a in enumerate(args) if a is ir.var(v)] for v in _TILE_AXES]
-    if any(len(axes) != 1 for axes in at):
-        return None
-    if not all(ir.variables(a) <= _PROGRAM_VARS
-               and not any(n.op == ir.OPERAND for n in ir.toposort(a))
-               for i, a in enumerate(args) if i not in (at[0][0], at[1][0])):
-        return None
-    return at[0][0], at[1][0]
+def dense_sides(load) -> tuple[tuple, tuple] | None:
+    """``(query axes, key axes)``: the axes of read ``load`` whose indices read
+    q_idx (and not kv_idx), and those that read kv_idx (and not q_idx), both
+    non-empty, where every index is built from b, h, constants and at most one of
+    the positions (no array reads: the backward places a float array's gradient
+    by them when tracing); else None. Its position is then a row's offset plus a
+    column's."""
+    sides = ([], [])
+    for i, a in enumerate(load.args[1:]):
+        if any(n.op == ir.OPERAND for n in ir.toposort(a)):
+            return None
+        used = ir.variables(a)
+        if used - _PROGRAM_VARS - set(_TILE_AXES) or set(_TILE_AXES) <= used:
+            return None
+        for side, axis in zip(sides, _TILE_AXES):
+            if axis in used:
+                side.append(i)
+    return (tuple(sides[0]), tuple(sides[1])) if all(sides) else None
+
+
+def bare_axis(load, axis: str) -> int | None:
+    """The one axis of read ``load`` indexed by ``axis`` ("q_idx" or "kv_idx")
+    itself, where no other index reads it; else None."""
+    at = [i for i, a in enumerate(load.args[1:]) if axis in ir.variables(a)]
+    return at[0] if len(at) == 1 and load.args[1 + at[0]] is ir.var(axis) else None
 
 
 def _dense_form(load) -> bool:
     """``is_dense`` but for the array's size."""
-    return dense_axes(load) is not None
+    return dense_sides(load) is not None
 
 
 def strides(shape) -> tuple:
@@ -481,7 +497,7 @@ def block_reads(*exprs) -> tuple:
 
 
 def dense_reads(*exprs) -> tuple:
-    """The reads of ``exprs`` at [.., q_idx, kv_idx] (``read_axis`` ``DENSE``)."""
+    """The reads of ``exprs`` per score (``read_axis`` ``DENSE``)."""
     return _tile_reads_of(exprs, lambda n: n.op == LOAD and read_axis(n) == DENSE)
 
 
@@ -496,31 +512,34 @@ def position_values(exprs, refs, bi, hi, q0, k0, shape, keys_down=False,
 
 
 def dense_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False, interpret=False) -> dict:
-    """``{read: its values on the tile}`` for reads at [.., q_idx, kv_idx]
-    (``dense_reads``) on a tile of ``shape`` whose first query is ``q0`` and first
-    key ``k0`` (queries down, or keys down with ``keys_down``): each thread loads
-    its own elements from global memory (``dense_gather``) at the sum of its row's
-    and its column's offsets (clamped as reads clamp, once per vector: one add per
-    score)."""
+    """``{read: its values on the tile}`` for reads per score (``dense_reads``) on a
+    tile of ``shape`` whose first query is ``q0`` and first key ``k0`` (queries
+    down, or keys down with ``keys_down``): each thread loads its own elements
+    from global memory (``dense_gather``) at the sum of its row's and its column's
+    offsets (each index evaluated and clamped as reads clamp once per vector, then
+    times its axis's stride: one add per score)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     out = {}
-    q_dim, k_dim = (1, 0) if keys_down else (0, 1)
+    dims_of = {"q_idx": 1 if keys_down else 0, "kv_idx": 0 if keys_down else 1}
     layout = {0: plgpu.Layout.WGMMA.reduce(1), 1: plgpu.Layout.WGMMA.reduce(0)}
 
-    def positions(start, dim, n):  # 0..n-1 past start along the tile's dim, clamped
-        at = start + plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=layout[dim])
-        return jnp.clip(at, 0, n - 1)
+    def offset(read, axes, inputs):  # the sum over ``axes`` of each index times its stride
+        dims, step = read.args[0].attr[1], strides(read.args[0].attr[1])
+        values = codegen.evaluate_tile([read.args[1 + i] for i in axes], inputs, {},
+                                       rules=TILE_RULES)
+        return sum(jnp.clip(jnp.asarray(x, jnp.int32), 0, dims[i] - 1) * step[i]
+                   for i, x in zip(axes, values))
 
     for read in reads:
-        q_at, k_at = dense_axes(read)
-        dims, step = read.args[0].attr[1], strides(read.args[0].attr[1])
-        lead = [a for i, a in enumerate(read.args[1:]) if i not in (q_at, k_at)]
-        values = iter(codegen.evaluate_tile(lead, {"b": bi, "h": hi}, {}, rules=TILE_RULES))
-        index = [0 if i in (q_at, k_at) else next(values) for i in range(len(dims))]
-        first = codegen.flat_index(read, index)  # the (b, h) matrix's first entry
-        offsets = {q_dim: first + positions(q0, q_dim, dims[q_at]) * step[q_at],
-                   k_dim: positions(k0, k_dim, dims[k_at]) * step[k_at]}
+        sides = dict(zip(_TILE_AXES, dense_sides(read)))
+        lead = [i for i in range(len(read.args) - 1) if i not in sides["q_idx"] + sides["kv_idx"]]
+        offsets = {}
+        for axis, start in (("q_idx", q0), ("kv_idx", k0)):
+            dim = dims_of[axis]
+            at = start + plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=layout[dim])
+            offsets[dim] = offset(read, sides[axis], {"b": bi, "h": hi, axis: at})
+        offsets[0] = offsets[0] + offset(read, lead, {"b": bi, "h": hi}) if lead else offsets[0]
         at = (lax.broadcast_in_dim(offsets[0], shape, [0])
               + lax.broadcast_in_dim(offsets[1], shape, [1]))
         x = dense_gather(refs[read.args[0].attr[0]], at, interpret, read.dtype == F32)

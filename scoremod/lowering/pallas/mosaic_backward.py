@@ -188,7 +188,7 @@ def along_blocks(node) -> bool:
 def along_dense(node) -> bool:
     """Whether read ``node`` is a value per score (``bias[b, h, q_idx, kv_idx]``:
     ``mosaic.is_dense``): the dQ kernel writes its cotangent on every tile it
-    visits, and the backend places each (batch, head)'s at the entry it reads."""
+    visits, and the backend places each row of it at the entries it reads."""
     return mosaic.read_axis(node) == mosaic.DENSE
 
 
@@ -239,9 +239,15 @@ def learning_refusal(expr, name, sources) -> str | None:
             where = ir.source_of(node, expr, sources)
             return (f"it sums the gradients of reads at indices built from b, h and constants, "
                     f"of reads along the keys or the queries, of reads at whole blocks of "
-                    f"positions known when tracing, and of float arrays read at [.., q_idx, "
-                    f"kv_idx]; "
+                    f"positions known when tracing, and of float arrays read per score "
+                    f"(each index of b, h and one of q_idx or kv_idx); "
                     f"`{format_expr(node)}`{' at ' + where if where else ''} is none of these")
+    for node in dense:
+        if mosaic.bare_axis(node, "kv_idx") is None and mosaic.bare_axis(node, "q_idx") is None:
+            where = ir.source_of(node, expr, sources)
+            return (f"it places the gradient of a read per score by rows along an axis that "
+                    f"kv_idx or q_idx indexes by itself; `{format_expr(node)}`"
+                    f"{' at ' + where if where else ''} has none")
     for local in load_derivatives(expr, loads):
         why = mosaic.refusal(local, sources, advice=False)
         if why:
