@@ -200,6 +200,11 @@ def vector_mod(name, b, hq, sq, skv):
         table = jnp.asarray(np.random.default_rng(13).normal(size=(hq, 15, 15)), jnp.float32)
         return (lambda s, b, h, q, k, t: s + t[h, q // 8 % 8 - k // 8 % 8 + 7,
                                                q % 8 - k % 8 + 7]), (table,)
+    if name == "swin_bias":  # Swin's: a learned table [H, 169] at a relative index per score
+        rng = np.random.default_rng(43)
+        rel = jnp.asarray(rng.integers(0, 169, size=(sq, skv)), jnp.int32)
+        table = jnp.asarray(rng.normal(size=(hq, 169)), jnp.float32)
+        return (lambda s, b, h, q, k, r, t: s + t[h, r[q, k]]), (rel, table)
     if name == "block_map":  # video sparse attention's tile map, padded keys of the last tile
         rng = np.random.default_rng(21)
         tiles = -(-n // 64)

@@ -84,13 +84,17 @@ def test_refusals(monkeypatch):
     assert "head dims of 64 or 128" in why(_problem(d=96, dv=96))
     assert "head dims" in why(_problem(d=128, dv=64))
     assert why(_problem(d=128, dv=64), options=TRITON) is None
-    # A gather (a read at an index that varies over the tile), named with its line.
+    # A gather (a read at an index that varies over the tile otherwise) runs, read per
+    # score; one at an index computed from the score is refused, named with its line.
     q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
     mod, _ = pc.traced_vector_mod("grid_bias", q, q)
-    reason = why(_problem(), mod)
-    assert "`load`" in reason and "varies over the tile" in reason
-    assert "pallas_cases.py" in reason and 'pallas_engine="triton"' in reason
-    assert why(_problem(), mod, options=TRITON) is None
+    assert why(_problem(), mod) is None and why(_problem(), mod, options=TRITON) is None
+    table = jnp.ones((4, 64), jnp.float32)  # (not a short axis, which selects pick from)
+    by_score = scoremod.trace(
+        lambda s, b, h, qi, ki: s + table[h, jnp.clip((s * 8).astype(jnp.int32), 0, 63)])
+    reason = why(_problem(), by_score)
+    assert "`load`" in reason and "reads the score" in reason
+    assert "test_pallas_mosaic.py" in reason and 'pallas_engine="triton"' in reason
     # Scalar reads run: per head, per batch, and a 0-d array; reads along one tile axis
     # and at q_idx - kv_idx (a relative-position table) too.
     for case in ("alibi", "batch_scale", "learnable_softcap", "document", "document_softcap",
@@ -845,6 +849,36 @@ def test_a_read_per_score_without_an_axis_of_its_own_is_not_learned_on_mosaic(in
     np.testing.assert_allclose(lse, want[1], atol=1e-3)
 
 
+@pytest.mark.parametrize("case,shape", [
+    ("grid_bias", dict(sq=130, skv=190, hq=4, hkv=2, d=64)),
+    ("swin_bias", dict(sq=200, skv=150, hq=2, hkv=1, d=64, dtype=jnp.float16)),
+])
+def test_gathers_run_per_score_interpreted(case, shape, interprets):
+    """Reads at an index that mixes q_idx and kv_idx (a 2-D relative position on an
+    8 x 8 grid; Swin's table at a relative index read per score): each thread
+    loads its own scores' values at the index evaluated on the tile, forward and
+    backward on the Mosaic kernels in interpret mode against the reference path;
+    the table's gradient (not placed by these kernels) takes the Triton backward,
+    saying why."""
+    shape = dict(shape)
+    dtype = shape.pop("dtype", jnp.bfloat16)
+    q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
+    mod, operands = pc.traced_vector_mod(case, q, k)
+    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
+    assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
+    assert any(mosaic.gathered(n) for n in ir.toposort(plan.expr) if n.op == ir.LOAD)
+    table = [n for n, x in zip(mod.operand_names, operands) if x.dtype == jnp.float32]
+    assert [name for name, _ in plan.triton_operands] == table, plan.triton_operands
+    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False)
+    o, lse = pallas_backend._forward(plan, q, k, v, operands)
+    dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
+    dq, dk, dv, _ = pallas_backend._backward(plan, q, k, v, o, lse, do, dlse, operands, ())
+    errs = pc.relative_errors((o, lse, dq, dk, dv, ()), want)
+    assert all(e < 3e-2 for e in errs.values()), errs
+
+
 def test_a_decode_step_packs_a_mask_per_score(interprets, monkeypatch):
     """Speculative decoding's tree mask (a bool per draft query and key, Flax's
     [B, 1, Sq, Skv]) on the Mosaic engine: its query heads packed into the rows
@@ -1084,7 +1118,8 @@ def test_read_axes():
     """A captured array indexed by b, h and constants is a scalar read; by those and
     one of q_idx or kv_idx (through any arithmetic), a vector along that axis; by
     both as whole blocks of positions (few per tile), a value per block; by both
-    otherwise, or by the score, a gather: refused, naming the variables."""
+    otherwise, a gather, read per score where its index is evaluated on the tile;
+    by the score: refused, saying so."""
     t = jnp.ones((4, 8), jnp.float32)
     u = jnp.ones((4, 8, 8), jnp.float32)
     doc = jnp.zeros((2, 300), jnp.int32)
@@ -1109,31 +1144,36 @@ def test_read_axes():
         "t[h, (q_idx >> 5) + 1, kv_idx // 96]": (
             lambda s, b, h, qi, ki: s + u[h, (qi >> 5) + 1, ki // 96], mosaic.BLOCKS),
     }
+    # Not whole blocks, but each index of one position: per score, a row's offset plus
+    # a column's.
+    taken.update({
+        "blocks and a position": (lambda s, b, h, qi, ki: s + t[qi // 64, ki], mosaic.DENSE),
+        "blocks of a shifted position": (
+            lambda s, b, h, qi, ki: s + t[(qi + 1) // 64, ki // 64], mosaic.DENSE),
+        "too many blocks per tile": (lambda s, b, h, qi, ki: s + t[qi // 16, ki // 16],
+                                     mosaic.DENSE),
+    })
     for name, (fn, axis) in taken.items():
         mod, got = read(fn)
         assert got == axis, name
         assert mosaic.refusal(mod.expr, mod.sources) is None, name
         assert mosaic_backward.refusal(mod.expr, mod.sources) is None, name
-    refused = {
-        "both indices": (lambda s, b, h, qi, ki: s + t[h, (qi + ki) % 8], "kv_idx and q_idx"),
-        "difference and q_idx": (lambda s, b, h, qi, ki: s + t[qi % 4, ki - qi],
-                                 "kv_idx and q_idx"),
-        "at the score": (lambda s, b, h, qi, ki: s + t[h, jnp.where(s > 0, 1, 0)], "score"),
-        "blocks and a position": (lambda s, b, h, qi, ki: s + t[qi // 64, ki], "kv_idx and q_idx"),
-        "blocks of a shifted position": (lambda s, b, h, qi, ki: s + t[(qi + 1) // 64, ki // 64],
-                                         "kv_idx and q_idx"),
-        "too many blocks per tile": (lambda s, b, h, qi, ki: s + t[qi // 16, ki // 16],
-                                     "kv_idx and q_idx"),
+    gathers = {
+        "both indices": lambda s, b, h, qi, ki: s + t[h, (qi + ki) % 8],
+        "difference and q_idx": lambda s, b, h, qi, ki: s + t[qi % 4, ki - qi],
+        # a read whose index is another read: the outer read's axes decide
+        "nested": lambda s, b, h, qi, ki: s + t[h, doc[b, qi] - doc[b, ki]],
     }
-    for name, (fn, names) in refused.items():
-        mod, got = read(fn)
-        assert got is False, name
-        why = mosaic.refusal(mod.expr, mod.sources)
-        assert f"varies over the tile with {names} otherwise (a gather)" in why, (name, why)
-        assert "`load`" in why and "test_pallas_mosaic.py" in why, why
-    # A read whose index is another read: the outer read's axes decide.
-    nested = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, doc[b, qi] - doc[b, ki]])
-    assert "kv_idx and q_idx" in mosaic.refusal(nested.expr, nested.sources)
+    for name, fn in gathers.items():
+        mod, got = (scoremod.trace(fn), None) if name == "nested" else read(fn)
+        outer = next(n for n in ir.toposort(mod.expr) if n.op == ir.LOAD
+                     and n.args[0].attr[0] == mod.operand_names[0])
+        assert mosaic.read_axis(outer) is False and mosaic.gathered(outer), name
+        assert mosaic.refusal(mod.expr, mod.sources) is None, name
+    mod, got = read(lambda s, b, h, qi, ki: s + t[h, jnp.where(s > 0, 1, 0)])
+    assert got is False and not mosaic.gathered(mod.expr.args[1])
+    why = mosaic.refusal(mod.expr, mod.sources)
+    assert "reads the score" in why and "`load`" in why and "test_pallas_mosaic.py" in why
     inner = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, doc[b, qi]])
     assert mosaic.refusal(inner.expr, inner.sources) is None
     assert len(mosaic.vector_reads(inner.expr)) == 1  # the outer one, read whole
@@ -1331,7 +1371,7 @@ def _interpreted_against_reference(case, b, shape, dtype, reads):
 @pytest.mark.parametrize("case", ["document_bidirectional", "shifted_bias", "block_map",
                                   "alibi_unmasked", "log_scaled", "key_terms", "pair_bias",
                                   "wider_bias", "half_bias", "masked_bias", "transposed_bias",
-                                  "pair_features"])
+                                  "pair_features", "query_pairs_bias", "grid_bias", "swin_bias"])
 def test_vector_reads_lower(case, hopper_here):
     """Vector reads lower for CUDA: gradients of q, k, v to the three Mosaic GPU
     kernels; with a float vector along the keys learned, its gradient from the

@@ -284,11 +284,14 @@ class Pallas(Backend):
             return ("short queries: the Mosaic GPU engine packs each key/value head's query "
                     "heads and splits the key tiles over programs, reading K and V once "
                     "per group at most of the GPU's bandwidth")
-        # A mask or bias read per score (Flax's) on the Mosaic GPU engine: not measured
-        # against cuDNN's tensor of it, so not claimed from cuDNN (by the claims below).
-        if mod is not None and mosaic.dense_reads(mod.expr) and \
-                self.engine(problem, mod, options)[0] == "mosaic":
-            return None
+        # A mask or bias read per score (Flax's), or any other read per score (a gather),
+        # on the Mosaic GPU engine: not measured against cuDNN's tensor of it, so not
+        # claimed from cuDNN (by the claims below).
+        if mod is not None and self.engine(problem, mod, options)[0] == "mosaic":
+            spelled = selects.spelled(mod.expr)
+            if mosaic.dense_reads(spelled) or any(
+                    n.op == ir.LOAD and mosaic.gathered(n) for n in ir.toposort(spelled)):
+                return None
         # Measured against cuDNN's dense graph (docs/performance.md): 4 documents per
         # row with a softcap, the kernels run 2.8x its forward and 4x its fwd+bwd at 4096.
         # Not on the Triton engine where the Mosaic GPU engine runs this problem but

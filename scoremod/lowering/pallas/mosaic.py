@@ -312,20 +312,11 @@ def refusal(expr, sources, advice=True) -> str | None:
             why = INT_ONLY[node.op]
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
-        if node.op == LOAD and read_axis(node) is False:
-            tile = sorted(ir.variables(*node.args[1:]) - _PROGRAM_VARS)
-            why = ("it reads captured arrays at indices built from b, h, constants and at most "
-                   "one of q_idx or kv_idx (a scalar per program, or a vector along one tile "
-                   "axis such as doc[b, q_idx]), from q_idx - kv_idx as a whole (a relative "
-                   "position, such as bias[h, q_idx - kv_idx + S - 1]), or from whole blocks "
-                   "of positions (block_map[b, h, q_idx // 64, kv_idx // 64], at most "
-                   f"{MAX_BLOCK_VALUES} blocks per 128 x 128 tile), or along axes of at "
-                   f"most {MAX_PICKED} entries picked by comparisons (a small table read "
-                   f"through other arrays, such as pair[kind[q_idx], kind[kv_idx]]), or per "
-                   f"score with each index built from b, h, constants and one of q_idx or "
-                   f"kv_idx (bias[b, h, q_idx, kv_idx]); this index varies over the tile with "
-                   f"{' and '.join(tile)} otherwise (a gather)")
-            if _dense_form(node):
+        if node.op == LOAD and read_axis(node) is False and not gathered(node):
+            if ir.variables(*node.args[1:]) - _PROGRAM_VARS - set(_TILE_AXES):
+                why = ("it reads captured arrays at indices built from b, h, constants, q_idx "
+                       "and kv_idx, and this one reads the score")
+            else:
                 why = (f"it reads arrays per score at int32 positions, at most {_MOST_INDEXED} "
                        f"entries, and this one has {math.prod(node.args[0].attr[1])}")
         if node in flags:
@@ -377,6 +368,28 @@ def is_dense(load) -> bool:
 
 
 _MOST_INDEXED = 2 ** 31 - 1  # the kernels' positions in an array are int32
+
+
+def gathered(load) -> bool:
+    """Whether read ``load``, of none of ``read_axis``'s kinds (its index mixes q_idx
+    and kv_idx otherwise: ``table[h, q_idx // 8 % 8 - kv_idx // 8 % 8 + 7]``, or reads
+    arrays per score: ``table[h, rel[q_idx, kv_idx]]``), is read per score at the
+    positions its index takes on the tile (``tile_load``): its index reads no score,
+    and the array has at most 2^31 - 1 entries (int32 positions)."""
+    return (read_axis(load) is False
+            and not ir.variables(*load.args[1:]) - _PROGRAM_VARS - set(_TILE_AXES)
+            and math.prod(load.args[0].attr[1]) <= _MOST_INDEXED)
+
+
+def tile_load(interpret):
+    """The kernels' ``codegen.evaluate_tile`` gather: a scalar load at one position,
+    each thread's own loads from global memory at a tile of them (``dense_gather``)."""
+    def load(ref, flat, dtype):
+        if jnp.ndim(flat) == 0:
+            return scalar_load(ref, flat, dtype)
+        x = dense_gather(ref, flat, interpret, dtype == F32)
+        return x != 0 if dtype == ir.BOOL else x
+    return load
 
 
 def dense_sides(load) -> tuple[tuple, tuple] | None:
@@ -1290,8 +1303,8 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
                                 by_axis[a][n], (BLOCK_Q, BLOCK_KV), [0 if a == "q_idx" else 1])
                                 for n, a in parts_of[expr]})
                         (s,) = codegen.evaluate_tile([expr], dict(inputs, score=s), refs,
-                                                     gather=scalar_load, rules=TILE_RULES,
-                                                     known=known)
+                                                     gather=tile_load(spec.interpret),
+                                                     rules=TILE_RULES, known=known)
                         s = s.astype(jnp.float32)
                     return s if in_log2 else s * jnp.float32(LOG2E)
 

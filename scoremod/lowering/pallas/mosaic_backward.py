@@ -318,8 +318,8 @@ def _tile_terms(spec, s, inputs, refs, is_full, *, shape, origin, keys_down=Fals
         known.update(mosaic.position_values(roots + extra, refs, inputs["b"], inputs["h"],
                                             *origin, shape, keys_down, spec.interpret))
         out = codegen.evaluate_tile(roots + extra, dict(inputs, score=score), refs,
-                                    gather=mosaic.scalar_load, rules=mosaic.TILE_RULES,
-                                    known=known)
+                                    gather=mosaic.tile_load(spec.interpret),
+                                    rules=mosaic.TILE_RULES, known=known)
         value = tile(out[0]) * jnp.float32(LOG2E)
         terms = tuple(tile(x) for x in out[len(roots):])
         if not has_local:
