@@ -830,14 +830,14 @@ def test_cudnn_yields_masks_of_captured_arrays_to_the_pallas_kernels(monkeypatch
 
 
 @pytest.mark.parametrize("gpu", ["hopper", "ampere"])
-def test_masks_the_mosaic_engine_refuses_stay_on_cudnn_beside_it(monkeypatch, gpu):
-    """A mask of captured arrays that only the Triton engine's kernels can read (a
-    2-D window of a table, JetSpec's tree): where the Mosaic GPU engine runs the
-    problem (Hopper) the planner does not choose the Triton engine, which JAX
-    deprecates, and cuDNN computes the mask ahead; where the Mosaic engine is
-    missing (an A100) the Triton engine claims it as before. A mask the Mosaic
-    engine reads (document ids) is claimed on both; by name the Pallas kernels
-    still take the tree on the Triton engine."""
+def test_masks_read_per_score_stay_on_cudnn_beside_the_mosaic_engine(monkeypatch, gpu):
+    """A mask of captured arrays read per score (a 2-D window of a table, JetSpec's
+    tree): where the Mosaic GPU engine runs the problem (Hopper) it reads the mask
+    per score, unmeasured against cuDNN's tensor of it, so the planner leaves the
+    call to cuDNN, which computes the mask ahead (by name the Pallas kernels take
+    it on the Mosaic engine); where the Mosaic engine is missing (an A100) the
+    Triton engine claims it as before. A mask the Mosaic engine reads along the
+    tile's axes (document ids) is claimed on both."""
     from scoremod import support
 
     family, name = (9, "NVIDIA H200") if gpu == "hopper" else (8, "NVIDIA A100")
@@ -856,5 +856,6 @@ def test_masks_the_mosaic_engine_refuses_stay_on_cudnn_beside_it(monkeypatch, gp
     assert choice.implementation == ("cudnn" if gpu == "hopper" else "pallas"), choice
     assert choice.verdicts["pallas"] is None
     named = scoremod.which_implementation(q, kv, kv, tree, implementation="pallas")
-    assert named.implementation == "pallas" and "Triton" in named.variant, named
+    engine = "Mosaic GPU" if gpu == "hopper" else "Triton"
+    assert named.implementation == "pallas" and engine in named.variant, named
     assert scoremod.which_implementation(q, kv, kv, documents).implementation == "pallas"
