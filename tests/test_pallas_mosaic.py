@@ -879,6 +879,18 @@ def test_gathers_run_per_score_interpreted(case, shape, interprets):
     assert all(e < 3e-2 for e in errs.values()), errs
 
 
+def test_a_gathered_table_learns_on_the_triton_backward_interpreted(interprets):
+    """Swin's table at a relative index read per score, learned: the Mosaic forward
+    reads it per score, and the call that asks for its gradient takes the Triton
+    backward (both in interpret mode), against the reference path; the same bits
+    twice."""
+    def gathered(plan, learned):
+        assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
+        assert [name for name, _ in plan.triton_operands] == [learned], plan.describe()
+
+    _learns_interpreted_twice("swin_bias", dict(sq=130, skv=100, hq=2, hkv=1, d=64), gathered)
+
+
 def test_a_decode_step_packs_a_mask_per_score(interprets, monkeypatch):
     """Speculative decoding's tree mask (a bool per draft query and key, Flax's
     [B, 1, Sq, Skv]) on the Mosaic engine: its query heads packed into the rows
