@@ -35,21 +35,24 @@ tile, and each compute warpgroup spreads it over its tile in registers (a
 gather from shared memory, written in Mosaic GPU: ``diagonal_gather``). One
 such table per mod (``refusal``).
 
-An array read at the positions themselves, its last two indices q_idx and
-kv_idx (a bias ``bias[b, h, q_idx, kv_idx]``: one value per score, as Flax's
-``bias`` argument or a pair bias; or a mask, Flax's ``mask``), is read per
-tile from global memory straight into registers, each thread loading its own
-scores' values (``dense_gather``), clamped as the reference reads; nothing is
+An array read per score, each index built from b, h, constants and one of
+q_idx or kv_idx (a bias ``bias[b, h, q_idx, kv_idx]``: one value per score, as
+Flax's ``bias`` argument or a pair bias; a mask, Flax's ``mask``; a decode
+step's packed rows), is read per tile from global memory straight into
+registers, each thread loading its own scores' values at its row's offset plus
+its column's (``dense_gather``), clamped as the reference reads; nothing is
 copied ahead.
 
 A small table read through other arrays at both tile axes (``pair[kind[q_idx],
 kind[kv_idx]]``) is picked by comparisons along a short axis, each entry one of
 the reads above (``selects``, applied by the backend before the kernels see
-the mod).
+the mod). Any other read (a gather: ``t[h, (q_idx + kv_idx) % 8]``, Swin's
+``table[h, rel[q_idx, kv_idx]]``) is loaded per score at its index evaluated on
+the tile (``gathered``, ``tile_load``).
 
-What this engine cannot evaluate is refused up front (``refusal``): ops
-Mosaic GPU has no lowering for, and other reads at an index that varies with
-both q_idx and kv_idx, or with the score (a gather: ``t[q_idx % 8, kv_idx]``).
+What this engine cannot evaluate is refused up front (``refusal``): float
+remainders, which Mosaic GPU cannot lower, and reads at an index computed from
+the score.
 
 Off a GPU (the plan's interpret flag) the kernel runs in Mosaic GPU's
 interpret mode, a CPU simulation, for tests (see ``mosaic_backward``).
