@@ -220,25 +220,29 @@ def _erfc_far(a):
     return t * jnp.exp(-(h * h)) * jnp.exp(_horner(_ERFC_FIT, t) - (a - h) * (a + h))
 
 
+def _erf_parts(x):
+    """``(near, erf's series at x, erfc(|x|))``: where |x| is below the series' bound,
+    and each side's value (the other side's entries finite: 0 and 1 stand in)."""
+    a = jnp.abs(x)
+    near = a < _ERF_SERIES_BELOW
+    return (near, _erf_series(jnp.where(near, x, 0.0)),
+            _erfc_far(jnp.where(near | (x != x), 1.0, a)))
+
+
 def _erf(x):
     """erf(x): its series near 0 (signed zeros kept), 1 - erfc(|x|) with x's sign
     past it; NaN kept."""
-    a = jnp.abs(x)
-    near = a < _ERF_SERIES_BELOW
-    far = 1.0 - _erfc_far(jnp.where(near | (x != x), 1.0, a))
-    out = jnp.where(near, _erf_series(jnp.where(near, x, 0.0)), jnp.where(x < 0, -far, far))
-    return jnp.where(x != x, x, out)
+    near, series, tail = _erf_parts(x)
+    far = 1.0 - tail
+    return jnp.where(x != x, x, jnp.where(near, series, jnp.where(x < 0, -far, far)))
 
 
 def _erfc(x):
     """erfc(x): 1 - erf(x) near 0, ``_erfc_far`` past it (2 minus it for x < 0);
     NaN kept."""
-    a = jnp.abs(x)
-    near = a < _ERF_SERIES_BELOW
-    far = _erfc_far(jnp.where(near | (x != x), 1.0, a))
-    out = jnp.where(near, 1.0 - _erf_series(jnp.where(near, x, 0.0)),
-                    jnp.where(x < 0, 2.0 - far, far))
-    return jnp.where(x != x, x, out)
+    near, series, tail = _erf_parts(x)
+    return jnp.where(x != x, x,
+                     jnp.where(near, 1.0 - series, jnp.where(x < 0, 2.0 - tail, tail)))
 
 
 def _pow(a, b):
@@ -316,7 +320,7 @@ def refusal(expr, sources, advice=True) -> str | None:
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
         if node.op == LOAD and read_axis(node) is False and not gathered(node):
-            if ir.variables(*node.args[1:]) - _PROGRAM_VARS - set(_TILE_AXES):
+            if _reads_score(node):
                 why = ("it reads captured arrays at indices built from b, h, constants, q_idx "
                        "and kv_idx, and this one reads the score")
             else:
@@ -345,11 +349,11 @@ def read_axis(load):
     no other); ``OFFSET``, a value per diagonal (they use q_idx and kv_idx only
     as ``q_idx - kv_idx`` or ``kv_idx - q_idx``); ``BLOCKS``, a value per block
     of positions (``block_sizes``); ``DENSE``, a value per score (``is_dense``);
-    False, a gather they cannot make."""
+    False, a gather (``gathered``)."""
     used = ir.variables(*load.args[1:])
     axes = [a for a in _TILE_AXES if a in used]
-    if used - _PROGRAM_VARS - set(_TILE_AXES):
-        return False  # the score
+    if _reads_score(load):
+        return False
     if len(axes) <= 1:
         return axes[0] if axes else None
     if reads_difference_only(*load.args[1:]):
@@ -367,10 +371,20 @@ def is_dense(load) -> bool:
     (``bias[h, kv_idx, q_idx]``), one per pair of queries (``bias[h, q_idx // 2,
     kv_idx]``), a mask of a decode step whose query heads are packed into its rows
     (``mask[b, h * 4 + q_idx % 4, q_idx // 4, kv_idx]``)."""
-    return _dense_form(load) and math.prod(load.args[0].attr[1]) <= _MOST_INDEXED
+    return dense_sides(load) is not None and _int32_positions(load)
 
 
 _MOST_INDEXED = 2 ** 31 - 1  # the kernels' positions in an array are int32
+
+
+def _int32_positions(load) -> bool:
+    """Whether the array ``load`` reads has at most ``_MOST_INDEXED`` entries."""
+    return math.prod(load.args[0].attr[1]) <= _MOST_INDEXED
+
+
+def _reads_score(load) -> bool:
+    """Whether an index of read ``load`` reads the score (or another non-index variable)."""
+    return bool(ir.variables(*load.args[1:]) - _PROGRAM_VARS - set(_TILE_AXES))
 
 
 def gathered(load) -> bool:
@@ -379,9 +393,7 @@ def gathered(load) -> bool:
     arrays per score: ``table[h, rel[q_idx, kv_idx]]``), is read per score at the
     positions its index takes on the tile (``tile_load``): its index reads no score,
     and the array has at most 2^31 - 1 entries (int32 positions)."""
-    return (read_axis(load) is False
-            and not ir.variables(*load.args[1:]) - _PROGRAM_VARS - set(_TILE_AXES)
-            and math.prod(load.args[0].attr[1]) <= _MOST_INDEXED)
+    return read_axis(load) is False and not _reads_score(load) and _int32_positions(load)
 
 
 def tile_load(interpret):
@@ -420,19 +432,6 @@ def bare_axis(load, axis: str) -> int | None:
     itself, where no other index reads it; else None."""
     at = [i for i, a in enumerate(load.args[1:]) if axis in ir.variables(a)]
     return at[0] if len(at) == 1 and load.args[1 + at[0]] is ir.var(axis) else None
-
-
-def _dense_form(load) -> bool:
-    """``is_dense`` but for the array's size."""
-    return dense_sides(load) is not None
-
-
-def strides(shape) -> tuple:
-    """The row-major strides of an array of ``shape``, in entries."""
-    out = [1]
-    for n in reversed(shape[1:]):
-        out.insert(0, out[0] * n)
-    return tuple(out)
 
 
 def blocks_along(size, rows=_TILE_ROWS, align=_TILE_ALIGN) -> int:
@@ -540,12 +539,10 @@ def dense_values(reads, refs, bi, hi, q0, k0, shape, keys_down=False, interpret=
     dims_of = {"q_idx": 1 if keys_down else 0, "kv_idx": 0 if keys_down else 1}
     layout = {0: plgpu.Layout.WGMMA.reduce(1), 1: plgpu.Layout.WGMMA.reduce(0)}
 
-    def offset(read, axes, inputs):  # the sum over ``axes`` of each index times its stride
-        dims, step = read.args[0].attr[1], strides(read.args[0].attr[1])
-        values = codegen.evaluate_tile([read.args[1 + i] for i in axes], inputs, {},
-                                       rules=TILE_RULES)
-        return sum(jnp.clip(jnp.asarray(x, jnp.int32), 0, dims[i] - 1) * step[i]
-                   for i, x in zip(axes, values))
+    def offset(read, axes, inputs):  # the position with the other axes' indices at 0
+        values = dict(zip(axes, codegen.evaluate_tile([read.args[1 + i] for i in axes],
+                                                      inputs, {}, rules=TILE_RULES)))
+        return codegen.flat_index(read, [values.get(i, 0) for i in range(len(read.args) - 1)])
 
     for read in reads:
         sides = dict(zip(_TILE_AXES, dense_sides(read)))
