@@ -828,25 +828,43 @@ def test_erf_runs_on_mosaic_kernels_interpreted(dtype, interprets):
                                  (name,))
 
 
-def test_a_read_per_score_without_an_axis_of_its_own_is_not_learned_on_mosaic(interprets):
-    """A read per score whose indices each take a part of one position
-    (``t[h, q % 64, kv % 96]``: no axis a position indexes by itself) runs on the
-    Mosaic forward, its offsets a row's plus a column's, against the reference
-    path; its gradient is not placed by rows, so it stays off the Mosaic
-    backward, saying which read and why."""
-    q, k, v, do = pc.inputs(b=1, sq=200, skv=260, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
-    mod, operands = pc.traced_vector_mod("wrapped_bias", q, k)
-    (read,) = mosaic.dense_reads(mod.expr)
-    assert mosaic.dense_sides(read) == ((1,), (2,)) and mosaic.bare_axis(read, "q_idx") is None
-    plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
-    (name, why), = plan.triton_operands
-    assert name == mod.operand_names[0] and "by itself" in why and "pallas_cases.py" in why
-    ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = REFERENCE.forward(ref, f32(q), f32(k), f32(v), operands)
-    o, lse = pallas_backend._forward(plan, q, k, v, operands)
-    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(want[0]), atol=3e-2)
-    np.testing.assert_allclose(lse, want[1], atol=1e-3)
+@pytest.mark.parametrize("case,shape", [
+    ("wrapped_bias", dict(sq=200, skv=260, hq=2, hkv=1, d=64)),
+    ("swin_bias", dict(sq=130, skv=100, hq=2, hkv=1, d=64)),
+    ("grid_bias", dict(sq=70, skv=130, hq=4, hkv=2, d=64, dtype=jnp.float16)),
+])
+def test_reads_without_an_axis_of_their_own_learn_by_position_interpreted(case, shape,
+                                                                          interprets):
+    """Reads whose gradient cannot be placed by rows: one per score whose indices
+    each take a part of one position (``t[h, q % 64, kv % 96]``), Swin's table at a
+    relative index read per score (``table[h, rel[q, kv]]``), a table at a 2-D
+    relative position. Learned on the Mosaic backward (the dQ kernel's cotangents
+    per score, summed by the position each score reads), in interpret mode, against
+    the reference path; no Triton kernel; the same bits twice."""
+    def by_position(plan, learned):
+        assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
+        assert plan.triton_operands == (), plan.triton_operands
+        read = next(n for n in mosaic_backward.learned_loads(plan.expr, (learned,)))
+        assert mosaic_backward.along_dense(read) and all(
+            mosaic.bare_axis(read, a) is None for a in ("q_idx", "kv_idx"))
+
+    _learns_interpreted_twice(case, shape, by_position)
+
+
+def test_sum_by_position_matches_a_scatter():
+    """``_sum_by_position`` against numpy's unordered add at positions with repeats,
+    gaps and one position taking every entry; the same bits twice."""
+    rng = np.random.default_rng(3)
+    for n, size in ((1000, 37), (257, 400), (64, 1)):
+        values = rng.standard_normal(n).astype(np.float32)
+        at = rng.integers(0, size, n).astype(np.int32)
+        want = np.zeros(size, np.float64)
+        np.add.at(want, at, values)
+        got = [np.asarray(jax.jit(pallas_backend._sum_by_position, static_argnums=2)(
+            jnp.asarray(values), jnp.asarray(at), size)) for _ in range(2)]
+        np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+        assert np.array_equal(got[0], got[1])
+        assert (got[0][np.setdiff1d(np.arange(size), at)] == 0).all()
 
 
 @pytest.mark.parametrize("case,shape", [
@@ -857,9 +875,7 @@ def test_gathers_run_per_score_interpreted(case, shape, interprets):
     """Reads at an index that mixes q_idx and kv_idx (a 2-D relative position on an
     8 x 8 grid; Swin's table at a relative index read per score): each thread
     loads its own scores' values at the index evaluated on the tile, forward and
-    backward on the Mosaic kernels in interpret mode against the reference path;
-    the table's gradient (not placed by these kernels) takes the Triton backward,
-    saying why."""
+    backward on the Mosaic kernels in interpret mode against the reference path."""
     shape = dict(shape)
     dtype = shape.pop("dtype", jnp.bfloat16)
     q, k, v, do = pc.inputs(b=2, dtype=dtype, **shape)
@@ -867,8 +883,7 @@ def test_gathers_run_per_score_interpreted(case, shape, interprets):
     plan = pc.pallas_plan(mod, q, k, v, MOSAIC, skip=True, scale=0.3)
     assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
     assert any(mosaic.gathered(n) for n in ir.toposort(plan.expr) if n.op == ir.LOAD)
-    table = [n for n, x in zip(mod.operand_names, operands) if x.dtype == jnp.float32]
-    assert [name for name, _ in plan.triton_operands] == table, plan.triton_operands
+    assert plan.triton_operands == (), plan.triton_operands
     ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, False)
@@ -877,18 +892,6 @@ def test_gathers_run_per_score_interpreted(case, shape, interprets):
     dq, dk, dv, _ = pallas_backend._backward(plan, q, k, v, o, lse, do, dlse, operands, ())
     errs = pc.relative_errors((o, lse, dq, dk, dv, ()), want)
     assert all(e < 3e-2 for e in errs.values()), errs
-
-
-def test_a_gathered_table_learns_on_the_triton_backward_interpreted(interprets):
-    """Swin's table at a relative index read per score, learned: the Mosaic forward
-    reads it per score, and the call that asks for its gradient takes the Triton
-    backward (both in interpret mode), against the reference path; the same bits
-    twice."""
-    def gathered(plan, learned):
-        assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
-        assert [name for name, _ in plan.triton_operands] == [learned], plan.describe()
-
-    _learns_interpreted_twice("swin_bias", dict(sq=130, skv=100, hq=2, hkv=1, d=64), gathered)
 
 
 def test_a_decode_step_packs_a_mask_per_score(interprets, monkeypatch):
@@ -1006,20 +1009,21 @@ def test_backward_learns_position_reads_interpreted(case, shape, interprets):
 
 
 def test_position_reads_refusals():
-    """A read along both axes is not learned on the Mosaic backward (the Triton
-    one's), saying why; one along the keys or the queries is, its index reading a
-    captured array or not."""
+    """A read at q_idx - kv_idx is not learned by the dK/dV kernel's sums (the
+    block-diagonal kernel's), saying why; one along the keys or the queries is, its
+    index reading a captured array or not, and so is a gather."""
     doc = pc.doc_ids(1, 64)
     w = jnp.ones((64,), jnp.float32)
     def learned(mod):  # the float operand's name
         return next(n for n, x in zip(mod.operand_names, mod.operands)
                     if jnp.issubdtype(x.dtype, jnp.floating))
 
-    mod = scoremod.trace(lambda s, b, h, q, k: s * w[(q + k) % 64])
+    mod = scoremod.trace(lambda s, b, h, q, k: s * w[(q - k) % 64])
     why = mosaic_backward.learning_refusal(mod.expr, learned(mod), mod.sources)
     assert why is not None and "along the keys" in why, why
     for fn in (lambda s, b, h, q, k: s + w[k // 2], lambda s, b, h, q, k: s * w[q],
-               lambda s, b, h, q, k: s + w[doc[0, k]], lambda s, b, h, q, k: s * w[doc[0, q]]):
+               lambda s, b, h, q, k: s + w[doc[0, k]], lambda s, b, h, q, k: s * w[doc[0, q]],
+               lambda s, b, h, q, k: s * w[(q + k) % 64]):
         mod = scoremod.trace(fn)
         assert mosaic_backward.learning_refusal(mod.expr, learned(mod), mod.sources) is None
 
@@ -1066,10 +1070,13 @@ def test_learning_refusal(monkeypatch, hopper_here):
     Triton backward (one that does not, to the Mosaic one)."""
     t = jnp.ones((4, 8), jnp.float32)
     for fn in (lambda s, b, h, qi, ki: s + t[h, jnp.clip(ki - qi + 4, 0, 7)],  # relative
-               lambda s, b, h, qi, ki: s + t[h, (qi + ki) % 8]):  # a gather
+               lambda s, b, h, qi, ki: s + t[h, jnp.where(s > 0, 1, 0)]):  # by the score
         read = scoremod.trace(fn)
         why = mosaic_backward.learning_refusal(read.expr, read.operand_names[0], read.sources)
         assert "is none of these" in why and "test_pallas_mosaic.py" in why
+    gather = scoremod.trace(lambda s, b, h, qi, ki: s + t[h, (qi + ki) % 8])
+    assert mosaic_backward.learning_refusal(gather.expr, gather.operand_names[0],
+                                            gather.sources) is None
     monkeypatch.setitem(mosaic.NOT_LOWERABLE, "cos", "no rule for cos (a test's)")
     c = jnp.asarray([0.5, 1.0, 1.5, 2.0], jnp.float32)
     q, k, v, do = pc.inputs(b=1, sq=128, skv=128, hq=4, hkv=2, d=64, dtype=jnp.float16)

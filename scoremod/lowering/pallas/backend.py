@@ -810,45 +810,86 @@ def _along_axes(plan) -> tuple:
                           mosaic_backward.along_blocks, mosaic_backward.along_dense)
 
 
-def _dense_gradients(plan, spec, sums, q_map) -> dict:
-    """{name: gradient} of the operands read per score from the dQ kernel's
-    cotangents ``sums`` [B, Hq, reads, padded Sq, padded Skv] (``dense_loads``
-    order): the tiles the map did not visit zeroed (the kernel leaves them
-    unwritten), the padding dropped, entries past the sequences zero (``attention``
+def _dense_gradients(plan, spec, sums, q_map, operands) -> dict:
+    """{name: gradient} of the operands read per score (``along_dense``) from the dQ
+    kernel's cotangents ``sums`` [B, Hq, reads, padded Sq, padded Skv]
+    (``dense_loads`` order): the tiles the map did not visit zeroed (the kernel
+    leaves them unwritten), the padding dropped, and each cotangent added into the
+    entry its read takes there. Where q_idx or kv_idx indexes an axis by itself, each
+    row of scores along it (by batch, head and query; by key where only the queries
+    do) is added into the row of the array its other indices read, known when
+    tracing (a gather and a sum in a fixed order); else (gathers, reads whose index
+    reads captured arrays) each score's position is evaluated at run time and the
+    cotangents are summed by position (``_sum_by_position``). The same bits on every
+    run. Entries past the sequences read by a position stay zero (``attention``
     refuses an axis indexed by a position that is shorter than its range, and the
-    tracer reads a one-entry axis at 0), and each row of scores (by batch, head and
-    query; by key where the queries index an axis themselves) added into the row
-    of the array its other indices read (a gather and a sum in a fixed order: the
-    same bits on every run)."""
+    tracer reads a one-entry axis at 0)."""
     p = plan.problem
     b, hq, _, sq, skv = sums.shape
     tile_q, blk = mosaic_backward.DQ_BLOCKS
     visited = _listed(q_map.q_counts, q_map.q_blocks, skv // blk)
     visited = jnp.repeat(jnp.repeat(visited, tile_q, 2), blk, 3)[:, :, None, :sq, :skv]
     sums = jnp.where(visited, sums, 0.0)[..., :p.sq, :p.skv]
+    refs = dict(zip(_names(plan), operands))
     out = {}
     for r, read in enumerate(mosaic_backward.dense_loads(spec.expr, spec.learned)):
         name, shape, _ = read.args[0].attr
         x = sums[:, :, r]
-        # Rows of scores along the axis a position indexes itself (the keys', else the
-        # queries': ``learning_refusal``), each placed by the other indices.
-        along = mosaic.bare_axis(read, "kv_idx")
-        d, ks = range(p.sq), (0,)
+        along = None if mosaic_backward.reads_arrays(read) else next(
+            (a for a in ("kv_idx", "q_idx") if mosaic.bare_axis(read, a) is not None), None)
         if along is None:
-            along, x, d, ks = mosaic.bare_axis(read, "q_idx"), jnp.swapaxes(x, 2, 3), (0,), \
-                range(p.skv)
-        rest = [i for i in range(len(shape)) if i != along]
-        n = x.shape[2]
-        at = _static_positions(read, rest, d, p.b, p.hq, ks=ks)  # [Bx, Hx, n]
-        at = np.broadcast_to(at, (p.b, p.hq, n)).reshape(1, 1, -1)
-        members = _members(at, math.prod(shape[i] for i in rest), p.b * p.hq * n,
-                           f"`{format_expr(read)}`", "rows of scores")
-        rows = _pad(x, 3, shape[along]).reshape(-1, shape[along])
-        rows = jnp.concatenate([rows, jnp.zeros((1, shape[along]), rows.dtype)])
-        total = rows[members[0, 0]].sum(1).reshape(*(shape[i] for i in rest), shape[along])
-        total = jnp.moveaxis(total, -1, along)
+            at = _score_positions(read, p.b, p.hq, p.sq, p.skv, refs)
+            total = _sum_by_position(x.reshape(-1), at.reshape(-1), math.prod(shape))
+            total = total.reshape(shape)
+        else:
+            # Rows of scores along the axis a position indexes by itself (the keys',
+            # else the queries'), each placed by the other indices.
+            axis, d, ks = mosaic.bare_axis(read, along), range(p.sq), (0,)
+            if along == "q_idx":
+                x, d, ks = jnp.swapaxes(x, 2, 3), (0,), range(p.skv)
+            rest = [i for i in range(len(shape)) if i != axis]
+            n = x.shape[2]
+            at = _static_positions(read, rest, d, p.b, p.hq, ks=ks)  # [Bx, Hx, n]
+            at = np.broadcast_to(at, (p.b, p.hq, n)).reshape(1, 1, -1)
+            members = _members(at, math.prod(shape[i] for i in rest), p.b * p.hq * n,
+                               f"`{format_expr(read)}`", "rows of scores")
+            rows = _pad(x, 3, shape[axis]).reshape(-1, shape[axis])
+            rows = jnp.concatenate([rows, jnp.zeros((1, shape[axis]), rows.dtype)])
+            total = rows[members[0, 0]].sum(1).reshape(*(shape[i] for i in rest), shape[axis])
+            total = jnp.moveaxis(total, -1, axis)
         out[name] = total if name not in out else out[name] + total
     return out
+
+
+def _score_positions(read, b, hq, sq, skv, refs):
+    """int32 [B, Hq, Sq, Skv]: the flat position in its array that ``read`` takes at
+    each score, clamped as reads clamp (its index may read captured arrays: ``refs``,
+    the kernels' flat arrays)."""
+    grid = {"q_idx": jnp.arange(sq, dtype=jnp.int32)[None, None, :, None],
+            "kv_idx": jnp.arange(skv, dtype=jnp.int32)[None, None, None, :],
+            "b": jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
+            "h": jnp.arange(hq, dtype=jnp.int32)[None, :, None, None]}
+    index = codegen.evaluate_tile(list(read.args[1:]), grid, refs)
+    return jnp.broadcast_to(codegen.flat_index(read, index), (b, hq, sq, skv))
+
+
+def _sum_by_position(values, at, size):
+    """float32 [size]: per position, the sum of ``values`` [n] over the entries whose
+    ``at`` [n] (int32 in [0, size)) is that position. No scatter-add (atomics on a
+    GPU): a stable sort by position, a segmented sum in a fixed tree order
+    (``associative_scan``), and each position's total read at the end of its run:
+    the same bits on every run."""
+    at, values = jax.lax.sort((at, values), num_keys=1, is_stable=True)
+
+    def add_within_runs(a, b):  # a precedes b; a run is one position's entries
+        (pa, xa), (pb, xb) = a, b
+        return pb, jnp.where(pa == pb, xa + xb, xb)
+
+    _, totals = jax.lax.associative_scan(add_within_runs, (at, values))
+    positions = jnp.arange(size, dtype=at.dtype)
+    start = jnp.searchsorted(at, positions, side="left")
+    end = jnp.searchsorted(at, positions, side="right")
+    return jnp.where(end > start, totals[jnp.maximum(end - 1, 0)], 0.0)
 
 
 def _listed(counts, blocks, n):
@@ -1088,7 +1129,7 @@ def _backward(plan, q, k, v, o, lse, do, dlse, operands, wanted):
                 parts[name] = (parts[name].sum(2, keepdims=True) + part if name in parts
                                else part)
         if dense_sums is not None:  # reads per score: the dQ kernel's tiles
-            dense = _dense_gradients(plan, mspec, dense_sums, q_map)
+            dense = _dense_gradients(plan, mspec, dense_sums, q_map, kops)
         if diagonal:
             dspec = plan.mosaic_backward_spec(learned=(w[0] for w in diagonal))
             dmap = _map(plan, mosaic_backward.DIAGONAL_BLOCKS, operands)

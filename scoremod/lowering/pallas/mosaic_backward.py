@@ -50,9 +50,10 @@ query's) at the position it reads, each position summing its keys in a
 fixed order. A float array read per score (``bias[b, h, q_idx, kv_idx]``:
 ``along_dense``) has a cotangent per score: the dQ kernel writes each tile it
 visits to [B, Hq, reads, Sq, Skv] through shared memory, and the backend adds
-each (batch, head)'s matrix into the entry it reads. No atomics: the same bits
-on every run. Other reads at an index that varies over the tile (a gather) are
-the Triton backward's (``learning_refusal``; the backend routes them).
+each (batch, head)'s matrix into the entry it reads; so do gathers
+(``table[h, rel[q_idx, kv_idx]]``), added by the positions their index takes,
+evaluated after the kernels. No atomics: the same bits on every run. Reads at
+q_idx - kv_idx have their own kernel (``diagonal_sums``).
 
 Off a GPU (the plan's interpret flag) the kernels run in Mosaic GPU's
 interpret mode, a CPU simulation of the warpgroups, barriers, copies and
@@ -186,10 +187,15 @@ def along_blocks(node) -> bool:
 
 
 def along_dense(node) -> bool:
-    """Whether read ``node`` is a value per score (``bias[b, h, q_idx, kv_idx]``:
-    ``mosaic.is_dense``): the dQ kernel writes its cotangent on every tile it
-    visits, and the backend places each row of it at the entries it reads."""
-    return mosaic.read_axis(node) == mosaic.DENSE
+    """Whether the dQ kernel writes read ``node``'s cotangent per score, on every
+    tile it visits, for the backend to add into the entries it reads: a value per
+    score (``bias[b, h, q_idx, kv_idx]``: ``mosaic.is_dense``), a gather
+    (``table[h, rel[q_idx, kv_idx]]``: ``mosaic.gathered``), and reads at q_idx -
+    kv_idx or at whole blocks whose index reads captured arrays (the block-diagonal
+    and per-step sums take indices of the positions alone)."""
+    axis = mosaic.read_axis(node)
+    return (axis == mosaic.DENSE or (axis is False and mosaic.gathered(node))
+            or (axis in (mosaic.OFFSET, mosaic.BLOCKS) and reads_arrays(node)))
 
 
 def step_blocks(node) -> int:
@@ -239,15 +245,9 @@ def learning_refusal(expr, name, sources) -> str | None:
             where = ir.source_of(node, expr, sources)
             return (f"it sums the gradients of reads at indices built from b, h and constants, "
                     f"of reads along the keys or the queries, of reads at whole blocks of "
-                    f"positions known when tracing, and of float arrays read per score "
-                    f"(each index of b, h and one of q_idx or kv_idx); "
+                    f"positions known when tracing, and of reads per score at an index "
+                    f"that reads no score, in arrays of at most 2^31 - 1 entries; "
                     f"`{format_expr(node)}`{' at ' + where if where else ''} is none of these")
-    for node in dense:
-        if mosaic.bare_axis(node, "kv_idx") is None and mosaic.bare_axis(node, "q_idx") is None:
-            where = ir.source_of(node, expr, sources)
-            return (f"it places the gradient of a read per score by rows along an axis that "
-                    f"kv_idx or q_idx indexes by itself; `{format_expr(node)}`"
-                    f"{' at ' + where if where else ''} has none")
     for local in load_derivatives(expr, loads):
         why = mosaic.refusal(local, sources, advice=False)
         if why:
