@@ -652,6 +652,9 @@ def test_mosaic_learns_short_table_gathers(case, shape, dtype, hopper):
     ("edge_types", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("query_pairs_bias", dict(sq=1000, skv=900, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("key_pairs_bias", dict(sq=640, skv=777, hq=2, hkv=2, d=64), jnp.float16),
+    ("wrapped_bias", dict(sq=700, skv=900, hq=4, hkv=2, d=128), jnp.bfloat16),
+    ("swin_bias", dict(sq=512, skv=640, hq=4, hkv=2, d=64), jnp.float16),
+    ("grid_bias", dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
 ])
 def test_mosaic_learns_dense_reads(case, shape, dtype, hopper):
     """A learned float array read per score (``bias[b, h, q_idx, kv_idx]``: Flax's
@@ -660,7 +663,9 @@ def test_mosaic_learns_dense_reads(case, shape, dtype, hopper):
     softcap over score and bias; a bfloat16 one, widened as loaded; one beside
     Flax's bool mask per score, read as int8, its empty tiles skipped; one stored
     keys first, causal; pair features [B, Sq, Skv, 3]; an edge type per score picking
-    a learned weight per head; a row per two queries; a column per two keys), each thread
+    a learned weight per head; a row per two queries; a column per two keys; and,
+    summed by the position each score reads, a bias tiled over the scores, Swin's
+    table at a relative index per score and a 2-D relative-position table), each thread
     loading its scores' values from
     global memory: O, LSE, dQ, dK, dV and the array's gradient (the dQ kernel's
     tiles, placed by batch and head) against the reference path, no Triton kernel
