@@ -19,12 +19,12 @@ description says which and why). Both return the same O and
 natural-log LSE. The backward follows: with the Mosaic engine it runs on
 Mosaic GPU kernels too (``mosaic_backward``) where they can evaluate the
 mod's derivative, decided when the call is planned, gradients of captured
-float arrays read at one position per program (``slopes[h]``, a learned
-scalar) and of tables read at q_idx - kv_idx (a kernel per block diagonal,
-``mosaic_backward.diagonal_sums``) included; a call that asks for the
-gradient of an array read at another index that varies over the tile (a
-gather), and everything under the Triton engine, runs on the Triton
-backward kernels.
+float arrays included: read at one position per program (``slopes[h]``, a
+learned scalar), along the keys or queries, at whole blocks, per score
+(gathers too: ``_dense_gradients``), and tables read at q_idx - kv_idx (a
+kernel per block diagonal, ``mosaic_backward.diagonal_sums``); the few
+operands those refuse (``_mosaic_unlearnable``), and everything under the
+Triton engine, run on the Triton backward kernels.
 
 The calls run through the pipeline every fused backend does
 (``lowering.backend.execute``); the backward takes the LSE's cotangent and
