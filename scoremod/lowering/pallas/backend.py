@@ -838,7 +838,13 @@ def _dense_gradients(plan, spec, sums, q_map, operands) -> dict:
         along = None if mosaic_backward.reads_arrays(read) else next(
             (a for a in ("kv_idx", "q_idx") if mosaic.bare_axis(read, a) is not None), None)
         if along is None:
-            at = _score_positions(read, p.b, p.hq, p.sq, p.skv, refs)
+            # The batch (heads) summed first where the index does not read b (h): a
+            # table shared by the batch sorts a B-th of the cotangents.
+            used = ir.variables(read)
+            for axis, var in ((0, "b"), (1, "h")):
+                if var not in used:
+                    x = x.sum(axis, keepdims=True)
+            at = _score_positions(read, x.shape[0], x.shape[1], p.sq, p.skv, refs)
             total = _sum_by_position(x.reshape(-1), at.reshape(-1), math.prod(shape))
             total = total.reshape(shape)
         else:
