@@ -943,6 +943,24 @@ def test_a_learned_dense_bias_lowers_to_mosaic_kernels_only(hopper_here):
         {"mosaic": 2, "triton": 0}
 
 
+@pytest.mark.parametrize("case", ["swin_bias", "grid_bias", "wrapped_bias"])
+def test_a_learned_gather_lowers_to_mosaic_kernels_only(case, hopper_here):
+    """jax.grad of a call that learns a table read at a gathered index (Swin's
+    ``table[h, rel[q, kv]]``, a 2-D relative position) or a bias tiled over the
+    scores lowers for CUDA to the three Mosaic kernels (the dQ kernel's per-score
+    cotangents through ``dense_gather``) and no Triton kernel."""
+    q, k, v, do = pc.inputs(b=2, sq=300, skv=260, hq=4, hkv=2, d=128, dtype=jnp.bfloat16)
+    fn, operands = pc.vector_mod(case, 2, 4, 300, 260)
+
+    def loss(q, k, v, table):
+        mod = lambda s, b, h, qi, ki: fn(s, b, h, qi, ki, *operands[:-1], table)  # noqa: E731
+        o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    lowered = _lower_call(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, operands[-1])
+    assert _kernels(lowered) == {"mosaic": 3, "triton": 0}
+
+
 def test_a_learned_block_table_lowers_to_mosaic_kernels_only(hopper_here):
     """jax.grad of a call that learns a bias per 64 x 64 block (beside a tile map of
     the same blocks, as video sparse attention's), or per 48 queries by 64 keys,
