@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import scoremod
+from scoremod import positions
 from scoremod.errors import ScoreModError
 from scoremod.lowering import decode, registry
 from scoremod.lowering.backend import Call
@@ -300,6 +301,15 @@ def test_mosaic_engine_packs_and_splits_keys_itself(stand_in_h200):
     fold, inner = decode.choose(Call(be, be.plan(p, None, 0.125, given, True), p, given))
     assert fold == decode.Fold(4, 1) and inner.plan.key_parts == 8
     assert decode.choose(_call(p, opts.replace(decode_splits=0))) is None
+    # Lengths known at run time (kv_lengths): twice the parts, spread by the rows' lists.
+    lengths = jnp.full((8,), 32768, jnp.int32)
+    ragged = positions.apply_positions(None, 8, kv_lengths=lengths)
+    fold, inner = decode.choose(Call(be, be.plan(p, ragged, 0.125, opts, True), p, opts))
+    assert inner.plan.key_parts == 4 and inner.plan.part_spread == 132
+    fold, inner = decode.choose(Call(be, be.plan(p, window, 0.125, opts, True), p, opts))
+    assert inner.plan.part_spread == 0
+    fold, inner = decode.choose(Call(be, be.plan(p, ragged, 0.125, given, True), p, given))
+    assert inner.plan.key_parts == 8 and inner.plan.part_spread == 0
 
 
 def test_pallas_claims_short_queries_on_the_mosaic_engine(stand_in_h200):

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import scoremod
-from scoremod import device, support
+from scoremod import device, positions, support
 from scoremod.dsl import ir
 from scoremod.dsl.evaluate import evaluate
 from scoremod.errors import ScoreModError
@@ -2015,6 +2015,54 @@ def test_forward_key_parts_interpreted(case, parts, shape, interprets):
     np.testing.assert_allclose(f32(got_o), f32(one_o), atol=1e-2)
     if case == "masked_rows":
         assert (~live).any() and not f32(got_o)[:, :21].any()
+
+
+def test_part_sizes_spread_a_run_by_its_lists():
+    """With key lists known at run time, a tile's programs take parts of its list by
+    its share of the run's tiles over the multiprocessors: uniform rows keep the
+    parts the wave model picks, a long row beside short ones takes more of them, a
+    short list one; a map shared by the batch counts once per program row."""
+    def sizes(counts, parts=4, spread=132, rows=None):
+        counts = jnp.asarray(counts, jnp.int32)
+        rows = counts.size if rows is None else rows
+        return np.asarray(pallas_backend.part_sizes(counts, parts, spread, rows)).tolist()
+
+    assert sizes([[[256]] * 64]) == [[[128]] * 64]  # 2 parts of the 4
+    half = [[[256]], [[8]]] * 32
+    assert sizes(half) == [[[64]], [[8]]] * 32  # the long rows in 4, the short in 1
+    assert sizes([[[8]] * 64]) == [[[8]] * 64]  # parts of at least MIN_PART_TILES
+    assert sizes([[[0], [256]]]) == [[[0], [64]]]  # 256 tiles over 132: parts of 8 or more
+    assert sizes([[[256]]], rows=64) == [[[128]]]  # one map row for 64 program rows
+    assert sizes([[[256]], [[8]]], parts=16, spread=132, rows=16) == [[[16]], [[8]]]
+
+
+@pytest.mark.parametrize("case,shape", [
+    ("softcap", dict(sq=4, skv=4200, hq=2, hkv=1, d=64)),  # 33 key tiles: 4 parts of 9
+    ("learnable_softcap", dict(sq=8, skv=2200, hq=2, hkv=2, d=128)),  # 18 tiles: 2 parts of 9
+])
+def test_forward_spread_parts_interpreted(case, shape, interprets):
+    """Ragged ``kv_lengths`` on the Mosaic forward whose parts are spread by the rows'
+    lists (a row of all the keys beside one of a few and one of none), in interpret
+    mode: O and LSE against the reference path with those lengths."""
+    q, k, v, _ = pc.inputs(b=3, dtype=jnp.bfloat16, **shape)
+    mod, operands = pc.traced(case, q, k)
+    lengths = jnp.asarray([shape["skv"], 70, 0], jnp.int32)
+    ragged = positions.apply_positions(mod, 3, kv_lengths=lengths)
+    opts = MOSAIC.replace(sms=64)
+    plan = pc.pallas_plan(ragged, q, k, v, opts, scale=0.3)
+    plan = dataclasses.replace(plan, key_parts=4, part_spread=64)
+    sizes = np.asarray(pallas_backend.part_sizes(
+        _map(plan, plan.forward_blocks, ragged.operands).q_counts, 4, 64, 3 * shape["hq"]))
+    assert sizes.ravel().tolist()[:3] == [9, 1, 0], sizes  # rows differ
+    ref = REFERENCE.plan(Problem.of(q, k, v), ragged, plan.scale, opts, True)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    want_o, want_lse = REFERENCE.forward(ref, *(x.astype(jnp.float32) for x in (q, k, v)),
+                                         ragged.operands)
+    got_o, got_lse = pallas_backend._forward(plan, q, k, v, ragged.operands)
+    np.testing.assert_array_equal(np.isneginf(f32(got_lse)), np.isneginf(f32(want_lse)))
+    live = np.isfinite(f32(want_lse))
+    np.testing.assert_allclose(f32(got_lse)[live], f32(want_lse)[live], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(f32(got_o), f32(want_o), atol=2e-2)
 
 
 def test_key_parts_choice():

@@ -144,8 +144,12 @@ class PallasPlan:
     # engine, why the Mosaic GPU engine does not take the call.
     auto_engine: bool = False
     engine_note: str | None = None
-    # The Mosaic GPU forward's programs per query tile (``key_parts``).
+    # The Mosaic GPU forward's programs per query tile (``key_parts``); with key lists
+    # that differ by row at run time, the multiprocessors their tiles are spread over
+    # (``spread_parts``: a long list takes more of the programs than a short one; 0:
+    # each list in ``key_parts`` equal parts).
     key_parts: int = 1
+    part_spread: int = 0
     # Whether the Mosaic backward's dK/dV kernel computes dQ as well (unless the call
     # asks for deterministic gradients: its reduce-adds come in any order); else a
     # dQ kernel does.
@@ -441,7 +445,7 @@ class Pallas(Backend):
                             if mod is not None and engine == "mosaic" else None),
             auto_engine=options.pallas_engine == "auto",
             engine_note=engine_note,
-            key_parts=key_parts(problem, mod, options) if engine == "mosaic" else 1,
+            **(spread_parts(problem, mod, options) if engine == "mosaic" else {}),
             fused_dq=(mosaic_backward.FUSE_DQ and backward_engine == "mosaic"
                       and not options.deterministic),
             spelled=None if mod is None or expr is mod.expr else expr)
@@ -496,6 +500,47 @@ def key_parts(problem: Problem, mod, options) -> int:
         if finish(tried) < finish(parts):
             parts = tried
     return parts
+
+
+def spread_parts(problem: Problem, mod, options) -> dict:
+    """The plan's ``key_parts`` and ``part_spread``. Where the mask's key lists
+    depend on captured arrays (``kv_lengths``, document ids, a traced position), one
+    row's list may be 1000 keys and another's 32768: equal parts per row would leave
+    the run as long as the longest row's parts, whatever the rest read. There the
+    grid gets twice ``key_parts``' programs per query tile and each row takes as many
+    as its list's share of the run's tiles (``part_sizes``), the rest left empty: a
+    row of uniform lengths still runs in ``key_parts`` parts (an empty program's
+    start and end are what it adds), a long row beside short ones in up to twice."""
+    parts = key_parts(problem, mod, options)
+    if parts == 1 or options.decode_splits is not None or not _lists_vary(mod):
+        return dict(key_parts=parts)
+    tiles = -(-problem.skv // mosaic.BLOCK_KV)
+    most = max(1, min(MAX_PARTS, tiles // MIN_PART_TILES))
+    return dict(key_parts=min(2 * parts, 1 << (most.bit_length() - 1)),
+                part_spread=decode.multiprocessors(options))
+
+
+def _lists_vary(mod) -> bool:
+    """Whether the mod masks keys by a condition that reads captured arrays: its key
+    lists are known at run time only, and may differ by row."""
+    if mod is None:
+        return False
+    conds, _ = patterns.mask_conditions(mod.expr)
+    deps = patterns.dependencies(mod.expr)
+    return any("kv_idx" in deps[c] and any(n.op == ir.OPERAND for n in ir.toposort(c))
+               for c in conds)
+
+
+def part_sizes(counts, parts: int, spread: int, rows: int):
+    """int32 like ``counts`` (a map's query-tile list lengths [Bm, Hm, tiles], each
+    standing for ``rows`` // its size (batch x heads) program rows): the key tiles each
+    of a tile's ``parts`` programs takes. The run's tiles over ``spread``
+    multiprocessors give a target share (at least ``MIN_PART_TILES``); a list takes
+    one part per whole share, from one to ``parts``, in equal parts."""
+    total = jnp.sum(counts, dtype=jnp.int32) * (rows // (counts.shape[0] * counts.shape[1]))
+    target = jnp.maximum(MIN_PART_TILES, (total + spread - 1) // spread)
+    active = jnp.clip(counts // target, 1, parts)
+    return (counts + active - 1) // active
 
 
 def _full_expr(expr):
@@ -638,8 +683,12 @@ def _forward(plan, q, k, v, operands, table=None):
         else:
             pages = mosaic.paged_rows(table, k.shape[1], p.skv, k.shape[0])
         spec = _uniform_full(plan.mosaic_spec(), bmap.q_full)
+        sizes = None
+        if plan.part_spread:
+            sizes = part_sizes(bmap.q_counts, plan.key_parts, plan.part_spread, p.b * p.hq)
         o, lse = mosaic.forward(spec, bmap, _pad(q, 1, sq), k, v,
-                                _kernel_operands(plan, operands), pages=pages)
+                                _kernel_operands(plan, operands), pages=pages,
+                                part_sizes=sizes)
         return _join_parts(o, lse, plan.key_parts, p.sq)
     spec = plan.spec(plan.forward_blocks, plan.num_warps[0])
     bmap = _map(plan, plan.forward_blocks, operands)

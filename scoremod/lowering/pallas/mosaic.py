@@ -69,6 +69,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from scoremod.dsl import ir
@@ -1128,7 +1129,7 @@ def paged_rows(table, page: int, skv: int, num_pages: int):
     return table
 
 
-def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
+def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None, part_sizes=None):
     """O [B, Sq, Hq, Dv] (q's dtype) and LSE [B, Hq, Sq] (float32, natural log)
     on arrays padded to whole tiles (Sq to ``TILE_Q``, Skv to ``BLOCK_KV``).
 
@@ -1144,9 +1145,10 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     broadcast over the tile (one shared-memory vector load per key tile).
 
     With ``spec.parts`` = n > 1, n programs share each query tile, each taking
-    an equal part of the tile's key list, and O and LSE hold each part's rows
-    (part ``j``'s row ``i`` at ``j * Sq + i``; a part with no key: O 0, LSE
-    -inf), which the caller joins by their LSEs."""
+    a part of the tile's key list (``part_sizes``, int32 like the map's counts: the
+    key tiles of each part; by default an equal share), and O and LSE hold each
+    part's rows (part ``j``'s row ``i`` at ``j * Sq + i``; a part with no key: O 0,
+    LSE -inf), which the caller joins by their LSEs."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -1157,6 +1159,11 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
     parts = spec.parts
     n_ops = len(operands)
     counts, blocks = bmap.q_counts, bmap.q_blocks
+    if parts > 1:  # each tile's list length and its parts' size, side by side
+        xp = np if isinstance(counts, np.ndarray) and part_sizes is None else jnp
+        if part_sizes is None:
+            part_sizes = (counts + (parts - 1)) // parts
+        counts = xp.stack([counts, xp.asarray(part_sizes, counts.dtype)], -1)
     # The full-tile flags, read only with a full-tile mod; else the block ids stand in
     # (flags of one value, a constant, would cost XLA a broadcast kernel per call).
     full = blocks if spec.full_expr is None else bmap.q_full.astype(jnp.int32)
@@ -1208,8 +1215,7 @@ def forward(spec: MosaicSpec, bmap, q, k, v, operands, pages=None):
             program = lax.axis_index("q_seq")
             part = lax.rem(program, jnp.int32(parts))
             tile = n_tiles - 1 - lax.div(program, jnp.int32(parts))
-            listed = counts_ref[mb, mh, tile]
-            per = lax.div(listed + (parts - 1), jnp.int32(parts))
+            listed, per = counts_ref[mb, mh, tile, 0], counts_ref[mb, mh, tile, 1]
             first = part * per
             count = jnp.clip(listed - first, 0, per)
             out_row0 = part * sq + tile * TILE_Q  # where its rows' O and LSE go
