@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scoremod
+from scoremod import positions
 from scoremod.dsl import ir, ops
 from scoremod.dsl.evaluate import evaluate
 from scoremod.lowering import block_maps, intervals
@@ -697,3 +698,73 @@ def test_random_differential_masks(seed):
     p = Problem(2, 13, 10, 3, 3, 4, 4, "float32")
     for exact in ("never", "always"):
         check(mod, p, 4, 3, exact=exact, seed=seed)
+
+
+def test_run_lists_match_the_lists_of_runs():
+    """Rows of one run of visited tiles list the same from their first tile onwards
+    (``_run_lists``) as through the general lists; a row with gaps lists them too
+    (its first to its last tile), and an empty row none."""
+    rng = np.random.default_rng(11)
+    n = 9
+    first = rng.integers(0, n, (2, 3, 5))
+    length = rng.integers(0, n + 1, (2, 3, 5))
+    at = np.arange(n)
+    visited = (at >= first[..., None]) & (at < (first + length)[..., None])
+    full = visited & (rng.random(visited.shape) < 0.5)
+    runs = block_maps._run_lists(jnp.asarray(visited), jnp.asarray(full))
+    for got, want in zip(runs, block_maps._lists(jnp.asarray(visited), jnp.asarray(full))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    gaps = np.zeros((1, 1, 2, n), bool)
+    gaps[0, 0, 0, [2, 5, 6]] = True
+    counts, blocks, flags = (np.asarray(x) for x in block_maps._run_lists(
+        jnp.asarray(gaps), jnp.asarray(gaps)))
+    assert counts.tolist() == [[[5, 0]]] and blocks[0, 0, 0, :5].tolist() == [2, 3, 4, 5, 6]
+    assert flags[0, 0, 0, :5].tolist() == [True, False, False, True, True]
+
+
+def test_interval_axes_of_bounds():
+    """Rows (columns) are runs where every mask condition on kv_idx (q_idx) bounds
+    it and no array read outside them varies with it."""
+    bias = jnp.zeros((4, 64), jnp.float32)
+    doc = jnp.zeros((1, 64), jnp.int32)
+    cases = {
+        "causal": (lambda s, b, h, q, k: jnp.where(q >= k, s, -jnp.inf), (True, True)),
+        "window": (lambda s, b, h, q, k: jnp.where((q >= k) & (q - k < 16), s, -jnp.inf),
+                   (True, True)),
+        "alibi causal": (lambda s, b, h, q, k: jnp.where(
+            q >= k, s + 0.5 * (k - q).astype(jnp.float32), -jnp.inf), (True, True)),
+        "prefix": (lambda s, b, h, q, k: jnp.where((k < 8) | (q >= k), s, -jnp.inf),
+                   (False, False)),
+        "document": (lambda s, b, h, q, k: jnp.where(doc[b, q] == doc[b, k], s, -jnp.inf),
+                     (False, False)),
+        "key bias": (lambda s, b, h, q, k: jnp.where(q >= k, s + bias[h, k], -jnp.inf),
+                     (False, True)),
+        "striped": (lambda s, b, h, q, k: jnp.where(k % 8 < 4, s, -jnp.inf), (False, True)),
+        "softcap": (lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0), (True, True)),
+    }
+    for name, (fn, want) in cases.items():
+        assert block_maps.interval_axes(trace(fn).expr) == want, name
+    window = trace(cases["window"][0])
+    lengths = jnp.asarray([40, 64], jnp.int32)
+    placed = positions.apply_positions(window, 2, q_offset=lengths - 1, kv_lengths=lengths)
+    assert block_maps.interval_axes(placed.expr) == (True, True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_maps_at_traced_positions_list_runs_as_the_general_lists(seed):
+    """A window and causal mask at traced positions and lengths (a decode step, a
+    prefill chunk): the map's lists (runs) equal the general lists of its tiles."""
+    rng = np.random.default_rng(seed)
+    b, sq, skv = 3, int(rng.integers(1, 40)), int(rng.integers(40, 300))
+    width = int(rng.integers(1, 100))
+    mod = trace(lambda s, b_, h, q, k: jnp.where((q >= k) & (q - k < width), s, -jnp.inf))
+    lengths = jnp.asarray(rng.integers(0, skv + 1, b), jnp.int32)
+    offsets = jnp.maximum(lengths - sq, 0)
+    placed = positions.apply_positions(mod, b, q_offset=offsets, kv_lengths=lengths)
+    p = problem(b=b, sq=sq, skv=skv)
+    bq, bk = int(rng.choice([8, 16])), int(rng.choice([8, 16, 32]))
+    m = jax.jit(lambda ops: block_map(placed.expr, ops, p, bq, bk))(placed.operands)
+    visited, full = classify_tiles(placed.expr, placed.operands, p, bq, bk)
+    want = block_lists(visited, full)
+    for got, expected in zip(m, want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))

@@ -709,11 +709,30 @@ def _classify(expr, operands, problem, block_q, block_kv, exact) -> tuple:
     return visited, jnp.broadcast_to(full, shape) & visited
 
 
-def block_lists(visited, full) -> BlockMap:
-    """The BlockMap of tile classes ``visited``/``full`` ([Bm, Hm, nq, nk])."""
-    q = _lists(visited, full)
-    kv = _lists(jnp.swapaxes(visited, -1, -2), jnp.swapaxes(full, -1, -2))
+def block_lists(visited, full, intervals=(False, False)) -> BlockMap:
+    """The BlockMap of tile classes ``visited``/``full`` ([Bm, Hm, nq, nk]);
+    ``intervals``: whether each query tile's row (and each key tile's column) of
+    visited tiles is known to be one run (``interval_axes``), listed as its first
+    tile onwards (``_run_lists``)."""
+    q = (_run_lists if intervals[0] else _lists)(visited, full)
+    kv = (_run_lists if intervals[1] else _lists)(jnp.swapaxes(visited, -1, -2),
+                                                  jnp.swapaxes(full, -1, -2))
     return BlockMap(*q, *kv)
+
+
+def _run_lists(visited, full):
+    """``_lists`` of rows each of one run of visited tiles: its first tile onwards,
+    ``first + arange`` (elementwise after one reduction: a map built in the program
+    costs a few launches fewer than the general lists' cumsum and scatter). A row
+    with gaps would list them too, computed and masked by the mod: right, only slower."""
+    n = visited.shape[-1]
+    seen = jnp.any(visited, axis=-1)
+    first = jnp.argmax(visited, axis=-1).astype(jnp.int32)
+    last = jnp.where(seen, n - 1 - jnp.argmax(visited[..., ::-1], axis=-1).astype(jnp.int32),
+                     first)
+    counts = jnp.where(seen, last - first + 1, 0)
+    blocks = jnp.minimum(first[..., None] + jnp.arange(n, dtype=jnp.int32), last[..., None])
+    return counts, blocks, jnp.take_along_axis(full, blocks, -1)
 
 
 def _lists(visited, full):
@@ -763,7 +782,47 @@ def block_map(expr, operands, problem, block_q: int, block_kv: int, *,
         >>> m.q_counts.tolist(), m.q_blocks[0, 0, 1].tolist(), m.q_full[0, 0, 2].tolist()
         ([[[1, 2, 3]]], [0, 1, 1], [True, True, False])
     """
-    return block_lists(*classify_tiles(expr, operands, problem, block_q, block_kv, exact=exact))
+    return block_lists(*classify_tiles(expr, operands, problem, block_q, block_kv, exact=exact),
+                       intervals=interval_axes(expr))
+
+
+@functools.lru_cache(maxsize=256)
+def interval_axes(expr) -> tuple:
+    """``(rows, columns)``: whether each query tile's visited key tiles (and each key
+    tile's query tiles) are one run, for every value of the captured arrays: every
+    mask condition that reads kv_idx (q_idx) bounds it (a comparison with kv_idx,
+    plus or minus terms without it, on one side: causal, a window, ``kv_idx <
+    kv_lengths[b]``, a traced offset), and no read of a captured array outside the
+    conditions varies with it (a value per key may be -inf anywhere)."""
+    conds, _ = mask_conditions(expr)
+    deps = dependencies(expr)
+    inside = {n for c in conds for n in ir.toposort(c)}
+    loads = [n for n in ir.toposort(expr) if n.op == LOAD and n not in inside]
+
+    def runs(axis):
+        return (all(_bounds(c, axis, deps) for c in conds if axis in deps[c])
+                and not any(axis in deps[n] for n in loads))
+
+    return runs("kv_idx"), runs("q_idx")
+
+
+def _bounds(cond, axis, deps) -> bool:
+    """Whether ``cond`` compares ``axis`` plus or minus terms without it with an
+    expression without it (so it holds on a run of positions along ``axis``)."""
+    if cond.op not in ("lt", "le", "gt", "ge"):
+        return False
+    sides = [a for a in cond.args if axis in deps[a]]
+    if len(sides) != 1:
+        return False
+    node = sides[0]
+    while node.op != VAR:
+        if node.op not in ("add", "sub") or node.dtype != I32:
+            return False
+        inner = [a for a in node.args if axis in deps[a]]
+        if len(inner) != 1:
+            return False
+        node = inner[0]
+    return node.attr == axis
 
 
 STATIC_TILE = 128  # cuDNN's query and key tile, and the Pallas kernels' forward query tile
