@@ -2298,3 +2298,25 @@ def test_graphormer_edge_encoding_learns_interpreted(interprets):
     errs = pc.relative_errors((got_o, got_lse, dq, dk, dv, op_grads), want)
     assert f"d_operand{mod.operand_names.index(learned)}" in errs, errs
     assert all(e < 3e-2 for e in errs.values()), errs
+
+
+def test_ragged_decode_lowers_with_spread_parts(hopper_here):
+    """A decode step with traced ``kv_lengths`` (and a paged cache) on the Pallas
+    kernels on an H200 lowers to one Mosaic kernel whose parts are spread by the
+    rows' lists (twice the parts: the plan's ``part_spread``)."""
+    q = jnp.zeros((8, 1, 32, 128), jnp.bfloat16)
+    k = jnp.zeros((8, 32768, 8, 128), jnp.bfloat16)
+    lengths = jnp.full((8,), 32768, jnp.int32)
+    softcap = lambda s, b, h, qi, ki: 30 * jnp.tanh(s / 30)  # noqa: E731
+    text = _lower_call(lambda q, k, v, n: scoremod.attention(
+        q, k, v, softcap, kv_lengths=n, implementation="pallas", options=MOSAIC),
+        q, k, k, lengths)
+    assert _kernels(text) == {"mosaic": 1, "triton": 0}
+    kp = jnp.zeros((8 * 256, 128, 8, 128), jnp.bfloat16)
+    table = jnp.arange(8 * 256, dtype=jnp.int32).reshape(8, 256)
+    text = _lower_call(lambda q, kp, vp, n: scoremod.attention(
+        q, kp, vp, softcap, kv_lengths=n, page_table=table, implementation="pallas",
+        options=MOSAIC), q, kp, kp, lengths)
+    assert _kernels(text) == {"mosaic": 1, "triton": 0}
+    gathers = [line for line in text.splitlines() if "stablehlo.gather" in line]
+    assert not any("bf16" in line for line in gathers), gathers  # not the cache's pages
