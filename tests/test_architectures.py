@@ -118,12 +118,12 @@ def test_on_hopper_routes_do_not_need_triton(gpu, triton):
 
 
 def test_a_backward_only_triton_computes_is_refused_without_it(gpu, monkeypatch):
-    """On Hopper the Mosaic GPU backward leaves two things to the Triton kernels:
-    the gradient of an array read through a gather (a table read at
-    bucket[q_idx - kv_idx]; one read at q_idx - kv_idx itself is its own, per
-    block diagonal), and mods whose derivative it cannot evaluate. Without
-    Triton the plan keeps the Mosaic forward, and that backward refuses,
-    naming why."""
+    """On Hopper the Mosaic GPU backward learns a table read at q_idx - kv_idx (per
+    block diagonal) and one read through a gather (``bucket[q_idx - kv_idx]``, by
+    the position of each score), and leaves two things to the Triton kernels: the
+    gradient of an array read per score and also otherwise, and mods whose
+    derivative it cannot evaluate. Without Triton the plan keeps the Mosaic
+    forward, and that backward refuses, naming why."""
     if support.mosaic_missing():
         pytest.skip(f"the Mosaic GPU engine is {support.mosaic_missing()}")
     q = jnp.zeros((1, S, 2, 128), jnp.bfloat16)
@@ -132,11 +132,14 @@ def test_a_backward_only_triton_computes_is_refused_without_it(gpu, monkeypatch)
     table = pallas.plan(problem, scoremod.trace(MODS["relative_table"]), 0.125, options, True)
     assert table.diagonal_operands and not table.triton_operands, table.describe()
     pallas_backend._refuse_without_triton(table, [], {})  # its gradient needs no Triton
-    mod = scoremod.trace(bucket_table)
+    gathered = pallas.plan(problem, scoremod.trace(bucket_table), 0.125, options, True)
+    assert not gathered.triton_operands and not gathered.diagonal_operands, gathered.describe()
+    bias = jnp.zeros((2, S, S), jnp.float32)
+    mod = scoremod.trace(lambda s, b, h, q, k: s * bias[h, 0, 0] + bias[h, q, k])
     gpu("hopper", triton=True)
     plan = pallas.plan(problem, mod, 0.125, options, True)
     assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
-    (name, why), = plan.triton_operands  # the bucket table's gradient: Triton's backward
+    (name, why), = plan.triton_operands  # read both ways: Triton's backward
     pallas_backend._refuse_without_triton(plan, [name], dict(plan.triton_operands))
     gpu("hopper", triton=False)
     plan = pallas.plan(problem, mod, 0.125, options, True)
