@@ -800,15 +800,16 @@ def interval_axes(expr) -> tuple:
     loads = [n for n in ir.toposort(expr) if n.op == LOAD and n not in inside]
 
     def runs(axis):
-        return (all(_bounds(c, axis, deps) for c in conds if axis in deps[c])
+        return (all(_offset_bound(c, axis, deps) for c in conds if axis in deps[c])
                 and not any(axis in deps[n] for n in loads))
 
     return runs("kv_idx"), runs("q_idx")
 
 
-def _bounds(cond, axis, deps) -> bool:
-    """Whether ``cond`` compares ``axis`` plus or minus terms without it with an
-    expression without it (so it holds on a run of positions along ``axis``)."""
+def _offset_bound(cond, axis, deps) -> bool:
+    """Whether ``cond`` is ``_bound``'s inequality with ``axis`` plus or minus terms
+    without it in place of ``axis`` itself (``q_idx - kv_idx < 128``): it holds on a
+    run of positions along ``axis``."""
     if cond.op not in ("lt", "le", "gt", "ge"):
         return False
     sides = [a for a in cond.args if axis in deps[a]]

@@ -527,8 +527,7 @@ def _lists_vary(mod) -> bool:
         return False
     conds, _ = patterns.mask_conditions(mod.expr)
     deps = patterns.dependencies(mod.expr)
-    return any("kv_idx" in deps[c] and any(n.op == ir.OPERAND for n in ir.toposort(c))
-               for c in conds)
+    return any("kv_idx" in deps[c] and ir.operands_of(c) for c in conds)
 
 
 def part_sizes(counts, parts: int, spread: int, rows: int):
@@ -889,11 +888,8 @@ def _dense_gradients(plan, spec, sums, q_map, operands) -> dict:
         if along is None:
             # The batch (heads) summed first where the index does not read b (h): a
             # table shared by the batch sorts a B-th of the cotangents.
-            used = ir.variables(read)
-            for axis, var in ((0, "b"), (1, "h")):
-                if var not in used:
-                    x = x.sum(axis, keepdims=True)
-            at = _score_positions(read, x.shape[0], x.shape[1], p.sq, p.skv, refs)
+            at = _run_positions(read, None, p.sq, p.b, p.hq, refs, keys=p.skv)
+            x = x.sum(tuple(a for a in (0, 1) if at.shape[a] == 1), keepdims=True)
             total = _sum_by_position(x.reshape(-1), at.reshape(-1), math.prod(shape))
             total = total.reshape(shape)
         else:
@@ -914,18 +910,6 @@ def _dense_gradients(plan, spec, sums, q_map, operands) -> dict:
             total = jnp.moveaxis(total, -1, axis)
         out[name] = total if name not in out else out[name] + total
     return out
-
-
-def _score_positions(read, b, hq, sq, skv, refs):
-    """int32 [B, Hq, Sq, Skv]: the flat position in its array that ``read`` takes at
-    each score, clamped as reads clamp (its index may read captured arrays: ``refs``,
-    the kernels' flat arrays)."""
-    grid = {"q_idx": jnp.arange(sq, dtype=jnp.int32)[None, None, :, None],
-            "kv_idx": jnp.arange(skv, dtype=jnp.int32)[None, None, None, :],
-            "b": jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
-            "h": jnp.arange(hq, dtype=jnp.int32)[None, :, None, None]}
-    index = codegen.evaluate_tile(list(read.args[1:]), grid, refs)
-    return jnp.broadcast_to(codegen.flat_index(read, index), (b, hq, sq, skv))
 
 
 def _sum_by_position(values, at, size):
@@ -1050,18 +1034,24 @@ def _static_positions(read, axes, d, b, hq, ks=(0,)):
         return np.broadcast_to(np.asarray(flat), shape).reshape(shape[0], shape[1], -1)
 
 
-def _run_positions(read, axes, n, b, hq, refs):
-    """int32 [Bx, Hx, n]: the flat position along ``axes`` that ``read`` (a function
-    of b, h and q_idx standing for the axis it is read along, whose index reads
-    captured arrays: ``refs``, their flat values) takes at each position ``0..n-1``,
-    clamped as reads clamp; Bx, Hx 1 where it does not read b, h."""
+def _run_positions(read, axes, n, b, hq, refs, keys=None):
+    """int32 [Bx, Hx, n]: the flat position along ``axes`` (None: all) that ``read``
+    (a function of b, h and q_idx standing for the axis it is read along, whose
+    index reads captured arrays: ``refs``, their flat values) takes at each position
+    ``0..n-1``; with ``keys``, [Bx, Hx, n, keys] at each query ``0..n-1`` and key
+    ``0..keys-1`` (a read per score). Clamped as reads clamp; Bx, Hx 1 where it
+    does not read b, h."""
     used = ir.variables(read)
     bx, hx = (b if "b" in used else 1), (hq if "h" in used else 1)
-    grid = {"q_idx": jnp.arange(n, dtype=jnp.int32)[None, None, :],
-            "b": jnp.arange(bx, dtype=jnp.int32)[:, None, None],
-            "h": jnp.arange(hx, dtype=jnp.int32)[None, :, None]}
+    tail = (n,) if keys is None else (n, keys)
+    ones = (1,) * len(tail)
+    grid = {"q_idx": jnp.arange(n, dtype=jnp.int32).reshape((1, 1, n) + ones[1:]),
+            "b": jnp.arange(bx, dtype=jnp.int32).reshape((bx, 1) + ones),
+            "h": jnp.arange(hx, dtype=jnp.int32).reshape((1, hx) + ones)}
+    if keys is not None:
+        grid["kv_idx"] = jnp.arange(keys, dtype=jnp.int32).reshape(1, 1, 1, keys)
     index = codegen.evaluate_tile(list(read.args[1:]), grid, refs)
-    return jnp.broadcast_to(codegen.flat_index(read, index, axes), (bx, hx, n))
+    return jnp.broadcast_to(codegen.flat_index(read, index, axes), (bx, hx) + tail)
 
 
 def _place_by_value(values, at, size):
