@@ -503,3 +503,30 @@ def quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         yield
+
+
+def tile_rule(rule, a, b, interpret=False):
+    """``rule(a, b)`` (a ``mosaic.TILE_RULES`` entry) on float32 tiles [64, 128] in
+    a Mosaic GPU kernel, as the kernels evaluate a mod: in registers, in the
+    wgmma accumulator's layout, with the kernels' approximate math."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax.experimental import pallas as pl
+
+    def entry(a_ref, b_ref, o_ref):
+        def body(a_smem, b_smem, o_smem, barriers):
+            for i, (src, dst) in enumerate(((a_ref, a_smem), (b_ref, b_smem))):
+                plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
+                plgpu.barrier_wait(barriers.at[i])
+            x, y = (plgpu.load(r, layout=plgpu.Layout.WGMMA, optimized=False)
+                    for r in (a_smem, b_smem))
+            o_smem[...] = rule(x, y)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref)
+            plgpu.wait_smem_to_gmem(0)
+
+        smem = plgpu.SMEM(a.shape, jnp.float32)
+        pl.run_scoped(body, smem, smem, smem, plgpu.Barrier(num_barriers=2))
+
+    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(a.shape, jnp.float32),
+                        compiler_params=plgpu.CompilerParams(approx_math=True),
+                        interpret=interpret)(a, b)

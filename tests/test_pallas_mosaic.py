@@ -118,14 +118,11 @@ def test_refusals(monkeypatch):
         assert "an `or` of a condition on one of q_idx or kv_idx alone" in why(
             _problem(), int_window, options)
         assert why(_problem(), documents, options) is None
-    # Float remainders, which Mosaic GPU cannot lower (int ones run), named with the line...
-    fmod = scoremod.trace(lambda s, b, h, qi, ki: s % 0.75)
-    assert "no float remainder" in why(_problem(), fmod)
-    assert "`rem`" in why(_problem(), fmod) and "test_pallas_mosaic.py" in why(_problem(), fmod)
-    # ... and ops it runs by respelling them: softplus's log1p, floor, expm1, tan, atan,
-    # erf, erfc, pow.
+    # Ops it runs by respelling them: softplus's log1p, floor, expm1, tan, atan, erf,
+    # erfc, pow, and float remainders (Mosaic GPU lowers int ones only).
     for fn in (jax.nn.softplus, jnp.floor, jnp.expm1, jnp.tan, jnp.arctan, jax.lax.erf,
-               jax.lax.erfc, lambda x: jnp.power(jnp.abs(x) + 0.0625, x)):
+               jax.lax.erfc, lambda x: jnp.power(jnp.abs(x) + 0.0625, x),
+               lambda x: x % 0.75, lambda x: jnp.fmod(x, x * 0.3 + 2.0), lambda x: x // 1.5):
         assert why(_problem(), scoremod.trace(lambda s, b, h, qi, ki, fn=fn: fn(s))) is None
     imod = scoremod.trace(lambda s, b, h, qi, ki: jnp.where((ki - qi) % 3 == 0, s, -jnp.inf))
     assert why(_problem(), imod) is None
@@ -245,9 +242,56 @@ def test_int_remainders_negative():
     """mod and floordiv round toward -inf (jnp's), rem toward 0, for every sign."""
     a = jnp.arange(-7, 8, dtype=jnp.int32)[:, None]
     b = jnp.asarray([-3, -2, 2, 3], jnp.int32)[None, :]
-    np.testing.assert_array_equal(mosaic._int_mod(a, b), jnp.remainder(a, b))
-    np.testing.assert_array_equal(mosaic._int_floordiv(a, b), jnp.floor_divide(a, b))
-    np.testing.assert_array_equal(mosaic._int_rem(a, b), jax.lax.rem(*jnp.broadcast_arrays(a, b)))
+    np.testing.assert_array_equal(mosaic._mod(a, b), jnp.remainder(a, b))
+    np.testing.assert_array_equal(mosaic._floordiv(a, b), jnp.floor_divide(a, b))
+    np.testing.assert_array_equal(mosaic._rem(a, b), jax.lax.rem(*jnp.broadcast_arrays(a, b)))
+
+
+def _bits_equal(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return (got.view(np.int32) == want.view(np.int32)) | (np.isnan(got) & np.isnan(want))
+
+
+def test_float_remainder_is_exact():
+    """The float remainder spelled in int32 gives C fmod's bits (numpy's, which
+    keeps subnormals) on random float32 bit patterns (every exponent gap, subnormals,
+    infinities, NaNs), on scores by the divisors mods use, and on a grid of signed
+    zeros, the largest and smallest floats, 2**24 and infinities; jnp.remainder's and
+    jnp.floor_divide's from it, where no subnormal takes part (XLA on the CPU flushes
+    them in its own formula, the GPU does not)."""
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2 ** 32, size=(2, 200_000), dtype=np.uint64).astype(np.uint32)
+    a, b = bits.view(np.int32).view(np.float32)
+    scores = (rng.normal(size=100_000) * 20).astype(np.float32)
+    divisors = rng.choice(np.float32([0.75, -0.75, 1.0, 3.0, 0.1, 1e-3, 7.5, -2.0, 1e-40]),
+                          scores.size)
+    edges = np.float32([0.0, -0.0, 1.0, -1.0, 0.75, -1.5, 3.0, 2.0 ** 24, 2.0 ** 24 + 2, 1e-45,
+                        -1e-45, 1.1754944e-38, 3.4028235e38, -3.4028235e38, np.inf, -np.inf,
+                        np.nan])
+    grid = [x.ravel() for x in np.meshgrid(edges, edges, indexing="ij")]
+    tiny = np.float32(1.1754944e-38)
+
+    def normal(x):
+        return (np.abs(x) >= tiny) | (x == 0) | ~np.isfinite(x)
+
+    for x, y in ((a, b), (scores, divisors), (divisors, scores), (scores * 1e30, divisors),
+                 tuple(grid)):
+        with np.errstate(all="ignore"):
+            fmod = np.fmod(x, y)
+        assert _bits_equal(jax.jit(mosaic._rem)(x, y), fmod).all()
+        kept = normal(x) & normal(y) & normal(fmod)
+        for rule, want in ((mosaic._mod, jnp.remainder), (mosaic._floordiv, jnp.floor_divide)):
+            same = _bits_equal(jax.jit(rule)(x, y), jax.jit(want)(x, y))
+            assert same[kept].all(), rule.__name__
+
+
+def test_float_remainders_lower_on_a_tile(lowers):
+    """The float remainders lower for CUDA on a tile in the accumulator's layout (the
+    GPU suite checks their bits there: ``test_mosaic_float_remainders_are_exact``)."""
+    tile = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    for rule in (mosaic._rem, mosaic._mod, mosaic._floordiv):
+        jax.jit(functools.partial(pc.tile_rule, rule)).trace(tile, tile).lower(
+            lowering_platforms=("cuda",))
 
 
 def test_block_map_tiles():
@@ -826,6 +870,34 @@ def test_erf_runs_on_mosaic_kernels_interpreted(dtype, interprets):
     with pytest.raises(ScoreModError, match=r"(?s)`erf`.*test_pallas_mosaic.py.*xla"):
         pallas_backend._backward(plan, q, k, v, o, lse, do, jnp.zeros(lse.shape), (bias,),
                                  (name,))
+
+
+def test_float_remainders_run_on_mosaic_kernels_interpreted(interprets):
+    """Float remainders (a sawtooth of the score, a floor division, fmod by a learned
+    per-head divisor) on the Mosaic kernels in interpret mode, forward and backward
+    with the divisor's gradient (-g * trunc(s / c)), against the reference path."""
+    q, k, v, do = pc.inputs(b=1, sq=200, skv=160, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
+    c = jnp.asarray([0.75, 1.25], jnp.float32)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    for fn, operands in (
+            (lambda s, b, h, qi, ki: jnp.where(qi >= ki, s + 0.5 * (s % 0.75), -jnp.inf), ()),
+            (lambda s, b, h, qi, ki: s + 0.25 * (s // 1.5), ()),
+            (lambda s, b, h, qi, ki: s + jnp.fmod(s, c[h]), (c,))):
+        mod = scoremod.trace(fn)
+        plan = pc.pallas_plan(mod, q, k, v, MOSAIC, scale=0.5)
+        assert plan.engine == plan.backward_engine == "mosaic", plan.describe()
+        assert plan.triton_operands == ()
+        ref = REFERENCE.plan(Problem.of(q, k, v), mod, plan.scale, MOSAIC, True)
+        want = pc.run(REFERENCE, ref, f32(q), f32(k), f32(v), f32(do), operands, True)
+        o, lse = pallas_backend._forward(plan, q, k, v, operands)
+        dlse = jnp.where(jnp.isfinite(lse), 0.1, 0.0)
+        names = mod.operand_names
+        dq, dk, dv, grads = pallas_backend._backward(plan, q, k, v, o, lse, do, dlse, operands,
+                                                     names)
+        got = (o, lse, dq, dk, dv, tuple(grads.get(n) for n in names))
+        errs = pc.relative_errors(got, want)
+        assert all(e < 3e-2 for e in errs.values()), errs
+        assert not operands or "d_operand0" in errs
 
 
 @pytest.mark.parametrize("case,shape", [
@@ -2252,14 +2324,17 @@ def test_paged_forward_under_vmap_runs_the_gathered_call(interprets, monkeypatch
 
 
 def test_the_deprecated_triton_engine_is_not_chosen_on_hopper(hopper_here):
-    """Where the Mosaic engine runs the problem but refuses the mod (a float remainder
-    of the score), implementation=None does not take the Triton engine that JAX
-    deprecates: the reference path runs the call, the Pallas verdict saying why; by
-    name the Triton engine still runs it."""
+    """Where the Mosaic engine runs the problem but refuses the mod (two tables read
+    at q_idx - kv_idx) and cuDNN refuses it too (a float remainder),
+    implementation=None does not take the Triton engine that JAX deprecates: the
+    reference path runs the call, the Pallas verdict saying why; by name the Triton
+    engine still runs it."""
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    t1 = jnp.arange(511, dtype=jnp.float32)
+    t2 = t1 * 0.5
 
     def fn(s, b, h, qi, ki):
-        return jax.lax.rem(s, 3.0)
+        return jax.lax.rem(s, 3.0) + t1[qi - ki + 255] + t2[qi - ki + 255]
 
     choice = scoremod.which_implementation(q, q, q, fn)
     assert choice[0] == "xla", choice

@@ -279,6 +279,39 @@ def test_mosaic_op_table(hopper, names):
     _table_check({name: _MOSAIC_EXAMPLES[name] for name in names}, check)
 
 
+def test_mosaic_float_remainders_are_exact(hopper):
+    """The float remainder the kernels evaluate (an integer long division with
+    float32 quotient estimates, under the kernels' approximate math) gives C fmod's
+    bits on the GPU: random float32 bit patterns (every exponent gap, subnormals,
+    infinities, NaN) and scores by a mod's divisors; jnp.remainder's and
+    jnp.floor_divide's bits (XLA's, on the GPU) where no subnormal takes part."""
+    rng = np.random.default_rng(11)
+    shape = (64, 128)
+    bits = rng.integers(0, 2 ** 32, size=(2,) + shape, dtype=np.uint64).astype(np.uint32)
+    a, b = bits.view(np.int32).view(np.float32)
+    scores = (rng.normal(size=shape) * 20).astype(np.float32)
+    divisors = rng.choice(np.float32([0.75, -0.75, 3.0, 0.1, 1e-3, -2.0, 1e-40]), shape)
+    tiny = np.float32(1.1754944e-38)
+
+    def normal(x):
+        return (np.abs(x) >= tiny) | (x == 0) | ~np.isfinite(x)
+
+    def same_bits(got, want):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        return (got.view(np.int32) == want.view(np.int32)) | (np.isnan(got) & np.isnan(want))
+
+    for x, y in ((a, b), (scores, divisors), (scores * 1e30, divisors), (divisors, scores)):
+        with np.errstate(all="ignore"):
+            fmod = np.fmod(x, y)
+        got = pc.tile_rule(mosaic._rem, jnp.asarray(x), jnp.asarray(y))
+        assert same_bits(got, fmod).all(), (x[~same_bits(got, fmod)][:4],
+                                            y[~same_bits(got, fmod)][:4])
+        kept = normal(x) & normal(y) & normal(fmod)
+        for rule, want in ((mosaic._mod, jnp.remainder), (mosaic._floordiv, jnp.floor_divide)):
+            got = pc.tile_rule(rule, jnp.asarray(x), jnp.asarray(y))
+            assert same_bits(got, want(jnp.asarray(x), jnp.asarray(y)))[kept].all(), rule.__name__
+
+
 # --------------------------------------------------------------------------- #
 # The Mosaic GPU backward (pallas_engine="mosaic": dQ and dK/dV on wgmma), the
 # gradients of q, k and v, then those of captured float arrays too: every plan
