@@ -267,20 +267,37 @@ def test_causal_is_the_lower_triangle():
     np.testing.assert_array_equal(full[0, 0], np.tril(tri, -1))
 
 
-def test_static_map_is_the_map_as_host_constants():
-    """A mask of the indices alone gets its map from the host (NumPy, cached: the
+@pytest.mark.parametrize("name", ["causal", "softcap", "natten", "dead", "log_of_zero"])
+def test_static_map_is_the_map_as_host_constants(name):
+    """A mod of the indices alone gets its map from the host (NumPy, cached: the
     kernels' programs hold it as constants, even while a jit traces), equal to the
-    one built in the program; an expression reading a captured array is refused."""
-    causal = trace(MODS["causal"][0])
+    one built in the program (without mask conditions or non-finite constants
+    every tile, all full, unanalysed: a mod -inf for every score there, the log
+    of 0, is visited needlessly); an expression reading a captured array is
+    refused."""
+    fn = {"causal": MODS["causal"][0],
+          "softcap": lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0),
+          "natten": lambda s, b, h, q, k: jnp.where(
+              (jnp.abs(q // 16 - k // 16) <= 1) & (jnp.abs(q % 16 - k % 16) <= 2), s, NEG_INF),
+          "dead": lambda s, b, h, q, k: jnp.where(q < 0, s, NEG_INF),
+          "log_of_zero": lambda s, b, h, q, k: jnp.log(s * 0.0)}[name]
+    mod = trace(fn)
     p = problem(sq=200, skv=136)
-    want = block_map(causal.expr, {}, p, 64, 128)
+    want = block_map(mod.expr, {}, p, 64, 128)
+    if name == "log_of_zero":
+        assert not np.asarray(want.q_counts).any()
+        want = block_maps.dense_block_map(sq=200, skv=136, block_q=64, block_kv=128)
+        want = want._replace(q_full=~want.q_full, kv_full=~want.kv_full)
     inside = []
-    jax.jit(lambda x: inside.append(block_maps.static_block_map(causal.expr, p, 64, 128)) or x)(1)
-    for m in (block_maps.static_block_map(causal.expr, p, 64, 128), inside[0]):
+    jax.jit(lambda x: inside.append(block_maps.static_block_map(mod.expr, p, 64, 128)) or x)(1)
+    for m in (block_maps.static_block_map(mod.expr, p, 64, 128), inside[0]):
         assert all(isinstance(x, np.ndarray) for x in m)
         for a, b in zip(m, want):
             np.testing.assert_array_equal(a, b)
-    assert block_maps.static_block_map(causal.expr, p, 64, 128) is inside[0]  # cached
+    assert block_maps.static_block_map(mod.expr, p, 64, 128) is inside[0]  # cached
+
+
+def test_a_static_map_with_captured_arrays_is_refused():
     doc = jnp.array([0, 0, 1, 1])
     ids = scoremod.trace(lambda s, b, h, q, k: jnp.where(doc[q] == doc[k], s, NEG_INF))
     with pytest.raises(scoremod.ScoreModError, match="captured"):
