@@ -50,8 +50,8 @@ Same shapes, same run, side by side (``--impls``):
 
 Directions (``--directions``): fwd, fwdbwd (gradients of q, k, v) and fwdbwd_ops
 (the same and the gradients of the mod's captured float arrays: ALiBi's slopes,
-relbias's table, learned_cap's cap, kind_pair's table; scoremod, xla, pallas, pallas-mosaic
-and flex only).
+relbias's table, learned_cap's cap, kind_pair's and rel2d's tables; scoremod, xla, pallas,
+pallas-mosaic and flex only).
 
 Times are medians (min, max) over ``--reps`` repetitions of N calls after warm-up;
 the first call (compilation and cuDNN graph builds) is timed apart. FLOPs are
@@ -99,7 +99,7 @@ PALLAS_IMPLS = ("pallas", "pallas-mosaic")  # by name only, as the backend
 MODS = ("identity", "softcap", "alibi", "relbias", "causal", "window", "softcap_causal",
         "document", "document_random", "document_noncausal", "document_softcap", "mla_rope",
         "prefix_lm", "softcap_prefix_lm", "alibi_causal", "t5", "learned_cap", "kind_pair",
-        "pair_bias", "pair_mask")
+        "pair_bias", "pair_mask", "rel2d")
 
 
 def _canvas(s):
@@ -175,7 +175,7 @@ DOC_IDS = {"document": ("doc", True), "document_random": ("doc_random", True),
 DOC_MODS = ("document", "document_random", "document_noncausal")  # the pure document masks
 MASK_MODS = ("causal", "window") + DOC_MODS  # pure masks: jax.nn has them natively
 ARRAYS = ("slopes", "doc", "doc_random", "table", "buckets", "t5_table",
-          "cap", "kind", "pair")  # what the mods capture
+          "cap", "kind", "pair", "rel_table")  # what the mods capture
 # fwdbwd_ops: forward+backward that also differentiates with respect to the mod's captured
 # float arrays (ALiBi's slopes, relbias's table: learned parameters), on the
 # implementations whose gradients reach them; not run unless --directions asks.
@@ -193,7 +193,7 @@ OPS_IMPLS = ("scoremod", "xla", "pallas", "pallas-mosaic", "flex")
 # JAX mods are their float operands)
 FLEX_LEARNED = {"alibi": ("slopes",), "alibi_causal": ("slopes",), "relbias": ("table",),
                 "t5": ("t5_table",), "learned_cap": ("cap",), "kind_pair": ("pair",),
-                "pair_bias": ("pair_bias",)}
+                "pair_bias": ("pair_bias",), "rel2d": ("rel_table",)}
 # pair_bias's [H, S, S] float32 bias (Flax's ``bias``, a pair bias): 1 GiB at h16 s4096,
 # built on demand (``pair_bias``); longer sequences are not run.
 PAIR_BIAS_MAX_SEQ = 8192
@@ -231,6 +231,9 @@ def aux_arrays(b, h, s, window):
                           KIND_RUN, 1)[:, :s].astype(np.int32),
         "pair": (0.5 * np.random.default_rng(3).standard_normal((h, KINDS, KINDS))
                  ).astype(np.float32),
+        # rel2d's: a bias per head and 2-D offset on the R x C canvas (``_canvas``)
+        "rel_table": (0.1 * np.random.default_rng(6).standard_normal(
+            (h, (2 * _canvas(s)["R"] - 1) * (2 * _canvas(s)["C"] - 1)))).astype(np.float32),
         "window": window, "seq": s, "batch": b, "heads": h,
     }
 
@@ -263,6 +266,23 @@ def pair_mask(a):
         raise NotApplicable(f"pair_mask's [B, 1, S, S] mask is not built past seq "
                             f"{PAIR_BIAS_MAX_SEQ}")
     return _pair_mask(a["batch"], a["seq"])
+
+
+@functools.cache
+def _rel2d_index(s):
+    r, c = _canvas(s)["R"], _canvas(s)["C"]
+    row, col = np.arange(s) // c, np.arange(s) % c
+    return ((row[:, None] - row[None, :] + r - 1) * (2 * c - 1)
+            + col[:, None] - col[None, :] + c - 1).astype(np.int32)
+
+
+def rel2d_index(a):
+    """rel2d's int32 [S, S] index (timm's ``relative_position_index``: each pair of
+    positions' 2-D offset on the R x C canvas, flattened), built on the first call
+    that needs it; NotApplicable past ``PAIR_BIAS_MAX_SEQ``."""
+    if a["seq"] > PAIR_BIAS_MAX_SEQ:
+        raise NotApplicable(f"rel2d's [S, S] index is not built past seq {PAIR_BIAS_MAX_SEQ}")
+    return _rel2d_index(a["seq"])
 
 
 # Arrays too large to build for every mod: name -> builder from ``aux_arrays``' dict.
@@ -323,6 +343,10 @@ def mod_parts(name, t, lib):
     if name == "pair_bias":  # its array on demand (``ON_DEMAND``), the caller's where given
         bias = t["pair_bias"] if "pair_bias" in t else lib.asarray(pair_bias(t))
         scores["pair_bias"] = lambda sc, b, h, q, k: sc + bias[h, q, k]
+    if name == "rel2d":  # its index on demand, as pair_bias's array
+        rel = t["rel2d_index"] if "rel2d_index" in t else lib.asarray(rel2d_index(t))
+        scores["rel2d"] = lambda sc, b, h, q, k: sc + t["rel_table"][h, rel[q, k]]
+
     def prefix_lm(b, h, q, k):
         return (k < s // PREFIX) | (q >= k)
 
@@ -477,6 +501,9 @@ def jax_bias(name, a, dtype):
     s = a["seq"]
     if name == "pair_bias":
         return jnp.asarray(pair_bias(a))[None].astype(dtype)
+    if name == "rel2d":
+        return jax.jit(lambda t, i: t[:, i][None].astype(dtype))(
+            jnp.asarray(a["rel_table"]), jnp.asarray(rel2d_index(a)))
     if name not in ("alibi", "relbias", "t5"):
         return None
 

@@ -465,7 +465,16 @@ def test_flex_and_jax_mods_share_their_definitions():
         assert len(floats) == len(learned) and all(
             np.array_equal(x, y) for x, y in zip(floats, learned)), name
     assert set(bench.FLEX_LEARNED) == {"alibi", "alibi_causal", "relbias", "t5", "learned_cap",
-                                       "kind_pair", "pair_bias"}
+                                       "kind_pair", "pair_bias", "rel2d"}
+    # rel2d's index: one entry per 2-D offset on the 8 x 8 canvas, shared by every pair
+    # of positions that far apart
+    rel = bench.rel2d_index(aux)
+    r, c = np.arange(s) // 8, np.arange(s) % 8
+    offsets = (r[:, None] - r[None, :]) * 100 + (c[:, None] - c[None, :])
+    assert len(np.unique(rel)) == len(np.unique(offsets)) == 15 * 15
+    assert rel.min() == 0 and rel.max() == aux["rel_table"].shape[1] - 1
+    for off in np.unique(offsets):
+        assert len(np.unique(rel[offsets == off])) == 1
 
 
 @pytest.mark.parametrize("name", ["alibi", "relbias"])
