@@ -283,8 +283,10 @@ def test_mosaic_float_remainders_are_exact(hopper):
     """The float remainder the kernels evaluate (an integer long division with
     float32 quotient estimates, under the kernels' approximate math) gives C fmod's
     bits on the GPU: random float32 bit patterns (every exponent gap, subnormals,
-    infinities, NaN) and scores by a mod's divisors; jnp.remainder's and
-    jnp.floor_divide's bits (XLA's, on the GPU) where no subnormal takes part."""
+    infinities, NaN) and scores by a mod's divisors; jnp.remainder's bits (XLA's, on
+    the GPU) where no subnormal takes part, and jnp.floor_divide's there too where the
+    quotient is below 2**22 (past it a division within 2 ulp may round to another
+    float: within 4 ulp there)."""
     rng = np.random.default_rng(11)
     shape = (64, 128)
     bits = rng.integers(0, 2 ** 32, size=(2,) + shape, dtype=np.uint64).astype(np.uint32)
@@ -307,9 +309,15 @@ def test_mosaic_float_remainders_are_exact(hopper):
         assert same_bits(got, fmod).all(), (x[~same_bits(got, fmod)][:4],
                                             y[~same_bits(got, fmod)][:4])
         kept = normal(x) & normal(y) & normal(fmod)
-        for rule, want in ((mosaic._mod, jnp.remainder), (mosaic._floordiv, jnp.floor_divide)):
-            got = pc.tile_rule(rule, jnp.asarray(x), jnp.asarray(y))
-            assert same_bits(got, want(jnp.asarray(x), jnp.asarray(y)))[kept].all(), rule.__name__
+        got = pc.tile_rule(mosaic._mod, jnp.asarray(x), jnp.asarray(y))
+        assert same_bits(got, jnp.remainder(jnp.asarray(x), jnp.asarray(y)))[kept].all()
+        got = np.asarray(pc.tile_rule(mosaic._floordiv, jnp.asarray(x), jnp.asarray(y)))
+        want = np.asarray(jnp.floor_divide(jnp.asarray(x), jnp.asarray(y)))
+        with np.errstate(all="ignore"):
+            small = np.abs(x.astype(np.float64) / y) < 2.0 ** 22
+        assert same_bits(got, want)[kept & small].all()
+        wide = kept & ~small & np.isfinite(want)
+        np.testing.assert_allclose(got[wide], want[wide], rtol=5e-7)
 
 
 # --------------------------------------------------------------------------- #
