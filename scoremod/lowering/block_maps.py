@@ -766,16 +766,14 @@ def static_block_map(expr, problem, block_q: int, block_kv: int) -> BlockMap:
                                 block_kv=block_kv)
         return dense._replace(q_full=~dense.q_full, kv_full=~dense.kv_full)
     try:
-        jax.devices("cpu")
-        platform = "cpu"
+        host = jax.devices("cpu")[0]
     except RuntimeError:  # JAX_PLATFORMS without cpu: the default device computes it
-        platform = None
-    traced = jax.jit(lambda: block_map(expr, {}, problem, block_q, block_kv)).trace()
-    if platform is None:
-        found = traced.lower().compile()()
-    else:
-        found = traced.lower(lowering_platforms=(platform,)).compile(compiler_options={
-            "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})()
+        host = None
+    with jax.default_device(host):  # a program of no arguments runs there
+        lowered = jax.jit(lambda: block_map(expr, {}, problem, block_q, block_kv)).trace().lower()
+        compiled = lowered.compile() if host is None else lowered.compile(compiler_options={
+            "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+        found = compiled()
     return BlockMap(*(np.asarray(x) for x in found))
 
 
