@@ -375,12 +375,8 @@ def refusal(expr, sources, advice=True) -> str | None:
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
         if node.op == LOAD and read_axis(node) is False and not gathered(node):
-            if _reads_score(node):
-                why = ("it reads captured arrays at indices built from b, h, constants, q_idx "
-                       "and kv_idx, and this one reads the score")
-            else:
-                why = (f"it reads arrays per score at int32 positions, at most {_MOST_INDEXED} "
-                       f"entries, and this one has {math.prod(node.args[0].attr[1])}")
+            why = (f"it reads arrays per score at int32 positions, at most {_MOST_INDEXED} "
+                   f"entries, and this one has {math.prod(node.args[0].attr[1])}")
         if node in flags:
             why = ("a bool array read at q_idx - kv_idx has not run on the GPU, and bool arrays "
                    "read along one tile axis gave wrong results there; capture it as an int "
@@ -407,7 +403,7 @@ def read_axis(load):
     False, a gather (``gathered``)."""
     used = ir.variables(*load.args[1:])
     axes = [a for a in _TILE_AXES if a in used]
-    if _reads_score(load):
+    if reads_score(load):
         return False
     if len(axes) <= 1:
         return axes[0] if axes else None
@@ -437,18 +433,20 @@ def _int32_positions(load) -> bool:
     return math.prod(load.args[0].attr[1]) <= _MOST_INDEXED
 
 
-def _reads_score(load) -> bool:
-    """Whether an index of read ``load`` reads the score (or another non-index variable)."""
+def reads_score(load) -> bool:
+    """Whether an index of read ``load`` reads the score (or another non-index variable):
+    where it reads is known in the kernel only."""
     return bool(ir.variables(*load.args[1:]) - _PROGRAM_VARS - set(_TILE_AXES))
 
 
 def gathered(load) -> bool:
     """Whether read ``load``, of none of ``read_axis``'s kinds (its index mixes q_idx
-    and kv_idx otherwise: ``table[h, q_idx // 8 % 8 - kv_idx // 8 % 8 + 7]``, or reads
-    arrays per score: ``table[h, rel[q_idx, kv_idx]]``), is read per score at the
-    positions its index takes on the tile (``tile_load``): its index reads no score,
-    and the array has at most 2^31 - 1 entries (int32 positions)."""
-    return read_axis(load) is False and not _reads_score(load) and _int32_positions(load)
+    and kv_idx otherwise: ``table[h, q_idx // 8 % 8 - kv_idx // 8 % 8 + 7]``, reads
+    arrays per score: ``table[h, rel[q_idx, kv_idx]]``, or reads the score: a lookup
+    table ``lut[clip((score * 4).astype(int32), 0, 255)]``), is read per score at the
+    positions its index takes on the tile (``tile_load``): the array has at most
+    2^31 - 1 entries (int32 positions)."""
+    return read_axis(load) is False and _int32_positions(load)
 
 
 def tile_load(interpret):

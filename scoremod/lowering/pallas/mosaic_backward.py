@@ -190,11 +190,13 @@ def along_dense(node) -> bool:
     """Whether the dQ kernel writes read ``node``'s cotangent per score, on every
     tile it visits, for the backend to add into the entries it reads: a value per
     score (``bias[b, h, q_idx, kv_idx]``: ``mosaic.is_dense``), a gather
-    (``table[h, rel[q_idx, kv_idx]]``: ``mosaic.gathered``), and reads at q_idx -
+    (``table[h, rel[q_idx, kv_idx]]``: ``mosaic.gathered``) whose index reads no
+    score (the backend evaluates it again, without the scores), and reads at q_idx -
     kv_idx or at whole blocks whose index reads captured arrays (the block-diagonal
     and per-step sums take indices of the positions alone)."""
     axis = mosaic.read_axis(node)
-    return (axis == mosaic.DENSE or (axis is False and mosaic.gathered(node))
+    return (axis == mosaic.DENSE
+            or (axis is False and mosaic.gathered(node) and not mosaic.reads_score(node))
             or (axis in (mosaic.OFFSET, mosaic.BLOCKS) and reads_arrays(node)))
 
 
