@@ -200,6 +200,11 @@ def vector_mod(name, b, hq, sq, skv):
         table = jnp.asarray(np.random.default_rng(13).normal(size=(hq, 15, 15)), jnp.float32)
         return (lambda s, b, h, q, k, t: s + t[h, q // 8 % 8 - k // 8 % 8 + 7,
                                                q % 8 - k % 8 + 7]), (table,)
+    if name == "score_lookup":  # a lookup table [H, 64] of the score, causal
+        table = jnp.asarray(np.random.default_rng(44).normal(size=(hq, 64)) * 0.5, jnp.float32)
+        return (lambda s, b, h, q, k, t: jnp.where(
+            q >= k, s + t[h, jnp.clip((s * 4 + 32).astype(jnp.int32), 0, 63)], -jnp.inf)), \
+            (table,)
     if name == "swin_bias":  # Swin's: a learned table [H, 169] at a relative index per score
         rng = np.random.default_rng(43)
         rel = jnp.asarray(rng.integers(0, 169, size=(sq, skv)), jnp.int32)

@@ -441,6 +441,7 @@ _VECTOR_CASES = [
     ("key_terms", 2, dict(sq=300, skv=520, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("grid_bias", 2, dict(sq=1000, skv=1000, hq=4, hkv=2, d=128), jnp.bfloat16),
     ("swin_bias", 1, dict(sq=640, skv=777, hq=2, hkv=1, d=64), jnp.float16),
+    ("score_lookup", 2, dict(sq=300, skv=520, hq=4, hkv=2, d=128), jnp.bfloat16),
 ]
 
 
@@ -456,7 +457,7 @@ def test_mosaic_vector_reads(case, b, shape, dtype, hopper):
     positions (``mosaic.block_values``); terms of one position computed on the
     forward's vectors (ALiBi split, a factor of the query, terms of the key); gathers
     read per score at their index evaluated on the tile (a 2-D relative position,
-    Swin's table at a relative index read per score)."""
+    Swin's table at a relative index read per score, a lookup table of the score)."""
     _vector_mod_against_reference(case, b, shape, dtype)
 
 
