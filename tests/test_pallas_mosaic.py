@@ -931,9 +931,10 @@ def test_a_lookup_table_of_the_score_lowers_to_mosaic_kernels_only(hopper_here):
     q, k, v, do = pc.inputs(b=1, sq=256, skv=256, hq=2, hkv=1, d=128, dtype=jnp.bfloat16)
     lut = jnp.linspace(-1.0, 1.0, 2 * 64, dtype=jnp.float32).reshape(2, 64)
 
+    def mod(s, b, h, qi, ki):
+        return s + lut[h, jnp.clip((s * 4 + 32).astype(jnp.int32), 0, 63)]
+
     def loss(q, k, v):
-        mod = lambda s, b, h, qi, ki: s + lut[h, jnp.clip((s * 4 + 32).astype(jnp.int32),  # noqa: E731
-                                                          0, 63)]
         o = scoremod.attention(q, k, v, mod, implementation="pallas", options=MOSAIC)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 

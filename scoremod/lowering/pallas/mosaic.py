@@ -102,6 +102,8 @@ LN2 = 0.6931471805599453
 # erf, erfc and pow are (jax 0.11.2; tests/test_pallas_mosaic.py lowers every op
 # of the table through the kernel and checks that exactly these fail).
 NOT_LOWERABLE: dict = {}
+
+
 def _ints(a, b) -> bool:
     return jnp.issubdtype(jnp.result_type(a, b), jnp.integer)
 
@@ -132,7 +134,8 @@ def _floordiv(a, b):
 
 
 # float32 as int32 bits: the sign, an exponent above the mantissa's 23 bits.
-_SIGN, _MAGNITUDE, _MANTISSA, _HIDDEN, _INF_BITS = -2 ** 31, 2 ** 31 - 1, 2 ** 23 - 1, 2 ** 23, 0x7F800000
+_SIGN, _MAGNITUDE, _INF_BITS = -2 ** 31, 2 ** 31 - 1, 0x7F800000
+_MANTISSA, _HIDDEN = 2 ** 23 - 1, 2 ** 23
 # Quotient bits per step of the float remainder: a float32 quotient below 2**20 is
 # within 1/8 of the true one (division within 2 ulp), so its truncation within one.
 _REM_BITS = 20
