@@ -510,6 +510,18 @@ def quiet():
         yield
 
 
+def same_bits(got, want):
+    """bool, elementwise: float32 ``got`` and ``want`` hold the same bits (any NaN
+    equal to any NaN)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return (got.view(np.int32) == want.view(np.int32)) | (np.isnan(got) & np.isnan(want))
+
+
+def not_subnormal(x):
+    """bool, elementwise: float32 ``x`` is 0, normal, infinite or NaN."""
+    return (np.abs(x) >= np.float32(1.1754944e-38)) | (x == 0) | ~np.isfinite(x)
+
+
 def tile_rule(rule, a, b, interpret=False):
     """``rule(a, b)`` (a ``mosaic.TILE_RULES`` entry) on float32 tiles [64, 128] in
     a Mosaic GPU kernel, as the kernels evaluate a mod: in registers, in the

@@ -301,15 +301,7 @@ def test_mosaic_float_remainders_are_exact(hopper):
     a, b = bits.view(np.int32).view(np.float32)
     scores = (rng.normal(size=shape) * 20).astype(np.float32)
     divisors = rng.choice(np.float32([0.75, -0.75, 3.0, 0.1, 1e-3, -2.0, 1e-40]), shape)
-    tiny = np.float32(1.1754944e-38)
-
-    def normal(x):
-        return (np.abs(x) >= tiny) | (x == 0) | ~np.isfinite(x)
-
-    def same_bits(got, want):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        return (got.view(np.int32) == want.view(np.int32)) | (np.isnan(got) & np.isnan(want))
-
+    same_bits, normal = pc.same_bits, pc.not_subnormal
     for x, y in ((a, b), (scores, divisors), (scores * 1e30, divisors), (divisors, scores)):
         with np.errstate(all="ignore"):
             fmod = np.fmod(x, y)
