@@ -343,8 +343,8 @@ def mod_parts(name, t, lib):
     if name == "pair_bias":  # its array on demand (``ON_DEMAND``), the caller's where given
         bias = t["pair_bias"] if "pair_bias" in t else lib.asarray(pair_bias(t))
         scores["pair_bias"] = lambda sc, b, h, q, k: sc + bias[h, q, k]
-    if name == "rel2d":  # its index on demand, as pair_bias's array
-        rel = t["rel2d_index"] if "rel2d_index" in t else lib.asarray(rel2d_index(t))
+    if name == "rel2d":  # its index built on demand (never learned)
+        rel = lib.asarray(rel2d_index(t))
         scores["rel2d"] = lambda sc, b, h, q, k: sc + t["rel_table"][h, rel[q, k]]
 
     def prefix_lm(b, h, q, k):
