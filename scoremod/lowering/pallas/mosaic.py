@@ -381,7 +381,7 @@ def refusal(expr, sources, advice=True) -> str | None:
         why = NOT_LOWERABLE.get(node.op)
         if node.op == MATERIALIZE:
             why = "materialized values are a cuDNN lowering's, not a mod's"
-        if node.op == LOAD and read_axis(node) is False and not gathered(node):
+        if node.op == LOAD and read_axis(node) is False and not _int32_positions(node):
             why = (f"it reads arrays per score at int32 positions, at most {_MOST_INDEXED} "
                    f"entries, and this one has {math.prod(node.args[0].attr[1])}")
         if node in flags:
